@@ -1,0 +1,1 @@
+"""Paged KV-cache kernels (Triton on CUDA, plain torch on CPU). Imported as `radixkv.kernels`."""

@@ -1,0 +1,1 @@
+"""Continuous-batching scheduler over the prefix cache. Imported as `radixkv.scheduler`."""
