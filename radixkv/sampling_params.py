@@ -1,0 +1,54 @@
+"""Per-request sampling settings, validated at construction so a bad value never reaches the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    `temperature == 0` is greedy (top-k / top-p are then ignored). `seed` makes a sampled request
+    reproducible on its own, whatever else is in the batch. Raises ValueError / TypeError on
+    construction for out-of-range values.
+    """
+
+    max_tokens: int = 64  # new tokens to generate, >= 1
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = disabled, else keep the k most likely tokens
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    seed: int | None = None  # per-request RNG seed; None = derived from the engine seed and request
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
+    ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed reply lengths)
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("top_k", self.top_k, low=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[i]", t, low=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
