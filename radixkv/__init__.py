@@ -4,14 +4,6 @@ The core (`BlockPool`, `PrefixCache`) is pure Python; the kernels live in `radix
 continuous-batching scheduler in `radixkv.scheduler`.
 """
 
-from radixkv.block_pool import BlockPool
-from radixkv.prefix_cache import CacheStats, InsertResult, LockHandle, MatchResult, PrefixCache
+from radixkv.sampling_params import SamplingParams
 
-__all__ = [
-    "BlockPool",
-    "CacheStats",
-    "InsertResult",
-    "LockHandle",
-    "MatchResult",
-    "PrefixCache",
-]
+__all__ = ["SamplingParams"]
