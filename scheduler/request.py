@@ -87,9 +87,6 @@ class Request:
         self.block_table: list[int] = []  # physical block of each block index, in order
         self.private_block_ids: set[int] = set()  # entries of block_table we must free()
         self.handle: LockHandle | None = None  # lock on the tree path our shared blocks live on
-        # Tree block whose first `num_computed_tokens % B` slots we must copy into a private block
-        # before writing the rest of it (an insert handed us another owner's partial tail block).
-        self.tail_copy_src: int | None = None
         self.num_prefill_tokens = 0  # len(all_token_ids) at the latest admission
         self.admit_seq = -1  # admission order among running requests (preemption picks the max)
 

@@ -68,11 +68,15 @@ class KVSim:
         self.slots: dict[tuple[int, int], int] = {}  # (block, slot) -> prefix key
 
     def vouched_slots(self) -> dict[tuple[int, int], int]:
-        """Slots the tree says hold valid KV, mapped to the node that vouches for them."""
+        """Slots the tree says hold valid KV, mapped to the node that vouches for them.
+
+        A node starting mid-block also vouches for the leading slots of its first block: they hold
+        its ancestors' KV (a co-owned block, or the copy-on-write copy its inserter made).
+        """
         out: dict[tuple[int, int], int] = {}
         for node in self.cache.nodes():
             first = node.start // self.B
-            for p in range(node.start, node.end):
+            for p in range(first * self.B, node.end):
                 out[(node.block_ids[p // self.B - first], p % self.B)] = node.node_id
         return out
 
@@ -205,7 +209,8 @@ class Harness:
         """Nothing in use; every block is free or cached (evictable)."""
         s = self.cache.stats()
         assert not self.scheduler.has_unfinished()
-        assert s.num_in_use_blocks == 0, s
+        assert s.num_in_use_blocks == 0 and s.num_private_blocks == 0, s
+        assert s.num_live_handles == 0 and s.num_leaked_handles == 0, s
         assert s.num_free_blocks == s.num_blocks - s.num_evictable_blocks, s
         self.scheduler.check_integrity()
 

@@ -26,14 +26,14 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
                 {
                     "prefix": st.integers(0, len(prefixes) - 1),
                     "suffix": st.lists(st.integers(1, 6), min_size=1, max_size=12),
-                    "max_tokens": st.integers(1, 12),
-                    "arrival": st.integers(0, 12),
+                    "max_tokens": st.integers(1, 24),
+                    "arrival": st.integers(0, 8),
                     "abort": st.none() | st.integers(0, 30),
                     "stop": st.none() | st.integers(1, 999),
                 }
             ),
             min_size=1,
-            max_size=8,
+            max_size=10,
         )
     )
     return {
