@@ -79,6 +79,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def running_requests(self) -> tuple[Request, ...]:
+        """Running requests in admission order (read-only view for runners, displays, tests)."""
+        return tuple(self._running.values())
+
+    @property
+    def waiting_requests(self) -> tuple[Request, ...]:
+        """Waiting requests in FCFS order (the policy may admit them in another order)."""
+        return tuple(self._waiting)
+
     def get_request(self, request_id: str) -> Request | None:
         """The live (waiting or running) request with this id, else None."""
         return self._requests.get(request_id)
@@ -191,7 +201,8 @@ class Scheduler:
             if sampled:
                 raise ValueError("tokens sampled for an empty step")
             return []
-        if output is not self._in_flight:
+        pending = self._in_flight
+        if pending is None or output is not pending:
             raise ValueError("output is not the pending result of the last schedule()")
         sampling = {r.request_id for r in output.rows if r.sample}
         if set(sampled) != sampling:
@@ -412,7 +423,8 @@ class Scheduler:
             assert not req.block_table and not req.private_block_ids and req.handle is None, req
             assert req.num_computed_tokens == 0, req
         private_owner: dict[int, str] = {}
-        admit_seqs = [r.admit_seq for r in self._running.values()]
+        admit_seqs = [r.admit_seq for r in self._running.values() if r.admit_seq is not None]
+        assert len(admit_seqs) == len(self._running), "running request never admitted"
         assert admit_seqs == sorted(admit_seqs), f"running not in admission order: {admit_seqs}"
         for rid, req in self._running.items():
             assert req.request_id == rid and req.status is RequestStatus.RUNNING, req

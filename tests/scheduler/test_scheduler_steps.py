@@ -221,13 +221,17 @@ def test_preemption_under_heavy_pressure_still_completes(harness: MakeHarness) -
 
 
 def test_lone_request_using_the_whole_cache_completes(harness: MakeHarness) -> None:
-    """Exactly num_blocks worth of KV, after a partial hit whose copy-on-write source stays locked:
-    it must still finish (at worst by recomputing without its hit)."""
+    """Exactly num_blocks worth of KV after a partial hit: the copy-on-write source (the warm
+    prompt's partial block) stays locked beside the request's own copy, so at position 12 the
+    request is one block short with nothing to evict. It preempts itself; readmitted with its hit
+    it still does not fit, so, alone in an idle cache, it is readmitted without its hit."""
     h = harness(num_blocks=4, block_size=4)
     h.add("warm", seq(1, 6), max_tokens=1)
     h.run()
     req = h.add("big", [*seq(1, 6), 77, 78], max_tokens=9)  # 16 KV tokens = the whole cache
     h.run()
+    assert [o.preempted_ids for o in h.outputs if o.preempted_ids] == [("big",)]
+    assert req.num_cached_tokens == 6 and req.last_num_cached_tokens == 0
     assert req.output_token_ids == h.reference(req)
     h.assert_no_leak()
 
