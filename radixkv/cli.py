@@ -135,9 +135,10 @@ def status_line(stats: object) -> str:
     hit = 100.0 * cached / prompt if prompt else 0.0
     ttft_ms = 1000.0 * stats.ttft_s  # type: ignore[attr-defined]
     speed = stats.decode_tokens_per_s  # type: ignore[attr-defined]
+    reply = stats.num_output_tokens  # type: ignore[attr-defined]
     return (
         f"  [prompt {prompt} tok · cached {cached} ({hit:.1f}%) · ttft {ttft_ms:.0f} ms"
-        f" · decode {speed:.1f} tok/s]"
+        f" · reply {reply} tok · decode {speed:.1f} tok/s]"
     )
 
 
