@@ -35,7 +35,7 @@ A request's life (B = block size, `m` = cached tokens):
 from __future__ import annotations
 
 import logging
-import operator
+import struct
 import warnings
 import weakref
 from collections import Counter
@@ -300,12 +300,14 @@ class PrefixCache:
         private = self._private
         foreign = [b for b in ids if b not in private]
         if foreign:
+            for i, b in enumerate(ids):
+                self._check_block_range("block_ids", i, b)
             raise ValueError(
                 f"block_ids {foreign} are not held privately by the caller (never allocated,"
                 " already freed, or adopted by the tree)"
             )
         private.difference_update(ids)
-        self._pool.free(ids)
+        self._pool.drop_refs(ids[::-1])  # reversed: handed out again in the order given
 
     # ---------------------------------------------------------------- insertion
     def insert(
@@ -345,8 +347,6 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size {B} need exactly"
                 f" ceil({n}/{B}) = {num_idx}"
             )
-        if len(set(ids)) != num_idx:
-            raise ValueError(f"block_ids contains a repeated id: {ids}")
         if handle is not None:
             self._live_node(handle)
         tree = self._tree
@@ -360,6 +360,13 @@ class PrefixCache:
             del canonical[covered:]
         duplicates: list[int] = []
         kept: int | None = None
+        new_ids = ids[covered:]
+        # Repeated ids: the blocks of a tree path are distinct, so when the covered part is exactly
+        # the tree's, only the new part needs checking (the common case, and it is short).
+        if len(set(new_ids)) != len(new_ids) or (
+            ids[:covered] != canonical and len(set(ids)) != num_idx
+        ):
+            raise ValueError(f"block_ids contains a repeated id: {ids}")
         if ids[:covered] != canonical:
             partial_tail = num_idx - 1 if p == n and n % B else -1
             for i in range(covered):
@@ -371,16 +378,16 @@ class PrefixCache:
                         kept = canonical[i] = b
                     else:
                         duplicates.append(b)
-                elif tree.path_block_at(node, i, p, b):
+                elif b < self.num_blocks and tree.path_block_at(node, i, p, b):
                     if i == partial_tail:
                         canonical[i] = b
                 else:
+                    self._check_block_range("block_ids", i, b)
                     raise ValueError(
                         f"block_ids[{i}] = {b} is neither the cached block {canonical[i]} at block"
                         f" index {i} nor a block the caller holds privately"
                     )
         # New indices: private blocks, or (first index only) a path block co-owned mid-block.
-        new_ids = ids[covered:]
         co_owned: int | None = None
         if new_ids and not private.issuperset(new_ids):
             for j, b in enumerate(new_ids):
@@ -389,6 +396,7 @@ class PrefixCache:
                 if j == 0 and p % B and tree.path_block_at(node, covered, p, b):
                     co_owned = b
                     continue
+                self._check_block_range("block_ids", covered + j, b)
                 raise ValueError(
                     f"block_ids[{covered + j}] = {b} is not held privately by the caller (never"
                     " allocated, freed, or owned by the tree elsewhere); new tokens need private"
@@ -416,10 +424,9 @@ class PrefixCache:
         else:
             target = node
             tree.lock_path(node, tick)
-        pool = self._pool
-        for b in duplicates:
-            private.discard(b)
-            pool.decref(b)
+        if duplicates:
+            private.difference_update(duplicates)
+            self._pool.drop_refs(duplicates[::-1])
         new_handle = self._new_handle(target, n)
         if handle is not None:
             self.release(handle)
@@ -563,23 +570,30 @@ class PrefixCache:
             )
 
     def _block_id_list(self, block_ids: Sequence[int], name: str) -> list[int]:
-        """Block ids as ints in [0, num_blocks); TypeError/ValueError naming the culprit."""
-        if isinstance(block_ids, (str, bytes, bytearray)):
+        """Block ids as plain ints >= 0; TypeError/ValueError naming the culprit.
+
+        The upper bound is not checked here: every id must also be private or the tree's block at
+        its index, which no out-of-range id is; `_bad_block` words that rejection.
+        """
+        if isinstance(block_ids, (str, bytes, bytearray, memoryview)):
             raise TypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}")
         try:
-            ids = list(map(operator.index, block_ids))
+            n = len(block_ids)
         except TypeError:
-            try:
-                items = list(block_ids)
-            except TypeError:
-                raise TypeError(
-                    f"{name} must be a sequence of ints, got {type(block_ids).__name__}"
-                ) from None
-            for i, b in enumerate(items):
-                if not hasattr(b, "__index__"):
+            raise TypeError(
+                f"{name} must be a sequence of ints, got {type(block_ids).__name__}"
+            ) from None
+        try:
+            # One C pass checks int-ness and sign; unpacking gives plain ints (numpy scalars in,
+            # Python ints out).
+            return memoryview(struct.pack(f"={n}I", *block_ids)).cast("I").tolist()
+        except struct.error:
+            for i, b in enumerate(block_ids):
+                if isinstance(b, bool) or not hasattr(b, "__index__"):
                     raise TypeError(f"{name}[{i}] = {b!r} is not an int") from None
-            raise
-        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            i, b = next((i, b) for i, b in enumerate(ids) if not 0 <= b < self.num_blocks)
+                self._check_block_range(name, i, int(b))
+            raise  # pragma: no cover
+
+    def _check_block_range(self, name: str, i: int, b: int) -> None:
+        if not 0 <= b < self.num_blocks:
             raise ValueError(f"{name}[{i}] = {b} is out of range [0, {self.num_blocks})")
-        return ids

@@ -136,7 +136,7 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
         "insert tree block at a new index",
         lambda w: w.cache.insert([*CACHED, 1], [0, 1, 2, 3, 4, 1]),
         ValueError,
-        "repeated",
+        r"block_ids\[5\] = 1 is not held privately",
     ),
     (
         "insert tree block at the wrong covered index",
@@ -149,6 +149,12 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
         lambda w: w.cache.insert([*CACHED, 7, 7], [0, w.free_block, 2, 3, 4, w.private[0]]),
         ValueError,
         r"block_ids\[1\] = 9 is neither the cached block 1",
+    ),
+    (
+        "insert repeated private id among covered and new indices",
+        lambda w: w.cache.insert([*CACHED[:4], 9, 9, 9, 9], [w.private[0], w.private[0]]),
+        ValueError,
+        "repeated",
     ),
     (
         "insert repeated private id",
