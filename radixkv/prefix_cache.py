@@ -61,6 +61,7 @@ class MatchResult:
     num_partial_slots: int  # m % B: valid slots of the last block when it is partial, else 0
     _node: Any = field(default=None, repr=False, compare=False)  # deepest node touched (internal)
     _version: int = field(default=-1, repr=False, compare=False)  # cache version at match time
+    _owner: Any = field(default=None, repr=False, compare=False)  # the tree that matched (internal)
 
     @property
     def last_block_partial(self) -> bool:
@@ -242,7 +243,8 @@ class PrefixCache:
             if cap < limit:
                 limit = cap
         m, node, blocks = self._tree.walk(qb, limit)
-        return MatchResult(n, m, tuple(blocks), m % self.block_size, node, self._tree.version)
+        tree = self._tree
+        return MatchResult(n, m, tuple(blocks), m % self.block_size, node, tree.version, tree)
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
@@ -251,8 +253,9 @@ class PrefixCache:
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         tree = self._tree
         node = match._node
-        if not isinstance(node, TreeNode) or not tree.is_attached(node):
-            raise ValueError("match was not produced by this cache (or its node was evicted)")
+        if match._owner is not tree or not isinstance(node, TreeNode):
+            raise ValueError("match was not produced by this cache")
+        # Same version => no structural change since the match: the node is still in the tree.
         if match._version != tree.version:
             raise ValueError(
                 f"stale match: taken at cache version {match._version}, cache is at"
@@ -347,8 +350,7 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size {B} need exactly"
                 f" ceil({n}/{B}) = {num_idx}"
             )
-        if handle is not None:
-            self._live_node(handle)
+        old_node = None if handle is None else self._live_node(handle)
         tree = self._tree
         private = self._private
         p, node, canonical = tree.walk(qb, n)
@@ -405,10 +407,15 @@ class PrefixCache:
 
         # ---- validated: commit ----
         tick = self._tick()
+        if handle is not None:
+            del self._live[handle.handle_id]  # its lock moves to the new handle below
         if n > p:
             if p < node.end:
                 node = tree.split(node, p)
-            tree.lock_path(node, tick)
+            if old_node is None:
+                tree.lock_path(node, tick)
+            else:
+                tree.move_lock(old_node, node, tick)
             if co_owned is not None:
                 self._pool.incref(co_owned)
             private.difference_update(new_ids)
@@ -423,13 +430,14 @@ class PrefixCache:
             canonical += new_ids
         else:
             target = node
-            tree.lock_path(node, tick)
+            if old_node is None:
+                tree.lock_path(node, tick)
+            else:
+                tree.move_lock(old_node, node, tick)
         if duplicates:
             private.difference_update(duplicates)
             self._pool.drop_refs(duplicates[::-1])
         new_handle = self._new_handle(target, n)
-        if handle is not None:
-            self.release(handle)
         self._num_inserts += 1
         self._num_inserted_tokens += n - p
         self._num_duplicates_freed += len(duplicates)
@@ -484,6 +492,7 @@ class PrefixCache:
 
     def nodes(self) -> Iterator[NodeView]:
         """Snapshots of all nodes, root first, depth-first, children by increasing first token."""
+        last_use = self._tree.last_uses()
         for node, depth in self._tree.iter_nodes():
             parent = node.parent
             yield NodeView(
@@ -494,7 +503,7 @@ class PrefixCache:
                 end=node.end,
                 block_ids=tuple(node.blocks),
                 lock_ref=node.lock_ref,
-                last_access=node.tick,
+                last_access=last_use[node.node_id],
                 head_tokens=unpack_tokens(node.tokens[: 4 * _HEAD_TOKENS]),
             )
 

@@ -126,7 +126,7 @@ class TreeNode:
     head_shared: bool = False
     children: dict[int, TreeNode] = field(default_factory=dict)  # keyed by first token
     lock_ref: int = 0  # live lock handles on this node or a descendant
-    tick: int = 0  # logical time of the last acquire/insert through this node
+    tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
 
     @property
@@ -155,8 +155,10 @@ class RadixTree:
     * the root holds no tokens and no blocks; every other node has >= 1 token, `start` equal to its
       parent's `end`, is keyed in its parent's `children` by its first token, and holds exactly the
       block ids of the indices its segment touches;
-    * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths), and
-      a node's tick is >= the ticks of its descendants;
+    * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths);
+    * ticks are lazy: an acquire/insert stamps only the node it ends at; a node dropped by eviction
+      hands its tick to its parent (max). So when a node becomes a leaf its tick is the last use of
+      anything in its subtree, exactly as if every use had stamped the whole path, at O(1) a use;
     * all owners of a block own it at the same block index and lie under its shallowest owner;
       `head_shared` says whether a node's first block has an owner above it;
     * the eviction index holds exactly the unlocked non-root leaves;
@@ -236,12 +238,6 @@ class RadixTree:
                 return True
             node = node.parent  # type: ignore[assignment]
         return False
-
-    def is_attached(self, node: TreeNode) -> bool:
-        """Whether `node` belongs to this tree (is reachable from its root). O(depth)."""
-        while node.parent is not None:
-            node = node.parent
-        return node is self.root
 
     # ---------------------------------------------------------------- structure
     def split(self, node: TreeNode, p: int) -> TreeNode:
@@ -323,7 +319,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ locking
     def lock_path(self, node: TreeNode, tick: int) -> None:
-        """lock_ref += 1 and tick = `tick` on `node` and every ancestor (root included)."""
+        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (root included)."""
+        node.tick = tick
         index = self.index
         while node is not None:
             if node.lock_ref == 0:
@@ -331,8 +328,48 @@ class RadixTree:
                     index.discard(node)
                 self.num_evictable_blocks -= len(node.blocks) - node.head_shared
             node.lock_ref += 1
-            node.tick = tick
             node = node.parent  # type: ignore[assignment]
+
+    def move_lock(self, old: TreeNode, new: TreeNode, tick: int) -> None:
+        """Move one lock from the path of `old` to the path of `new` and stamp `new`.
+
+        Same result as `lock_path(new)` then `unlock_path(old)`, but only the nodes below the two
+        paths' lowest common ancestor change: a request whose lock moves down its own path as it
+        inserts pays for the new nodes, not for the whole depth. Ancestors have strictly smaller
+        `start` than their descendants (the root aside), which finds the common ancestor without
+        knowing depths.
+        """
+        new.tick = tick
+        root = self.root
+        gain: list[TreeNode] = []
+        lose: list[TreeNode] = []
+        a, b = new, old
+        while a is not b:
+            if b is root or (a is not root and a.start > b.start):
+                gain.append(a)
+                a = a.parent  # type: ignore[assignment]
+            elif a is root or b.start > a.start:
+                lose.append(b)
+                b = b.parent  # type: ignore[assignment]
+            else:  # equal starts: two different nodes hanging below the same position
+                gain.append(a)
+                lose.append(b)
+                a = a.parent  # type: ignore[assignment]
+                b = b.parent  # type: ignore[assignment]
+        index = self.index
+        for node in gain:
+            if node.lock_ref == 0:
+                if node.evict_key is not None:
+                    index.discard(node)
+                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
+            node.lock_ref += 1
+        for node in lose:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += len(node.blocks) - node.head_shared
+                if not node.children:
+                    index.add(node)
 
     def unlock_path(self, node: TreeNode) -> None:
         """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
@@ -353,8 +390,8 @@ class RadixTree:
 
         A leaf whose own blocks are more than still needed is trimmed from its tail (its head
         tokens stay cached; its end moves back to a block boundary); otherwise it is removed whole
-        and its parent, if now an unlocked leaf, joins the index with its own tick. O(log n) per
-        leaf.
+        and its parent, if now an unlocked leaf, joins the index with its tick (the last use of its
+        subtree). O(log n) per leaf.
         Returns (freed block ids in the order freed, tail first; tokens removed from the tree).
         """
         B = self.block_size
@@ -390,6 +427,8 @@ class RadixTree:
                 self.num_evictable_blocks -= own
                 self.num_nodes -= 1
                 num_tokens += leaf.end - leaf.start
+                if leaf.tick > parent.tick:
+                    parent.tick = leaf.tick  # lazy recency: the subtree's last use
                 if parent.lock_ref == 0 and not parent.children and parent is not self.root:
                     index.add(parent)
             self.version += 1
@@ -405,6 +444,17 @@ class RadixTree:
             yield node, depth
             for key in sorted(node.children, reverse=True):
                 stack.append((node.children[key], depth + 1))
+
+    def last_uses(self) -> dict[int, int]:
+        """node id -> last use of the node or anything below it (the eager tick). O(nodes)."""
+        order = [node for node, _ in self.iter_nodes()]
+        last: dict[int, int] = {}
+        for node in reversed(order):  # children before parents
+            t = node.tick
+            for child in node.children.values():
+                t = max(t, last[child.node_id])
+            last[node.node_id] = t
+        return last
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self, handles_on: Mapping[int, int], clock: int) -> dict[int, int]:
@@ -448,8 +498,6 @@ class RadixTree:
                 for b in child.blocks:
                     if not 0 <= b < self.pool.num_blocks:
                         fail(f"node {nid} holds out-of-range block id {b}")
-                if child.tick > node.tick:
-                    fail(f"node {nid} tick {child.tick} is newer than its parent's {node.tick}")
                 stack.append(child)
         if len(order) - 1 != self.num_nodes:
             fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - 1}")
