@@ -35,7 +35,6 @@ A request's life (B = block size, `m` = cached tokens):
 from __future__ import annotations
 
 import logging
-import struct
 import warnings
 import weakref
 from collections import Counter
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.block_pool import BlockPool, check_size
-from radixkv.radix_tree import RadixTree, TreeNode, pack_tokens, unpack_tokens
+from radixkv.radix_tree import RadixTree, TreeNode, block_id_list, pack_tokens, unpack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +247,12 @@ class PrefixCache:
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
-        Raises ValueError for a stale match (cache changed since match())."""
+
+        Recency is kept lazily (only the matched node is stamped; see `RadixTree`), with exactly the
+        eviction order of stamping the whole path. A match of 0 tokens locks the root (a no-op
+        lock). Raises TypeError for a non-MatchResult and ValueError for a stale match (the cache
+        changed structurally since match()) or one from another cache; nothing changes then.
+        """
         if not isinstance(match, MatchResult):
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         tree = self._tree
@@ -363,13 +367,12 @@ class PrefixCache:
         duplicates: list[int] = []
         kept: int | None = None
         new_ids = ids[covered:]
+        as_cached = ids[:covered] == canonical  # the common case: exactly the tree's blocks
         # Repeated ids: the blocks of a tree path are distinct, so when the covered part is exactly
-        # the tree's, only the new part needs checking (the common case, and it is short).
-        if len(set(new_ids)) != len(new_ids) or (
-            ids[:covered] != canonical and len(set(ids)) != num_idx
-        ):
+        # the tree's, only the new part needs checking (and it is short).
+        if len(set(new_ids)) != len(new_ids) or (not as_cached and len(set(ids)) != num_idx):
             raise ValueError(f"block_ids contains a repeated id: {ids}")
-        if ids[:covered] != canonical:
+        if not as_cached:
             partial_tail = num_idx - 1 if p == n and n % B else -1
             for i in range(covered):
                 b = ids[i]
@@ -582,24 +585,12 @@ class PrefixCache:
         """Block ids as plain ints >= 0; TypeError/ValueError naming the culprit.
 
         The upper bound is not checked here: every id must also be private or the tree's block at
-        its index, which no out-of-range id is; `_bad_block` words that rejection.
+        its index, which no out-of-range id is; `_check_block_range` words that rejection.
         """
-        if isinstance(block_ids, (str, bytes, bytearray, memoryview)):
-            raise TypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}")
         try:
-            n = len(block_ids)
-        except TypeError:
-            raise TypeError(
-                f"{name} must be a sequence of ints, got {type(block_ids).__name__}"
-            ) from None
-        try:
-            # One C pass checks int-ness and sign; unpacking gives plain ints (numpy scalars in,
-            # Python ints out).
-            return memoryview(struct.pack(f"={n}I", *block_ids)).cast("I").tolist()
-        except struct.error:
+            return block_id_list(block_ids, name)
+        except ValueError:
             for i, b in enumerate(block_ids):
-                if isinstance(b, bool) or not hasattr(b, "__index__"):
-                    raise TypeError(f"{name}[{i}] = {b!r} is not an int") from None
                 self._check_block_range(name, i, int(b))
             raise  # pragma: no cover
 

@@ -27,6 +27,7 @@ header each, and a call per comparison).
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,15 +40,16 @@ from radixkv.eviction import EvictionIndex, EvictionKey, lru_key
 TOKEN_BYTES = 4
 MAX_TOKEN_ID = 2**32 - 1
 _TOKEN_DTYPE = np.dtype("=u4")
+assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
 _unpack_token = struct.Struct("=I").unpack_from
 
 
 def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
     """Validate and pack token ids into native uint32 bytes (one C pass over the sequence).
 
-    Accepts any sequence of ints (numpy integer arrays take a vectorised path). Raises TypeError for
-    a non-sequence or a non-int element and ValueError for an id outside [0, 2**32 - 1], naming the
-    first offending position. Mutates nothing.
+    Accepts any sequence of ints (bool counts as an int; numpy integer arrays take a vectorised
+    path). Raises TypeError for a non-sequence or a non-int element and ValueError for an id
+    outside [0, 2**32 - 1], naming the first offending position. Mutates nothing.
     """
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
@@ -60,23 +62,31 @@ def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
                 f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]"
             )
         return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
+    return _as_uint32_array(tokens, name, "a token id").tobytes()
+
+
+def _as_uint32_array(values: Sequence[int], name: str, what: str) -> array:
+    """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type, sign
+    and range are checked in one C pass that reads the list in place (struct.pack(*values) was
+    slower: it builds an argument tuple, touching every int object twice more)."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     try:
-        n = len(tokens)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}") from None
-    try:
-        # struct's "I" accepts exactly the ints in [0, 2**32): type, sign and range in one C pass.
-        return struct.pack(f"={n}I", *tokens)
-    except struct.error:
+        return array("I", values)
+    except (TypeError, OverflowError):
         pass
-    for i, t in enumerate(tokens):  # slow path, only to name the culprit
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise TypeError(f"{name}[{i}] = {t!r} is not an int ({type(t).__name__})")
-        if not 0 <= int(t) <= MAX_TOKEN_ID:
-            raise ValueError(f"{name}[{i}] = {int(t)} is not a token id in [0, {MAX_TOKEN_ID}]")
-    raise TypeError(f"{name} could not be read as token ids")  # pragma: no cover
+    for i, v in enumerate(values):  # slow path, only to name the culprit
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError(f"{name}[{i}] = {v!r} is not an int ({type(v).__name__})") from None
+        if not 0 <= int(v) <= MAX_TOKEN_ID:
+            raise ValueError(f"{name}[{i}] = {int(v)} is not {what} in [0, {MAX_TOKEN_ID}]")
+    raise TypeError(f"{name} could not be read as ints")  # pragma: no cover
+
+
+def block_id_list(block_ids: Sequence[int], name: str = "block_ids") -> list[int]:
+    """Block ids as plain ints in [0, 2**32) (numpy scalars in, Python ints out); TypeError or
+    ValueError naming the culprit. The caller checks the upper bound that applies."""
+    return _as_uint32_array(block_ids, name, "a block id").tolist()
 
 
 def unpack_tokens(packed: bytes) -> tuple[int, ...]:
