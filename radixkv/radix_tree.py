@@ -76,7 +76,7 @@ def _as_uint32_array(values: Sequence[int], name: str, what: str) -> array:
     except (TypeError, OverflowError):
         pass
     for i, v in enumerate(values):  # slow path, only to name the culprit
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
+        if not hasattr(v, "__index__"):
             raise TypeError(f"{name}[{i}] = {v!r} is not an int ({type(v).__name__})") from None
         if not 0 <= int(v) <= MAX_TOKEN_ID:
             raise ValueError(f"{name}[{i}] = {int(v)} is not {what} in [0, {MAX_TOKEN_ID}]")

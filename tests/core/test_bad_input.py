@@ -73,6 +73,7 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("match float id", lambda w: w.cache.match([1, 2.5]), TypeError, r"tokens\[1\] = 2.5 is not"),
     ("match str id", lambda w: w.cache.match([1, "a"]), TypeError, r"tokens\[1\] = 'a' is not"),
     ("match None id", lambda w: w.cache.match([None]), TypeError, r"tokens\[0\] = None"),
+    ("match after a bool", lambda w: w.cache.match([True, 3, -3]), ValueError, r"\[2\] = -3"),
     ("match str tokens", lambda w: w.cache.match("abc"), TypeError, "sequence of ints"),
     ("match int tokens", lambda w: w.cache.match(5), TypeError, "sequence of ints"),
     ("match 2-D array", lambda w: w.cache.match(np.zeros((2, 2), int)), ValueError, "1-D"),
