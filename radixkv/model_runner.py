@@ -200,10 +200,10 @@ class ModelRunner:
             cu_seqlens_q[i + 1] = t
             if row.sample:
                 sample_idx.append(t - 1)
+        # Checked on the host: an out-of-range id would index out of the embedding on device.
+        assert input_ids.min() >= 0 and input_ids.max() < self.vocab_size, "token id out of range"
         dev = self.device
         ids = torch.from_numpy(input_ids).to(dev).unsqueeze(0)
-        if int(ids.max()) >= self.vocab_size or int(ids.min()) < 0:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         meta = StepMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),

@@ -34,13 +34,10 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
+    # Only EOS is special (skipped when decoding): any reply the random model produces, even one
+    # with "<|im_start|>" or the pad word in it, then re-renders to the very same ids.
+    tok.add_special_tokens(["<|im_end|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
     fast.chat_template = CHATML
     return fast
 
