@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from radixkv.sampler import make_generator, sample
 from radixkv.sampling_params import SamplingParams
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
 from radixkv.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from radixkv.chat import ChatSession
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +92,15 @@ class LLM:
         _check_int("seed", seed, low=0)
         if num_threads is not None:
             _check_int("num_threads", num_threads, low=1)
-        # Validates the scheduler bounds before the (slow) model load.
-        self._config_args = dict(
+        # Validate the scheduler bounds before the (slow) model load.
+        config_args: dict[str, Any] = dict(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill_size=chunked_prefill_size,
             policy=policy,
             enable_prefix_cache=enable_prefix_cache,
         )
-        SchedulerConfig(**self._config_args)
+        SchedulerConfig(**config_args)
         loaded = load_model(
             model, tokenizer=tokenizer, device=device, dtype=dtype, progress=progress
         )
@@ -115,9 +118,7 @@ class LLM:
         self.cache = PrefixCache(n_blocks, block_size)
         text_cfg = self.model.config.get_text_config()
         self.max_model_len = int(getattr(text_cfg, "max_position_embeddings", None) or 8192)
-        self.scheduler_config = SchedulerConfig(
-            **self._config_args, max_model_len=self.max_model_len
-        )
+        self.scheduler_config = SchedulerConfig(**config_args, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
@@ -165,7 +166,9 @@ class LLM:
             (rid,) = self._submit(prompt_ids, params_list)
         return self._stream_iter(rid)
 
-    def chat_session(self, system: str | None = None, params: SamplingParams | None = None) -> Any:
+    def chat_session(
+        self, system: str | None = None, params: SamplingParams | None = None
+    ) -> ChatSession:
         """A multi-turn chat whose every prompt extends the previous prompt + reply (cache hits)."""
         from radixkv.chat import ChatSession
 
