@@ -1,15 +1,25 @@
 """radixkv: a prefix-cache engine for LLM inference.
 
 The core (`BlockPool`, `PrefixCache`) is pure Python; the kernels live in `radixkv.kernels`, the
-continuous-batching scheduler in `radixkv.scheduler`. The engine (`LLM`) imports torch and
-transformers on first use only, so `from radixkv import PrefixCache` stays light.
+continuous-batching scheduler in `radixkv.scheduler`. The engine (`LLM`, `ChatSession`) imports
+torch and transformers, so it is loaded on first access: `from radixkv import PrefixCache` stays
+light.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from radixkv.block_pool import BlockPool, BlockPoolStats
 from radixkv.outputs import ChatReply, RequestOutput, RequestStats, StreamDelta
+from radixkv.prefix_cache import (
+    CacheStats,
+    InsertResult,
+    LockHandle,
+    MatchResult,
+    NodeView,
+    PrefixCache,
+)
 from radixkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -19,9 +29,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "BlockPool",
+    "BlockPoolStats",
+    "CacheStats",
     "ChatReply",
     "ChatSession",
+    "InsertResult",
+    "LockHandle",
+    "MatchResult",
     "ModelNotFoundError",
+    "NodeView",
+    "PrefixCache",
     "RequestOutput",
     "RequestStats",
     "SamplingParams",
