@@ -251,13 +251,13 @@ class PrefixCache:
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         tree = self._tree
         node = match._node
+        if not isinstance(node, TreeNode) or not tree.is_attached(node):
+            raise ValueError("match was not produced by this cache (or its node was evicted)")
         if match._version != tree.version:
             raise ValueError(
                 f"stale match: taken at cache version {match._version}, cache is at"
                 f" {tree.version}; match() again"
             )
-        if not isinstance(node, TreeNode) or not tree.is_attached(node):
-            raise ValueError("match was not produced by this cache")
         tick = self._tick()
         tree.lock_path(node, tick)
         m = match.num_cached_tokens
