@@ -506,11 +506,11 @@ class PrefixCache:
                 raise AssertionError(f"private block id {b} out of range")
             if b in owners:
                 raise AssertionError(f"block {b} is both private and owned by the tree")
-        for b in range(self.num_blocks):
+        for b, ref in enumerate(pool._refs):
             expected = owners.get(b, 0) + (b in private)
-            if pool.ref_count(b) != expected:
+            if ref != expected:
                 raise AssertionError(
-                    f"block {b} ref count {pool.ref_count(b)} != {expected} owners"
+                    f"block {b} ref count {ref} != {expected} owners"
                     f" ({owners.get(b, 0)} nodes, private={b in private})"
                 )
         evictable = self._tree.num_evictable_blocks
