@@ -103,3 +103,17 @@ def test_abandoned_stream_is_aborted(tiny_model_dir):
     llm.cache.check_integrity()
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=3))
     assert len(out.token_ids) == 3
+
+
+def test_accepts_a_loaded_model_and_tokenizer(tiny_model_dir, reference_generate):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model_dir("gqa")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    llm = LLM(model, tokenizer=AutoTokenizer.from_pretrained(path), block_size=8, num_blocks=64)
+    assert model.config._attn_implementation == "radixkv"
+    prompts = random_prompts(13, 2, max_len=20)
+    outs = llm.generate([llm.decode(p) for p in prompts], SamplingParams(max_tokens=6))
+    assert [list(o.prompt_token_ids) for o in outs] == prompts  # word tokens round-trip
+    assert [list(o.token_ids) for o in outs] == reference_generate("gqa", prompts, [6, 6])
+    assert outs[0].text == llm.decode(outs[0].token_ids)
