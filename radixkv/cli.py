@@ -84,6 +84,11 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"radixkv: {exc}", file=err)
         return 2
 
+    # Our own progress lines cover the one-time conversion; transformers' per-load weight bars
+    # would only add noise to every start.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         with _Progress(err) as progress:
             llm = LLM(
@@ -217,7 +222,7 @@ class _Progress:
                 self._thread = threading.Thread(target=self._tick, daemon=True)
                 self._thread.start()
         else:
-            print(f"radixkv: {stage} ...", file=self._stream, flush=True)
+            print(f"radixkv: {stage}", file=self._stream, flush=True)
 
     def _tick(self) -> None:
         while not self._stop.wait(0.25):

@@ -80,7 +80,7 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
         return target
     gguf = find_default_gguf()
     say = progress or (lambda msg: logger.info("%s", msg))
-    say(f"converting the embedded {DEFAULT_MODEL_NAME} (one time, ~30 s) into {target}")
+    say(f"converting the embedded {DEFAULT_MODEL_NAME} (one time, about a minute) into {target}")
     t0 = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=target.parent))
