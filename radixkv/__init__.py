@@ -4,6 +4,25 @@ The core (`BlockPool`, `PrefixCache`) is pure Python; the kernels live in `radix
 continuous-batching scheduler in `radixkv.scheduler`.
 """
 
+from radixkv.block_pool import BlockPool, BlockPoolStats
+from radixkv.prefix_cache import (
+    CacheStats,
+    InsertResult,
+    LockHandle,
+    MatchResult,
+    NodeView,
+    PrefixCache,
+)
 from radixkv.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = [
+    "BlockPool",
+    "BlockPoolStats",
+    "CacheStats",
+    "InsertResult",
+    "LockHandle",
+    "MatchResult",
+    "NodeView",
+    "PrefixCache",
+    "SamplingParams",
+]
