@@ -563,11 +563,17 @@ def run_scaling(
     seed: int,
     block_size: int = 16,
     seq_len: int = 512,
+    group_size: int = 8,
     num_ops: int = 1000,
 ) -> ScalingResult:
-    """Fill a cache of `target_blocks` blocks with distinct sequences that branch off earlier ones
-    at random (mid-block) positions, until it is full; then time `num_ops` of each operation on the
-    full cache, in steady state: every allocation evicts LRU blocks and the cache stays full.
+    """Fill a cache of `target_blocks` blocks until it is full, then time `num_ops` of each
+    operation on the full cache in steady state (every allocation evicts LRU blocks, the cache stays
+    full).
+
+    The fill is made of groups of `group_size` distinct sequences of `seq_len` tokens: the first of
+    a group is fresh, each next one continues a random earlier one of its group, cut at a random
+    (mostly mid-block) position below seq_len / 2. Every group has the same shape, so a larger cache
+    holds more groups, not deeper paths: the table shows cost against cache size alone.
 
     * match: a random filled sequence (at most seq_len - 1 tokens served).
     * acq+ins+rel: a request = prefix of a random filled sequence + 64 new tokens; acquire, insert,
@@ -578,8 +584,8 @@ def run_scaling(
     """
     rng = np.random.default_rng([seed, 5, target_blocks])
     driver = _ScalingDriver(cache_name, target_blocks, block_size)
-    new_blocks_per_seq = (seq_len - seq_len // 4) // block_size  # a branch shares <= seq_len / 2
-    max_seqs = target_blocks // max(new_blocks_per_seq, 1) * 2 + 16
+    min_new_blocks = (seq_len - seq_len // 2) // block_size  # a branch shares < seq_len / 2
+    max_seqs = target_blocks // max(min_new_blocks, 1) + group_size
     seqs = np.empty((max_seqs, seq_len), dtype=TOKEN_DTYPE)
     num_seqs = 0
     gc.collect()
@@ -587,9 +593,10 @@ def run_scaling(
     blocks_per_seq = seq_len // block_size
     while driver.num_free_blocks >= blocks_per_seq + 1 and num_seqs < max_seqs:
         row = seqs[num_seqs]
-        shared = int(rng.integers(0, seq_len // 2)) if num_seqs else 0
+        in_group = num_seqs % group_size
+        shared = int(rng.integers(0, seq_len // 2)) if in_group else 0
         if shared:
-            row[:shared] = seqs[int(rng.integers(num_seqs))][:shared]
+            row[:shared] = seqs[num_seqs - 1 - int(rng.integers(in_group))][:shared]
         row[shared:] = rng.integers(0, VOCAB_SIZE, seq_len - shared, dtype=TOKEN_DTYPE)
         if driver.request(row) is None:
             break
@@ -603,20 +610,22 @@ def run_scaling(
 
     gc.collect()
     op_ns: dict[str, list[int]] = {op: [] for op in SCALING_OPS}
-    for _ in range(2 * num_ops):
+    # Each phase starts with `warmup` untimed operations (their samples are dropped).
+    warmup = max(num_ops // 10, 10)
+    for _ in range(warmup + 2 * num_ops):
         op_ns["match"].append(driver.match(seqs[int(rng.integers(num_seqs))]))
-    for _ in range(num_ops):
+    for _ in range(warmup + num_ops):
         base = seqs[int(rng.integers(num_seqs))]
         cut = int(rng.integers(seq_len // 4, seq_len))
         timed = driver.request(np.concatenate([base[:cut], fresh(64)]))
         assert timed is not None, "a small request must fit in a full, unlocked cache"
         op_ns["acq+ins+rel"].append(timed[0])
     refill = 4 * block_size
-    for _ in range(num_ops):
+    for _ in range(warmup + num_ops):
         timed = driver.request(fresh(refill))  # its allocate(4) evicts 4 blocks of a full cache
         assert timed is not None
         op_ns["allocate(4)"].append(timed[1])
-    for _ in range(num_ops):
+    for _ in range(warmup + num_ops):
         op_ns["evict(4)"].append(driver.evict(4))
         assert driver.request(fresh(refill)) is not None
     driver.check()
@@ -624,7 +633,7 @@ def run_scaling(
         cache=cache_name,
         num_cached_blocks=num_cached,
         fill_s=fill_s,
-        op_ns={op: np.array(v, dtype=np.int64) for op, v in op_ns.items()},
+        op_ns={op: np.array(v[warmup:], dtype=np.int64) for op, v in op_ns.items()},
     )
 
 
@@ -675,19 +684,30 @@ def format_results(results: Sequence[RunResult]) -> str:
 
 
 def format_scaling(results: Sequence[ScalingResult]) -> str:
-    header = f"{'cache':<8} {'cached blocks':>13} {'fill s':>6} |" + " |".join(
-        f" {op + ' p50/mean µs':>24} {'x':>5}" for op in SCALING_OPS
+    """µs per operation (median and mean), each also as a ratio to the first size of its cache."""
+    cell = " {:>6} {:>6} {:>5} {:>6}"
+    width = len(cell.format("", "", "", ""))
+    header = f"{'':<8} {'':>13} {'':>6} |" + " |".join(f"{op:^{width}}" for op in SCALING_OPS)
+    header2 = f"{'cache':<8} {'cached blocks':>13} {'fill s':>6} |" + " |".join(
+        cell.format("p50", "mean", "x p50", "x mean") for _ in SCALING_OPS
     )
-    lines = [header, "-" * len(header)]
-    base: dict[tuple[str, str], float] = {}
+    lines = [header, header2, "-" * len(header2)]
+    base: dict[tuple[str, str], tuple[float, float]] = {}
     for r in results:
         cells = []
         for op in SCALING_OPS:
             ns = r.op_ns[op]
-            mean_us = float(ns.mean()) / 1e3
             p50_us = float(np.median(ns)) / 1e3
-            ref = base.setdefault((r.cache, op), mean_us)
-            cells.append(f" {f'{p50_us:.2f} / {mean_us:.2f}':>24} {mean_us / ref:>5.2f}")
+            mean_us = float(ns.mean()) / 1e3
+            ref_p50, ref_mean = base.setdefault((r.cache, op), (p50_us, mean_us))
+            cells.append(
+                cell.format(
+                    f"{p50_us:.1f}",
+                    f"{mean_us:.1f}",
+                    f"{p50_us / ref_p50:.2f}",
+                    f"{mean_us / ref_mean:.2f}",
+                )
+            )
         lines.append(
             f"{r.cache:<8} {_fmt_int(r.num_cached_blocks):>13} {r.fill_s:>6.1f} |"
             + " |".join(cells)
@@ -777,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         print(
             "\n## Per-operation scaling (block size 16, full cache in LRU steady state;"
-            " x = mean / mean at the first size)"
+            " µs per operation; x = ratio to the first size)"
         )
         print(format_scaling(scaling))
     return 0
