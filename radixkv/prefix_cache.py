@@ -251,13 +251,13 @@ class PrefixCache:
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         tree = self._tree
         node = match._node
+        if not isinstance(node, TreeNode) or not tree.is_attached(node):
+            raise ValueError("match was not produced by this cache (or its node was evicted)")
         if match._version != tree.version:
             raise ValueError(
                 f"stale match: taken at cache version {match._version}, cache is at"
                 f" {tree.version}; match() again"
             )
-        if not isinstance(node, TreeNode) or not tree.is_attached(node):
-            raise ValueError("match was not produced by this cache")
         tick = self._tick()
         tree.lock_path(node, tick)
         m = match.num_cached_tokens
@@ -506,11 +506,11 @@ class PrefixCache:
                 raise AssertionError(f"private block id {b} out of range")
             if b in owners:
                 raise AssertionError(f"block {b} is both private and owned by the tree")
-        for b in range(self.num_blocks):
+        for b, ref in enumerate(pool._refs):
             expected = owners.get(b, 0) + (b in private)
-            if pool.ref_count(b) != expected:
+            if ref != expected:
                 raise AssertionError(
-                    f"block {b} ref count {pool.ref_count(b)} != {expected} owners"
+                    f"block {b} ref count {ref} != {expected} owners"
                     f" ({owners.get(b, 0)} nodes, private={b in private})"
                 )
         evictable = self._tree.num_evictable_blocks

@@ -465,31 +465,27 @@ class RadixTree:
         if unknown:
             fail(f"live handles point at detached nodes {sorted(unknown)}")
 
-        # Ownership: owners per block, the shallowest owner, and head_shared.
+        # Ownership. A node owns a block either as its top (shallowest) owner or, for its head block
+        # only, below an ancestor owning it at the same index (head_shared, recomputed here). Such
+        # chains must end at exactly one top owner per block, so all owners lie under it.
         owners: dict[int, int] = {}
         index_of: dict[int, int] = {}
-        shallowest: dict[int, TreeNode] = {}
+        top_owner: dict[int, TreeNode] = {}
         for node in order[1:]:
-            for j, b in enumerate(node.blocks):
-                owners[b] = owners.get(b, 0) + 1
-                i = node.start // B + j
-                if index_of.setdefault(b, i) != i:
-                    fail(f"block {b} is owned at block indices {index_of[b]} and {i}")
-                top = shallowest.get(b)
-                if top is None or depth_of[node.node_id] < depth_of[top.node_id]:
-                    shallowest[b] = node
-            head = bool(node.blocks) and self._ancestor_owns(node, node.start // B, node.blocks[0])
+            first = node.start // B
+            head = self._ancestor_owns(node, first, node.blocks[0])
             if head != node.head_shared:
                 fail(f"node {node.node_id} head_shared={node.head_shared}, recomputed {head}")
-        for node in order[1:]:
-            for b in node.blocks:
-                top = shallowest[b]
-                up: TreeNode | None = node
-                while up is not None and up is not top:
-                    up = up.parent
-                if up is None:
-                    fail(f"owners of block {b} are not all under its shallowest owner")
-        evictable = sum(1 for b, top in shallowest.items() if top.lock_ref == 0)
+            for j, b in enumerate(node.blocks):
+                owners[b] = owners.get(b, 0) + 1
+                if index_of.setdefault(b, first + j) != first + j:
+                    fail(f"block {b} is owned at block indices {index_of[b]} and {first + j}")
+                if j == 0 and head:
+                    continue
+                top = top_owner.setdefault(b, node)
+                if top is not node:
+                    fail(f"block {b} has two unrelated owners, {top.node_id} and {node.node_id}")
+        evictable = sum(1 for top in top_owner.values() if top.lock_ref == 0)
         if evictable != self.num_evictable_blocks:
             fail(f"num_evictable_blocks is {self.num_evictable_blocks}, recomputed {evictable}")
         by_own = sum(n.num_own_blocks for n in order[1:] if n.lock_ref == 0)
