@@ -24,10 +24,10 @@ Capacity is a fraction of the trace's working set: the blocks needed to hold eve
 token prefix at block granularity (and at least enough for the in-flight window).
 
 Timing covers only the cache calls (`time.perf_counter_ns` around each request's calls, admission
-retries included). Every configuration is run `--repeat` times; the runs are identical (seeded), so
-each request's fastest time is kept, which filters out time slices taken by other processes on a
-shared machine. A second table times single operations against a full cache of 10^3 .. 10^6 blocks
-to show how the per-operation cost scales.
+retries included). The whole grid is run `--repeat` times in rounds; the runs are identical
+(seeded), so each request's fastest time is kept, which filters out the time slices other tenants
+take on a shared machine. A second table times single operations against a full cache of 10^3 ..
+10^6 blocks to show how the per-operation cost scales (fastest of `--repeat` timing rounds).
 """
 
 from __future__ import annotations
@@ -450,19 +450,17 @@ def run_trace(
     )
 
 
-def fastest_per_request(runs: Sequence[RunResult]) -> RunResult:
-    """Combine identical runs (same trace, cache and capacity: deterministic, so every request does
-    the same work each time) keeping each request's fastest time. On a shared machine this filters
-    out the time slices other processes took; the work itself is the same in every run."""
-    first = runs[0]
-    for run in runs[1:]:
-        assert (run.num_cached_tokens, run.num_evicted_blocks, run.num_stalls) == (
-            first.num_cached_tokens,
-            first.num_evicted_blocks,
-            first.num_stalls,
-        ), "runs of the same configuration must be identical"
-    request_ns = np.min(np.stack([r.request_ns for r in runs]), axis=0)
-    return replace(first, request_ns=request_ns, total_ns=int(request_ns.sum()))
+def merge_fastest(best: RunResult, run: RunResult) -> RunResult:
+    """Fold another identical run into `best`, keeping each request's fastest time. The runs are
+    deterministic (same trace, cache and capacity), so every request does the same work each time;
+    on a shared machine the fastest time is the one least disturbed by other tenants."""
+    assert (run.num_cached_tokens, run.num_evicted_blocks, run.num_stalls) == (
+        best.num_cached_tokens,
+        best.num_evicted_blocks,
+        best.num_stalls,
+    ), "runs of the same configuration must be identical"
+    request_ns = np.minimum(best.request_ns, run.request_ns)
+    return replace(best, request_ns=request_ns, total_ns=int(request_ns.sum()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,8 +475,14 @@ class ScalingResult:
     cache: str
     num_cached_blocks: int
     fill_s: float
-    op_ns: dict[str, np.ndarray]  # op -> [num ops] ns per call
-    calibration_us: float  # calibration_us()[0] just before the timed operations
+    # op -> (median, mean) ns per call of each timing round
+    round_stats: dict[str, list[tuple[float, float]]]
+
+    def best_us(self, op: str) -> tuple[float, float]:
+        """(median, mean) µs per call of the fastest round: the rounds do the same work, spread
+        over the whole run, so the fastest is the one least disturbed by other tenants."""
+        stats = self.round_stats[op]
+        return min(p50 for p50, _ in stats) / 1e3, min(mean for _, mean in stats) / 1e3
 
 
 class _ScalingDriver:
@@ -574,87 +578,123 @@ class _ScalingDriver:
             self.flat.check_integrity()
 
 
-def run_scaling(
-    cache_name: str,
-    target_blocks: int,
-    *,
-    seed: int,
-    block_size: int = 16,
-    seq_len: int = 512,
-    group_size: int = 8,
-    num_ops: int = 1000,
-) -> ScalingResult:
-    """Fill a cache of `target_blocks` blocks until it is full, then time `num_ops` of each
-    operation on the full cache in steady state (every allocation evicts LRU blocks, the cache stays
-    full).
+class ScalingBench:
+    """One cache filled to `target_blocks` blocks, then timed in rounds (`time_round`).
 
     The fill is made of groups of `group_size` distinct sequences of `seq_len` tokens: the first of
     a group is fresh, each next one continues a random earlier one of its group, cut at a random
     (mostly mid-block) position below seq_len / 2. Every group has the same shape, so a larger cache
-    holds more groups, not deeper paths: the table shows cost against cache size alone.
-
-    * match: a random filled sequence (at most seq_len - 1 tokens served).
-    * acq+ins+rel: a request = prefix of a random filled sequence + 64 new tokens; acquire, insert,
-      release and free timed (its match and allocate are not).
-    * allocate(4): 4 blocks out of a full cache (evicting 4), then (untimed) a new 64-token sequence
-      is inserted into them so the cache stays full.
-    * evict(4): evict 4 blocks, then (untimed) refill them the same way.
+    holds more groups, not deeper paths: the table shows cost against cache size alone. The cache is
+    filled until full; the timed operations then run in steady state (every allocation evicts LRU
+    blocks, and what is evicted is refilled, so the cache stays full).
     """
-    rng = np.random.default_rng([seed, 5, target_blocks])
-    driver = _ScalingDriver(cache_name, target_blocks, block_size)
-    min_new_blocks = (seq_len - seq_len // 2) // block_size  # a branch shares < seq_len / 2
-    max_seqs = target_blocks // max(min_new_blocks, 1) + group_size
-    seqs = np.empty((max_seqs, seq_len), dtype=TOKEN_DTYPE)
-    num_seqs = 0
-    gc.collect()
-    t_fill = time.perf_counter()
-    blocks_per_seq = seq_len // block_size
-    while driver.num_free_blocks >= blocks_per_seq + 1 and num_seqs < max_seqs:
-        row = seqs[num_seqs]
-        in_group = num_seqs % group_size
-        shared = int(rng.integers(0, seq_len // 2)) if in_group else 0
-        if shared:
-            row[:shared] = seqs[num_seqs - 1 - int(rng.integers(in_group))][:shared]
-        row[shared:] = rng.integers(0, VOCAB_SIZE, seq_len - shared, dtype=TOKEN_DTYPE)
-        if driver.request(row) is None:
-            break
-        num_seqs += 1
-    fill_s = time.perf_counter() - t_fill
-    num_cached = driver.num_cached_blocks()
-    driver.check()
 
-    def fresh(n: int) -> np.ndarray:
-        return rng.integers(0, VOCAB_SIZE, n, dtype=TOKEN_DTYPE)
+    def __init__(
+        self,
+        cache_name: str,
+        target_blocks: int,
+        *,
+        seed: int,
+        block_size: int = 16,
+        seq_len: int = 512,
+        group_size: int = 8,
+    ) -> None:
+        self.cache_name = cache_name
+        self.block_size = block_size
+        self.seq_len = seq_len
+        self.rng = np.random.default_rng([seed, 5, target_blocks])
+        self.driver = _ScalingDriver(cache_name, target_blocks, block_size)
+        self.round_stats: dict[str, list[tuple[float, float]]] = {op: [] for op in SCALING_OPS}
+        rng = self.rng
+        min_new_blocks = (seq_len - seq_len // 2) // block_size  # a branch shares < seq_len / 2
+        max_seqs = target_blocks // max(min_new_blocks, 1) + group_size
+        seqs = np.empty((max_seqs, seq_len), dtype=TOKEN_DTYPE)
+        num_seqs = 0
+        gc.collect()
+        t_fill = time.perf_counter()
+        blocks_per_seq = seq_len // block_size
+        while self.driver.num_free_blocks >= blocks_per_seq + 1 and num_seqs < max_seqs:
+            row = seqs[num_seqs]
+            in_group = num_seqs % group_size
+            shared = int(rng.integers(0, seq_len // 2)) if in_group else 0
+            if shared:
+                row[:shared] = seqs[num_seqs - 1 - int(rng.integers(in_group))][:shared]
+            row[shared:] = rng.integers(0, VOCAB_SIZE, seq_len - shared, dtype=TOKEN_DTYPE)
+            if self.driver.request(row) is None:
+                break
+            num_seqs += 1
+        self.fill_s = time.perf_counter() - t_fill
+        self.seqs = seqs[:num_seqs]
+        self.num_cached_blocks = self.driver.num_cached_blocks()
+        self.driver.check()
 
-    gc.collect()
-    calibration = calibration_us()[0]
-    op_ns: dict[str, list[int]] = {op: [] for op in SCALING_OPS}
-    # Each phase starts with `warmup` untimed operations (their samples are dropped).
-    warmup = max(num_ops // 10, 10)
-    for _ in range(warmup + 2 * num_ops):
-        op_ns["match"].append(driver.match(seqs[int(rng.integers(num_seqs))]))
-    for _ in range(warmup + num_ops):
-        base = seqs[int(rng.integers(num_seqs))]
-        cut = int(rng.integers(seq_len // 4, seq_len))
-        timed = driver.request(np.concatenate([base[:cut], fresh(64)]))
-        assert timed is not None, "a small request must fit in a full, unlocked cache"
-        op_ns["acq+ins+rel"].append(timed[0])
-    refill = 4 * block_size
-    for _ in range(warmup + num_ops):
-        timed = driver.request(fresh(refill))  # its allocate(4) evicts 4 blocks of a full cache
-        assert timed is not None
-        op_ns["allocate(4)"].append(timed[1])
-    for _ in range(warmup + num_ops):
-        op_ns["evict(4)"].append(driver.evict(4))
-        assert driver.request(fresh(refill)) is not None
-    driver.check()
-    return ScalingResult(
-        cache=cache_name,
-        num_cached_blocks=num_cached,
-        fill_s=fill_s,
-        op_ns={op: np.array(v[warmup:], dtype=np.int64) for op, v in op_ns.items()},
-        calibration_us=calibration,
-    )
+    def _fresh(self, n: int) -> np.ndarray:
+        return self.rng.integers(0, VOCAB_SIZE, n, dtype=TOKEN_DTYPE)
+
+    def time_round(self, num_ops: int) -> None:
+        """Restore the fill, then time `num_ops` of each operation (twice as many matches), each
+        phase after a few untimed ones.
+
+        Restore (untimed): every filled sequence goes through the request lifecycle again, so it is
+        fully cached (what the previous round's churn evicted is re-inserted) and recently used.
+        Queries come from the more recently restored half of the fill, which the small churn of a
+        round (at most num_ops * 2 blocks before the allocate phase) cannot evict.
+
+        * match: a filled sequence (at most seq_len - 1 tokens served).
+        * acq+ins+rel: a request = prefix of a filled sequence + 16 new tokens; acquire, insert,
+          release and free timed (its match and allocate are not).
+        * allocate(4): 4 blocks out of a full cache (evicting 4); then (untimed) a new 64-token
+          sequence is inserted into them so the cache stays full.
+        * evict(4): evict 4 blocks, then (untimed) refill them the same way.
+        """
+        driver, rng = self.driver, self.rng
+        for row in self.seqs:
+            assert driver.request(row) is not None, "the fill must fit in the cache"
+        queries = self.seqs[len(self.seqs) // 2 :]
+        warmup = max(num_ops // 10, 5)
+        op_ns: dict[str, list[int]] = {op: [] for op in SCALING_OPS}
+        gc.collect()
+        for _ in range(warmup + 2 * num_ops):
+            op_ns["match"].append(driver.match(queries[int(rng.integers(len(queries)))]))
+        for _ in range(warmup + num_ops):
+            base = queries[int(rng.integers(len(queries)))]
+            cut = int(rng.integers(self.seq_len // 4, self.seq_len))
+            timed = driver.request(np.concatenate([base[:cut], self._fresh(16)]))
+            assert timed is not None, "a small request must fit in a full, unlocked cache"
+            op_ns["acq+ins+rel"].append(timed[0])
+        refill = 4 * self.block_size
+        for _ in range(warmup + num_ops):
+            timed = driver.request(self._fresh(refill))  # its allocate(4) evicts 4 blocks
+            assert timed is not None
+            op_ns["allocate(4)"].append(timed[1])
+        for _ in range(warmup + num_ops):
+            op_ns["evict(4)"].append(driver.evict(4))
+            assert driver.request(self._fresh(refill)) is not None
+        for op, samples in op_ns.items():
+            ns = np.array(samples[warmup:], dtype=np.int64)
+            self.round_stats[op].append((float(np.median(ns)), float(ns.mean())))
+
+    def result(self) -> ScalingResult:
+        self.driver.check()
+        return ScalingResult(
+            cache=self.cache_name,
+            num_cached_blocks=self.num_cached_blocks,
+            fill_s=self.fill_s,
+            round_stats=self.round_stats,
+        )
+
+
+def run_scaling(
+    sizes: Sequence[int], *, seed: int, rounds: int, num_ops: int
+) -> list[ScalingResult]:
+    """Fill one cache per (cache kind, size), then time them in interleaved rounds, so that every
+    size of every cache is measured at several moments of the run (the machine is shared and its
+    speed drifts); each row reports its fastest round."""
+    benches = [ScalingBench(name, size, seed=seed) for name in ADAPTERS for size in sizes]
+    for _ in range(rounds):
+        for bench in benches:
+            bench.time_round(num_ops)
+    return [bench.result() for bench in benches]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -707,10 +747,8 @@ def format_scaling(results: Sequence[ScalingResult]) -> str:
     """µs per operation (median and mean), each also as a ratio to the first size of its cache."""
     cell = " {:>6} {:>6} {:>5} {:>6}"
     width = len(cell.format("", "", "", ""))
-    header = f"{'':<8} {'':>13} {'':>6} {'':>6} |" + " |".join(
-        f"{op:^{width}}" for op in SCALING_OPS
-    )
-    header2 = f"{'cache':<8} {'cached blocks':>13} {'fill s':>6} {'calib':>6} |" + " |".join(
+    header = f"{'':<8} {'':>13} {'':>6} |" + " |".join(f"{op:^{width}}" for op in SCALING_OPS)
+    header2 = f"{'cache':<8} {'cached blocks':>13} {'fill s':>6} |" + " |".join(
         cell.format("p50", "mean", "x p50", "x mean") for _ in SCALING_OPS
     )
     lines = [header, header2, "-" * len(header2)]
@@ -718,9 +756,7 @@ def format_scaling(results: Sequence[ScalingResult]) -> str:
     for r in results:
         cells = []
         for op in SCALING_OPS:
-            ns = r.op_ns[op]
-            p50_us = float(np.median(ns)) / 1e3
-            mean_us = float(ns.mean()) / 1e3
+            p50_us, mean_us = r.best_us(op)
             ref_p50, ref_mean = base.setdefault((r.cache, op), (p50_us, mean_us))
             cells.append(
                 cell.format(
@@ -731,8 +767,8 @@ def format_scaling(results: Sequence[ScalingResult]) -> str:
                 )
             )
         lines.append(
-            f"{r.cache:<8} {_fmt_int(r.num_cached_blocks):>13} {r.fill_s:>6.1f}"
-            f" {r.calibration_us:>6.0f} |" + " |".join(cells)
+            f"{r.cache:<8} {_fmt_int(r.num_cached_blocks):>13} {r.fill_s:>6.1f} |"
+            + " |".join(cells)
         )
     return "\n".join(lines)
 
@@ -779,8 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=3,
-        help="identical runs per row; each request's fastest counts",
+        default=5,
+        help="rounds over the whole grid / scaling table; each request's fastest counts",
     )
     parser.add_argument("--traces", nargs="+", default=None, help="subset of trace names")
     parser.add_argument(
@@ -790,6 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="cached blocks (default 10^3..10^6)",
     )
+    parser.add_argument("--scaling-rounds", type=int, default=10, help="timing rounds per size")
     parser.add_argument("--no-trace", action="store_true", help="only the scaling table")
     args = parser.parse_args(argv)
 
@@ -804,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traces = make_traces(args.seed, args.quick)
         if args.traces:
             traces = [t for t in traces if t.name in args.traces]
-        results = []
+        configs: list[tuple[Trace, int, float, int]] = []
         for trace in traces:
             prompt_lens = [r.num_prompt_tokens for r in trace.requests]
             working_sets = ", ".join(
@@ -818,44 +855,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             for block_size in args.block_sizes:
                 for fraction in args.capacities:
                     num_blocks = capacity_blocks(trace, block_size, fraction, args.window)
-                    # Alternate the caches so that both see the same machine conditions.
-                    runs: dict[str, list[RunResult]] = {name: [] for name in ADAPTERS}
-                    for _ in range(args.repeat):
-                        for cache_name, cache_runs in runs.items():
-                            cache_runs.append(
-                                run_trace(
-                                    trace,
-                                    cache_name,
-                                    block_size,
-                                    num_blocks,
-                                    capacity_fraction=fraction,
-                                    window=args.window,
-                                )
-                            )
-                    results.extend(fastest_per_request(r) for r in runs.values())
+                    configs.append((trace, block_size, fraction, num_blocks))
+        # The whole grid is run `repeat` times over (rounds spread over the run, caches alternated)
+        # so that every row gets measured at several moments of a machine whose speed drifts.
+        best: dict[tuple[int, str], RunResult] = {}
+        for _ in range(args.repeat):
+            for k, (trace, block_size, fraction, num_blocks) in enumerate(configs):
+                for cache_name in ADAPTERS:
+                    run = run_trace(
+                        trace,
+                        cache_name,
+                        block_size,
+                        num_blocks,
+                        capacity_fraction=fraction,
+                        window=args.window,
+                    )
+                    key = (k, cache_name)
+                    best[key] = merge_fastest(best[key], run) if key in best else run
         print(
             f"\n## Trace results ({args.window} requests in flight; time = cache calls only,"
             f" per request the fastest of {args.repeat} identical runs)"
         )
-        print(format_results(results))
+        print(format_results(list(best.values())))
 
     sizes = args.scaling_sizes
     if sizes is None:
         sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
     if sizes:
-        scaling = []
-        for size in sizes:
-            for cache_name in ADAPTERS:
-                scaling.append(
-                    run_scaling(
-                        cache_name, size, seed=args.seed, num_ops=200 if args.quick else 1000
-                    )
-                )
-        scaling.sort(key=lambda r: list(ADAPTERS).index(r.cache))  # stable: sizes stay in order
+        rounds = 2 if args.quick else args.scaling_rounds
+        scaling = run_scaling(
+            sizes, seed=args.seed, rounds=rounds, num_ops=50 if args.quick else 100
+        )
         print(
             "\n## Per-operation scaling (block size 16, full cache in LRU steady state;"
-            " µs per operation; x = ratio to the first size; calib = the calibration loop's"
-            " fastest µs just before the row)"
+            f" µs per operation, fastest of {rounds} rounds; x = ratio to the first size)"
         )
         print(format_scaling(scaling))
     fastest, median = calibration_us()
