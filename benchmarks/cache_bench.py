@@ -1,8 +1,9 @@
 """Trace-driven benchmark of the prefix cache alone: radixkv vs a flat chained-hash block map.
 
 Run from the repository root:
-    python -m benchmarks.cache_bench                 # full run (minutes)
-    python -m benchmarks.cache_bench --quick         # smoke run (seconds)
+    .venv/bin/python benchmarks/cache_bench.py            # full run (~5 minutes, ~1 GB)
+    .venv/bin/python benchmarks/cache_bench.py --quick    # smoke run (seconds)
+(`python -m benchmarks.cache_bench` works too.)
 
 Seeded synthetic traces are driven through the request lifecycle of a serving engine, the same for
 both caches (each behind a small adapter):
@@ -47,8 +48,14 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from benchmarks.flat_hash_cache import FlatHashCache, FlatMatch, token_bytes
 from radixkv.prefix_cache import LockHandle, PrefixCache
+
+try:
+    from benchmarks.flat_hash_cache import FlatHashCache, FlatMatch, token_bytes
+except (
+    ImportError
+):  # run as a script (`python benchmarks/cache_bench.py`): benchmarks/ is on the path
+    from flat_hash_cache import FlatHashCache, FlatMatch, token_bytes  # type: ignore[no-redef]
 
 VOCAB_SIZE = 32000
 TOKEN_DTYPE = np.int32
@@ -836,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# calibration before (a fixed Python loop, fastest / median of 9):"
         f" {fastest:.0f} / {median:.0f} µs"
     )
-    print(f"# command: {' '.join(['python -m benchmarks.cache_bench', *sys.argv[1:]])}")
+    print(f"# command: {' '.join(['python benchmarks/cache_bench.py', *sys.argv[1:]])}")
     if not args.no_trace:
         traces = make_traces(args.seed, args.quick)
         if args.traces:
