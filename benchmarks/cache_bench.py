@@ -1,0 +1,907 @@
+"""Trace-driven benchmark of the prefix cache alone: radixkv vs a flat chained-hash block map.
+
+Run from the repository root:
+    .venv/bin/python benchmarks/cache_bench.py            # full run (~5 minutes, ~1 GB)
+    .venv/bin/python benchmarks/cache_bench.py --quick    # smoke run (seconds)
+(`python -m benchmarks.cache_bench` works too.)
+
+Seeded synthetic traces are driven through the request lifecycle of a serving engine, the same for
+both caches (each behind a small adapter):
+
+```
+match(prompt, max_tokens=len-1) ─► acquire ─► allocate(uncached + reply blocks)  ─► "compute"
+   │ radixkv: token-granular hit; a partial last block is copied into the first private block (CoW)
+   │ flat:    block-aligned hit, full blocks only
+   ▼
+insert(prompt + reply[:-1]) ─► release ─► free what the caller still owns
+```
+A window of `--window` requests is in flight (admitted, then finished in trace order), so locked
+paths and eviction pressure are real. A request that depends on an earlier one (the next chat turn
+contains the previous reply; a branch continues its parent's text) is admitted only once that one
+has finished. When an allocation cannot fit even after eviction, in-flight requests are finished
+(oldest first) and the admission retried: a stall.
+
+Capacity is a fraction of the trace's working set: the blocks needed to hold every distinct written
+token prefix at block granularity (and at least enough for the in-flight window).
+
+Timing covers only the cache calls (`time.perf_counter_ns` around each request's calls, admission
+retries included). The whole grid is run `--repeat` times in rounds; the runs are identical
+(seeded), so each request's fastest time is kept, which filters out the time slices other tenants
+take on a shared machine. A second table times single operations against a full cache of 10^3 ..
+10^6 blocks to show how the per-operation cost scales (fastest of `--repeat` timing rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+from radixkv.prefix_cache import LockHandle, PrefixCache
+
+try:
+    from benchmarks.flat_hash_cache import FlatHashCache, FlatMatch, token_bytes
+except (
+    ImportError
+):  # run as a script (`python benchmarks/cache_bench.py`): benchmarks/ is on the path
+    from flat_hash_cache import FlatHashCache, FlatMatch, token_bytes  # type: ignore[no-redef]
+
+VOCAB_SIZE = 32000
+TOKEN_DTYPE = np.int32
+
+
+# ----------------------------------------------------------------------------------------------
+# Traces
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    tokens: np.ndarray  # [num_prompt_tokens + num_output_tokens] int32: prompt then generated reply
+    num_prompt_tokens: int
+    after: int | None  # index of a request that must have finished before this one is admitted
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.tokens[: self.num_prompt_tokens]
+
+    @property
+    def written(self) -> np.ndarray:
+        # NOTE: the last sampled token has no KV yet: a finished request inserts
+        # prompt + reply[:-1].
+        return self.tokens[:-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    name: str
+    requests: tuple[Request, ...]
+
+    def working_set_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold every distinct written prefix: distinct (prefix, block index) keys,
+        a partial tail block counting as its own key."""
+        keys: set[int] = set()
+        nbytes = 4 * block_size
+        for req in self.requests:
+            buf = token_bytes(req.written)
+            h = 0
+            for start in range(0, len(buf), nbytes):
+                h = xxhash.xxh64_intdigest(buf[start : start + nbytes], h)
+                keys.add(h)
+        return len(keys)
+
+    def max_request_blocks(self, block_size: int) -> int:
+        return max(math.ceil(len(r.written) / block_size) for r in self.requests)
+
+
+def _rand_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, VOCAB_SIZE, n, dtype=TOKEN_DTYPE)
+
+
+def _interleave(
+    rng: np.random.Generator, streams: list[Iterator[tuple[np.ndarray, int, int | None]]]
+) -> tuple[Request, ...]:
+    """Interleave streams of (tokens, num_prompt_tokens, parent) at random into one trace. `parent`
+    is the position of an earlier item in the same stream (or None); it becomes `Request.after`."""
+    requests: list[Request] = []
+    local_to_global: list[list[int]] = [[] for _ in streams]
+    active = list(range(len(streams)))
+    while active:
+        k = int(rng.integers(len(active)))
+        s = active[k]
+        try:
+            tokens, num_prompt, parent = next(streams[s])
+        except StopIteration:
+            active.pop(k)
+            continue
+        after = None if parent is None else local_to_global[s][parent]
+        local_to_global[s].append(len(requests))
+        requests.append(Request(tokens, num_prompt, after))
+    return tuple(requests)
+
+
+def chat_trace(
+    seed: int, num_conversations: int = 64, num_turns: int = 8, system_len: int = 301
+) -> Trace:
+    """Multi-turn chat: prompt_t = prompt_{t-1} + reply_{t-1} + user_t after one system prompt."""
+    rng = np.random.default_rng([seed, 1])
+    system = _rand_tokens(rng, system_len)
+
+    def conversation(conv_rng: np.random.Generator) -> Iterator[tuple[np.ndarray, int, int | None]]:
+        history = system
+        for turn in range(num_turns):
+            prompt = np.concatenate(
+                [history, _rand_tokens(conv_rng, int(conv_rng.integers(20, 150)))]
+            )
+            reply = _rand_tokens(conv_rng, int(conv_rng.integers(40, 200)))
+            tokens = np.concatenate([prompt, reply])
+            yield tokens, len(prompt), (turn - 1 if turn else None)
+            history = tokens
+
+    streams = [conversation(np.random.default_rng([seed, 1, c])) for c in range(num_conversations)]
+    return Trace("chat", _interleave(rng, streams))
+
+
+def few_shot_trace(seed: int, num_requests: int = 384, prefix_len: int = 1013) -> Trace:
+    """One long few-shot prefix (not a multiple of the block size) + distinct questions."""
+    rng = np.random.default_rng([seed, 2])
+    prefix = _rand_tokens(rng, prefix_len)
+    requests = []
+    for _ in range(num_requests):
+        question = _rand_tokens(rng, int(rng.integers(30, 200)))
+        reply = _rand_tokens(rng, int(rng.integers(16, 128)))
+        requests.append(
+            Request(np.concatenate([prefix, question, reply]), prefix_len + len(question), None)
+        )
+    return Trace("few-shot", tuple(requests))
+
+
+def branching_trace(
+    seed: int, num_problems: int = 16, num_branches: int = 24, max_prompt_len: int = 2048
+) -> Trace:
+    """Tree of thought: per problem a root prompt, then branches that each continue a random
+    earlier node's text, cut at a random position (mostly mid-block), with a new thought."""
+    rng = np.random.default_rng([seed, 3])
+
+    def problem(p_rng: np.random.Generator) -> Iterator[tuple[np.ndarray, int, int | None]]:
+        root_len = int(p_rng.integers(600, 1000))
+        root = _rand_tokens(p_rng, root_len)
+        texts = [np.concatenate([root, _rand_tokens(p_rng, int(p_rng.integers(64, 256)))])]
+        yield texts[0], root_len, None
+        for _ in range(num_branches - 1):
+            parent = int(p_rng.integers(len(texts)))
+            thought_len = int(p_rng.integers(32, 256))
+            hi = min(len(texts[parent]), max_prompt_len - thought_len)
+            cut = int(p_rng.integers(root_len // 2, hi + 1))
+            prompt = np.concatenate([texts[parent][:cut], _rand_tokens(p_rng, thought_len)])
+            tokens = np.concatenate([prompt, _rand_tokens(p_rng, int(p_rng.integers(64, 256)))])
+            texts.append(tokens)
+            yield tokens, len(prompt), parent
+
+    streams = [problem(np.random.default_rng([seed, 3, p])) for p in range(num_problems)]
+    return Trace("branching", _interleave(rng, streams))
+
+
+def no_sharing_trace(seed: int, num_requests: int = 256) -> Trace:
+    rng = np.random.default_rng([seed, 4])
+    requests = []
+    for _ in range(num_requests):
+        num_prompt = int(rng.integers(800, 2000))
+        tokens = _rand_tokens(rng, num_prompt + int(rng.integers(32, 256)))
+        requests.append(Request(tokens, num_prompt, None))
+    return Trace("no-sharing", tuple(requests))
+
+
+def make_traces(seed: int, quick: bool) -> list[Trace]:
+    if quick:
+        return [
+            chat_trace(seed, num_conversations=8, num_turns=4),
+            few_shot_trace(seed, num_requests=48),
+            branching_trace(seed, num_problems=4, num_branches=8),
+            no_sharing_trace(seed, num_requests=32),
+        ]
+    return [chat_trace(seed), few_shot_trace(seed), branching_trace(seed), no_sharing_trace(seed)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Adapters: the request lifecycle against each cache
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request: what it holds while in flight."""
+
+    request: Request
+    num_cached_tokens: int
+    block_table: list[int]  # one block per block index of request.written
+    handle: LockHandle | None = None  # radixkv
+    block_hashes: tuple[int, ...] = ()  # flat
+
+
+class CacheAdapter(Protocol):
+    name: str
+    aborted_query_tokens: int  # acquisitions undone because the allocation did not fit
+    aborted_hit_tokens: int
+
+    def admit(self, request: Request) -> Ticket | None: ...
+    def finish(self, ticket: Ticket) -> None: ...
+    def num_evicted_blocks(self) -> int: ...
+    def check_idle(self) -> None: ...
+
+
+class RadixAdapter:
+    name = "radixkv"
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size)
+        self.block_size = block_size
+        self.aborted_query_tokens = 0
+        self.aborted_hit_tokens = 0
+
+    def admit(self, request: Request) -> Ticket | None:
+        cache = self.cache
+        num_prompt = request.num_prompt_tokens
+        # NOTE: the last prompt token is always computed (its logits sample the first reply token).
+        m = cache.match(request.prompt, max_tokens=num_prompt - 1)
+        num_blocks = -(-(len(request.tokens) - 1) // self.block_size)
+        # Private blocks: the copy-on-write target of a partial last block, then the uncached part.
+        num_private = num_blocks - m.num_full_blocks
+        if not cache.can_allocate(num_private):  # locking the match only lowers what is evictable
+            return None
+        handle = cache.acquire(m)
+        private = cache.allocate(num_private)
+        if private is None:
+            cache.release(handle)
+            self.aborted_query_tokens += m.num_query_tokens
+            self.aborted_hit_tokens += m.num_cached_tokens
+            return None
+        # (The CoW copy of m.num_partial_slots slots into private[0] is the kernels' job.)
+        table = list(m.block_ids[: m.num_full_blocks]) + private
+        return Ticket(request, m.num_cached_tokens, table, handle=handle)
+
+    def finish(self, ticket: Ticket) -> None:
+        cache = self.cache
+        result = cache.insert(ticket.request.written, ticket.block_table, handle=ticket.handle)
+        cache.release(result.handle)
+        if result.owned_block_ids:
+            cache.free(result.owned_block_ids)
+
+    def num_evicted_blocks(self) -> int:
+        return self.cache.stats().num_evicted_blocks
+
+    def check_idle(self) -> None:
+        self.cache.check_integrity()
+        stats = self.cache.stats()
+        assert stats.num_in_use_blocks == 0, f"blocks leaked: {stats}"
+        assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_blocks, stats
+
+
+class FlatAdapter:
+    name = "flat"
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.cache = FlatHashCache(num_blocks=num_blocks, block_size=block_size)
+        self.block_size = block_size
+        self.aborted_query_tokens = 0
+        self.aborted_hit_tokens = 0
+
+    def admit(self, request: Request) -> Ticket | None:
+        cache = self.cache
+        m: FlatMatch = cache.match(request.prompt, max_tokens=request.num_prompt_tokens - 1)
+        num_blocks = -(-(len(request.tokens) - 1) // self.block_size)
+        num_private = num_blocks - len(m.block_ids)
+        if not cache.can_allocate(num_private):  # taking the hit blocks only shortens the queue
+            return None
+        cache.acquire(m)
+        private = cache.allocate(num_private)
+        if private is None:
+            cache.release(m.block_ids)
+            self.aborted_query_tokens += m.num_query_tokens
+            self.aborted_hit_tokens += m.num_cached_tokens
+            return None
+        table = list(m.block_ids) + private
+        return Ticket(request, m.num_cached_tokens, table, block_hashes=m.block_hashes)
+
+    def finish(self, ticket: Ticket) -> None:
+        self.cache.cache_full_blocks(
+            ticket.request.written,
+            ticket.block_table,
+            ticket.block_hashes,
+            num_cached_blocks=ticket.num_cached_tokens // self.block_size,
+        )
+        self.cache.release(ticket.block_table)
+
+    def num_evicted_blocks(self) -> int:
+        return self.cache.stats().num_evicted_blocks
+
+    def check_idle(self) -> None:
+        self.cache.check_integrity()
+        assert self.cache.num_free_blocks == self.cache.num_blocks, "blocks still referenced"
+
+
+ADAPTERS: dict[str, Callable[[int, int], CacheAdapter]] = {
+    "radixkv": RadixAdapter,
+    "flat": FlatAdapter,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    trace: str
+    cache: str
+    block_size: int
+    capacity_fraction: float
+    num_blocks: int
+    num_requests: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_evicted_blocks: int
+    num_stalls: int  # requests that found no room at first and waited for in-flight ones
+    total_ns: int  # time in cache calls
+    request_ns: np.ndarray  # [num_requests] time in cache calls per request
+    prompt_lens: np.ndarray  # [num_requests]
+    adapter: CacheAdapter
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / (self.total_ns * 1e-9)
+
+    def percentile_us(self, q: float, lo: int = 0, hi: int | None = None) -> float:
+        sel = self.request_ns
+        if lo or hi is not None:
+            mask = self.prompt_lens >= lo
+            if hi is not None:
+                mask &= self.prompt_lens <= hi
+            sel = sel[mask]
+        return float(np.percentile(sel, q)) / 1e3 if len(sel) else float("nan")
+
+
+def capacity_blocks(trace: Trace, block_size: int, fraction: float, window: int) -> int:
+    """fraction x working set, but at least room for `window` requests in flight (+ a CoW block)."""
+    floor = window * (trace.max_request_blocks(block_size) + 1)
+    return max(math.ceil(fraction * trace.working_set_blocks(block_size)), floor)
+
+
+def run_trace(
+    trace: Trace,
+    cache_name: str,
+    block_size: int,
+    num_blocks: int,
+    *,
+    capacity_fraction: float = 1.0,
+    window: int = 8,
+) -> RunResult:
+    adapter = ADAPTERS[cache_name](num_blocks, block_size)
+    requests = trace.requests
+    request_ns = np.zeros(len(requests), dtype=np.int64)
+    done = np.zeros(len(requests), dtype=bool)
+    in_flight: deque[tuple[int, Ticket]] = deque()
+    clock = time.perf_counter_ns
+    num_cached = 0
+    num_stalls = 0
+
+    def finish_oldest() -> None:
+        index, ticket = in_flight.popleft()
+        t0 = clock()
+        adapter.finish(ticket)
+        request_ns[index] += clock() - t0
+        done[index] = True
+
+    gc.collect()
+    for index, request in enumerate(requests):
+        if request.after is not None:
+            while not done[request.after]:
+                finish_oldest()
+        if len(in_flight) >= window:
+            finish_oldest()
+        stalled = False
+        while True:
+            t0 = clock()
+            ticket = adapter.admit(request)
+            request_ns[index] += clock() - t0
+            if ticket is not None:
+                break
+            if not in_flight:
+                raise RuntimeError(f"{trace.name}: request {index} does not fit in an idle cache")
+            stalled = True
+            finish_oldest()
+        num_stalls += stalled
+        num_cached += ticket.num_cached_tokens
+        in_flight.append((index, ticket))
+    while in_flight:
+        finish_oldest()
+    adapter.check_idle()
+
+    prompt_lens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
+    return RunResult(
+        trace=trace.name,
+        cache=cache_name,
+        block_size=block_size,
+        capacity_fraction=capacity_fraction,
+        num_blocks=num_blocks,
+        num_requests=len(requests),
+        num_prompt_tokens=int(prompt_lens.sum()),
+        num_cached_tokens=num_cached,
+        num_evicted_blocks=adapter.num_evicted_blocks(),
+        num_stalls=num_stalls,
+        total_ns=int(request_ns.sum()),
+        request_ns=request_ns,
+        prompt_lens=prompt_lens,
+        adapter=adapter,
+    )
+
+
+def merge_fastest(best: RunResult, run: RunResult) -> RunResult:
+    """Fold another identical run into `best`, keeping each request's fastest time. The runs are
+    deterministic (same trace, cache and capacity), so every request does the same work each time;
+    on a shared machine the fastest time is the one least disturbed by other tenants."""
+    assert (run.num_cached_tokens, run.num_evicted_blocks, run.num_stalls) == (
+        best.num_cached_tokens,
+        best.num_evicted_blocks,
+        best.num_stalls,
+    ), "runs of the same configuration must be identical"
+    request_ns = np.minimum(best.request_ns, run.request_ns)
+    return replace(best, request_ns=request_ns, total_ns=int(request_ns.sum()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Scaling: per-operation cost against a full cache of 10^3 .. 10^6 blocks
+
+
+SCALING_OPS = ("match", "acq+ins+rel", "allocate(4)", "evict(4)")
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingResult:
+    cache: str
+    num_cached_blocks: int
+    fill_s: float
+    # op -> (median, mean) ns per call of each timing round
+    round_stats: dict[str, list[tuple[float, float]]]
+
+    def best_us(self, op: str) -> tuple[float, float]:
+        """(median, mean) µs per call of the fastest round: the rounds do the same work, spread
+        over the whole run, so the fastest is the one least disturbed by other tenants."""
+        stats = self.round_stats[op]
+        return min(p50 for p50, _ in stats) / 1e3, min(mean for _, mean in stats) / 1e3
+
+
+class _ScalingDriver:
+    """The operations of one cache, each timed on its own."""
+
+    def __init__(self, cache_name: str, num_blocks: int, block_size: int) -> None:
+        self.cache_name = cache_name
+        self.block_size = block_size
+        if cache_name == "radixkv":
+            self.radix = PrefixCache(num_blocks=num_blocks, block_size=block_size)
+        else:
+            self.flat = FlatHashCache(num_blocks=num_blocks, block_size=block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return (
+            self.radix.num_free_blocks
+            if self.cache_name == "radixkv"
+            else self.flat.num_free_blocks
+        )
+
+    def num_cached_blocks(self) -> int:
+        if self.cache_name == "radixkv":
+            return self.radix.stats().num_evictable_blocks
+        return self.flat.stats().num_cached_blocks
+
+    def match(self, tokens: np.ndarray) -> int:
+        """Time one match; returns ns."""
+        clock = time.perf_counter_ns
+        if self.cache_name == "radixkv":
+            t0 = clock()
+            self.radix.match(tokens, max_tokens=len(tokens) - 1)
+            return clock() - t0
+        t0 = clock()
+        self.flat.match(tokens, max_tokens=len(tokens) - 1)
+        return clock() - t0
+
+    def request(self, tokens: np.ndarray) -> tuple[int, int] | None:
+        """Insert a whole sequence the way a request does: match, acquire, allocate, insert,
+        release, free. Returns (ns of acquire+insert+release+free, ns of allocate), or None if it
+        did not fit."""
+        clock = time.perf_counter_ns
+        num_blocks = -(-len(tokens) // self.block_size)
+        if self.cache_name == "radixkv":
+            cache = self.radix
+            m = cache.match(tokens, max_tokens=len(tokens) - 1)
+            t0 = clock()
+            handle = cache.acquire(m)
+            t1 = clock()
+            private = cache.allocate(num_blocks - m.num_full_blocks)
+            t2 = clock()
+            if private is None:
+                cache.release(handle)
+                return None
+            result = cache.insert(
+                tokens, list(m.block_ids[: m.num_full_blocks]) + private, handle=handle
+            )
+            cache.release(result.handle)
+            if result.owned_block_ids:
+                cache.free(result.owned_block_ids)
+            t3 = clock()
+            return (t1 - t0) + (t3 - t2), t2 - t1
+        flat = self.flat
+        fm = flat.match(tokens, max_tokens=len(tokens) - 1)
+        t0 = clock()
+        flat.acquire(fm)
+        t1 = clock()
+        private = flat.allocate(num_blocks - len(fm.block_ids))
+        t2 = clock()
+        if private is None:
+            flat.release(fm.block_ids)
+            return None
+        table = list(fm.block_ids) + private
+        flat.cache_full_blocks(tokens, table, fm.block_hashes, num_cached_blocks=len(fm.block_ids))
+        flat.release(table)
+        t3 = clock()
+        return (t1 - t0) + (t3 - t2), t2 - t1
+
+    def evict(self, num_blocks: int) -> int:
+        clock = time.perf_counter_ns
+        if self.cache_name == "radixkv":
+            t0 = clock()
+            self.radix.evict(num_blocks)
+            return clock() - t0
+        t0 = clock()
+        self.flat.evict(num_blocks)
+        return clock() - t0
+
+    def check(self) -> None:
+        if self.cache_name == "radixkv":
+            self.radix.check_integrity()
+        else:
+            self.flat.check_integrity()
+
+
+class ScalingBench:
+    """One cache filled to `target_blocks` blocks, then timed in rounds (`time_round`).
+
+    The fill is made of groups of `group_size` distinct sequences of `seq_len` tokens: the first of
+    a group is fresh, each next one continues a random earlier one of its group, cut at a random
+    (mostly mid-block) position below seq_len / 2. Every group has the same shape, so a larger cache
+    holds more groups, not deeper paths: the table shows cost against cache size alone. The cache is
+    filled until full; the timed operations then run in steady state (every allocation evicts LRU
+    blocks, and what is evicted is refilled, so the cache stays full).
+    """
+
+    def __init__(
+        self,
+        cache_name: str,
+        target_blocks: int,
+        *,
+        seed: int,
+        block_size: int = 16,
+        seq_len: int = 512,
+        group_size: int = 8,
+    ) -> None:
+        self.cache_name = cache_name
+        self.block_size = block_size
+        self.seq_len = seq_len
+        self.rng = np.random.default_rng([seed, 5, target_blocks])
+        self.driver = _ScalingDriver(cache_name, target_blocks, block_size)
+        self.round_stats: dict[str, list[tuple[float, float]]] = {op: [] for op in SCALING_OPS}
+        rng = self.rng
+        min_new_blocks = (seq_len - seq_len // 2) // block_size  # a branch shares < seq_len / 2
+        max_seqs = target_blocks // max(min_new_blocks, 1) + group_size
+        seqs = np.empty((max_seqs, seq_len), dtype=TOKEN_DTYPE)
+        num_seqs = 0
+        gc.collect()
+        t_fill = time.perf_counter()
+        blocks_per_seq = seq_len // block_size
+        while self.driver.num_free_blocks >= blocks_per_seq + 1 and num_seqs < max_seqs:
+            row = seqs[num_seqs]
+            in_group = num_seqs % group_size
+            shared = int(rng.integers(0, seq_len // 2)) if in_group else 0
+            if shared:
+                row[:shared] = seqs[num_seqs - 1 - int(rng.integers(in_group))][:shared]
+            row[shared:] = rng.integers(0, VOCAB_SIZE, seq_len - shared, dtype=TOKEN_DTYPE)
+            if self.driver.request(row) is None:
+                break
+            num_seqs += 1
+        self.fill_s = time.perf_counter() - t_fill
+        self.seqs = seqs[:num_seqs]
+        self.num_cached_blocks = self.driver.num_cached_blocks()
+        self.driver.check()
+
+    def _fresh(self, n: int) -> np.ndarray:
+        return self.rng.integers(0, VOCAB_SIZE, n, dtype=TOKEN_DTYPE)
+
+    def time_round(self, num_ops: int) -> None:
+        """Restore the fill, then time `num_ops` of each operation (twice as many matches), each
+        phase after a few untimed ones.
+
+        Restore (untimed): every filled sequence goes through the request lifecycle again, so it is
+        fully cached (what the previous round's churn evicted is re-inserted) and recently used.
+        Queries come from the more recently restored half of the fill, which the small churn of a
+        round (at most num_ops * 2 blocks before the allocate phase) cannot evict.
+
+        * match: a filled sequence (at most seq_len - 1 tokens served).
+        * acq+ins+rel: a request = prefix of a filled sequence + 16 new tokens; acquire, insert,
+          release and free timed (its match and allocate are not).
+        * allocate(4): 4 blocks out of a full cache (evicting 4); then (untimed) a new 64-token
+          sequence is inserted into them so the cache stays full.
+        * evict(4): evict 4 blocks, then (untimed) refill them the same way.
+        """
+        driver, rng = self.driver, self.rng
+        for row in self.seqs:
+            assert driver.request(row) is not None, "the fill must fit in the cache"
+        queries = self.seqs[len(self.seqs) // 2 :]
+        warmup = max(num_ops // 10, 5)
+        op_ns: dict[str, list[int]] = {op: [] for op in SCALING_OPS}
+        gc.collect()
+        for _ in range(warmup + 2 * num_ops):
+            op_ns["match"].append(driver.match(queries[int(rng.integers(len(queries)))]))
+        for _ in range(warmup + num_ops):
+            base = queries[int(rng.integers(len(queries)))]
+            cut = int(rng.integers(self.seq_len // 4, self.seq_len))
+            timed = driver.request(np.concatenate([base[:cut], self._fresh(16)]))
+            assert timed is not None, "a small request must fit in a full, unlocked cache"
+            op_ns["acq+ins+rel"].append(timed[0])
+        refill = 4 * self.block_size
+        for _ in range(warmup + num_ops):
+            timed = driver.request(self._fresh(refill))  # its allocate(4) evicts 4 blocks
+            assert timed is not None
+            op_ns["allocate(4)"].append(timed[1])
+        for _ in range(warmup + num_ops):
+            op_ns["evict(4)"].append(driver.evict(4))
+            assert driver.request(self._fresh(refill)) is not None
+        for op, samples in op_ns.items():
+            ns = np.array(samples[warmup:], dtype=np.int64)
+            self.round_stats[op].append((float(np.median(ns)), float(ns.mean())))
+
+    def result(self) -> ScalingResult:
+        self.driver.check()
+        return ScalingResult(
+            cache=self.cache_name,
+            num_cached_blocks=self.num_cached_blocks,
+            fill_s=self.fill_s,
+            round_stats=self.round_stats,
+        )
+
+
+def run_scaling(
+    sizes: Sequence[int], *, seed: int, rounds: int, num_ops: int
+) -> list[ScalingResult]:
+    """Fill one cache per (cache kind, size), then time them in interleaved rounds, so that every
+    size of every cache is measured at several moments of the run (the machine is shared and its
+    speed drifts); each row reports its fastest round."""
+    benches = [ScalingBench(name, size, seed=seed) for name in ADAPTERS for size in sizes]
+    for _ in range(rounds):
+        for bench in benches:
+            bench.time_round(num_ops)
+    return [bench.result() for bench in benches]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+def _fmt_int(n: float) -> str:
+    return f"{int(n):,}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "inf"
+
+
+def format_results(results: Sequence[RunResult]) -> str:
+    by_key: dict[tuple[str, int, float], dict[str, RunResult]] = {}
+    for r in results:
+        by_key.setdefault((r.trace, r.block_size, r.capacity_fraction), {})[r.cache] = r
+    header = (
+        f"{'trace':<10} {'B':>3} {'cap':>4} {'blocks':>7} |"
+        f" {'hit% rkv':>8} {'flat':>6} |"
+        f" {'computed rkv':>12} {'flat':>9} {'ratio':>5} |"
+        f" {'evicted rkv':>11} {'flat':>7} |"
+        f" {'stalls rkv':>10} {'flat':>4} |"
+        f" {'req/s rkv':>9} {'flat':>7} {'ratio':>5} |"
+        f" {'p50 µs rkv':>10} {'flat':>6} |"
+        f" {'p99 µs rkv':>10} {'flat':>6} |"
+        f" {'p50 1-2k rkv':>12} {'flat':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for (trace, block_size, fraction), pair in by_key.items():
+        rk, fl = pair["radixkv"], pair["flat"]
+        lines.append(
+            f"{trace:<10} {block_size:>3} {fraction:>4.0%} {rk.num_blocks:>7} |"
+            f" {rk.hit_rate:>8.1%} {fl.hit_rate:>6.1%} |"
+            f" {_fmt_int(rk.num_computed_tokens):>12} {_fmt_int(fl.num_computed_tokens):>9}"
+            f" {_ratio(rk.num_computed_tokens, fl.num_computed_tokens):>5} |"
+            f" {_fmt_int(rk.num_evicted_blocks):>11} {_fmt_int(fl.num_evicted_blocks):>7} |"
+            f" {rk.num_stalls:>10} {fl.num_stalls:>4} |"
+            f" {_fmt_int(rk.requests_per_s):>9} {_fmt_int(fl.requests_per_s):>7}"
+            f" {_ratio(rk.requests_per_s, fl.requests_per_s):>5} |"
+            f" {rk.percentile_us(50):>10.1f} {fl.percentile_us(50):>6.1f} |"
+            f" {rk.percentile_us(99):>10.1f} {fl.percentile_us(99):>6.1f} |"
+            f" {rk.percentile_us(50, 1000, 2000):>12.1f} {fl.percentile_us(50, 1000, 2000):>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def format_scaling(results: Sequence[ScalingResult]) -> str:
+    """µs per operation (median and mean), each also as a ratio to the first size of its cache."""
+    cell = " {:>6} {:>6} {:>5} {:>6}"
+    width = len(cell.format("", "", "", ""))
+    header = f"{'':<8} {'':>13} {'':>6} |" + " |".join(f"{op:^{width}}" for op in SCALING_OPS)
+    header2 = f"{'cache':<8} {'cached blocks':>13} {'fill s':>6} |" + " |".join(
+        cell.format("p50", "mean", "x p50", "x mean") for _ in SCALING_OPS
+    )
+    lines = [header, header2, "-" * len(header2)]
+    base: dict[tuple[str, str], tuple[float, float]] = {}
+    for r in results:
+        cells = []
+        for op in SCALING_OPS:
+            p50_us, mean_us = r.best_us(op)
+            ref_p50, ref_mean = base.setdefault((r.cache, op), (p50_us, mean_us))
+            cells.append(
+                cell.format(
+                    f"{p50_us:.1f}",
+                    f"{mean_us:.1f}",
+                    f"{p50_us / ref_p50:.2f}",
+                    f"{mean_us / ref_mean:.2f}",
+                )
+            )
+        lines.append(
+            f"{r.cache:<8} {_fmt_int(r.num_cached_blocks):>13} {r.fill_s:>6.1f} |"
+            + " |".join(cells)
+        )
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs visible, Python {platform.python_version()},"
+        f" numpy {np.__version__}"
+    )
+
+
+def calibration_us() -> tuple[float, float]:
+    """(fastest, median) of 9 timings of a fixed pure-Python workload (dict + list operations):
+    printed before and after the run, so a reader can tell how much of the machine the run had."""
+    times = []
+    for _ in range(9):
+        t0 = time.perf_counter_ns()
+        d: dict[int, int] = {}
+        for i in range(20000):
+            d[i * 7919 % 20011] = i
+        acc = 0
+        for i in range(20000):
+            acc += d.get(i, 0)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return min(times), float(np.median(times))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small traces and scaling sizes")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--capacities", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--window", type=int, default=8, help="requests in flight")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="rounds over the whole grid / scaling table; each request's fastest counts",
+    )
+    parser.add_argument("--traces", nargs="+", default=None, help="subset of trace names")
+    parser.add_argument(
+        "--scaling-sizes",
+        type=int,
+        nargs="*",
+        default=None,
+        help="cached blocks (default 10^3..10^6)",
+    )
+    parser.add_argument("--scaling-rounds", type=int, default=10, help="timing rounds per size")
+    parser.add_argument("--no-trace", action="store_true", help="only the scaling table")
+    args = parser.parse_args(argv)
+
+    print(f"# machine: {machine_line()}")
+    fastest, median = calibration_us()
+    print(
+        "# calibration before (a fixed Python loop, fastest / median of 9):"
+        f" {fastest:.0f} / {median:.0f} µs"
+    )
+    print(f"# command: {' '.join(['python benchmarks/cache_bench.py', *sys.argv[1:]])}")
+    if not args.no_trace:
+        traces = make_traces(args.seed, args.quick)
+        if args.traces:
+            traces = [t for t in traces if t.name in args.traces]
+        configs: list[tuple[Trace, int, float, int]] = []
+        for trace in traces:
+            prompt_lens = [r.num_prompt_tokens for r in trace.requests]
+            working_sets = ", ".join(
+                f"{trace.working_set_blocks(b)} @B={b}" for b in args.block_sizes
+            )
+            print(
+                f"# trace {trace.name}: {len(trace.requests)} requests, prompt tokens"
+                f" {min(prompt_lens)}..{max(prompt_lens)} (median {int(np.median(prompt_lens))}),"
+                f" working set (blocks) {working_sets}"
+            )
+            for block_size in args.block_sizes:
+                for fraction in args.capacities:
+                    num_blocks = capacity_blocks(trace, block_size, fraction, args.window)
+                    configs.append((trace, block_size, fraction, num_blocks))
+        # The whole grid is run `repeat` times over (rounds spread over the run, caches alternated)
+        # so that every row gets measured at several moments of a machine whose speed drifts.
+        best: dict[tuple[int, str], RunResult] = {}
+        for _ in range(args.repeat):
+            for k, (trace, block_size, fraction, num_blocks) in enumerate(configs):
+                for cache_name in ADAPTERS:
+                    run = run_trace(
+                        trace,
+                        cache_name,
+                        block_size,
+                        num_blocks,
+                        capacity_fraction=fraction,
+                        window=args.window,
+                    )
+                    key = (k, cache_name)
+                    best[key] = merge_fastest(best[key], run) if key in best else run
+        print(
+            f"\n## Trace results ({args.window} requests in flight; time = cache calls only,"
+            f" per request the fastest of {args.repeat} identical runs)"
+        )
+        print(format_results(list(best.values())))
+
+    sizes = args.scaling_sizes
+    if sizes is None:
+        sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
+    if sizes:
+        rounds = 2 if args.quick else args.scaling_rounds
+        scaling = run_scaling(
+            sizes, seed=args.seed, rounds=rounds, num_ops=50 if args.quick else 100
+        )
+        print(
+            "\n## Per-operation scaling (block size 16, full cache in LRU steady state;"
+            f" µs per operation, fastest of {rounds} rounds; x = ratio to the first size)"
+        )
+        print(format_scaling(scaling))
+    fastest, median = calibration_us()
+    print(f"\n# calibration after (fastest / median of 9): {fastest:.0f} / {median:.0f} µs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
