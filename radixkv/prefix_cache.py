@@ -1,22 +1,54 @@
-"""PrefixCache: the public face of the radix tree over paged KV blocks (INTERFACE CONTRACT).
+"""PrefixCache: the public face of the radix tree over paged KV blocks.
 
-This file is the contract the scheduler and benchmarks are written against; bodies to be filled in.
+Layers: `BlockPool` (physical blocks, ref counts, free list) <- `RadixTree` (token paths, block
+ownership, locks, eviction order) <- `PrefixCache` (this module: validation of caller input, lock
+handles, private blocks, statistics).
 
 Ownership model (see DESIGN.md):
-* A physical block's ref count = number of tree nodes owning it + number of *private* holders.
+* A physical block's ref count = number of tree nodes owning it + number of *private* holders
+  (0 or 1: a block is never both private and owned by the tree).
 * `allocate(n)` hands out private blocks (ref 1, held by the caller). `free(ids)` gives them back.
 * Blocks a request uses from a match are *not* ref-counted by the request: they are protected by the
   request's `LockHandle` on the deepest matched node (node and ancestors have lock_ref > 0).
 * `insert` transfers private blocks to the tree (no ref change), co-owns tree blocks the new node
-  touches (ref +1), frees private duplicates of what the tree already holds, and always returns a new
-  lock handle on the deepest node of the inserted path (caller must release it).
+  touches (ref +1), frees private duplicates of what the tree already holds, and always returns a
+  new lock handle on the deepest node of the inserted path (caller must release it).
+
+Block accounting, always: `num_free + num_evictable + num_in_use == num_blocks`, where evictable =
+cached blocks whose owners are all unlocked (what `evict` can free) and in use = private blocks +
+blocks of locked paths.
+
+The cache is deterministic: recency comes from a logical clock that advances once per `acquire`
+and per `insert` (the operations that touch a path); nothing reads the wall clock. It is not
+thread-safe.
+
+A request's life (B = block size, `m` = cached tokens):
+
+    match(prompt, max_tokens=len(prompt)-1)   read-only; m tokens, blocks 0..ceil(m/B)-1
+    acquire(match) -> handle                  lock the path before allocating (allocation evicts)
+    allocate(...)                             a fresh block for the copy-on-write of a partial last
+                                              block (m % B slots) + blocks for the uncached tokens
+    insert(written, table, handle=handle)     adopt the new blocks, free duplicates; new handle
+    release(result.handle); free(result.owned_block_ids)
 """
 
 from __future__ import annotations
 
+import logging
+import operator
+import warnings
+import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixkv.block_pool import BlockPool, check_size
+from radixkv.radix_tree import RadixTree, TreeNode, pack_tokens, unpack_tokens
+
+logger = logging.getLogger(__name__)
+
+_HEAD_TOKENS = 8  # tokens shown per node by nodes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +73,23 @@ class MatchResult:
 
 @dataclass(frozen=True, slots=True)
 class LockHandle:
-    """A lock on a tree path. Release exactly once with `PrefixCache.release`."""
+    """A lock on a tree path. Release exactly once with `PrefixCache.release`.
+
+    A handle that is garbage-collected while still locked is reported (ResourceWarning, a log line
+    and `CacheStats.num_leaked_handles`); its lock is deliberately *not* released, so what the cache
+    does never depends on when the garbage collector runs.
+    """
 
     handle_id: int
     num_tokens: int  # length of the locked path prefix the holder relies on
+    _owner: Any = field(default=None, repr=False, compare=False)  # weakref to the issuing cache
+
+    def __del__(self) -> None:
+        owner = self._owner
+        if owner is not None:
+            cache = owner()
+            if cache is not None:
+                cache._handle_dropped(self.handle_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,13 +108,20 @@ class CacheStats:
     num_free_blocks: int
     num_evictable_blocks: int  # cached, owned only by unlocked nodes
     num_in_use_blocks: int  # locked-path blocks + private blocks
-    num_nodes: int
+    num_nodes: int  # tree nodes, root excluded
     num_queries: int  # acquire() calls
     num_query_tokens: int
     num_hit_tokens: int
     num_computed_tokens: int  # query tokens not served by the cache
     num_evicted_blocks: int
     num_evicted_tokens: int
+    num_private_blocks: int = 0  # allocated and not yet adopted by the tree or freed
+    num_cached_tokens: int = 0  # tokens held by the tree
+    num_live_handles: int = 0
+    num_leaked_handles: int = 0  # handles garbage-collected without release() (still locked)
+    num_inserts: int = 0
+    num_inserted_tokens: int = 0  # new tokens added to the tree by insert()
+    num_duplicate_blocks_freed: int = 0  # private duplicates insert() returned to the free list
 
     @property
     def hit_rate(self) -> float:
@@ -92,48 +144,442 @@ class NodeView:
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_size: int) -> None: ...
+    """Token-granular prefix cache over `num_blocks` blocks of `block_size` tokens.
 
-    num_blocks: int
-    block_size: int
+    Invariants (recomputed by `check_integrity`, which tests call after every operation):
+    * every block is free, private (ref 1, in `_private`) or owned by tree nodes (ref = owners);
+    * `num_free + num_evictable + num_in_use == num_blocks`;
+    * every live handle locks one attached node and its ancestors; lock_ref = handles in subtree;
+    * plus the `RadixTree` and `BlockPool` invariants.
+
+    Caller mistakes raise TypeError/ValueError naming the argument before anything changes;
+    `allocate` returns None (nothing changed) when the blocks are not there.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self._pool = BlockPool(num_blocks, block_size)
+        self.num_blocks: int = self._pool.num_blocks
+        self.block_size: int = self._pool.block_size
+        self._tree = RadixTree(self._pool)
+        self._private: set[int] = set()
+        self._live: dict[int, TreeNode] = {}  # handle id -> locked node
+        self._next_handle_id = 1
+        self._clock = 0
+        self._selfref = weakref.ref(self)
+        self._num_queries = 0
+        self._num_query_tokens = 0
+        self._num_hit_tokens = 0
+        self._num_computed_tokens = 0
+        self._num_evicted_blocks = 0
+        self._num_evicted_tokens = 0
+        self._num_leaked_handles = 0
+        self._num_inserts = 0
+        self._num_inserted_tokens = 0
+        self._num_duplicates_freed = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixCache(num_blocks={self.num_blocks}, block_size={self.block_size},"
+            f" free={self.num_free_blocks}, evictable={self.num_evictable_blocks},"
+            f" nodes={self._tree.num_nodes})"
+        )
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free
 
     @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_evictable_blocks(self) -> int: ...
-    def can_allocate(self, num_blocks: int) -> bool: ...  # free + evictable >= n
+    def num_evictable_blocks(self) -> int:
+        return self._tree.num_evictable_blocks
 
+    @property
+    def num_in_use_blocks(self) -> int:
+        return self.num_blocks - self._pool.num_free - self._tree.num_evictable_blocks
+
+    @property
+    def num_private_blocks(self) -> int:
+        return len(self._private)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens held by the tree."""
+        return self._tree.num_cached_tokens
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree nodes, root excluded."""
+        return self._tree.num_nodes
+
+    @property
+    def num_live_handles(self) -> int:
+        return len(self._live)
+
+    @property
+    def version(self) -> int:
+        """Changes on every structural mutation; a MatchResult from another version is stale."""
+        return self._tree.version
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `allocate(num_blocks)` would succeed now (free + evictable >= n). Read-only."""
+        n = check_size(num_blocks, "num_blocks", low=0)
+        return self._pool.num_free + self._tree.num_evictable_blocks >= n
+
+    # ----------------------------------------------------------------- matching
     def match(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> MatchResult:
-        """Longest cached prefix of tokens, at most max_tokens long. Mutates nothing."""
-        ...
+        """Longest cached prefix of tokens, at most max_tokens long. Mutates nothing.
+
+        Scoring waiting requests may call this freely: no split, no recency refresh, no lock. The
+        scheduler passes `max_tokens=len(tokens) - 1` for a prefill (the last prompt token is always
+        computed, so there are logits to sample from). Raises TypeError/ValueError for token ids
+        that are not ints in [0, 2**32) or a negative max_tokens.
+        """
+        qb = pack_tokens(tokens)
+        n = len(qb) >> 2
+        limit = n
+        if max_tokens is not None:
+            cap = check_size(max_tokens, "max_tokens", low=0)
+            if cap < limit:
+                limit = cap
+        m, node, blocks = self._tree.walk(qb, limit)
+        return MatchResult(n, m, tuple(blocks), m % self.block_size, node, self._tree.version)
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
         Raises ValueError for a stale match (cache changed since match())."""
-        ...
+        if not isinstance(match, MatchResult):
+            raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
+        tree = self._tree
+        node = match._node
+        if not isinstance(node, TreeNode) or not tree.is_attached(node):
+            raise ValueError("match was not produced by this cache (or its node was evicted)")
+        if match._version != tree.version:
+            raise ValueError(
+                f"stale match: taken at cache version {match._version}, cache is at"
+                f" {tree.version}; match() again"
+            )
+        tick = self._tick()
+        tree.lock_path(node, tick)
+        m = match.num_cached_tokens
+        self._num_queries += 1
+        self._num_query_tokens += match.num_query_tokens
+        self._num_hit_tokens += m
+        self._num_computed_tokens += match.num_query_tokens - m
+        return self._new_handle(node, m)
 
     def release(self, handle: LockHandle) -> None:
         """Unlock. ValueError if foreign or already released."""
-        ...
+        node = self._live_node(handle)
+        del self._live[handle.handle_id]
+        self._tree.unlock_path(node)
 
+    # --------------------------------------------------------------- allocation
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Private blocks (evicting LRU leaves on demand); None, with nothing changed, if it cannot fit."""
-        ...
+        """Private blocks (evicting LRU leaves on demand); None, nothing changed, if it cannot fit.
+
+        Evicts only as many blocks as the free list lacks. Raises TypeError/ValueError for a count
+        that is not an int >= 0.
+        """
+        n = check_size(num_blocks, "num_blocks", low=0)
+        pool = self._pool
+        short = n - pool.num_free
+        if short > 0:
+            if short > self._tree.num_evictable_blocks:
+                return None
+            self._evict(short)
+        ids = pool.allocate(n)
+        assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
+        self._private.update(ids)
+        return ids
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Return private blocks. ValueError (nothing freed) if any is not privately held."""
-        ...
+        ids = self._block_id_list(block_ids, "block_ids")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"block_ids contains a repeated id: {ids}")
+        private = self._private
+        foreign = [b for b in ids if b not in private]
+        if foreign:
+            raise ValueError(
+                f"block_ids {foreign} are not held privately by the caller (never allocated,"
+                " already freed, or adopted by the tree)"
+            )
+        private.difference_update(ids)
+        self._pool.free(ids)
 
+    # ---------------------------------------------------------------- insertion
     def insert(
         self, tokens: Sequence[int], block_ids: Sequence[int], *, handle: LockHandle | None = None
     ) -> InsertResult:
-        """Insert tokens[0:n) whose KV lives in block_ids (len == ceil(n/B)). See module docstring."""
-        ...
+        """Insert tokens[0:n) whose KV lives in block_ids (len == ceil(n/B)).
 
+        Let p = the cached prefix of tokens. Per block index i (caller's positions
+        [i*B, min((i+1)*B, n))):
+
+            covered by the tree (positions all < p):
+                block_ids[i] is the tree's block     -> nothing
+                a private block                      -> duplicate: freed, the tree's block is used;
+                                                        except the partial last block when n == p,
+                                                        which the caller keeps (it writes on there)
+                a block a shallower path node owns   -> nothing (the caller's own earlier tail);
+                  at that index                         kept in the table if it is the partial last
+            new (index >= p // B, when n > p): tokens [p, n) become a new leaf (after splitting the
+            node holding p) that owns:
+                a private block                      -> transferred (no ref change)
+                a path node's block at that index    -> co-owned (ref + 1); only the first index,
+                  (p % B != 0)                          e.g. the partial tail of an earlier insert
+            anything else                            -> ValueError naming the index
+
+        Returns the canonical table, the caller's still-private blocks, the number of duplicates
+        freed, and a new lock handle on the deepest node of tokens[0:n) (path recency refreshed);
+        `handle`, if given, is released after the new lock is taken. Everything is validated
+        (TypeError/ValueError) before anything changes.
+        """
+        qb = pack_tokens(tokens)
+        n = len(qb) >> 2
+        B = self.block_size
+        ids = self._block_id_list(block_ids, "block_ids")
+        num_idx = -(-n // B)
+        if len(ids) != num_idx:
+            raise ValueError(
+                f"block_ids has {len(ids)} entries; {n} tokens with block_size {B} need exactly"
+                f" ceil({n}/{B}) = {num_idx}"
+            )
+        if len(set(ids)) != num_idx:
+            raise ValueError(f"block_ids contains a repeated id: {ids}")
+        if handle is not None:
+            self._live_node(handle)
+        tree = self._tree
+        private = self._private
+        p, node, canonical = tree.walk(qb, n)
+
+        # Indices the tree already covers: compare with its blocks (one C-level list compare when
+        # the caller used exactly the cached blocks, the common case).
+        covered = num_idx if p == n else p // B
+        if len(canonical) > covered:
+            del canonical[covered:]
+        duplicates: list[int] = []
+        kept: int | None = None
+        if ids[:covered] != canonical:
+            partial_tail = num_idx - 1 if p == n and n % B else -1
+            for i in range(covered):
+                b = ids[i]
+                if b == canonical[i]:
+                    continue
+                if b in private:
+                    if i == partial_tail:
+                        kept = canonical[i] = b
+                    else:
+                        duplicates.append(b)
+                elif tree.path_block_at(node, i, p, b):
+                    if i == partial_tail:
+                        canonical[i] = b
+                else:
+                    raise ValueError(
+                        f"block_ids[{i}] = {b} is neither the cached block {canonical[i]} at block"
+                        f" index {i} nor a block the caller holds privately"
+                    )
+        # New indices: private blocks, or (first index only) a path block co-owned mid-block.
+        new_ids = ids[covered:]
+        co_owned: int | None = None
+        if new_ids and not private.issuperset(new_ids):
+            for j, b in enumerate(new_ids):
+                if b in private:
+                    continue
+                if j == 0 and p % B and tree.path_block_at(node, covered, p, b):
+                    co_owned = b
+                    continue
+                raise ValueError(
+                    f"block_ids[{covered + j}] = {b} is not held privately by the caller (never"
+                    " allocated, freed, or owned by the tree elsewhere); new tokens need private"
+                    " blocks"
+                )
+
+        # ---- validated: commit ----
+        tick = self._tick()
+        if n > p:
+            if p < node.end:
+                node = tree.split(node, p)
+            tree.lock_path(node, tick)
+            if co_owned is not None:
+                self._pool.incref(co_owned)
+            private.difference_update(new_ids)
+            target = tree.attach_leaf(
+                node,
+                qb[4 * p :],
+                new_ids,
+                head_shared=co_owned is not None,
+                lock_ref=1,
+                tick=tick,
+            )
+            canonical += new_ids
+        else:
+            target = node
+            tree.lock_path(node, tick)
+        pool = self._pool
+        for b in duplicates:
+            private.discard(b)
+            pool.decref(b)
+        new_handle = self._new_handle(target, n)
+        if handle is not None:
+            self.release(handle)
+        self._num_inserts += 1
+        self._num_inserted_tokens += n - p
+        self._num_duplicates_freed += len(duplicates)
+        return InsertResult(
+            num_new_tokens=n - p,
+            block_ids=tuple(canonical),
+            owned_block_ids=() if kept is None else (kept,),
+            num_freed_duplicates=len(duplicates),
+            handle=new_handle,
+        )
+
+    # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to num_blocks by evicting LRU unlocked leaves (tail first); returns freed ids in order."""
-        ...
+        """Free up to num_blocks by evicting LRU unlocked leaves (tail first); returns freed ids.
 
-    def stats(self) -> CacheStats: ...
-    def nodes(self) -> Iterator[NodeView]: ...
-    def check_integrity(self) -> None: ...
+        Fewer than asked (possibly none) means nothing else is evictable. A leaf with more blocks
+        than still needed is trimmed from its tail (its head stays cached). Raises TypeError/
+        ValueError for a count that is not an int >= 0.
+        """
+        return self._evict(check_size(num_blocks, "num_blocks", low=0))
+
+    def _evict(self, n: int) -> list[int]:
+        freed, num_tokens = self._tree.evict(n)
+        self._num_evicted_blocks += len(freed)
+        self._num_evicted_tokens += num_tokens
+        return freed
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> CacheStats:
+        tree = self._tree
+        return CacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=self._pool.num_free,
+            num_evictable_blocks=tree.num_evictable_blocks,
+            num_in_use_blocks=self.num_in_use_blocks,
+            num_nodes=tree.num_nodes,
+            num_queries=self._num_queries,
+            num_query_tokens=self._num_query_tokens,
+            num_hit_tokens=self._num_hit_tokens,
+            num_computed_tokens=self._num_computed_tokens,
+            num_evicted_blocks=self._num_evicted_blocks,
+            num_evicted_tokens=self._num_evicted_tokens,
+            num_private_blocks=len(self._private),
+            num_cached_tokens=tree.num_cached_tokens,
+            num_live_handles=len(self._live),
+            num_leaked_handles=self._num_leaked_handles,
+            num_inserts=self._num_inserts,
+            num_inserted_tokens=self._num_inserted_tokens,
+            num_duplicate_blocks_freed=self._num_duplicates_freed,
+        )
+
+    def nodes(self) -> Iterator[NodeView]:
+        """Snapshots of all nodes, root first, depth-first, children by increasing first token."""
+        for node, depth in self._tree.iter_nodes():
+            parent = node.parent
+            yield NodeView(
+                node_id=node.node_id,
+                parent_id=None if parent is None else parent.node_id,
+                depth=depth,
+                start=node.start,
+                end=node.end,
+                block_ids=tuple(node.blocks),
+                lock_ref=node.lock_ref,
+                last_access=node.tick,
+                head_tokens=unpack_tokens(node.tokens[: 4 * _HEAD_TOKENS]),
+            )
+
+    def check_integrity(self) -> None:
+        """Recompute every invariant from scratch; raise AssertionError naming the first violation.
+
+        O(num_blocks + tree size): for tests and debugging, not for the hot path.
+        """
+        pool = self._pool
+        pool.check_integrity()
+        handles_on = Counter(node.node_id for node in self._live.values())
+        owners = self._tree.check_integrity(handles_on, self._clock)
+        private = self._private
+        for b in private:
+            if not 0 <= b < self.num_blocks:
+                raise AssertionError(f"private block id {b} out of range")
+            if b in owners:
+                raise AssertionError(f"block {b} is both private and owned by the tree")
+        for b in range(self.num_blocks):
+            expected = owners.get(b, 0) + (b in private)
+            if pool.ref_count(b) != expected:
+                raise AssertionError(
+                    f"block {b} ref count {pool.ref_count(b)} != {expected} owners"
+                    f" ({owners.get(b, 0)} nodes, private={b in private})"
+                )
+        evictable = self._tree.num_evictable_blocks
+        in_use = len(private) + len(owners) - evictable
+        if pool.num_free + evictable + in_use != self.num_blocks:
+            raise AssertionError(
+                f"free {pool.num_free} + evictable {evictable} + in use {in_use}"
+                f" != {self.num_blocks} blocks"
+            )
+        if self._num_hit_tokens + self._num_computed_tokens != self._num_query_tokens:
+            raise AssertionError("hit + computed tokens != query tokens")
+        if self._live and max(self._live) >= self._next_handle_id:
+            raise AssertionError("a live handle id was never issued")
+
+    # ---------------------------------------------------------------- internals
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_handle(self, node: TreeNode, num_tokens: int) -> LockHandle:
+        hid = self._next_handle_id
+        self._next_handle_id = hid + 1
+        self._live[hid] = node
+        return LockHandle(hid, num_tokens, self._selfref)
+
+    def _live_node(self, handle: LockHandle) -> TreeNode:
+        """The node a live handle of this cache locks; TypeError/ValueError otherwise."""
+        if not isinstance(handle, LockHandle):
+            raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
+        node = self._live.get(handle.handle_id)
+        if node is None or handle._owner is not self._selfref:
+            raise ValueError(
+                f"handle {handle.handle_id} is not a live handle of this cache (already released,"
+                " or issued by another cache)"
+            )
+        return node
+
+    def _handle_dropped(self, handle_id: int) -> None:
+        """Called when a LockHandle object is garbage-collected: report it if still locked."""
+        if handle_id in self._live:
+            self._num_leaked_handles += 1
+            logger.warning(
+                "lock handle %d was dropped without release(); its path stays locked", handle_id
+            )
+            warnings.warn(
+                f"LockHandle {handle_id} was garbage-collected without PrefixCache.release();"
+                " its path stays locked",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+    def _block_id_list(self, block_ids: Sequence[int], name: str) -> list[int]:
+        """Block ids as ints in [0, num_blocks); TypeError/ValueError naming the culprit."""
+        if isinstance(block_ids, (str, bytes, bytearray)):
+            raise TypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}")
+        try:
+            ids = list(map(operator.index, block_ids))
+        except TypeError:
+            try:
+                items = list(block_ids)
+            except TypeError:
+                raise TypeError(
+                    f"{name} must be a sequence of ints, got {type(block_ids).__name__}"
+                ) from None
+            for i, b in enumerate(items):
+                if not hasattr(b, "__index__"):
+                    raise TypeError(f"{name}[{i}] = {b!r} is not an int") from None
+            raise
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            i, b = next((i, b) for i, b in enumerate(ids) if not 0 <= b < self.num_blocks)
+            raise ValueError(f"{name}[{i}] = {b} is out of range [0, {self.num_blocks})")
+        return ids

@@ -29,8 +29,10 @@ class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV is computed this step
     start_position: int  # absolute position of token_ids[0]
-    block_table: tuple[int, ...]  # physical blocks for positions [0, start_position + len(token_ids))
-    sample: bool  # True when the logits of the last token are sampled (final prefill chunk / decode)
+    # physical blocks for positions [0, start_position + len(token_ids))
+    block_table: tuple[int, ...]
+    # True when the logits of the last token are sampled (final prefill chunk / decode)
+    sample: bool
 
 
 @dataclass(frozen=True, slots=True)

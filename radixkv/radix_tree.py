@@ -1,0 +1,521 @@
+"""The radix tree: compressed, token-granular, block-owning nodes (internals of `PrefixCache`).
+
+Token map of a path (B = 4), nodes a -> b -> c, and the block indices each node owns:
+
+    positions   0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13
+    node a      [0 ............ 6)                        owns indices 0, 1       blocks [10, 11]
+    node b                   [6 ......... 10)              owns indices 1, 2       blocks [11, 12]
+    node c                             [10 .......... 14)  owns indices 2, 3       blocks [12, 13]
+
+A node owns the block ids of every block index its segment touches, so a block that holds a node
+boundary (index 1: a's tail and b's head; index 2) is owned by both nodes and its ref count counts
+both. The tree never looks at KV contents; the rule that makes a match correct is:
+
+    a node's block at index i holds valid KV for positions [i*B, min((i+1)*B, node.end)) of its
+    path.
+
+So for each block index a match uses the block of the *deepest* path node that touches the index
+within the matched range (a diverging branch's own copy of a split block wins over the parent's).
+
+Tokens are stored packed (`bytes`, native uint32): 4 bytes a token, compared with memcmp
+(`bytes.startswith`) a whole node at a time; only the node where a walk diverges looks for the first
+mismatch, with numpy for long runs. No per-token Python loop touches a long prompt.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixkv.block_pool import BlockPool
+from radixkv.eviction import EvictionIndex, EvictionKey, lru_key
+
+TOKEN_BYTES = 4
+MAX_TOKEN_ID = 2**32 - 1
+_TOKEN_DTYPE = np.dtype("=u4")
+_unpack_token = struct.Struct("=I").unpack_from
+# Below this many tokens a Python loop finds a mismatch faster than numpy's call overhead.
+_SHORT_COMPARE = 8
+
+
+def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
+    """Validate and pack token ids into native uint32 bytes (one C pass over the sequence).
+
+    Accepts any sequence of ints (numpy integer arrays take a vectorised path). Raises TypeError for
+    a non-sequence or a non-int element and ValueError for an id outside [0, 2**32 - 1], naming the
+    first offending position. Mutates nothing.
+    """
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold ints, got dtype {tokens.dtype}")
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
+            bad = int(np.flatnonzero((tokens < 0) | (tokens > MAX_TOKEN_ID))[0])
+            raise ValueError(
+                f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]"
+            )
+        return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
+    try:
+        n = len(tokens)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}") from None
+    try:
+        # struct's "I" accepts exactly the ints in [0, 2**32): type, sign and range in one C pass.
+        return struct.pack(f"={n}I", *tokens)
+    except struct.error:
+        pass
+    for i, t in enumerate(tokens):  # slow path, only to name the culprit
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise TypeError(f"{name}[{i}] = {t!r} is not an int ({type(t).__name__})")
+        if not 0 <= int(t) <= MAX_TOKEN_ID:
+            raise ValueError(f"{name}[{i}] = {int(t)} is not a token id in [0, {MAX_TOKEN_ID}]")
+    raise TypeError(f"{name} could not be read as token ids")  # pragma: no cover
+
+
+def unpack_tokens(packed: bytes) -> tuple[int, ...]:
+    return tuple(memoryview(packed).cast("I")) if packed else ()
+
+
+def _common_prefix_len(qb: bytes, pos: int, seg: bytes, k: int) -> int:
+    """Leading tokens that agree in qb[pos:pos+k] and seg[:k] (token units). The caller knows the
+    first token agrees and that a mismatch exists within the k tokens."""
+    if k <= _SHORT_COMPARE:
+        i = 1
+        q = TOKEN_BYTES * pos
+        while i < k and qb[q + 4 * i : q + 4 * i + 4] == seg[4 * i : 4 * i + 4]:
+            i += 1
+        return i
+    a = np.frombuffer(qb, dtype=_TOKEN_DTYPE, count=k, offset=TOKEN_BYTES * pos)
+    b = np.frombuffer(seg, dtype=_TOKEN_DTYPE, count=k)
+    return int(np.argmax(a != b))
+
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One compressed node: tokens at absolute positions [start, end) and their block ids.
+
+    `blocks[j]` is the block of index `start // B + j`; there are `(end-1)//B - start//B + 1`.
+    `head_shared` is True when `blocks[0]` is also owned by an ancestor (at the same index): a split
+    inside a block, or a request writing on into the partial tail block of its earlier insert.
+    Every other block of a node is owned by no ancestor, so a node is the *shallowest* owner of
+    `len(blocks) - head_shared` blocks (its "own" blocks).
+    """
+
+    node_id: int
+    parent: TreeNode | None
+    start: int
+    end: int
+    tokens: bytes  # packed uint32, (end - start) tokens
+    blocks: list[int]
+    head_shared: bool = False
+    children: dict[int, TreeNode] = field(default_factory=dict)  # keyed by first token
+    lock_ref: int = 0  # live lock handles on this node or a descendant
+    tick: int = 0  # logical time of the last acquire/insert through this node
+    evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_own_blocks(self) -> int:
+        return len(self.blocks) - self.head_shared
+
+    @property
+    def first_token(self) -> int:
+        return int(_unpack_token(self.tokens)[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.node_id}, [{self.start},{self.end}), blocks={self.blocks},"
+            f" lock_ref={self.lock_ref}, tick={self.tick})"
+        )
+
+
+class RadixTree:
+    """Structure, ownership and eviction order of the cached token paths.
+
+    Invariants (recomputed by `check_integrity`):
+    * the root holds no tokens and no blocks; every other node has >= 1 token, `start` equal to its
+      parent's `end`, is keyed in its parent's `children` by its first token, and holds exactly the
+      block ids of the indices its segment touches;
+    * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths), and
+      a node's tick is >= the ticks of its descendants;
+    * all owners of a block own it at the same block index and lie under its shallowest owner;
+      `head_shared` says whether a node's first block has an owner above it;
+    * the eviction index holds exactly the unlocked non-root leaves;
+    * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
+    * `num_nodes` (root excluded) and `num_cached_tokens` match the tree.
+
+    `version` changes on every structural mutation (split, new leaf, eviction, trim): a match taken
+    at an older version may point at nodes that moved.
+    """
+
+    def __init__(self, pool: BlockPool, eviction_key: EvictionKey = lru_key) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._next_node_id = 1
+        self.root = TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
+        self.index = EvictionIndex(eviction_key)
+        self.version = 0
+        self.num_nodes = 0
+        self.num_cached_tokens = 0
+        self.num_evictable_blocks = 0
+
+    # ------------------------------------------------------------------ reading
+    def walk(self, qb: bytes, limit: int) -> tuple[int, TreeNode, list[int]]:
+        """Longest cached prefix of the packed tokens `qb`, at most `limit` tokens. Mutates nothing.
+
+        Returns `(m, node, blocks)`: m matched tokens; `node` the deepest node touched (the root
+        when m == 0; it may be matched only partly, up to m); `blocks` the block ids of indices
+        0 .. ceil(m/B)-1, each from the deepest path node touching that index within [0, m).
+        """
+        node = self.root
+        blocks: list[int] = []
+        if limit <= 0:
+            return 0, node, blocks
+        B = self.block_size
+        qv = memoryview(qb).cast("I")
+        startswith = qb.startswith
+        pos = 0
+        while True:
+            child = node.children.get(qv[pos])
+            if child is None:
+                break
+            seg = child.tokens
+            start = child.start
+            length = child.end - start
+            rest = limit - pos
+            if length <= rest:
+                k = length
+                matched = k if startswith(seg, 4 * pos) else _common_prefix_len(qb, pos, seg, k)
+            else:
+                k = rest
+                whole = startswith(seg[: 4 * k], 4 * pos)
+                matched = k if whole else _common_prefix_len(qb, pos, seg, k)
+            cb = child.blocks
+            if matched != length:
+                cb = cb[: (start + matched - 1) // B - start // B + 1]
+            if start % B:
+                blocks[-1:] = cb  # the deeper node's copy of the shared index wins
+            else:
+                blocks += cb
+            pos += matched
+            node = child
+            if matched != length or pos == limit:
+                break
+        return pos, node, blocks
+
+    def path_block_at(self, node: TreeNode, index: int, end: int, block_id: int) -> bool:
+        """Whether a node on the path from the root to `node` (path cut at position `end`) owns
+        `block_id` at block `index`. O(depth); used only off the hot path."""
+        B = self.block_size
+        lo = index * B
+        while node is not self.root:
+            assert node is not None
+            if node.end <= lo:
+                break  # this node and every ancestor end before the index
+            first = node.start // B
+            if node.start < end and first <= index and node.blocks[index - first] == block_id:
+                return True
+            node = node.parent  # type: ignore[assignment]
+        return False
+
+    def is_attached(self, node: TreeNode) -> bool:
+        """Whether `node` belongs to this tree (is reachable from its root). O(depth)."""
+        while node.parent is not None:
+            node = node.parent
+        return node is self.root
+
+    # ---------------------------------------------------------------- structure
+    def split(self, node: TreeNode, p: int) -> TreeNode:
+        """Split `node` [s, e) at absolute position s < p < e; returns the NEW prefix node [s, p).
+
+        `node` itself becomes the suffix [p, e), so handles and references to it stay valid; the
+        prefix copies its lock_ref and tick. When p % B != 0 the block holding p is owned by both
+        halves (ref count +1). Ownership counts are unchanged otherwise; bumps `version`.
+        """
+        assert node.parent is not None and node.start < p < node.end, (node, p)
+        B = self.block_size
+        s = node.start
+        cut = TOKEN_BYTES * (p - s)
+        first = s // B
+        prefix = TreeNode(
+            node_id=self._new_node_id(),
+            parent=node.parent,
+            start=s,
+            end=p,
+            tokens=node.tokens[:cut],
+            blocks=node.blocks[: (p - 1) // B - first + 1],
+            head_shared=node.head_shared,
+            lock_ref=node.lock_ref,
+            tick=node.tick,
+        )
+        node.parent.children[node.first_token] = prefix
+        node.tokens = node.tokens[cut:]
+        node.start = p
+        node.blocks = node.blocks[p // B - first :]
+        node.parent = prefix
+        prefix.children[node.first_token] = node
+        if p % B:
+            self.pool.incref(node.blocks[0])
+            node.head_shared = True
+        else:
+            node.head_shared = False
+        self.num_nodes += 1
+        self.version += 1
+        return prefix
+
+    def attach_leaf(
+        self,
+        parent: TreeNode,
+        tokens: bytes,
+        blocks: list[int],
+        *,
+        head_shared: bool,
+        lock_ref: int,
+        tick: int,
+    ) -> TreeNode:
+        """Add a leaf under `parent` (which must end where the leaf starts and have no child with
+        the same first token). The caller has already taken ownership of `blocks` for the leaf
+        (transferred or increfed). A locked leaf (lock_ref > 0) needs its path locked by the caller.
+        Bumps `version`."""
+        start = parent.end
+        leaf = TreeNode(
+            node_id=self._new_node_id(),
+            parent=parent,
+            start=start,
+            end=start + len(tokens) // TOKEN_BYTES,
+            tokens=tokens,
+            blocks=blocks,
+            head_shared=head_shared,
+            lock_ref=lock_ref,
+            tick=tick,
+        )
+        first = leaf.first_token
+        assert first not in parent.children, f"parent {parent.node_id} already has child {first}"
+        assert parent.lock_ref >= lock_ref, "lock the parent path before attaching a locked leaf"
+        parent.children[first] = leaf
+        self.index.discard(parent)  # no longer a leaf
+        if lock_ref == 0:
+            self.num_evictable_blocks += leaf.num_own_blocks
+            self.index.add(leaf)
+        self.num_nodes += 1
+        self.num_cached_tokens += leaf.end - start
+        self.version += 1
+        return leaf
+
+    # ------------------------------------------------------------------ locking
+    def lock_path(self, node: TreeNode, tick: int) -> None:
+        """lock_ref += 1 and tick = `tick` on `node` and every ancestor (root included)."""
+        index = self.index
+        while node is not None:
+            if node.lock_ref == 0:
+                if node.evict_key is not None:
+                    index.discard(node)
+                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
+            node.lock_ref += 1
+            node.tick = tick
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock_path(self, node: TreeNode) -> None:
+        """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
+        the tick they already have."""
+        root = self.root
+        while node is not None:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += len(node.blocks) - node.head_shared
+                if not node.children and node is not root:
+                    self.index.add(node)
+            node = node.parent  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- eviction
+    def evict(self, num_blocks: int) -> tuple[list[int], int]:
+        """Free up to `num_blocks` blocks from unlocked leaves in eviction-key order.
+
+        A leaf whose own blocks are more than still needed is trimmed from its tail (its head
+        tokens stay cached; its end moves back to a block boundary); otherwise it is removed whole
+        and its parent, if now an unlocked leaf, joins the index with its own tick. O(log n) per
+        leaf.
+        Returns (freed block ids in the order freed, tail first; tokens removed from the tree).
+        """
+        B = self.block_size
+        pool = self.pool
+        index = self.index
+        freed: list[int] = []
+        num_tokens = 0
+        while len(freed) < num_blocks and index:
+            leaf = index.first()
+            need = num_blocks - len(freed)
+            own = len(leaf.blocks) - leaf.head_shared
+            if own > need:
+                # Trim: drop the last `need` blocks; they are owned by this leaf alone.
+                new_end = (leaf.start // B + len(leaf.blocks) - need) * B
+                assert leaf.start < new_end < leaf.end
+                num_tokens += leaf.end - new_end
+                leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
+                leaf.end = new_end
+                tail = leaf.blocks[-need:]
+                del leaf.blocks[-need:]
+                for b in reversed(tail):
+                    released = pool.decref(b)
+                    assert released, f"trimmed block {b} had another owner"
+                    freed.append(b)
+                self.num_evictable_blocks -= need
+            else:
+                index.discard(leaf)
+                parent = leaf.parent
+                assert parent is not None
+                del parent.children[leaf.first_token]
+                leaf.parent = None
+                for b in reversed(leaf.blocks):
+                    if pool.decref(b):
+                        freed.append(b)
+                self.num_evictable_blocks -= own
+                self.num_nodes -= 1
+                num_tokens += leaf.end - leaf.start
+                if parent.lock_ref == 0 and not parent.children and parent is not self.root:
+                    index.add(parent)
+            self.version += 1
+        self.num_cached_tokens -= num_tokens
+        return freed, num_tokens
+
+    # ------------------------------------------------------------------ display
+    def iter_nodes(self) -> Iterator[tuple[TreeNode, int]]:
+        """(node, depth) depth-first from the root, children in increasing first-token order."""
+        stack = [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            yield node, depth
+            for key in sorted(node.children, reverse=True):
+                stack.append((node.children[key], depth + 1))
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self, handles_on: Mapping[int, int], clock: int) -> dict[int, int]:
+        """Recompute the invariants in the class docstring; raise AssertionError on a violation.
+
+        `handles_on` maps node id -> live handles on that node; `clock` is the last tick handed out.
+        Returns block id -> number of owning nodes, for the caller's ref-count check.
+        """
+        B = self.block_size
+        root = self.root
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"radix tree integrity: {msg}")
+
+        if root.parent is not None or root.tokens or root.blocks or root.start or root.end:
+            fail("root must hold nothing")
+        if root.evict_key is not None:
+            fail("root is in the eviction index")
+        order: list[TreeNode] = []
+        depth_of: dict[int, int] = {0: 0}
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            for key, child in node.children.items():
+                nid = child.node_id
+                if nid in depth_of:
+                    fail(f"node id {nid} appears twice")
+                depth_of[nid] = depth_of[node.node_id] + 1
+                if child.parent is not node:
+                    fail(f"node {nid} has a wrong parent pointer")
+                if child.start != node.end or child.end <= child.start:
+                    fail(f"node {nid} covers [{child.start},{child.end}) under end {node.end}")
+                if len(child.tokens) != TOKEN_BYTES * (child.end - child.start):
+                    fail(f"node {nid} token segment length does not match [start, end)")
+                if key != child.first_token:
+                    fail(f"node {nid} keyed by {key} but starts with {child.first_token}")
+                expect = (child.end - 1) // B - child.start // B + 1
+                if len(child.blocks) != expect:
+                    fail(f"node {nid} holds {len(child.blocks)} block ids, needs {expect}")
+                for b in child.blocks:
+                    if not 0 <= b < self.pool.num_blocks:
+                        fail(f"node {nid} holds out-of-range block id {b}")
+                if child.tick > node.tick:
+                    fail(f"node {nid} tick {child.tick} is newer than its parent's {node.tick}")
+                stack.append(child)
+        if len(order) - 1 != self.num_nodes:
+            fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - 1}")
+        tokens = sum(n.end - n.start for n in order)
+        if tokens != self.num_cached_tokens:
+            fail(f"num_cached_tokens is {self.num_cached_tokens}, tree holds {tokens}")
+
+        # Locks: bottom-up sums of handles (reverse pre-order visits children before parents).
+        subtree: dict[int, int] = {}
+        for node in reversed(order):
+            total = handles_on.get(node.node_id, 0) + sum(
+                subtree[c.node_id] for c in node.children.values()
+            )
+            subtree[node.node_id] = total
+            if node.lock_ref != total:
+                fail(f"node {node.node_id} lock_ref {node.lock_ref} != {total} handles in subtree")
+            if node.tick > clock:
+                fail(f"node {node.node_id} tick {node.tick} is ahead of the clock {clock}")
+        unknown = set(handles_on) - set(subtree)
+        if unknown:
+            fail(f"live handles point at detached nodes {sorted(unknown)}")
+
+        # Ownership: owners per block, the shallowest owner, and head_shared.
+        owners: dict[int, int] = {}
+        index_of: dict[int, int] = {}
+        shallowest: dict[int, TreeNode] = {}
+        for node in order[1:]:
+            for j, b in enumerate(node.blocks):
+                owners[b] = owners.get(b, 0) + 1
+                i = node.start // B + j
+                if index_of.setdefault(b, i) != i:
+                    fail(f"block {b} is owned at block indices {index_of[b]} and {i}")
+                top = shallowest.get(b)
+                if top is None or depth_of[node.node_id] < depth_of[top.node_id]:
+                    shallowest[b] = node
+            head = bool(node.blocks) and self._ancestor_owns(node, node.start // B, node.blocks[0])
+            if head != node.head_shared:
+                fail(f"node {node.node_id} head_shared={node.head_shared}, recomputed {head}")
+        for node in order[1:]:
+            for b in node.blocks:
+                top = shallowest[b]
+                up: TreeNode | None = node
+                while up is not None and up is not top:
+                    up = up.parent
+                if up is None:
+                    fail(f"owners of block {b} are not all under its shallowest owner")
+        evictable = sum(1 for b, top in shallowest.items() if top.lock_ref == 0)
+        if evictable != self.num_evictable_blocks:
+            fail(f"num_evictable_blocks is {self.num_evictable_blocks}, recomputed {evictable}")
+        by_own = sum(n.num_own_blocks for n in order[1:] if n.lock_ref == 0)
+        if by_own != evictable:
+            fail(f"own-block sum {by_own} over unlocked nodes != evictable blocks {evictable}")
+
+        # Eviction index == unlocked non-root leaves, each under its current key.
+        expected = {n.node_id for n in order[1:] if n.lock_ref == 0 and not n.children}
+        members = self.index.items()
+        got = {n.node_id for _, n in members}
+        if len(got) != len(members) or got != expected:
+            fail(f"eviction index {sorted(got)} != unlocked leaves {sorted(expected)}")
+        for key, n in members:
+            if n.evict_key != key or key != self.index.key(n):
+                fail(f"node {n.node_id} is indexed under a stale key {key}")
+        for n in order:
+            if n.evict_key is not None and n.node_id not in expected:
+                fail(f"node {n.node_id} carries an eviction key but is not a member")
+        return owners
+
+    # ---------------------------------------------------------------- internals
+    def _ancestor_owns(self, node: TreeNode, index: int, block_id: int) -> bool:
+        parent = node.parent
+        return parent is not None and self.path_block_at(parent, index, node.start, block_id)
+
+    def _new_node_id(self) -> int:
+        nid = self._next_node_id
+        self._next_node_id = nid + 1
+        return nid

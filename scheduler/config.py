@@ -1,0 +1,43 @@
+"""Scheduler settings, validated at construction so a bad value never reaches a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Bounds of one continuous-batching step and the waiting-queue policy.
+
+    Raises TypeError / ValueError on construction for a wrong type or an out-of-range value.
+    """
+
+    max_num_seqs: int = 256  # running requests at once (decoding or mid-prefill)
+    max_num_batched_tokens: int = 2048  # tokens computed per step, all rows together
+    chunked_prefill_size: int = 512  # prefill tokens per request per step
+    policy: str = "lpm"  # waiting order: "fcfs" (arrival) | "lpm" (longest cached prefix first)
+    # False: no match and no insert; every block is private and freed at finish. Used to check that
+    # output with the cache off equals output with it on.
+    enable_prefix_cache: bool = True
+    max_model_len: int = 8192  # the model's context: prompt + generated tokens of one sequence
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "chunked_prefill_size",
+            "max_model_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise TypeError(
+                f"enable_prefix_cache must be a bool, got {type(self.enable_prefix_cache).__name__}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")

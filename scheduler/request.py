@@ -1,0 +1,143 @@
+"""One generation request: its tokens, how far its KV is written, and the blocks it uses.
+
+Token regions of a request (B = block size):
+
+    0 ........... num_computed_tokens ............. len(all_token_ids)
+    | KV written (cached prefix +  |  still to compute: the rest of the     |
+    | computed chunks / decodes)   |  prompt, or the last sampled token     |
+
+While running, at least one token is still to compute (the last sampled token has no KV yet), so
+`num_computed_tokens < len(all_token_ids)`; the next row computes from `num_computed_tokens` on.
+The scheduler owns the block bookkeeping fields; everything else is read-only to callers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from radixkv.prefix_cache import LockHandle
+from radixkv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # a stop token or EOS was sampled
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A prompt, the tokens generated so far, and the scheduler's bookkeeping for it.
+
+    Invariants while RUNNING (checked by `Scheduler.check_integrity`):
+    * `num_computed_tokens < len(all_token_ids)` and `block_table` covers at least
+      `ceil(num_computed_tokens / B)` blocks;
+    * `private_block_ids` is a subset of `block_table` (blocks from `allocate()` not yet adopted by
+      the tree); the other entries are tree blocks protected by `handle`.
+    While WAITING or finished: no blocks, no handle, `num_computed_tokens == 0`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        for t in (*self.prompt_token_ids, *self.eos_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"token ids must be ints >= 0, got {t!r}")
+
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output
+        self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
+        self.num_cached_tokens = 0  # cache hit at the first admission
+        self.last_num_cached_tokens = 0  # cache hit at the latest admission (after preemption)
+        self.num_preemptions = 0
+
+        # Scheduler-owned block bookkeeping (empty unless RUNNING).
+        self.block_table: list[int] = []  # physical block of each block index, in order
+        self.private_block_ids: set[int] = set()  # entries of block_table we must free()
+        self.handle: LockHandle | None = None  # lock on the tree path our shared blocks live on
+        # Tree block whose first `num_computed_tokens % B` slots we must copy into a private block
+        # before writing the rest of it (an insert handed us another owner's partial tail block).
+        self.tail_copy_src: int | None = None
+        self.num_prefill_tokens = 0  # len(all_token_ids) at the latest admission
+        self.admit_seq = -1  # admission order among running requests (preemption picks the max)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def max_num_tokens(self, max_model_len: int) -> int:
+        """Longest `all_token_ids` can become: generation stops at max_tokens or max_model_len."""
+        room = max(1, max_model_len - self.num_prompt_tokens)
+        return self.num_prompt_tokens + min(self.params.max_tokens, room)
+
+    def append_output_token(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token and finish the request if it stops generation."""
+        assert self.status is RequestStatus.RUNNING, (
+            f"{self.request_id}: append while {self.status}"
+        )
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if token_id in self.params.stop_token_ids or (
+            not self.params.ignore_eos and token_id in self.eos_token_ids
+        ):
+            self.set_finished(RequestStatus.FINISHED_STOPPED)
+        elif (
+            len(self.output_token_ids) >= self.params.max_tokens
+            or len(self.all_token_ids) >= max_model_len
+        ):
+            self.set_finished(RequestStatus.FINISHED_LENGTH)
+
+    def set_finished(self, status: RequestStatus) -> None:
+        assert status.is_finished, status
+        self.status = status
+        self.finish_reason = _FINISH_REASONS[status]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )

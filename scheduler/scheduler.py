@@ -1,0 +1,450 @@
+"""Continuous batching over the prefix cache: who runs this step, with which tokens and blocks.
+
+Layers: `Request` (tokens, progress) -> block table (tree blocks protected by the request's
+`LockHandle` + private blocks from `allocate()`) -> `PrefixCache` (radix tree over the block pool).
+
+One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
+ 1. Decode rows: running requests with one token left to compute, oldest admission first. A token
+    that opens a new block gets one; if none can be had even after eviction, the most recently
+    admitted running request not yet scheduled this step is preempted by recompute (possibly the
+    requester itself), and the allocation is retried.
+ 2. Prefill rows: running requests mid-prefill continue with their next chunk.
+ 3. Admission (skipped in a step that preempted): waiting requests in policy order; it stops at the
+    first that does not fit, so a large request is delayed, never skipped for ever.
+
+Admission allocates the blocks for the whole uncached part of the sequence at once, not per chunk:
+admission is a reservation, so an admitted prefill never stalls half-way or preempts others for its
+own chunks, and preemption is a decode-time event. The price: a long prompt holds all its blocks
+from its first chunk on, so fewer requests are admitted under pressure than with per-chunk blocks.
+
+`update_from_output()` advances each row, inserts the written prefix into the tree after every
+prefill chunk (concurrent requests with the same prefix share it at once; the lock moves to the
+new deepest node), appends sampled tokens and finishes requests (insert everything written,
+release the lock, free what is still private).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping
+
+from radixkv.prefix_cache import PrefixCache
+from radixkv.scheduler.config import SchedulerConfig
+from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.policy import make_policy
+from radixkv.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Continuous-batching scheduler. Deterministic: no wall clock, no randomness.
+
+    Invariants (recomputed by `check_integrity`):
+    * every live request is either in the waiting queue (no blocks, no handle) or running;
+    * at most `max_num_seqs` running; each running request's table covers its written tokens, its
+      private blocks are entries of its table and no block is private to two requests;
+    * with nothing running, the cache has nothing in use (no lock, no private block): no leak.
+    """
+
+    def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None) -> None:
+        self.cache = cache
+        self.config = config if config is not None else SchedulerConfig()
+        self._block_size = cache.block_size
+        self._use_cache = self.config.enable_prefix_cache
+        self._policy = make_policy(self.config.policy)
+        self._waiting: deque[Request] = deque()  # FCFS order; preempted requests at the front
+        self._running: dict[str, Request] = {}  # in admission order
+        self._requests: dict[str, Request] = {}  # every live (waiting or running) request
+        self._num_admissions = 0
+        self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
+        self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live (waiting or running) request with this id, else None."""
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. ValueError if it can never run (longer than the model's context or
+        than the whole cache), has an empty prompt, or reuses a live id."""
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(
+                f"request {rid!r}: a request with this id is already queued or running"
+            )
+        if request.status is not RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {rid!r}: only a new request can be added ({request.status})")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        max_len = self.config.max_model_len
+        if num_prompt > max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_prompt} tokens is longer than the model's "
+                f"context (max_model_len={max_len})"
+            )
+        # NOTE: the last token of a finished sequence has no KV, hence the - 1.
+        max_kv_tokens = request.max_num_tokens(max_len) - 1
+        num_blocks = _cdiv(max_kv_tokens, self._block_size)
+        if num_blocks > self.cache.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_prompt} tokens + up to "
+                f"{max_kv_tokens + 1 - num_prompt} generated tokens need {num_blocks} KV blocks of "
+                f"{self._block_size} tokens, but the whole cache has {self.cache.num_blocks}"
+            )
+        self._waiting.append(request)
+        self._requests[rid] = request
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request as aborted and free everything it holds (its written
+        KV is not inserted). False if no live request has this id (e.g. it just finished)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            del self._running[request_id]
+            self._release(req)
+        else:
+            self._waiting.remove(req)  # O(len(waiting)): aborts are rare, not the hot path
+        req.set_finished(RequestStatus.FINISHED_ABORTED)
+        self._aborted_ids.append(request_id)
+        return True
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's rows; allocate, copy-on-write and preempt as needed.
+
+        Each non-empty output must be passed to `update_from_output` before the next call.
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(
+                "schedule() called again before update_from_output() of the last step"
+            )
+        budget = self.config.max_num_batched_tokens
+        rows: list[ScheduledRequest] = []
+        copies: list[BlockCopy] = []
+        preempted: list[str] = []
+        scheduled: set[str] = set()
+
+        # 1. Decodes (and one-token prefill remainders), then 2. prefill chunks of running requests.
+        for decode_pass in (True, False):
+            for req in list(self._running.values()):
+                if budget == 0:
+                    break
+                remaining = req.num_tokens_to_compute
+                if req.status is not RequestStatus.RUNNING or (remaining == 1) != decode_pass:
+                    continue
+                n = min(remaining, self.config.chunked_prefill_size, budget)
+                row = self._schedule_running(req, n, scheduled, copies, preempted)
+                if row is not None:
+                    rows.append(row)
+                    budget -= n
+
+        # 3. Admission. A step that had to preempt has no blocks to spare.
+        if not preempted:
+            budget = self._admit(budget, rows, copies)
+
+        output = SchedulerOutput(
+            rows=tuple(rows),
+            copies=tuple(copies),
+            preempted_ids=tuple(preempted),
+            finished_ids=tuple(self._aborted_ids),
+        )
+        self._aborted_ids.clear()
+        if rows:
+            self._in_flight = output
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[Request]:
+        """Record that the KV of `output`'s rows is written and the tokens sampled for the rows
+        with `sample=True`. Returns the requests that finished (stop / length) in this step.
+
+        Rows of requests aborted since `schedule()` are ignored (their sampled token too).
+        """
+        if output.is_empty:
+            if sampled:
+                raise ValueError("tokens sampled for an empty step")
+            return []
+        if output is not self._in_flight:
+            raise ValueError("output is not the pending result of the last schedule()")
+        sampling = {r.request_id for r in output.rows if r.sample}
+        if set(sampled) != sampling:
+            raise ValueError(
+                f"sampled tokens must be given exactly for the rows with sample=True: missing "
+                f"{sorted(sampling - set(sampled))}, unexpected {sorted(set(sampled) - sampling)}"
+            )
+        for rid, token in sampled.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(
+                    f"request {rid!r}: sampled token must be an int >= 0, got {token!r}"
+                )
+        self._in_flight = None
+
+        finished: list[Request] = []
+        for row in output.rows:
+            req = self._running.get(row.request_id)
+            if req is None:
+                continue  # aborted since schedule()
+            assert row.start_position == req.num_computed_tokens, (row, req)
+            is_prefill = row.start_position < req.num_prefill_tokens
+            req.num_computed_tokens += len(row.token_ids)
+            if row.sample:
+                req.append_output_token(sampled[row.request_id], self.config.max_model_len)
+            if self._use_cache and (is_prefill or req.is_finished):
+                self._insert_written(req)
+            if req.is_finished:
+                del self._running[req.request_id]
+                del self._requests[req.request_id]
+                self._release(req)
+                finished.append(req)
+        return finished
+
+    # ------------------------------------------------------------------ running requests
+
+    def _schedule_running(
+        self,
+        req: Request,
+        num_tokens: int,
+        scheduled: set[str],
+        copies: list[BlockCopy],
+        preempted: list[str],
+    ) -> ScheduledRequest | None:
+        """Row for the next `num_tokens` of a running request, preempting others for blocks if
+        needed. None if the request itself had to be preempted."""
+        start = req.num_computed_tokens
+        end = start + num_tokens
+        while True:
+            need = max(0, _cdiv(end, self._block_size) - len(req.block_table))
+            need += req.tail_copy_src is not None
+            blocks = self.cache.allocate(need) if need else []
+            if blocks is not None:
+                break
+            # The most recently admitted request not yet in this step's batch; the requester is a
+            # candidate itself, so this always finds one.
+            victim = next(
+                r for r in reversed(self._running.values()) if r.request_id not in scheduled
+            )
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return None
+
+        new_blocks = iter(blocks)
+        if req.tail_copy_src is not None:
+            # An insert handed us another owner's partial tail: copy its valid slots, write ours.
+            index, num_slots = divmod(start, self._block_size)
+            assert num_slots and req.block_table[index] == req.tail_copy_src, (req, start)
+            dst = next(new_blocks)
+            copies.append(BlockCopy(req.tail_copy_src, dst, num_slots))
+            req.block_table[index] = dst
+            req.private_block_ids.add(dst)
+            req.tail_copy_src = None
+        for block in new_blocks:
+            req.block_table.append(block)
+            req.private_block_ids.add(block)
+        scheduled.add(req.request_id)
+        return self._row(req, start, end)
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: insert what it wrote (so its restart is mostly a cache hit), drop
+        its lock and private blocks, put it at the front of the waiting queue."""
+        logger.debug("preempting %s", req)
+        if self._use_cache:
+            self._insert_written(req)
+        del self._running[req.request_id]
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._waiting.appendleft(req)
+
+    def _insert_written(self, req: Request) -> None:
+        """Insert tokens [0, num_computed_tokens) and adopt the canonical table the tree returns."""
+        n = req.num_computed_tokens
+        if n == 0:
+            return
+        num_blocks = _cdiv(n, self._block_size)
+        table = req.block_table
+        old_tail = table[num_blocks - 1]
+        result = self.cache.insert(req.all_token_ids[:n], table[:num_blocks], handle=req.handle)
+        req.handle = result.handle
+        assert len(result.block_ids) == num_blocks, (result, n)
+        # Private blocks of the inserted range: the tree adopted some, freed our duplicates of
+        # what it had; it tells which are still ours. Blocks past the range are untouched.
+        req.private_block_ids.difference_update(table[:num_blocks])
+        req.private_block_ids.update(result.owned_block_ids)
+        table[:num_blocks] = result.block_ids
+        req.tail_copy_src = None
+        # NOTE: the request may go on writing the rest of a partial tail block only if it is the
+        # block it wrote (the tree vouches for the inserted slots alone). If the tree already had
+        # these tokens in another block, that block's later slots belong to its owner: copy-on-write
+        # before our next write into it.
+        if n % self._block_size and not req.is_finished and result.block_ids[-1] != old_tail:
+            req.tail_copy_src = result.block_ids[-1]
+
+    def _release(self, req: Request) -> None:
+        """Unlock and free everything a request holds (after its insert, if any)."""
+        if req.handle is not None:
+            self.cache.release(req.handle)
+        if req.private_block_ids:
+            # Tail blocks first so they are the last handed out again (their data is the newest).
+            order = {b: i for i, b in enumerate(req.block_table)}
+            self.cache.free(sorted(req.private_block_ids, key=order.__getitem__, reverse=True))
+        req.handle = None
+        req.block_table = []
+        req.private_block_ids = set()
+        req.tail_copy_src = None
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, budget: int, rows: list[ScheduledRequest], copies: list[BlockCopy]) -> int:
+        max_seqs = self.config.max_num_seqs
+        if not self._waiting or budget == 0 or len(self._running) >= max_seqs:
+            return budget
+        admitted: list[Request] = []
+        cache_view = self.cache if self._use_cache else None
+        for req in self._policy.order(self._waiting, cache_view):
+            if budget == 0 or len(self._running) >= max_seqs:
+                break
+            row = self._try_admit(req, budget, copies, use_hit=True)
+            if row is None and not self._running:
+                # NOTE: with nothing running nothing is locked, so the request fits without its hit
+                # (add_request checked it fits the whole cache). With the hit it may not: the
+                # copy-on-write sources along its path stay locked beside its own blocks.
+                row = self._try_admit(req, budget, copies, use_hit=False)
+                assert row is not None, f"{req} does not fit an idle cache"
+            if row is None:
+                break
+            admitted.append(req)
+            rows.append(row)
+            budget -= len(row.token_ids)
+        if admitted:
+            # The admitted are a prefix of the policy order; for FCFS also of the queue.
+            gone = {r.request_id for r in admitted}
+            while self._waiting and self._waiting[0].request_id in gone:
+                gone.discard(self._waiting.popleft().request_id)
+            if gone:
+                self._waiting = deque(r for r in self._waiting if r.request_id not in gone)
+        return budget
+
+    def _try_admit(
+        self, req: Request, budget: int, copies: list[BlockCopy], *, use_hit: bool
+    ) -> ScheduledRequest | None:
+        """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None (and
+        nothing changed) if the blocks are not there."""
+        tokens = req.all_token_ids
+        table: list[int] = []
+        num_partial_slots = 0
+        match = None
+        if self._use_cache:
+            # NOTE: the last token is always computed, so there are logits to sample from.
+            match = self.cache.match(tokens, max_tokens=len(tokens) - 1 if use_hit else 0)
+            table = list(match.block_ids)
+            num_partial_slots = match.num_partial_slots
+        num_hit = match.num_cached_tokens if match is not None else 0
+        num_new_blocks = _cdiv(len(tokens), self._block_size) - len(table) + bool(num_partial_slots)
+        if not self.cache.can_allocate(num_new_blocks):
+            return None
+        # Lock before allocating, or the allocation may evict the blocks we just matched.
+        handle = self.cache.acquire(match) if match is not None else None
+        blocks = self.cache.allocate(num_new_blocks) if num_new_blocks else []
+        if blocks is None:  # can_allocate counted our own matched blocks as evictable
+            if handle is not None:
+                self.cache.release(handle)
+            return None
+        if num_partial_slots:
+            # Copy-on-write: never write into a tree block we got from a match.
+            copies.append(BlockCopy(table[-1], blocks[0], num_partial_slots))
+            table[-1] = blocks[0]
+        table.extend(blocks[1:] if num_partial_slots else blocks)
+
+        req.block_table = table
+        req.private_block_ids = set(blocks)
+        req.handle = handle
+        req.num_computed_tokens = num_hit
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit
+        req.last_num_cached_tokens = num_hit
+        req.num_prefill_tokens = len(tokens)
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = self._num_admissions
+        self._num_admissions += 1
+        self._running[req.request_id] = req
+        num_tokens = min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget)
+        return self._row(req, num_hit, num_hit + num_tokens)
+
+    def _row(self, req: Request, start: int, end: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=tuple(req.all_token_ids[start:end]),
+            start_position=start,
+            block_table=tuple(req.block_table[: _cdiv(end, self._block_size)]),
+            sample=end == req.num_tokens,
+        )
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_integrity(self) -> None:
+        """Recompute the scheduler's invariants (see the class docstring), then the cache's."""
+        self.cache.check_integrity()
+        B = self._block_size
+        waiting_ids = [r.request_id for r in self._waiting]
+        assert len(set(waiting_ids)) == len(waiting_ids), f"duplicate in waiting: {waiting_ids}"
+        assert not set(waiting_ids) & set(self._running), "request both waiting and running"
+        assert set(waiting_ids) | set(self._running) == set(self._requests), "registry out of sync"
+        assert len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs"
+        for req in self._waiting:
+            assert req.status is RequestStatus.WAITING, req
+            assert not req.block_table and not req.private_block_ids and req.handle is None, req
+            assert req.num_computed_tokens == 0 and req.tail_copy_src is None, req
+        private_owner: dict[int, str] = {}
+        admit_seqs = [r.admit_seq for r in self._running.values()]
+        assert admit_seqs == sorted(admit_seqs), f"running not in admission order: {admit_seqs}"
+        for rid, req in self._running.items():
+            assert req.request_id == rid and req.status is RequestStatus.RUNNING, req
+            assert 0 <= req.num_computed_tokens < req.num_tokens, req
+            assert len(req.block_table) >= _cdiv(req.num_computed_tokens, B), req
+            assert len(req.block_table) <= _cdiv(req.num_tokens, B), req
+            assert len(set(req.block_table)) == len(req.block_table), f"{req}: {req.block_table}"
+            assert all(0 <= b < self.cache.num_blocks for b in req.block_table), req.block_table
+            assert req.private_block_ids <= set(req.block_table), req
+            assert (req.handle is not None) == self._use_cache, req
+            if req.tail_copy_src is not None:
+                index, slots = divmod(req.num_computed_tokens, B)
+                assert slots and req.block_table[index] == req.tail_copy_src, req
+                assert req.tail_copy_src not in req.private_block_ids, req
+            for b in req.private_block_ids:
+                assert b not in private_owner, f"block {b} private to {private_owner[b]} and {rid}"
+                private_owner[b] = rid
+        stats = self.cache.stats()
+        assert len(private_owner) <= stats.num_in_use_blocks, (len(private_owner), stats)
+        if not self._running:
+            assert stats.num_in_use_blocks == 0, f"blocks in use with nothing running: {stats}"
+        if not self._use_cache:
+            assert stats.num_in_use_blocks == len(private_owner), stats
+            assert stats.num_free_blocks == stats.num_blocks - len(private_owner), stats

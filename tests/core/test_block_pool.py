@@ -1,0 +1,114 @@
+"""BlockPool: free list, ref counts, stats, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv import BlockPool
+
+
+@pytest.fixture
+def pool() -> BlockPool:
+    return BlockPool(num_blocks=8, block_size=16)
+
+
+def test_fresh_pool_hands_out_ids_in_order(pool: BlockPool) -> None:
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) == [3, 4]
+    assert [pool.ref_count(b) for b in range(8)] == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert (pool.num_free, pool.num_used) == (3, 5)
+    pool.check_integrity()
+
+
+def test_allocate_too_many_returns_none_and_changes_nothing(pool: BlockPool) -> None:
+    pool.allocate(6)
+    before = pool.stats()
+    assert pool.allocate(3) is None
+    assert pool.stats() == before
+    assert pool.allocate(0) == []
+    pool.check_integrity()
+
+
+def test_blocks_freed_together_come_back_in_the_same_order(pool: BlockPool) -> None:
+    ids = pool.allocate(5)
+    pool.free([3, 1, 4])
+    assert pool.allocate(3) == [3, 1, 4]
+    assert ids == [0, 1, 2, 3, 4]
+    pool.check_integrity()
+
+
+def test_block_returns_to_free_list_only_when_last_owner_goes(pool: BlockPool) -> None:
+    (b,) = pool.allocate(1)
+    pool.incref(b)
+    pool.incref(b)
+    assert pool.ref_count(b) == 3
+    assert pool.decref(b) is False
+    assert pool.decref(b) is False
+    assert pool.num_free == 7
+    assert pool.decref(b) is True
+    assert pool.num_free == 8 and pool.is_free(b)
+    pool.check_integrity()
+
+
+def test_double_free_and_incref_of_free_block_raise(pool: BlockPool) -> None:
+    a, b = pool.allocate(2)
+    pool.free([a])
+    with pytest.raises(ValueError, match="already free"):
+        pool.free([b, a])  # validated first: b must not be freed either
+    assert pool.ref_count(b) == 1
+    with pytest.raises(ValueError, match="already free"):
+        pool.decref(a)
+    with pytest.raises(ValueError, match="free block cannot gain an owner"):
+        pool.incref(a)
+    with pytest.raises(ValueError, match="repeated"):
+        pool.free([b, b])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free([8])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.decref(-1)
+    with pytest.raises(TypeError, match="must be an int"):
+        pool.free([1.0])
+    assert pool.ref_count(b) == 1
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "msg"),
+    [
+        ((0, 16), ValueError, "num_blocks must be >= 1"),
+        ((-3, 16), ValueError, "num_blocks must be >= 1"),
+        ((8, 0), ValueError, "block_size must be >= 1"),
+        ((8.0, 16), TypeError, "num_blocks must be an int"),
+        ((8, True), TypeError, "block_size must be an int, got bool"),
+    ],
+)
+def test_bad_sizes_raise(args: tuple[object, object], exc: type[Exception], msg: str) -> None:
+    with pytest.raises(exc, match=msg):
+        BlockPool(*args)  # type: ignore[arg-type]
+
+
+def test_bad_allocate_counts_raise(pool: BlockPool) -> None:
+    with pytest.raises(ValueError, match="num_blocks must be >= 0"):
+        pool.allocate(-1)
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        pool.allocate(2.5)  # type: ignore[arg-type]
+    assert pool.num_free == 8
+
+
+def test_stats_count_traffic(pool: BlockPool) -> None:
+    ids = pool.allocate(4)
+    pool.free(ids[:3])
+    s = pool.stats()
+    assert (s.num_blocks, s.block_size, s.num_free_blocks, s.num_used_blocks) == (8, 16, 7, 1)
+    assert (s.num_allocated_total, s.num_freed_total) == (4, 3)
+
+
+def test_check_integrity_catches_corruption(pool: BlockPool) -> None:
+    pool.allocate(2)
+    pool._refs[5] = 1  # used, yet still on the free list
+    with pytest.raises(AssertionError, match="block 5"):
+        pool.check_integrity()
+    pool._refs[5] = 0
+    pool._free.append(0)  # a used block on the free list, and twice in total
+    with pytest.raises(AssertionError):
+        pool.check_integrity()

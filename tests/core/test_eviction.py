@@ -1,0 +1,180 @@
+"""Eviction: exact LRU order (logical clock), locks, parents, trimming, ties, shortfalls."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.eviction import EvictionIndex
+from radixkv.radix_tree import TreeNode
+
+
+def put(cache, tokens: list[int]) -> tuple[int, ...]:
+    """Insert `tokens` with freshly allocated blocks (no match) and unlock; the canonical table."""
+    blocks = cache.allocate(-(-len(tokens) // cache.block_size))
+    result = cache.insert(tokens, blocks)
+    cache.release(result.handle)
+    cache.free(result.owned_block_ids)
+    return result.block_ids
+
+
+def touch(cache, tokens: list[int]) -> None:
+    """A request that uses the cached prefix of `tokens` and finishes: refreshes its recency."""
+    cache.release(cache.acquire(cache.match(tokens)))
+
+
+A = [10, 11, 12, 13, 14, 15, 16, 17]
+B = [20, 21, 22, 23, 24, 25, 26, 27]
+C = [30, 31, 32, 33, 34, 35, 36, 37]
+
+
+def test_least_recently_used_first_tail_blocks_first(make_cache) -> None:
+    cache = make_cache(16, 4)
+    assert [put(cache, s) for s in (A, B, C)] == [(0, 1), (2, 3), (4, 5)]
+    touch(cache, A)  # A is now the most recent
+    assert cache.evict(2) == [3, 2]  # B, tail block first
+    assert cache.evict(3) == [5, 4, 1]  # C whole, then A trimmed to its head block
+    assert cache.match(A).num_cached_tokens == 4
+    assert cache.match(B).num_cached_tokens == 0
+    s = cache.stats()
+    assert (s.num_evicted_blocks, s.num_evicted_tokens) == (5, 20)
+
+
+def test_same_operations_give_the_same_evictions(make_cache) -> None:
+    def run() -> list[int]:
+        cache = make_cache(16, 4)
+        for s in (A, B, C, [*A[:6], 99, 98], B[:3]):
+            put(cache, s)
+        touch(cache, C)
+        return cache.evict(16)
+
+    first = run()
+    assert first == run()
+    assert first == [7, 1, 0, 3, 2, 5, 4]
+
+
+def test_locked_paths_are_never_evicted(make_cache) -> None:
+    cache = make_cache(16, 4)
+    for s in (A, B, C):
+        put(cache, s)
+    h = cache.acquire(cache.match(A))
+    assert cache.evict(100) == [3, 2, 5, 4]  # everything but A; fewer than asked
+    assert cache.evict(1) == []
+    assert cache.match(A).num_cached_tokens == 8
+    assert (cache.num_evictable_blocks, cache.num_in_use_blocks) == (0, 2)
+    cache.release(h)
+    assert cache.num_evictable_blocks == 2
+    assert cache.evict(5) == [1, 0]
+    assert cache.num_free_blocks == 16 and cache.stats().num_nodes == 0
+
+
+def test_a_lock_on_a_prefix_keeps_it_after_its_children_go(make_cache) -> None:
+    cache = make_cache(16, 4)
+    put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    put(cache, [1, 2, 3, 4, 9, 9, 9, 9])  # splits at 4: prefix [0,4) with two children
+    h = cache.acquire(cache.match([1, 2, 3, 4, 0]))  # locks the prefix node only
+    assert cache.evict(10) == [1, 3]  # both children go, the locked prefix stays
+    assert cache.stats().num_nodes == 1
+    cache.release(h)  # now an unlocked leaf: it joins the evictable set
+    assert cache.evict(10) == [0]
+
+
+@pytest.mark.parametrize(
+    ("touch_prefix", "expected"),
+    [
+        (False, [1, 3, 0, 2]),  # the parent enters with its own (older) tick: before Q
+        (True, [1, 3, 2, 0]),  # refreshed by a request that used only the prefix: after Q
+    ],
+)
+def test_parent_joins_when_its_last_child_is_gone(make_cache, touch_prefix, expected) -> None:
+    cache = make_cache(16, 4)
+    P = [1, 2, 3, 4]
+    assert put(cache, [*P, 5, 6, 7, 8]) == (0, 1)  # tick 1
+    assert put(cache, [*P, 9, 9, 9, 9]) == (0, 3)  # tick 2: block 2 duplicated block 0, freed
+    assert put(cache, [50, 51, 52, 53]) == (2,)  # Q, tick 3 (reuses the freed block 2)
+    if touch_prefix:
+        touch(cache, [*P, 0])  # tick 4 on the prefix node only
+    freed = [cache.evict(1) for _ in range(4)]
+    assert freed == [[b] for b in expected]
+
+
+def test_parent_is_not_evictable_while_it_has_a_child(make_cache) -> None:
+    cache = make_cache(16, 4)
+    put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    put(cache, [1, 2, 3, 4, 9, 9, 9, 9])
+    put(cache, [60, 61, 62, 63])  # newest leaf
+    assert cache.evict(1) == [1]  # oldest child
+    # the prefix (tick 2) is older than [60..63] (tick 3) but still has a child: the child goes next
+    assert cache.evict(1) == [3]
+    assert cache.evict(1) == [0]
+    assert cache.evict(1) == [2]
+
+
+def test_trimming_keeps_the_head_of_a_leaf(make_cache) -> None:
+    cache = make_cache(16, 4)
+    tokens = list(range(100, 114))  # 14 tokens: blocks 0..3, the last one partial
+    assert put(cache, tokens) == (0, 1, 2, 3)
+    assert cache.evict(1) == [3]
+    m = cache.match(tokens)
+    assert (m.num_cached_tokens, m.block_ids) == (12, (0, 1, 2))  # back to a block boundary
+    assert cache.evict(2) == [2, 1]
+    assert cache.match(tokens).num_cached_tokens == 4
+    assert cache.stats().num_evicted_tokens == 10
+
+
+def test_trimming_a_leaf_that_starts_mid_block(make_cache) -> None:
+    cache = make_cache(16, 4)
+    put(cache, [1, 2, 3, 4, 5, 6, 7])  # [0,7) blocks 0, 1
+    put(cache, [1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9])  # splits at 6
+    views = [(v.start, v.end, v.block_ids) for v in cache.nodes()]
+    assert views == [(0, 0, ()), (0, 6, (0, 1)), (6, 7, (1,)), (6, 20, (3, 4, 5, 6))]
+    # The LRU leaf [6,7) owns only the shared block 1: dropped whole, freeing nothing; eviction
+    # goes on to the next leaf, [6,20), trimmed by one block to [6,16).
+    assert cache.evict(1) == [6]
+    views = [(v.start, v.end, v.block_ids) for v in cache.nodes()]
+    assert views == [(0, 0, ()), (0, 6, (0, 1)), (6, 16, (3, 4, 5))]
+    assert cache.evict(1) == [5]  # [6,12): its head block (index 1, mid-block start) stays
+    m = cache.match([1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9, 9, 9])
+    assert (m.num_cached_tokens, m.block_ids) == (12, (0, 3, 4))
+
+
+def test_ties_are_broken_by_node_id() -> None:
+    index = EvictionIndex()
+    nodes = [
+        TreeNode(node_id=i, parent=None, start=0, end=1, tokens=b"", blocks=[]) for i in (7, 3, 5)
+    ]
+    for n in nodes:
+        n.tick = 4
+        index.add(n)
+    older = TreeNode(node_id=9, parent=None, start=0, end=1, tokens=b"", blocks=[], tick=2)
+    index.add(older)
+    assert [n.node_id for n in index] == [9, 3, 5, 7]
+    assert index.first() is older
+    index.discard(older)
+    assert index.first().node_id == 3 and older.evict_key is None
+
+
+def test_allocate_evicts_on_demand_and_only_what_it_needs(make_cache) -> None:
+    cache = make_cache(8, 4)
+    put(cache, A)  # blocks 0, 1
+    put(cache, B)  # blocks 2, 3
+    assert cache.num_free_blocks == 4
+    got = cache.allocate(5)  # one short: A (LRU) is trimmed by one block, not dropped
+    assert got == [1, 4, 5, 6, 7]
+    assert cache.match(A).num_cached_tokens == 4
+    before = (cache.stats(), list(cache.nodes()))
+    assert cache.allocate(4) is None  # 0 free + 3 evictable < 4: nothing changes
+    assert (cache.stats(), list(cache.nodes())) == before
+    assert cache.can_allocate(3) and not cache.can_allocate(4)
+    assert cache.allocate(3) == [2, 3, 0]  # evicted A [0], then B [3, 2]
+    assert cache.stats().num_nodes == 0
+    cache.free(got)
+    assert cache.num_free_blocks == 5
+
+
+def test_evict_zero_and_empty_cache(make_cache) -> None:
+    cache = make_cache(8, 4)
+    assert cache.evict(0) == []
+    assert cache.evict(3) == []
+    put(cache, A)
+    assert cache.evict(0) == []
+    assert cache.num_evictable_blocks == 2

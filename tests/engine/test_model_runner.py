@@ -1,0 +1,131 @@
+"""ModelRunner driven directly with hand-built scheduler rows: logits equal a dense forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_llama import build_model
+
+from radixkv.model_runner import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KVCacheSpec,
+    ModelRunner,
+    plan_num_blocks,
+)
+from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["gqa", "mha"])
+def models(request):
+    """(model for the runner, an independent eager copy as the reference)."""
+    model = build_model(request.param)
+    reference = copy.deepcopy(model)  # deep copy: the runner switches its config's attention
+    reference.set_attn_implementation("eager")
+    return model, reference
+
+
+def dense_last_logits(reference, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(torch.tensor([tokens])).logits[0, -1]
+
+
+def row(rid, tokens, start, table, sample=True):
+    return ScheduledRequest(rid, tuple(tokens), start, tuple(table), sample)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_packed_prefill_chunks_and_decode(models, block_size):
+    model, reference = models
+    runner = ModelRunner(model, block_size=block_size, num_blocks=64)
+    B = block_size
+    a = list(range(10, 31))  # 21 tokens, prefilled in two chunks
+    b = list(range(40, 49))  # 9 tokens, one chunk
+    # Permuted, non-contiguous block tables.
+    table_a = [63 - i for i in range(-(-22 // B))]
+    table_b = [2 * i + 1 for i in range(-(-10 // B))]
+    n_a0 = 13
+
+    def blocks(table, n):
+        return table[: -(-n // B)]
+
+    # Step 1: first chunk of a (not sampled) packed with the whole of b (sampled).
+    logits = runner.execute(
+        SchedulerOutput(
+            rows=(
+                row("a", a[:n_a0], 0, blocks(table_a, n_a0), sample=False),
+                row("b", b, 0, blocks(table_b, len(b))),
+            )
+        )
+    )
+    assert logits.shape == (1, model.config.vocab_size)
+    torch.testing.assert_close(logits[0], dense_last_logits(reference, b), atol=ATOL, rtol=0)
+    # Step 2: rest of a + decode of b.
+    tok_b = int(logits[0].argmax())
+    logits = runner.execute(
+        SchedulerOutput(
+            rows=(
+                row("a", a[n_a0:], n_a0, blocks(table_a, len(a))),
+                row("b", [tok_b], len(b), blocks(table_b, len(b) + 1)),
+            )
+        )
+    )
+    torch.testing.assert_close(logits[0], dense_last_logits(reference, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[1], dense_last_logits(reference, [*b, tok_b]), atol=ATOL, rtol=0
+    )
+    # Step 3: decode of a alone.
+    tok_a = int(logits[0].argmax())
+    logits = runner.execute(SchedulerOutput(rows=(row("a", [tok_a], len(a), table_a),)))
+    torch.testing.assert_close(
+        logits[0], dense_last_logits(reference, [*a, tok_a]), atol=ATOL, rtol=0
+    )
+
+
+def test_only_unsampled_rows_return_no_logits(models):
+    model, _ = models
+    runner = ModelRunner(model, block_size=4, num_blocks=8)
+    logits = runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3], sample=False),)))
+    assert logits.shape == (0, model.config.vocab_size)
+
+
+def test_copy_on_write_of_a_partial_block(models):
+    """c shares a's first 6 tokens: block 5 (full) is shared, the 2 valid slots of block 9 are
+    copied into c's private block 11 before the forward."""
+    model, reference = models
+    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    a = [11, 12, 13, 14, 15, 16, 17, 18]
+    runner.execute(SchedulerOutput(rows=(row("a", a, 0, [5, 9]),)))
+    c = [*a[:6], 99, 98, 97]
+    logits = runner.execute(
+        SchedulerOutput(rows=(row("c", c[6:], 6, [5, 11, 12]),), copies=(BlockCopy(9, 11, 2),))
+    )
+    torch.testing.assert_close(logits[0], dense_last_logits(reference, c), atol=ATOL, rtol=0)
+    # a's block 9 is untouched by c's writes.
+    logits = runner.execute(SchedulerOutput(rows=(row("a", [3], 8, [5, 9, 1]),)))
+    torch.testing.assert_close(logits[0], dense_last_logits(reference, [*a, 3]), atol=ATOL, rtol=0)
+
+
+def test_kv_cache_layout(models):
+    model, _ = models
+    runner = ModelRunner(model, block_size=8, num_blocks=10)
+    cfg = model.config
+    shape = (cfg.num_hidden_layers, 10, 8, cfg.num_key_value_heads, cfg.hidden_size // 4)
+    assert runner.k_cache.shape == runner.v_cache.shape == shape
+    assert model.config._attn_implementation == "radixkv"
+
+
+def test_plan_num_blocks():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    assert spec.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
+    cpu = torch.device("cpu")
+    assert plan_num_blocks(spec, cpu, num_blocks=7) == 7
+    assert plan_num_blocks(spec, cpu, kv_cache_bytes=10 * spec.bytes_per_block + 1) == 10
+    assert plan_num_blocks(spec, cpu) == DEFAULT_CPU_KV_CACHE_BYTES // spec.bytes_per_block
+    with pytest.raises(ValueError, match="holds no KV block"):
+        plan_num_blocks(spec, cpu, kv_cache_bytes=100)
+    with pytest.raises(ValueError, match="num_blocks"):
+        plan_num_blocks(spec, cpu, num_blocks=0)

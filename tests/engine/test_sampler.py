@@ -1,0 +1,84 @@
+"""Sampler: greedy, temperature, top-k, top-p, per-request generators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv import SamplingParams
+from radixkv.sampler import _filtered_probs, make_generator, sample
+
+VOCAB = 50
+
+
+def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def gens(n: int, seed: int = 0) -> list[torch.Generator]:
+    return [make_generator(seed + i, torch.device("cpu")) for i in range(n)]
+
+
+def test_greedy_is_argmax_and_needs_no_generator():
+    logits = logits_rows(4)
+    assert sample(logits, [SamplingParams()] * 4, [None] * 4) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=5.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, top_k=3, top_p=1e-6),
+    ],
+    ids=["top_k=1", "tiny top_p", "both"],
+)
+def test_degenerate_filters_equal_greedy(params):
+    logits = logits_rows(8, seed=1)
+    assert sample(logits, [params] * 8, gens(8)) == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    logits = logits_rows(6, seed=2)
+    p = SamplingParams(temperature=1.0)
+    alone = [sample(logits[i : i + 1], [p], [make_generator(7, torch.device("cpu"))])[0]
+             for i in range(6)]  # fmt: skip
+    batched = sample(logits, [p] * 6, [make_generator(7, torch.device("cpu")) for _ in range(6)])
+    assert alone == batched
+    # A mixed batch (greedy rows in between) leaves the sampled rows' draws unchanged.
+    mixed = [p if i % 2 == 0 else SamplingParams() for i in range(6)]
+    generators = [make_generator(7, torch.device("cpu")) if i % 2 == 0 else None for i in range(6)]
+    got = sample(logits, mixed, generators)
+    assert got[0::2] == batched[0::2]
+    assert got[1::2] == logits[1::2].argmax(-1).tolist()
+
+
+def test_top_k_keeps_exactly_k():
+    logits = logits_rows(3, seed=3)
+    probs = _filtered_probs(logits, [SamplingParams(temperature=1.0, top_k=5)] * 3)
+    assert ((probs > 0).sum(-1) == 5).all()
+    top5 = logits.topk(5).indices
+    assert torch.equal(probs.gather(1, top5) > 0, torch.ones(3, 5, dtype=torch.bool))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for top_p, kept in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
+        probs = _filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=top_p)])
+        assert int((probs > 0).sum()) == kept, top_p
+    probs = _filtered_probs(logits, [SamplingParams(temperature=1.0, top_p=0.8)])
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_temperature_changes_the_distribution():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(4000, 3).contiguous()
+
+    def freq_of_top(temperature: float) -> float:
+        p = SamplingParams(temperature=temperature)
+        tokens = torch.tensor(sample(logits, [p] * len(logits), gens(len(logits))))
+        return float((tokens == 0).float().mean())
+
+    cold, neutral, hot = freq_of_top(0.3), freq_of_top(1.0), freq_of_top(3.0)
+    assert abs(neutral - 0.6) < 0.04  # temperature 1 samples the model's distribution
+    assert cold > 0.85 and hot < 0.5

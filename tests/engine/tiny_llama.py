@@ -1,0 +1,79 @@
+"""Tiny randomly initialised Llama models (no download) and seeded prompts for the engine tests.
+
+Each model comes with a word-level tokenizer ("w6 w7 ..." round-trips token for token, so chat
+histories re-render exactly) and a ChatML-like template.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB_SIZE = 256
+EOS_ID = 2  # "<|im_end|>", also LlamaConfig's default eos_token_id
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ROLE_WORDS = ["system", "user", "assistant"]
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + ' <|im_end|> ' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+)
+
+TINY_CONFIGS = {
+    # name: (num_attention_heads, num_key_value_heads, num_hidden_layers)
+    "gqa": (4, 2, 3),
+    "mha": (4, 4, 2),
+}
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + ROLE_WORDS
+    words += [f"w{i}" for i in range(len(words), VOCAB_SIZE)]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    # Only EOS is special (skipped when decoding): any reply the random model produces, even one
+    # with "<|im_start|>" or the pad word in it, then re-renders to the very same ids.
+    tok.add_special_tokens(["<|im_end|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def build_model(kind: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads, kv_heads, layers = TINY_CONFIGS[kind]
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        # Wider than the default 0.02 so greedy choices are not near-ties that float noise flips.
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def random_prompts(
+    seed: int, num: int, *, shared_prefix: int = 0, min_len: int = 3, max_len: int = 40
+) -> list[list[int]]:
+    """Seeded prompts of ordinary word tokens (ids >= 6: no specials, no role words)."""
+    gen = torch.Generator().manual_seed(seed)
+    low = len(SPECIAL_TOKENS) + len(ROLE_WORDS)
+    prefix = torch.randint(low, VOCAB_SIZE, (shared_prefix,), generator=gen).tolist()
+    prompts = []
+    for _ in range(num):
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        prompts.append(prefix + torch.randint(low, VOCAB_SIZE, (n,), generator=gen).tolist())
+    return prompts

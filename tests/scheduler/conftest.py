@@ -1,0 +1,222 @@
+"""Scheduler test harness: a fake model, a reference KV simulation and step-by-step checks.
+
+No model and no torch: the fake model's next token is a fixed function of the whole token history,
+so a request's output is the same however it is batched, chunked, preempted or cached, and equals
+`reference_output`. `KVSim` plays the KV cache: every slot holds a key of the prefix whose KV it
+stores, so a row reading a wrong block, a missing copy-on-write or two requests writing one slot
+show up as failed asserts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from radixkv.prefix_cache import PrefixCache
+from radixkv.sampling_params import SamplingParams
+from radixkv.scheduler.config import SchedulerConfig
+from radixkv.scheduler.output import SchedulerOutput
+from radixkv.scheduler.request import Request
+from radixkv.scheduler.scheduler import Scheduler
+
+VOCAB = 1000
+
+
+def fake_token(tokens: Sequence[int]) -> int:
+    """The fake model: a hash of the whole history, in [1, VOCAB) (0 is never sampled)."""
+    h = 17
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % 4_294_967_291
+    return 1 + h % (VOCAB - 1)
+
+
+def reference_output(
+    prompt: Sequence[int],
+    params: SamplingParams,
+    eos: Sequence[int] = (),
+    max_model_len: int = 8192,
+) -> list[int]:
+    """What the fake model generates for a prompt run alone, token by token."""
+    tokens, out = list(prompt), []
+    while True:
+        t = fake_token(tokens)
+        out.append(t)
+        tokens.append(t)
+        if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
+            return out
+        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+def prefix_keys(tokens: Sequence[int]) -> list[int]:
+    """keys[p] identifies tokens[0..p]: the KV at position p depends on exactly that."""
+    keys, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        keys.append(h)
+    return keys
+
+
+class KVSim:
+    """Reference simulation of the paged KV memory: slot -> key of the prefix it holds."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.B = cache.block_size
+        self.slots: dict[tuple[int, int], int] = {}  # (block, slot) -> prefix key
+
+    def vouched_slots(self) -> dict[tuple[int, int], int]:
+        """Slots the tree says hold valid KV, mapped to the node that vouches for them."""
+        out: dict[tuple[int, int], int] = {}
+        for node in self.cache.nodes():
+            first = node.start // self.B
+            for p in range(node.start, node.end):
+                out[(node.block_ids[p // self.B - first], p % self.B)] = node.node_id
+        return out
+
+    def step(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+        """Apply the copies and the rows' writes; check every read and write."""
+        B = self.B
+        vouched = self.vouched_slots()
+        for c in output.copies:
+            assert 0 < c.num_slots < B, c
+            for i in range(c.num_slots):
+                assert (c.src_block, i) in vouched, f"copy of a slot the tree does not hold: {c}"
+                assert (c.dst_block, i) not in vouched, f"copy into a tree block: {c}"
+                self.slots[(c.dst_block, i)] = self.slots[(c.src_block, i)]
+        writes: dict[tuple[int, int], str] = {}
+        for row in output.rows:
+            req = scheduler.get_request(row.request_id)
+            assert req is not None, row
+            end = row.start_position + len(row.token_ids)
+            assert len(row.block_table) == -(-end // B), f"table does not cover the row: {row}"
+            for p in range(row.start_position, end):
+                slot = (row.block_table[p // B], p % B)
+                assert slot not in writes, f"{row.request_id} and {writes[slot]} both write {slot}"
+                assert slot not in vouched, f"{row.request_id} overwrites tree slot {slot}"
+                writes[slot] = row.request_id
+        for row in output.rows:
+            req = scheduler.get_request(row.request_id)
+            assert req is not None
+            keys = prefix_keys(req.all_token_ids)
+            for p in range(row.start_position):
+                slot = (row.block_table[p // B], p % B)
+                assert slot not in writes, (
+                    f"{row.request_id} reads {slot} that {writes[slot]} writes"
+                )
+                assert self.slots.get(slot) == keys[p], (
+                    f"{row.request_id}: wrong KV at position {p}"
+                )
+        for row in output.rows:
+            req = scheduler.get_request(row.request_id)
+            assert req is not None
+            keys = prefix_keys(req.all_token_ids)
+            for p in range(row.start_position, row.start_position + len(row.token_ids)):
+                self.slots[(row.block_table[p // B], p % B)] = keys[p]
+
+
+@dataclass
+class Harness:
+    """Drives a scheduler with the fake model, checking everything after every step."""
+
+    scheduler: Scheduler
+    sim: KVSim
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+    finished: dict[str, Request] = field(default_factory=dict)
+    check_sim: bool = True
+
+    @property
+    def cache(self) -> PrefixCache:
+        return self.scheduler.cache
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    def add(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int = 8,
+        *,
+        eos: Sequence[int] = (),
+        **params: object,
+    ) -> Request:
+        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos)
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, model: Callable[[Sequence[int]], int] = fake_token) -> SchedulerOutput:
+        sched, cfg = self.scheduler, self.config
+        out = sched.schedule()
+        self.check_output(out)
+        if self.check_sim:
+            self.sim.step(out, sched)
+        sampled = {}
+        for row in out.rows:
+            if row.sample:
+                req = sched.get_request(row.request_id)
+                assert req is not None
+                sampled[row.request_id] = model(req.all_token_ids)
+        for req in sched.update_from_output(out, sampled):
+            assert req.is_finished and req.request_id not in self.finished, req
+            self.finished[req.request_id] = req
+        sched.check_integrity()
+        assert sched.num_running <= cfg.max_num_seqs
+        self.outputs.append(out)
+        return out
+
+    def check_output(self, out: SchedulerOutput) -> None:
+        sched, cfg, B = self.scheduler, self.config, self.cache.block_size
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens, out
+        assert len(out.rows) <= cfg.max_num_seqs, out
+        ids = [r.request_id for r in out.rows]
+        assert len(set(ids)) == len(ids), f"a request twice in one step: {ids}"
+        for row in out.rows:
+            req = sched.get_request(row.request_id)
+            assert req is not None and req.status.value == "running", row
+            end = row.start_position + len(row.token_ids)
+            assert 1 <= len(row.token_ids) <= cfg.chunked_prefill_size, row
+            assert row.start_position == req.num_computed_tokens, (row, req)
+            assert row.token_ids == tuple(req.all_token_ids[row.start_position : end]), row
+            assert row.sample == (end == req.num_tokens), row
+            assert len(row.block_table) == -(-end // B), row
+
+    def run(self, max_steps: int = 10_000, arrivals: dict[int, Iterable[Request]] | None = None):
+        """Step until nothing is left (adding `arrivals[step]` before each step)."""
+        arrivals = dict(arrivals or {})
+        for i in range(max_steps):
+            for req in arrivals.pop(i, ()):
+                self.scheduler.add_request(req)
+            if not self.scheduler.has_unfinished() and not arrivals:
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def reference(self, req: Request) -> list[int]:
+        """The request's output when run alone, token by token."""
+        return reference_output(
+            req.prompt_token_ids, req.params, req.eos_token_ids, self.config.max_model_len
+        )
+
+    def assert_no_leak(self) -> None:
+        """Nothing in use; every block is free or cached (evictable)."""
+        s = self.cache.stats()
+        assert not self.scheduler.has_unfinished()
+        assert s.num_in_use_blocks == 0, s
+        assert s.num_free_blocks == s.num_blocks - s.num_evictable_blocks, s
+        self.scheduler.check_integrity()
+
+
+def make_harness(num_blocks: int = 64, block_size: int = 4, **config: object) -> Harness:
+    cache = PrefixCache(num_blocks=num_blocks, block_size=block_size)
+    scheduler = Scheduler(cache, SchedulerConfig(**config))  # type: ignore[arg-type]
+    return Harness(scheduler, KVSim(cache))
+
+
+@pytest.fixture(scope="session")
+def harness() -> Callable[..., Harness]:
+    """Factory: harness(num_blocks=, block_size=, **SchedulerConfig fields)."""
+    return make_harness

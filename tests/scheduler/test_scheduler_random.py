@@ -1,0 +1,102 @@
+"""Random request mixes through a small cache: every invariant after every step, outputs equal to
+the request run alone, nothing leaked at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixkv.sampling_params import SamplingParams
+from radixkv.scheduler.request import Request
+
+MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
+
+tokens = st.lists(st.integers(1, 6), max_size=24)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    prefixes = draw(st.lists(tokens, min_size=1, max_size=3))
+    requests = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "prefix": st.integers(0, len(prefixes) - 1),
+                    "suffix": st.lists(st.integers(1, 6), min_size=1, max_size=12),
+                    "max_tokens": st.integers(1, 12),
+                    "arrival": st.integers(0, 12),
+                    "abort": st.none() | st.integers(0, 30),
+                    "stop": st.none() | st.integers(1, 999),
+                }
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    return {
+        "cache": {
+            "num_blocks": draw(st.integers(3, 24)),
+            "block_size": draw(st.sampled_from([1, 2, 4, 16])),
+        },
+        "config": {
+            "max_num_seqs": draw(st.integers(1, 5)),
+            "max_num_batched_tokens": draw(st.integers(1, 40)),
+            "chunked_prefill_size": draw(st.integers(1, 24)),
+            "policy": draw(st.sampled_from(["fcfs", "lpm"])),
+            "enable_prefix_cache": draw(st.booleans()),
+            "max_model_len": draw(st.integers(4, 64)),
+        },
+        "prefixes": prefixes,
+        "requests": requests,
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_request_mixes(harness: MakeHarness, scenario: dict[str, Any]) -> None:
+    h = harness(**scenario["cache"], **scenario["config"])
+    sched, cache = h.scheduler, h.cache
+    arrivals: dict[int, list[Request]] = {}
+    aborts: dict[int, list[str]] = {}
+    for i, spec in enumerate(scenario["requests"]):
+        stop = () if spec["stop"] is None else (spec["stop"],)
+        params = SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=stop)
+        prompt = scenario["prefixes"][spec["prefix"]] + spec["suffix"]
+        arrivals.setdefault(spec["arrival"], []).append(Request(f"r{i}", prompt, params))
+        if spec["abort"] is not None:
+            aborts.setdefault(spec["abort"], []).append(f"r{i}")
+
+    added: list[Request] = []
+    aborted: set[str] = set()
+    step = 0
+    while arrivals or sched.has_unfinished():
+        assert step < 5_000, "no progress"
+        for req in arrivals.pop(step, ()):
+            max_kv = req.max_num_tokens(sched.config.max_model_len) - 1
+            too_long = req.num_prompt_tokens > sched.config.max_model_len
+            too_big = -(-max_kv // cache.block_size) > cache.num_blocks
+            try:
+                sched.add_request(req)
+            except ValueError:
+                assert too_long or too_big, req
+                continue
+            assert not (too_long or too_big), req
+            added.append(req)
+        for rid in aborts.pop(step, ()):
+            if sched.abort(rid):
+                aborted.add(rid)
+        if sched.has_unfinished():
+            h.step()
+        step += 1
+
+    for req in added:
+        assert req.is_finished
+        if req.request_id in aborted:
+            assert req.finish_reason == "abort"
+        else:
+            assert h.finished[req.request_id] is req
+            assert req.output_token_ids == h.reference(req), req
+    h.assert_no_leak()

@@ -1,0 +1,331 @@
+"""Scheduler behaviour step by step, with the fake model (see conftest.py).
+
+Every `Harness.step` checks the token budget, max_num_seqs, the rows' tokens / positions / tables,
+the reference KV simulation (reads see the right KV, no slot written twice or over a tree slot), and
+`Scheduler.check_integrity()` (which includes `PrefixCache.check_integrity()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from radixkv.prefix_cache import PrefixCache
+from radixkv.sampling_params import SamplingParams
+from radixkv.scheduler.config import SchedulerConfig
+from radixkv.scheduler.output import BlockCopy, SchedulerOutput
+from radixkv.scheduler.request import Request, RequestStatus
+from radixkv.scheduler.scheduler import Scheduler
+
+MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
+Harness = Any
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ---------------------------------------------------------------- budgets and chunking
+
+
+def test_chunked_prefill_splits_and_only_last_chunk_samples(harness: MakeHarness) -> None:
+    h = harness(block_size=4, chunked_prefill_size=8, max_num_batched_tokens=64)
+    prompt = seq(100, 30)
+    req = h.add("a", prompt, max_tokens=3)
+    chunks = []
+    for _ in range(4):
+        (row,) = h.step().rows
+        chunks.append((row.start_position, len(row.token_ids), row.sample))
+        # Progressive insertion: the written prefix is in the tree right after each chunk.
+        assert h.cache.match(prompt).num_cached_tokens == req.num_computed_tokens
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
+    h.run()
+    assert [(r.rows[0].start_position, len(r.rows[0].token_ids)) for r in h.outputs[4:]] == [
+        (30, 1),
+        (31, 1),
+    ]
+    assert req.output_token_ids == h.reference(req) and req.finish_reason == "length"
+    h.assert_no_leak()
+
+
+def test_budget_and_max_num_seqs_respected_with_mixed_steps(harness: MakeHarness) -> None:
+    h = harness(
+        num_blocks=128, block_size=4, max_num_seqs=3, max_num_batched_tokens=10,
+        chunked_prefill_size=6,
+    )  # fmt: skip
+    reqs = [h.add(f"r{i}", seq(10 * i, 5 + 4 * i), max_tokens=2 + i) for i in range(8)]
+    h.run()
+    assert all(r.output_token_ids == h.reference(r) for r in reqs)
+    assert max(o.num_batched_tokens for o in h.outputs) == 10
+    assert max(len(o.rows) for o in h.outputs) == 3
+    mixed = [o for o in h.outputs if {r.sample and len(r.token_ids) == 1 for r in o.rows} == {
+        True, False}]  # fmt: skip
+    assert mixed, "no step mixed decode rows with prefill chunks"
+    for o in h.outputs:  # decode rows are packed before prefill chunks
+        kinds = [len(r.token_ids) > 1 for r in o.rows]
+        assert kinds == sorted(kinds), o
+    h.assert_no_leak()
+
+
+def test_decodes_get_the_budget_before_prefill(harness: MakeHarness) -> None:
+    h = harness(block_size=4, max_num_batched_tokens=5, chunked_prefill_size=8)
+    a = h.add("a", seq(1, 5), max_tokens=10)
+    h.step()  # a: whole prompt
+    h.add("b", seq(50, 20), max_tokens=2)
+    out = h.step()
+    assert [(r.request_id, len(r.token_ids)) for r in out.rows] == [("a", 1), ("b", 4)]
+    h.run()
+    assert a.output_token_ids == h.reference(a)
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- admission and policies
+
+
+@pytest.mark.parametrize(("policy", "first"), [("fcfs", "cold"), ("lpm", "hot")])
+def test_lpm_admits_longest_cached_prefix_first(
+    harness: MakeHarness, policy: str, first: str
+) -> None:
+    h = harness(block_size=4, max_num_seqs=1, policy=policy)
+    shared = seq(1, 20)
+    h.add("warm", shared, max_tokens=1)
+    h.run()
+    cold = h.add("cold", seq(200, 20), max_tokens=2)
+    hot = h.add("hot", [*shared[:16], 90, 91, 92], max_tokens=2)
+    stats = h.cache.stats()
+    (row,) = h.step().rows
+    assert row.request_id == first
+    h.run()
+    assert hot.num_cached_tokens == 16 and cold.num_cached_tokens == 0
+    # Scoring the queue (by read-only matches) counted no query: only the admissions did.
+    assert h.cache.stats().num_queries - stats.num_queries == 2
+    h.assert_no_leak()
+
+
+def test_admission_waits_under_block_pressure(harness: MakeHarness) -> None:
+    h = harness(num_blocks=10, block_size=4)
+    a = h.add("a", seq(1, 24), max_tokens=8)  # 6 blocks now, 8 at the end
+    b = h.add("b", seq(100, 20), max_tokens=2)  # 5 blocks: not while a runs
+    waited = 0
+    while not a.is_finished:
+        out = h.step()
+        assert all(r.request_id == "a" for r in out.rows) and not out.preempted_ids
+        assert b.status is RequestStatus.WAITING and h.scheduler.num_waiting == 1
+        waited += 1
+    assert waited == 8
+    out = h.step()  # a's blocks are cached (evictable): b gets in by evicting them
+    assert [r.request_id for r in out.rows] == ["b"]
+    h.run()
+    assert b.output_token_ids == h.reference(b)
+    assert h.cache.stats().num_evicted_blocks > 0
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- sharing and copy-on-write
+
+
+def test_cow_of_partial_matched_block(harness: MakeHarness) -> None:
+    h = harness(num_blocks=64, block_size=16)
+    shared = seq(1, 37)
+    h.add("warm", [*shared, 500, 501, 502], max_tokens=1)
+    h.run()
+    src = h.cache.match(shared).block_ids[2]
+    req = h.add("b", shared + [600] * 10, max_tokens=4)
+    out = h.step()
+    (row,) = out.rows
+    assert row.start_position == 37 and req.num_cached_tokens == 37
+    assert out.copies == (BlockCopy(src_block=src, dst_block=row.block_table[2], num_slots=5),)
+    assert row.block_table[2] != src and row.block_table[:2] == h.cache.match(shared).block_ids[:2]
+    h.run()
+    assert req.output_token_ids == h.reference(req)
+    h.assert_no_leak()
+
+
+def test_concurrent_request_shares_after_first_chunk(harness: MakeHarness) -> None:
+    h = harness(num_blocks=64, block_size=4, chunked_prefill_size=8)
+    prompt = seq(1, 40)
+    r1 = h.add("r1", prompt, max_tokens=3)
+    h.step()  # r1 writes and inserts [0, 8)
+    r2 = h.add("r2", prompt, max_tokens=3)
+    out = h.step()
+    row2 = next(r for r in out.rows if r.request_id == "r2")
+    assert row2.start_position == 8 and r2.num_cached_tokens == 8
+    assert row2.block_table[:2] == tuple(r1.block_table[:2])
+    # Both computed [8, 16); r1 inserted first, r2's duplicates were freed for r1's blocks.
+    assert r2.block_table[:4] == r1.block_table[:4]
+    h.run()
+    assert r1.output_token_ids == r2.output_token_ids == h.reference(r1)
+    h.assert_no_leak()
+
+
+def test_same_prompt_same_step_copies_the_shared_tail_before_decoding(
+    harness: MakeHarness,
+) -> None:
+    """Two identical 37-token prompts prefilled in one step: the second insert finds the first's
+    blocks, so the second must copy the partial tail block before writing position 37."""
+    h = harness(num_blocks=64, block_size=16, chunked_prefill_size=64)
+    r1 = h.add("r1", seq(1, 37), max_tokens=6)
+    r2 = h.add("r2", seq(1, 37), max_tokens=6)
+    h.step()
+    assert r2.block_table[:2] == r1.block_table[:2]  # deduplicated full blocks
+    shares_tail = r2.block_table[2] == r1.block_table[2]
+    out = h.step()  # both decode position 37: never into the same slot (checked by the sim)
+    tails = {r.request_id: r.block_table[2] for r in out.rows}
+    assert tails["r1"] != tails["r2"]
+    if shares_tail:
+        assert out.copies == (BlockCopy(r1.block_table[2], tails["r2"], 5),)
+    h.run()
+    assert r1.output_token_ids == r2.output_token_ids == h.reference(r1)
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def _pressured_run(harness: MakeHarness, num_blocks: int) -> tuple[Harness, list[Request]]:
+    h = harness(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
+    reqs = [h.add(f"r{i}", [i + 1, *seq(40 * i + 100, 9)], max_tokens=14) for i in range(3)]
+    h.run()
+    return h, reqs
+
+
+def test_preemption_by_recompute_restarts_with_cache_hits(harness: MakeHarness) -> None:
+    h, reqs = _pressured_run(harness, num_blocks=14)
+    preempted = [rid for o in h.outputs for rid in o.preempted_ids]
+    assert preempted, "expected preemption under block pressure"
+    # The victim is the most recently admitted request.
+    assert preempted[0] == "r2"
+    victims = [r for r in reqs if r.num_preemptions]
+    assert all(r.last_num_cached_tokens > 0 for r in victims), victims
+    assert all(r.last_num_cached_tokens > r.num_prompt_tokens - 1 for r in victims)
+    relaxed, relaxed_reqs = _pressured_run(harness, num_blocks=64)
+    assert not any(o.preempted_ids for o in relaxed.outputs)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in relaxed_reqs]
+    assert all(r.output_token_ids == h.reference(r) for r in reqs)
+    h.assert_no_leak()
+
+
+def test_lone_request_using_the_whole_cache_completes(harness: MakeHarness) -> None:
+    """Exactly num_blocks worth of KV, after a partial hit whose copy-on-write source stays locked:
+    it must still finish (at worst by recomputing without its hit)."""
+    h = harness(num_blocks=4, block_size=4)
+    h.add("warm", seq(1, 6), max_tokens=1)
+    h.run()
+    req = h.add("big", [*seq(1, 6), 77, 78], max_tokens=9)  # 16 KV tokens = the whole cache
+    h.run()
+    assert req.output_token_ids == h.reference(req)
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- aborts and rejection
+
+
+def test_abort_waiting_request(harness: MakeHarness) -> None:
+    h = harness(max_num_seqs=1)
+    a = h.add("a", seq(1, 6), max_tokens=3)
+    b = h.add("b", seq(20, 6), max_tokens=3)
+    h.step()
+    assert h.scheduler.abort("b") and b.status is RequestStatus.FINISHED_ABORTED
+    assert b.finish_reason == "abort" and h.scheduler.num_waiting == 0
+    assert not h.scheduler.abort("b") and not h.scheduler.abort("nope")
+    out = h.step()
+    assert out.finished_ids == ("b",)
+    h.run()
+    assert a.output_token_ids == h.reference(a)
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_abort_running_request_frees_everything(harness: MakeHarness, in_flight: bool) -> None:
+    h = harness(num_blocks=32, block_size=4, chunked_prefill_size=8)
+    h.add("warm", seq(1, 10), max_tokens=1)
+    h.run()
+    evictable = h.cache.num_evictable_blocks
+    req = h.add("a", seq(1, 10) + seq(50, 20), max_tokens=5)  # hit, CoW, chunked
+    h.step()
+    assert req.num_computed_tokens == 17
+    if in_flight:  # aborted between schedule() and update_from_output()
+        out = h.scheduler.schedule()
+        assert h.scheduler.abort("a")
+        assert h.scheduler.update_from_output(out, {}) == []
+    else:
+        assert h.scheduler.abort("a")
+    assert req.block_table == [] and req.handle is None and not req.private_block_ids
+    h.assert_no_leak()
+    assert h.cache.num_evictable_blocks >= evictable  # aborted KV freed, not cached
+    assert h.cache.stats().num_in_use_blocks == 0
+
+
+def test_rejects_requests_that_can_never_run(harness: MakeHarness) -> None:
+    h = harness(num_blocks=4, block_size=4, max_model_len=20)
+    sched = h.scheduler
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        h.add("long", seq(1, 21))
+    with pytest.raises(ValueError, match="whole cache has 4"):
+        h.add("big", seq(1, 10), max_tokens=8)  # 17 KV tokens > 16 slots
+    with pytest.raises(ValueError, match="empty prompt"):
+        h.add("empty", [])
+    ok = h.add("ok", seq(1, 10), max_tokens=7)  # 16 KV tokens: exactly the cache
+    with pytest.raises(ValueError, match="already queued"):
+        h.add("ok", seq(1, 3))
+    assert sched.num_waiting == 1
+    h.run()
+    assert ok.output_token_ids == h.reference(ok) and len(ok.output_token_ids) == 7
+    h.assert_no_leak()
+
+
+def test_max_model_len_caps_generation_and_admission_bound(harness: MakeHarness) -> None:
+    h = harness(num_blocks=3, block_size=4, max_model_len=12)
+    req = h.add("r", seq(1, 10), max_tokens=100)  # capped at 12 tokens -> 11 KV -> 3 blocks
+    h.run()
+    assert len(req.output_token_ids) == 2 and req.finish_reason == "length"
+    h.assert_no_leak()
+
+
+def test_stop_token_finishes_early(harness: MakeHarness) -> None:
+    h = harness()
+    probe = Request("p", seq(1, 5), SamplingParams(max_tokens=5))
+    expected = h.reference(probe)
+    req = h.add("r", seq(1, 5), max_tokens=5, eos=(expected[2],))
+    ign = h.add("i", seq(1, 5), max_tokens=5, eos=(expected[2],), ignore_eos=True)
+    h.run()
+    assert req.output_token_ids == expected[:3] and req.finish_reason == "stop"
+    assert ign.output_token_ids == expected and ign.finish_reason == "length"
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- cache off, misuse
+
+
+def test_cache_off_gives_the_same_outputs(harness: MakeHarness) -> None:
+    outputs = {}
+    for enable in (True, False):
+        h = harness(num_blocks=20, block_size=4, chunked_prefill_size=6, enable_prefix_cache=enable)
+        base = seq(1, 13)
+        reqs = [h.add(f"r{i}", [*base[: 5 + 2 * i], 300 + i], max_tokens=6) for i in range(5)]
+        h.run()
+        outputs[enable] = [r.output_token_ids for r in reqs]
+        assert all(r.output_token_ids == h.reference(r) for r in reqs)
+        if not enable:
+            assert all(r.num_cached_tokens == 0 for r in reqs)
+            assert h.cache.num_free_blocks == 20 and h.cache.stats().num_nodes <= 1
+        h.assert_no_leak()
+    assert outputs[True] == outputs[False]
+
+
+def test_update_checks_the_sampled_tokens() -> None:
+    sched = Scheduler(PrefixCache(num_blocks=8, block_size=4), SchedulerConfig())
+    sched.add_request(Request("a", [1, 2, 3]))
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="missing"):
+        sched.update_from_output(out, {})
+    with pytest.raises(ValueError, match="unexpected"):
+        sched.update_from_output(out, {"a": 4, "b": 5})
+    with pytest.raises(ValueError, match="not the pending"):
+        sched.update_from_output(SchedulerOutput(rows=out.rows), {"a": 4})
+    assert sched.update_from_output(out, {"a": 4}) == []
+    sched.check_integrity()
