@@ -166,6 +166,7 @@ class SystemResult:
     key: str  # "a", "b", "c", "d"
     turns: list[TurnRun] = field(default_factory=list)
     note: str = ""
+    profile: dict[str, float] = field(default_factory=dict)  # seconds per part, with --profile
 
     @property
     def total_prefill(self) -> int:
@@ -177,26 +178,73 @@ class SystemResult:
 
 
 class ForwardCounter:
-    """Counts tokens run through a Hugging Face model (a forward pre-hook on the top module)."""
+    """Counts tokens run through a Hugging Face model, and the time spent in its forward (hooks on
+    the top module)."""
 
     def __init__(self, model: Any) -> None:
         self.num_tokens = 0
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self._handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post),
+        ]
 
-    def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs["inputs_embeds"][..., 0]
         self.num_tokens += int(ids.numel())
+        self._t0 = time.perf_counter()
+
+    def _post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        self.seconds += time.perf_counter() - self._t0
 
     def close(self) -> None:
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
+
+
+class Profile:
+    """Cumulative wall time of chosen functions, wrapped in place (`close()` restores them)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+        own = attr in getattr(owner, "__dict__", {})
+        self.seconds.setdefault(name, 0.0)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn, own))
+
+    def close(self) -> None:
+        for owner, attr, fn, own in reversed(self._undo):
+            if own:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)
+        self._undo.clear()
 
 
 class System:
     """One system under test: `warmup()` once, then `run_turn()` per turn, then `close()`."""
 
     key: str
+    counter: ForwardCounter
+
+    def start_profile(self) -> Profile | None:
+        """Wrap the system's parts in timers (after warm-up); None if it has none to show."""
+        return None
 
     def warmup(self, num_tokens: int) -> None:
         raise NotImplementedError
@@ -211,15 +259,36 @@ class System:
 class RadixkvSystem(System):
     """(a) / (b): radixkv's `LLM.generate`, the whole turn as one call."""
 
-    def __init__(self, key: str, *, enable_prefix_cache: bool, num_blocks: int) -> None:
+    def __init__(
+        self, key: str, *, enable_prefix_cache: bool, num_blocks: int, num_threads: int
+    ) -> None:
         from radixkv import LLM
 
         self.key = key
-        self.llm = LLM(enable_prefix_cache=enable_prefix_cache, num_blocks=num_blocks, seed=0)
+        self.llm = LLM(
+            enable_prefix_cache=enable_prefix_cache,
+            num_blocks=num_blocks,
+            num_threads=num_threads,
+            seed=0,
+        )
         # Cross-check of the engine's own accounting (prompt - cached tokens) against the tokens
         # that actually went through the model.
         self.counter = ForwardCounter(self.llm.model)
         self.mismatches: list[str] = []
+
+    def start_profile(self) -> Profile:
+        import radixkv.engine
+        import radixkv.kernels
+
+        prof = Profile()
+        prof.wrap(self.llm.scheduler, "schedule", "scheduler")
+        prof.wrap(self.llm.scheduler, "update_from_output", "scheduler")
+        prof.wrap(self.llm.runner, "build_inputs", "runner: build step inputs")
+        prof.wrap(radixkv.engine, "sample", "sampling")
+        # Inside the model forward (attention.py calls them through the module at call time).
+        prof.wrap(radixkv.kernels, "paged_attention", "  kernels.paged_attention")
+        prof.wrap(radixkv.kernels, "store_kv", "  kernels.store_kv")
+        return prof
 
     def _params(self, num_tokens: int) -> Any:
         from radixkv import SamplingParams
@@ -461,6 +530,29 @@ def evaluate_goals(results: dict[str, SystemResult]) -> list[Goal]:
     return goals
 
 
+def _profile_table(results: dict[str, SystemResult], keys: list[str]) -> list[str]:
+    parts: list[str] = []
+    for k in keys:
+        parts += [p for p in results[k].profile if p not in parts]
+    header = ["part", *[SYSTEM_NAMES[k] for k in keys]]
+    rows = []
+    for part in [*parts, "other (engine Python, threads)"]:
+        row = [part]
+        for k in keys:
+            prof, wall = results[k].profile, results[k].total_wall_s
+            if part in prof:
+                sec = prof[part]
+            elif part.startswith("other") and prof:
+                # Nested parts (indented) are inside "model forward"; do not count them twice.
+                sec = wall - sum(v for p, v in prof.items() if not p.startswith(" "))
+            else:
+                row.append("-")
+                continue
+            row.append(f"{sec:.2f} ({sec / wall:.0%})")
+        rows.append(row)
+    return _table(header, rows)
+
+
 def _mean_ttft(turn: TurnRun) -> float:
     return statistics.fmean(turn.ttft_s)
 
@@ -556,6 +648,12 @@ def format_report(
     if goals:
         out += ["", "Goals"]
         out += [f"  [{'met' if g.met else 'MISSED'}] {g.text}: {g.value}" for g in goals]
+    if any(results[k].profile for k in keys):
+        out += [
+            "",
+            "Where the time goes (--profile; s over all turns, % of the system's wall time)",
+        ]
+        out += _profile_table(results, keys)
     notes = [f"  ({k}) {results[k].note}" for k in keys if results[k].note]
     if notes:
         out += ["", "Notes", *notes]
@@ -569,13 +667,8 @@ def format_report(
 def _load_hf_model() -> tuple[Any, Any]:
     """The embedded default model and tokenizer, loaded as plain transformers objects (a separate
     instance from radixkv's, which switches its model's attention implementation)."""
-    try:
-        from radixkv.model_loader import load_model
-    except ImportError:  # TEMP until the runner branch lands
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from radixkv.model_loader import load_model
 
-        d = os.path.expanduser("~/.cache/radixkv/models/SmolLM2-135M-Instruct")
-        return AutoModelForCausalLM.from_pretrained(d).eval(), AutoTokenizer.from_pretrained(d)
     loaded = load_model(None)
     return loaded.model, loaded.tokenizer
 
@@ -604,7 +697,9 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> str:
 
     def make(key: str) -> System:
         if key in "ab":
-            return RadixkvSystem(key, enable_prefix_cache=key == "a", num_blocks=num_blocks)
+            return RadixkvSystem(
+                key, enable_prefix_cache=key == "a", num_blocks=num_blocks, num_threads=args.threads
+            )
         if key == "c":
             return PlainGenerateSystem(hf_model, pad_token_id=tokenizer.pad_token_id)
         return ContinuousBatchingSystem(
@@ -623,6 +718,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         say(f"{SYSTEM_NAMES[key]}: warm-up")
         system.warmup(args.reply_tokens)
         result = SystemResult(key)
+        prof = system.start_profile() if args.profile else None
+        forward_s = system.counter.seconds
         histories = ChatHistories(tokenizer, args.conversations) if not prompts_per_turn else None
         for turn in range(args.turns):
             if histories is not None:  # this system's replies become the shared history
@@ -635,6 +732,11 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> str:
                 f"{SYSTEM_NAMES[key]}: turn {turn + 1}: {run_.wall_s:.2f} s, "
                 f"{run_.num_prefill_tokens} prefill tokens"
             )
+        if args.profile:
+            result.profile = {"model forward": system.counter.seconds - forward_s}
+            if prof is not None:
+                result.profile.update(prof.seconds)
+                prof.close()
         if isinstance(system, RadixkvSystem):
             stats = system.llm.cache.stats()
             result.note = f"cache hit rate {stats.hit_rate:.1%}, {stats.num_nodes} tree nodes"
@@ -659,6 +761,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--systems",
         default="abcd",
         help="which systems, in run order; the first generates the history (default abcd)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="time the parts of each system (model, kernels...)"
     )
     p.add_argument("--block-size", type=int, default=16, help="radixkv block = (d) page size")
     p.add_argument("--max-batch-tokens", type=int, default=1024, help="(d)'s token budget")
