@@ -116,8 +116,7 @@ class LLM:
         )
         self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=n_blocks)
         self.cache = PrefixCache(n_blocks, block_size)
-        text_cfg = self.model.config.get_text_config()
-        self.max_model_len = int(getattr(text_cfg, "max_position_embeddings", None) or 8192)
+        self.max_model_len = _max_model_len(self.model.config.get_text_config())
         self.scheduler_config = SchedulerConfig(**config_args, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.vocab_size = self.runner.vocab_size
@@ -409,6 +408,20 @@ def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
             if int(t) not in ids:
                 ids.append(int(t))
     return tuple(ids)
+
+
+def _max_model_len(cfg: Any) -> int:
+    n = int(getattr(cfg, "max_position_embeddings", None) or 8192)
+    window = getattr(cfg, "sliding_window", None)
+    if (
+        window
+        and getattr(cfg, "use_sliding_window", True)
+        and not getattr(cfg, "layer_types", None)
+    ):
+        # The paged attention is full causal attention: it equals a sliding-window model's
+        # attention only while the whole context fits in the window (Mistral-style configs).
+        n = min(n, int(window))
+    return n
 
 
 def _set_cpu_threads(num_threads: int | None) -> None:

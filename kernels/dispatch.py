@@ -1,0 +1,135 @@
+"""Backend switch: Triton for CUDA tensors, the torch reference for CPU tensors.
+
+`use_backend("triton" | "torch")` overrides the choice inside a `with` block (per thread / task, a
+ContextVar): tests run the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`, and a GPU run
+can be compared against the reference. Triton is imported on first use of the Triton backend only,
+so the CPU engine works where triton is not installed (e.g. macOS).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from radixkv.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["triton", "torch"]
+_BACKENDS = ("triton", "torch")
+_override: ContextVar[Backend | None] = ContextVar("radixkv_kernels_backend", default=None)
+
+
+@contextmanager
+def use_backend(backend: Backend | None) -> Iterator[None]:
+    """Run kernels on `backend` whatever the tensors' device inside the block (None: default)."""
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
+    token = _override.set(backend)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend a call on `device` would use now."""
+    override = _override.get()
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        if _triton_available():
+            return "triton"
+        _warn_no_triton()
+    return "torch"
+
+
+def _device_of(t: object) -> torch.device:
+    # Not a tensor: let the reference's validation report it with a ValueError.
+    return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    logger.warning("triton is not installed: CUDA tensors use the (slower) torch reference kernels")
+
+
+@functools.cache
+def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType]:
+    if not _triton_available():
+        raise RuntimeError(
+            "the triton backend needs the `triton` package; install it or use_backend('torch')"
+        )
+    from radixkv.kernels import triton_copy_blocks, triton_paged_attention, triton_store_kv
+
+    return triton_store_kv, triton_paged_attention, triton_copy_blocks
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V at their slots, in place. See `reference.store_kv`."""
+    if backend_for(_device_of(k_cache)) == "triton":
+        _triton_modules()[0].store_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen paged attention (GQA). See `reference.paged_attention` for the contract."""
+    impl = reference
+    if backend_for(_device_of(q)) == "triton":
+        impl = _triton_modules()[1]
+    return impl.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        out=out,
+        num_kv_splits=num_kv_splits,
+    )
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    num_slots: torch.Tensor,
+) -> None:
+    """Copy-on-write of partial blocks across the given layers. See `reference.copy_blocks`."""
+    if backend_for(_device_of(k_cache)) == "triton":
+        _triton_modules()[2].copy_blocks(k_cache, v_cache, src, dst, num_slots)
+    else:
+        reference.copy_blocks(k_cache, v_cache, src, dst, num_slots)

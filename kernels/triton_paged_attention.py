@@ -1,0 +1,384 @@
+"""Triton paged attention: causal varlen attention over a paged KV cache (decode, extend, prefill).
+
+One program handles a tile of BLOCK_Q new query tokens of one request, for all GROUP query heads
+that share one kv head (so K/V are read once per group), over one split of the context:
+
+    grid = (query tiles, num_kv_heads, num_kv_splits)
+
+    tile rows (BLOCK_M = BLOCK_Q * GROUP_P): row m = token m // GROUP_P, group head m % GROUP_P
+    context:  0 ........... kv_lo ...... kv_hi ........... kv_end <= seq_len
+                            |   split s   |                 (the tile's last query sees kv_end - 1)
+
+Query tiles are laid out without a host sync: request r owns tile ids
+`[cu_seqlens_q[r] // BLOCK_Q + r, cu_seqlens_q[r + 1] // BLOCK_Q + r + 1)`, at least its
+`ceil(q_len / BLOCK_Q)` tiles; a program finds its request by binary search and exits if its tile is
+past q_len. The grid is the upper bound `num_tokens // BLOCK_Q + num_reqs`.
+
+K/V rows are gathered position by position through the block table (block = pos // BLOCK_SIZE,
+offset = pos % BLOCK_SIZE), so any block size works (1 .. 256+) independently of BLOCK_N. Loads past
+the tile's last visible position are masked: unwritten slots (NaN) are never read.
+
+With more than one split each program writes its normalised partial output and log-sum-exp (base 2)
+to fp32 scratch, and `_merge_splits_kernel` combines them; with one split the output is written
+directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from radixkv.kernels.checks import check_paged_attention
+
+__all__ = ["default_num_kv_splits", "paged_attention"]
+
+_LOG2E = 1.4426950408889634
+# Aim for this many programs per SM before splitting the context further.
+_PROGRAMS_PER_SM = 2
+# A split shorter than this costs more in merge traffic than it gains in parallelism.
+_MIN_TOKENS_PER_SPLIT = 512
+_MAX_KV_SPLITS = 64
+
+
+@triton.jit
+def _find_request(cu_seqlens_q_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
+    """Last request r whose first tile id `cu_seqlens_q[r] // BLOCK_Q + r` is <= tile_id."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,  # fp32 [num_splits, num_tokens, num_q_heads, HEAD_DIM] (only when SPLIT)
+    part_lse_ptr,  # fp32 [num_splits, num_tokens, num_q_heads] (only when SPLIT)
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    num_reqs,
+    num_tokens,
+    num_q_heads,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_btr,
+    stride_btc,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    req = _find_request(cu_seqlens_q_ptr, tile_id, num_reqs, BLOCK_Q)
+    q_begin = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_begin
+    q_tile_start = (tile_id - (q_begin // BLOCK_Q + req)) * BLOCK_Q
+    if q_tile_start >= q_len:
+        return  # a spare tile of the upper-bound grid
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_tile_start + offs_m // GROUP_P  # index among the request's new tokens
+    g = offs_m % GROUP_P
+    row_valid = (q_idx < q_len) & (g < GROUP)
+    token = (q_begin + q_idx).to(tl.int64)
+    head = (kv_head * GROUP + g).to(tl.int64)
+    q_pos = ctx_len + q_idx  # absolute position of each row's query
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_valid = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+
+    # This tile sees positions [0, kv_end); split s takes a whole number of BLOCK_N tiles of it.
+    kv_end = ctx_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * per_split
+    kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_btr
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    for start_n in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_hi
+        block = tl.load(table_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=n_valid, other=0)
+        block = block.to(tl.int64)
+        in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
+
+        # K as [HEAD_DIM_P, BLOCK_N]: the transposed operand of q @ k^T.
+        k = tl.load(
+            k_base + (block * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None],
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf: subtract 0 instead (-inf - -inf = NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(
+            v_base + (block * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :],
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_mass = l_i > 0.0
+    o = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+    mask = row_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        split64 = split.to(tl.int64)
+        row = (split64 * num_tokens + token) * num_q_heads + head  # [num_splits, tokens, heads]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=row_valid)
+    else:
+        out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,  # fp32 [num_splits, num_tokens, num_q_heads, HEAD_DIM]
+    part_lse_ptr,  # fp32 [num_splits, num_tokens, num_q_heads], base 2, -inf for an empty split
+    out_ptr,
+    num_splits,
+    num_tokens,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    sh_valid = (offs_s[:, None] < num_splits) & (offs_h[None, :] < num_q_heads)
+
+    row = (offs_s[:, None].to(tl.int64) * num_tokens + token) * num_q_heads + offs_h[None, :]
+    lse = tl.load(part_lse_ptr + row, mask=sh_valid, other=float("-inf"))  # [SPLITS_P, BLOCK_H]
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[None, :])
+    o = tl.load(
+        part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        mask=sh_valid[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)  # > 0 for every real head: split 0 always sees position 0
+    merged = tl.sum(weight[:, :, None] * o, 0) / tl.where(total > 0.0, total, 1.0)[:, None]
+    out_offs = token * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+    mask = (offs_h < num_q_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms_of(index)
+
+
+@functools.cache
+def _num_sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_kv_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
+    """Split the context only when the (tile, kv head) programs alone cannot fill the GPU.
+
+    `max_context_len` is the block-table capacity (host-known, no sync): an upper bound on what a
+    request can read. On the CPU (interpreter) there is nothing to fill: one split.
+    """
+    if device.type != "cuda" or num_programs <= 0:
+        return 1
+    target = _PROGRAMS_PER_SM * _num_sms(device)
+    if num_programs >= target:
+        return 1
+    useful = triton.cdiv(max_context_len, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(triton.cdiv(target, num_programs), useful, _MAX_KV_SPLITS))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of new query tokens over a paged KV cache (GQA), in Triton.
+
+    q: [total_q_tokens, num_q_heads, head_dim], packed in request order.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
+    block_tables: int32 [num_reqs, max_blocks]; seq_lens: int32 [num_reqs] (whole context including
+        the new tokens); cu_seqlens_q: int32 [num_reqs + 1]; all on q's device.
+    scale: softmax scale.
+    out: optional result buffer like q.
+    num_kv_splits: split each context into this many parts (merged by log-sum-exp); default: as
+        many as needed to fill the GPU (`default_num_kv_splits`), 1 on the CPU.
+    Returns out: [total_q_tokens, num_q_heads, head_dim] in q's dtype.
+
+    Same semantics as `radixkv.kernels.reference.paged_attention`. Metadata contents are checked
+    only for CPU tensors (no sync); on CUDA see `checks.check_attention_metadata`.
+    """
+    check_paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        out,
+        check_values=q.device.type == "cpu",
+    )
+    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
+        raise ValueError(f"num_kv_splits must be a positive int, got {num_kv_splits!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs = block_tables.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    # Decode-like batches (at most one new token per request on average) get the smallest tile
+    # tl.dot accepts on a GPU (M >= 16); prefill/extend tiles are larger to reuse K/V across rows.
+    decode_like = num_tokens <= num_reqs
+    block_m = max(16 if decode_like else 64, group_p)
+    block_q = block_m // group_p
+    # fp32 tiles take twice the shared memory: halve BLOCK_N for them (and for head_dim > 128).
+    block_n = 64 if head_dim <= 128 and q.dtype != torch.float32 else 32
+    num_tiles = num_tokens // block_q + num_reqs
+
+    if num_kv_splits is None:
+        real_tiles = num_reqs if decode_like else triton.cdiv(num_tokens, block_q)
+        num_kv_splits = default_num_kv_splits(
+            real_tiles * num_kv_heads, block_tables.shape[1] * block_size, q.device
+        )
+    split = num_kv_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_kv_splits, num_tokens, num_q_heads, head_dim), device=q.device, dtype=torch.float32
+        )
+        part_lse = torch.empty(
+            (num_kv_splits, num_tokens, num_q_heads), device=q.device, dtype=torch.float32
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel
+
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_kv_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        num_reqs,
+        num_tokens,
+        num_q_heads,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        # fp32 inputs: exact fp32 products (tf32 would lose ~3 decimal digits); else the default.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=4,
+        num_stages=2,
+    )
+    if split:
+        splits_p = triton.next_power_of_2(num_kv_splits)
+        # Bound the [splits, heads, head_dim] fp32 tile to ~8k elements (registers on a GPU).
+        block_h = max(1, min(triton.next_power_of_2(num_q_heads), 8192 // (splits_p * head_dim_p)))
+        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
+            part_out,
+            part_lse,
+            out,
+            num_kv_splits,
+            num_tokens,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            SPLITS_P=splits_p,
+            BLOCK_H=block_h,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,142 @@
+"""Compiled Triton kernels on a CUDA device against the torch reference (run on the same device),
+in bf16 / fp16 / fp32, at the sizes the interpreter cannot afford.
+
+Run with the interpreter off (tests/conftest.py turns it on by default):
+
+    TRITON_INTERPRET=0 .venv/bin/pytest -m gpu tests/kernels
+    (or: .venv/bin/python benchmarks/kernel_bench.py --check)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from radixkv.kernels import backend_for, reference
+from radixkv.kernels.triton_copy_blocks import copy_blocks as triton_copy_blocks
+from radixkv.kernels.triton_paged_attention import paged_attention as triton_paged_attention
+from radixkv.kernels.triton_store_kv import store_kv as triton_store_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
+        reason="TRITON_INTERPRET is on: run with TRITON_INTERPRET=0 to test compiled kernels",
+    ),
+]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _lens(block_size: int) -> tuple[list[int], list[int]]:
+    """Decode rows at and around block boundaries, plain prefills, extends over long prefixes."""
+    b = block_size
+    seq_lens = [1, b - 1 if b > 1 else 1, b, b + 1, 300, 4096, 1500, 777, 2 * b + 3]
+    q_lens = [1, 1, b, 1, 37, 1, 200, 777, 5]
+    return seq_lens, q_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 80), (4, 128), (8, 128)])
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 7])
+def test_paged_attention_gpu(
+    paged_batch, assert_close, dtype, block_size, group, head_dim, num_kv_splits
+):
+    seq_lens, q_lens = _lens(block_size)
+    batch = paged_batch(
+        seq_lens,
+        q_lens,
+        block_size=block_size,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cuda",
+    )
+    expected = reference.paged_attention(*batch.args)
+    actual = triton_paged_attention(*batch.args, num_kv_splits=num_kv_splits)
+    assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_decode_batch_gpu(paged_batch, assert_close, dtype):
+    # The benchmark shape (32 q heads over 8 kv heads, head_dim 128), default splits.
+    lens = [1024, 4096, 1, 17, 3000, 2048, 64, 16384]
+    batch = paged_batch(
+        lens,
+        [1] * len(lens),
+        block_size=16,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        dtype=dtype,
+        device="cuda",
+    )
+    assert backend_for(batch.q.device) == "triton"
+    assert_close(triton_paged_attention(*batch.args), reference.paged_attention(*batch.args), dtype)
+
+
+def test_paged_attention_int64_offsets_gpu(assert_close):
+    # A cache past 2^31 elements: block ids near the end need 64-bit offsets.
+    num_blocks, block_size, heads, head_dim = 140_000, 16, 8, 128  # 2.3e9 elements, 4.6 GB bf16
+    try:
+        k_cache = torch.zeros(
+            num_blocks, block_size, heads, head_dim, dtype=torch.bfloat16, device="cuda"
+        )
+        v_cache = torch.zeros_like(k_cache)
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip("not enough GPU memory for a >2^31-element cache")
+    table = torch.tensor([[num_blocks - 1, 5, num_blocks - 2]], dtype=torch.int32, device="cuda")
+    seq_len = 40
+    pos = torch.arange(seq_len, device="cuda")
+    blocks, offsets = table[0, pos // block_size].long(), pos % block_size
+    k_cache[blocks, offsets] = torch.randn(seq_len, heads, head_dim, device="cuda").bfloat16()
+    v_cache[blocks, offsets] = torch.randn(seq_len, heads, head_dim, device="cuda").bfloat16()
+    q = torch.randn(2, 4 * heads, head_dim, device="cuda").bfloat16()
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        table,
+        torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 2], dtype=torch.int32, device="cuda"),
+        head_dim**-0.5,
+    )
+    assert_close(triton_paged_attention(*args), reference.paged_attention(*args), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_store_kv_gpu(dtype, block_size):
+    num_blocks, heads, head_dim, num_tokens = 64, 8, 128, 500
+    shape = (num_blocks, block_size, heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    num_tokens = min(num_tokens, num_blocks * block_size)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots[::7] = -1
+    key = torch.randn(num_tokens, heads, head_dim, device="cuda").to(dtype)
+    value = torch.randn(num_tokens, heads, head_dim, device="cuda").to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    triton_store_kv(key, value, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, expected_k, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, expected_v, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_copy_blocks_gpu(block_size):
+    shape = (4, 32, block_size, 8, 128)
+    k_cache = torch.randn(shape, device="cuda").bfloat16()
+    v_cache = torch.randn(shape, device="cuda").bfloat16()
+    src = torch.tensor([3, 0, 9, 3], device="cuda")
+    dst = torch.tensor([1, 31, 2, 5], device="cuda")
+    num_slots = torch.tensor([block_size - 1, block_size, 0, 1], device="cuda")
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.copy_blocks(expected_k, expected_v, src, dst, num_slots)
+    triton_copy_blocks(k_cache, v_cache, src, dst, num_slots)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
