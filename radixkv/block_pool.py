@@ -142,8 +142,27 @@ class BlockPool:
             if self._refs[b] <= 0:
                 raise ValueError(f"block {b} is already free")
         # Reversed so that blocks freed together are handed out again in the order given.
-        for b in reversed(ids):
-            self.decref(b)
+        self.drop_refs(ids[::-1])
+
+    def drop_refs(self, block_ids: Sequence[int]) -> list[int]:
+        """Drop one owner of each block; returns the blocks that reached zero (now free), in order.
+
+        The hot path of eviction and of `PrefixCache.free`: ids are trusted (in range, each with a
+        ref count >= 1, no repeats) because the caller has validated them; an internal mistake still
+        trips the assertion rather than corrupting the free list.
+        """
+        refs = self._refs
+        freed = []
+        for b in block_ids:
+            r = refs[b]
+            assert r > 0, f"block {b} is already free"
+            refs[b] = r - 1
+            if r == 1:
+                freed.append(b)
+        if freed:
+            self._free.extend(freed)
+            self._num_freed += len(freed)
+        return freed
 
     # ------------------------------------------------------------------ checks
     def stats(self) -> BlockPoolStats:

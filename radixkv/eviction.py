@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from sortedcontainers import SortedDict
+from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
     from radixkv.radix_tree import TreeNode
@@ -27,45 +27,46 @@ def lru_key(node: TreeNode) -> tuple[int, int]:
 
 
 class EvictionIndex:
-    """Sorted set of evictable nodes; O(log n) add, remove and pop of the first.
+    """Sorted set of evictable nodes; O(log n) add, remove and peek at the first.
 
-    Invariant: `node.evict_key is not None` iff the node is a member, and then it is the key the
-    node is stored under.
+    Entries are `(key, node)`; keys are unique (LRU's includes the node id), so entries never
+    compare nodes. Invariant: `node.evict_key is not None` iff the node is a member, and then it is
+    the key the node is stored under.
     """
 
-    __slots__ = ("_by_key", "key")
+    __slots__ = ("_entries", "key")
 
     def __init__(self, key: EvictionKey = lru_key) -> None:
         self.key = key
-        self._by_key: SortedDict = SortedDict()
+        self._entries: SortedList = SortedList()
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return len(self._entries)
 
     def __bool__(self) -> bool:
-        return bool(self._by_key)
+        return bool(self._entries)
 
     def __iter__(self) -> Iterator[TreeNode]:
         """Members in eviction order (first = next victim)."""
-        return iter(self._by_key.values())
+        return (node for _, node in self._entries)
 
     def add(self, node: TreeNode) -> None:
         assert node.evict_key is None, f"node {node.node_id} is already evictable"
         k = self.key(node)
         node.evict_key = k
-        self._by_key[k] = node
+        self._entries.add((k, node))
 
     def discard(self, node: TreeNode) -> None:
         """Remove `node` if it is a member."""
         k = node.evict_key
         if k is not None:
-            del self._by_key[k]
+            self._entries.remove((k, node))
             node.evict_key = None
 
     def first(self) -> TreeNode:
         """The next victim (the set must not be empty)."""
-        return self._by_key.peekitem(0)[1]
+        return self._entries[0][1]
 
     def items(self) -> list[tuple[Any, TreeNode]]:
         """(key, node) pairs in eviction order, for integrity checks and displays."""
-        return list(self._by_key.items())
+        return list(self._entries)

@@ -35,7 +35,6 @@ A request's life (B = block size, `m` = cached tokens):
 from __future__ import annotations
 
 import logging
-import operator
 import warnings
 import weakref
 from collections import Counter
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.block_pool import BlockPool, check_size
-from radixkv.radix_tree import RadixTree, TreeNode, pack_tokens, unpack_tokens
+from radixkv.radix_tree import RadixTree, TreeNode, block_id_list, pack_tokens, unpack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,7 @@ class MatchResult:
     num_partial_slots: int  # m % B: valid slots of the last block when it is partial, else 0
     _node: Any = field(default=None, repr=False, compare=False)  # deepest node touched (internal)
     _version: int = field(default=-1, repr=False, compare=False)  # cache version at match time
+    _owner: Any = field(default=None, repr=False, compare=False)  # the tree that matched (internal)
 
     @property
     def last_block_partial(self) -> bool:
@@ -242,17 +242,24 @@ class PrefixCache:
             if cap < limit:
                 limit = cap
         m, node, blocks = self._tree.walk(qb, limit)
-        return MatchResult(n, m, tuple(blocks), m % self.block_size, node, self._tree.version)
+        tree = self._tree
+        return MatchResult(n, m, tuple(blocks), m % self.block_size, node, tree.version, tree)
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
-        Raises ValueError for a stale match (cache changed since match())."""
+
+        Recency is kept lazily (only the matched node is stamped; see `RadixTree`), with exactly the
+        eviction order of stamping the whole path. A match of 0 tokens locks the root (a no-op
+        lock). Raises TypeError for a non-MatchResult and ValueError for a stale match (the cache
+        changed structurally since match()) or one from another cache; nothing changes then.
+        """
         if not isinstance(match, MatchResult):
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         tree = self._tree
         node = match._node
-        if not isinstance(node, TreeNode) or not tree.is_attached(node):
-            raise ValueError("match was not produced by this cache (or its node was evicted)")
+        if match._owner is not tree or not isinstance(node, TreeNode):
+            raise ValueError("match was not produced by this cache")
+        # Same version => no structural change since the match: the node is still in the tree.
         if match._version != tree.version:
             raise ValueError(
                 f"stale match: taken at cache version {match._version}, cache is at"
@@ -300,12 +307,14 @@ class PrefixCache:
         private = self._private
         foreign = [b for b in ids if b not in private]
         if foreign:
+            for i, b in enumerate(ids):
+                self._check_block_range("block_ids", i, b)
             raise ValueError(
                 f"block_ids {foreign} are not held privately by the caller (never allocated,"
                 " already freed, or adopted by the tree)"
             )
         private.difference_update(ids)
-        self._pool.free(ids)
+        self._pool.drop_refs(ids[::-1])  # reversed: handed out again in the order given
 
     # ---------------------------------------------------------------- insertion
     def insert(
@@ -345,10 +354,7 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size {B} need exactly"
                 f" ceil({n}/{B}) = {num_idx}"
             )
-        if len(set(ids)) != num_idx:
-            raise ValueError(f"block_ids contains a repeated id: {ids}")
-        if handle is not None:
-            self._live_node(handle)
+        old_node = None if handle is None else self._live_node(handle)
         tree = self._tree
         private = self._private
         p, node, canonical = tree.walk(qb, n)
@@ -360,7 +366,13 @@ class PrefixCache:
             del canonical[covered:]
         duplicates: list[int] = []
         kept: int | None = None
-        if ids[:covered] != canonical:
+        new_ids = ids[covered:]
+        as_cached = ids[:covered] == canonical  # the common case: exactly the tree's blocks
+        # Repeated ids: the blocks of a tree path are distinct, so when the covered part is exactly
+        # the tree's, only the new part needs checking (and it is short).
+        if len(set(new_ids)) != len(new_ids) or (not as_cached and len(set(ids)) != num_idx):
+            raise ValueError(f"block_ids contains a repeated id: {ids}")
+        if not as_cached:
             partial_tail = num_idx - 1 if p == n and n % B else -1
             for i in range(covered):
                 b = ids[i]
@@ -371,16 +383,16 @@ class PrefixCache:
                         kept = canonical[i] = b
                     else:
                         duplicates.append(b)
-                elif tree.path_block_at(node, i, p, b):
+                elif b < self.num_blocks and tree.path_block_at(node, i, p, b):
                     if i == partial_tail:
                         canonical[i] = b
                 else:
+                    self._check_block_range("block_ids", i, b)
                     raise ValueError(
                         f"block_ids[{i}] = {b} is neither the cached block {canonical[i]} at block"
                         f" index {i} nor a block the caller holds privately"
                     )
         # New indices: private blocks, or (first index only) a path block co-owned mid-block.
-        new_ids = ids[covered:]
         co_owned: int | None = None
         if new_ids and not private.issuperset(new_ids):
             for j, b in enumerate(new_ids):
@@ -389,6 +401,7 @@ class PrefixCache:
                 if j == 0 and p % B and tree.path_block_at(node, covered, p, b):
                     co_owned = b
                     continue
+                self._check_block_range("block_ids", covered + j, b)
                 raise ValueError(
                     f"block_ids[{covered + j}] = {b} is not held privately by the caller (never"
                     " allocated, freed, or owned by the tree elsewhere); new tokens need private"
@@ -397,10 +410,15 @@ class PrefixCache:
 
         # ---- validated: commit ----
         tick = self._tick()
+        if handle is not None:
+            del self._live[handle.handle_id]  # its lock moves to the new handle below
         if n > p:
             if p < node.end:
                 node = tree.split(node, p)
-            tree.lock_path(node, tick)
+            if old_node is None:
+                tree.lock_path(node, tick)
+            else:
+                tree.move_lock(old_node, node, tick)
             if co_owned is not None:
                 self._pool.incref(co_owned)
             private.difference_update(new_ids)
@@ -415,14 +433,14 @@ class PrefixCache:
             canonical += new_ids
         else:
             target = node
-            tree.lock_path(node, tick)
-        pool = self._pool
-        for b in duplicates:
-            private.discard(b)
-            pool.decref(b)
+            if old_node is None:
+                tree.lock_path(node, tick)
+            else:
+                tree.move_lock(old_node, node, tick)
+        if duplicates:
+            private.difference_update(duplicates)
+            self._pool.drop_refs(duplicates[::-1])
         new_handle = self._new_handle(target, n)
-        if handle is not None:
-            self.release(handle)
         self._num_inserts += 1
         self._num_inserted_tokens += n - p
         self._num_duplicates_freed += len(duplicates)
@@ -477,6 +495,7 @@ class PrefixCache:
 
     def nodes(self) -> Iterator[NodeView]:
         """Snapshots of all nodes, root first, depth-first, children by increasing first token."""
+        last_use = self._tree.last_uses()
         for node, depth in self._tree.iter_nodes():
             parent = node.parent
             yield NodeView(
@@ -487,7 +506,7 @@ class PrefixCache:
                 end=node.end,
                 block_ids=tuple(node.blocks),
                 lock_ref=node.lock_ref,
-                last_access=node.tick,
+                last_access=last_use[node.node_id],
                 head_tokens=unpack_tokens(node.tokens[: 4 * _HEAD_TOKENS]),
             )
 
@@ -506,11 +525,11 @@ class PrefixCache:
                 raise AssertionError(f"private block id {b} out of range")
             if b in owners:
                 raise AssertionError(f"block {b} is both private and owned by the tree")
-        for b in range(self.num_blocks):
+        for b, ref in enumerate(pool._refs):
             expected = owners.get(b, 0) + (b in private)
-            if pool.ref_count(b) != expected:
+            if ref != expected:
                 raise AssertionError(
-                    f"block {b} ref count {pool.ref_count(b)} != {expected} owners"
+                    f"block {b} ref count {ref} != {expected} owners"
                     f" ({owners.get(b, 0)} nodes, private={b in private})"
                 )
         evictable = self._tree.num_evictable_blocks
@@ -563,23 +582,18 @@ class PrefixCache:
             )
 
     def _block_id_list(self, block_ids: Sequence[int], name: str) -> list[int]:
-        """Block ids as ints in [0, num_blocks); TypeError/ValueError naming the culprit."""
-        if isinstance(block_ids, (str, bytes, bytearray)):
-            raise TypeError(f"{name} must be a sequence of ints, got {type(block_ids).__name__}")
+        """Block ids as plain ints >= 0; TypeError/ValueError naming the culprit.
+
+        The upper bound is not checked here: every id must also be private or the tree's block at
+        its index, which no out-of-range id is; `_check_block_range` words that rejection.
+        """
         try:
-            ids = list(map(operator.index, block_ids))
-        except TypeError:
-            try:
-                items = list(block_ids)
-            except TypeError:
-                raise TypeError(
-                    f"{name} must be a sequence of ints, got {type(block_ids).__name__}"
-                ) from None
-            for i, b in enumerate(items):
-                if not hasattr(b, "__index__"):
-                    raise TypeError(f"{name}[{i}] = {b!r} is not an int") from None
-            raise
-        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            i, b = next((i, b) for i, b in enumerate(ids) if not 0 <= b < self.num_blocks)
+            return block_id_list(block_ids, name)
+        except ValueError:
+            for i, b in enumerate(block_ids):
+                self._check_block_range(name, i, int(b))
+            raise  # pragma: no cover
+
+    def _check_block_range(self, name: str, i: int, b: int) -> None:
+        if not 0 <= b < self.num_blocks:
             raise ValueError(f"{name}[{i}] = {b} is out of range [0, {self.num_blocks})")
-        return ids

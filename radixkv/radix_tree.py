@@ -19,12 +19,15 @@ within the matched range (a diverging branch's own copy of a split block wins ov
 
 Tokens are stored packed (`bytes`, native uint32): 4 bytes a token, compared with memcmp
 (`bytes.startswith`) a whole node at a time; only the node where a walk diverges looks for the first
-mismatch, with numpy for long runs. No per-token Python loop touches a long prompt.
+mismatch (bisection by memcmp, then one big-integer XOR). No per-token Python loop touches a
+prompt, and a node costs 4 bytes a token (numpy int32 arrays would cost the same plus ~100 bytes of
+header each, and a call per comparison).
 """
 
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,17 +40,16 @@ from radixkv.eviction import EvictionIndex, EvictionKey, lru_key
 TOKEN_BYTES = 4
 MAX_TOKEN_ID = 2**32 - 1
 _TOKEN_DTYPE = np.dtype("=u4")
+assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
 _unpack_token = struct.Struct("=I").unpack_from
-# Below this many tokens a Python loop finds a mismatch faster than numpy's call overhead.
-_SHORT_COMPARE = 8
 
 
 def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
     """Validate and pack token ids into native uint32 bytes (one C pass over the sequence).
 
-    Accepts any sequence of ints (numpy integer arrays take a vectorised path). Raises TypeError for
-    a non-sequence or a non-int element and ValueError for an id outside [0, 2**32 - 1], naming the
-    first offending position. Mutates nothing.
+    Accepts any sequence of ints (bool counts as an int; numpy integer arrays take a vectorised
+    path). Raises TypeError for a non-sequence or a non-int element and ValueError for an id
+    outside [0, 2**32 - 1], naming the first offending position. Mutates nothing.
     """
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
@@ -60,23 +62,31 @@ def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
                 f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]"
             )
         return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
+    return _as_uint32_array(tokens, name, "a token id").tobytes()
+
+
+def _as_uint32_array(values: Sequence[int], name: str, what: str) -> array:
+    """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type, sign
+    and range are checked in one C pass that reads the list in place (struct.pack(*values) was
+    slower: it builds an argument tuple, touching every int object twice more)."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     try:
-        n = len(tokens)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}") from None
-    try:
-        # struct's "I" accepts exactly the ints in [0, 2**32): type, sign and range in one C pass.
-        return struct.pack(f"={n}I", *tokens)
-    except struct.error:
+        return array("I", values)
+    except (TypeError, OverflowError):
         pass
-    for i, t in enumerate(tokens):  # slow path, only to name the culprit
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise TypeError(f"{name}[{i}] = {t!r} is not an int ({type(t).__name__})")
-        if not 0 <= int(t) <= MAX_TOKEN_ID:
-            raise ValueError(f"{name}[{i}] = {int(t)} is not a token id in [0, {MAX_TOKEN_ID}]")
-    raise TypeError(f"{name} could not be read as token ids")  # pragma: no cover
+    for i, v in enumerate(values):  # slow path, only to name the culprit
+        if not hasattr(v, "__index__"):
+            raise TypeError(f"{name}[{i}] = {v!r} is not an int ({type(v).__name__})") from None
+        if not 0 <= int(v) <= MAX_TOKEN_ID:
+            raise ValueError(f"{name}[{i}] = {int(v)} is not {what} in [0, {MAX_TOKEN_ID}]")
+    raise TypeError(f"{name} could not be read as ints")  # pragma: no cover
+
+
+def block_id_list(block_ids: Sequence[int], name: str = "block_ids") -> list[int]:
+    """Block ids as plain ints in [0, 2**32) (numpy scalars in, Python ints out); TypeError or
+    ValueError naming the culprit. The caller checks the upper bound that applies."""
+    return _as_uint32_array(block_ids, name, "a block id").tolist()
 
 
 def unpack_tokens(packed: bytes) -> tuple[int, ...]:
@@ -84,17 +94,26 @@ def unpack_tokens(packed: bytes) -> tuple[int, ...]:
 
 
 def _common_prefix_len(qb: bytes, pos: int, seg: bytes, k: int) -> int:
-    """Leading tokens that agree in qb[pos:pos+k] and seg[:k] (token units). The caller knows the
-    first token agrees and that a mismatch exists within the k tokens."""
-    if k <= _SHORT_COMPARE:
-        i = 1
-        q = TOKEN_BYTES * pos
-        while i < k and qb[q + 4 * i : q + 4 * i + 4] == seg[4 * i : 4 * i + 4]:
-            i += 1
-        return i
-    a = np.frombuffer(qb, dtype=_TOKEN_DTYPE, count=k, offset=TOKEN_BYTES * pos)
-    b = np.frombuffer(seg, dtype=_TOKEN_DTYPE, count=k)
-    return int(np.argmax(a != b))
+    """Leading tokens that agree in qb[pos:pos+k] and seg[:k] (token units). The caller knows a
+    mismatch exists within the k tokens.
+
+    Bisects with memcmp (`bytes.startswith`) down to <= 64 tokens, then finds the first differing
+    byte in one step: the lowest set bit of the XOR of the two runs read as little-endian integers
+    (byte j of a run is bits 8j..8j+7, so bit // 32 is the token). O(k) C work, O(log k) Python
+    steps; numpy's per-call overhead was larger for the run lengths a walk meets.
+    """
+    q = TOKEN_BYTES * pos
+    lo, hi = 0, k  # tokens [0, lo) agree; the first mismatch lies in [lo, hi)
+    while hi - lo > 64:
+        mid = (lo + hi) >> 1
+        if qb.startswith(seg[4 * lo : 4 * mid], q + 4 * lo):
+            lo = mid
+        else:
+            hi = mid
+    x = int.from_bytes(qb[q + 4 * lo : q + 4 * hi], "little") ^ int.from_bytes(
+        seg[4 * lo : 4 * hi], "little"
+    )
+    return lo + (((x & -x).bit_length() - 1) >> 5)
 
 
 @dataclass(slots=True, eq=False)
@@ -117,7 +136,7 @@ class TreeNode:
     head_shared: bool = False
     children: dict[int, TreeNode] = field(default_factory=dict)  # keyed by first token
     lock_ref: int = 0  # live lock handles on this node or a descendant
-    tick: int = 0  # logical time of the last acquire/insert through this node
+    tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
 
     @property
@@ -146,8 +165,10 @@ class RadixTree:
     * the root holds no tokens and no blocks; every other node has >= 1 token, `start` equal to its
       parent's `end`, is keyed in its parent's `children` by its first token, and holds exactly the
       block ids of the indices its segment touches;
-    * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths), and
-      a node's tick is >= the ticks of its descendants;
+    * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths);
+    * ticks are lazy: an acquire/insert stamps only the node it ends at; a node dropped by eviction
+      hands its tick to its parent (max). So when a node becomes a leaf its tick is the last use of
+      anything in its subtree, exactly as if every use had stamped the whole path, at O(1) a use;
     * all owners of a block own it at the same block index and lie under its shallowest owner;
       `head_shared` says whether a node's first block has an owner above it;
     * the eviction index holds exactly the unlocked non-root leaves;
@@ -227,12 +248,6 @@ class RadixTree:
                 return True
             node = node.parent  # type: ignore[assignment]
         return False
-
-    def is_attached(self, node: TreeNode) -> bool:
-        """Whether `node` belongs to this tree (is reachable from its root). O(depth)."""
-        while node.parent is not None:
-            node = node.parent
-        return node is self.root
 
     # ---------------------------------------------------------------- structure
     def split(self, node: TreeNode, p: int) -> TreeNode:
@@ -314,7 +329,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ locking
     def lock_path(self, node: TreeNode, tick: int) -> None:
-        """lock_ref += 1 and tick = `tick` on `node` and every ancestor (root included)."""
+        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (root included)."""
+        node.tick = tick
         index = self.index
         while node is not None:
             if node.lock_ref == 0:
@@ -322,8 +338,48 @@ class RadixTree:
                     index.discard(node)
                 self.num_evictable_blocks -= len(node.blocks) - node.head_shared
             node.lock_ref += 1
-            node.tick = tick
             node = node.parent  # type: ignore[assignment]
+
+    def move_lock(self, old: TreeNode, new: TreeNode, tick: int) -> None:
+        """Move one lock from the path of `old` to the path of `new` and stamp `new`.
+
+        Same result as `lock_path(new)` then `unlock_path(old)`, but only the nodes below the two
+        paths' lowest common ancestor change: a request whose lock moves down its own path as it
+        inserts pays for the new nodes, not for the whole depth. Ancestors have strictly smaller
+        `start` than their descendants (the root aside), which finds the common ancestor without
+        knowing depths.
+        """
+        new.tick = tick
+        root = self.root
+        gain: list[TreeNode] = []
+        lose: list[TreeNode] = []
+        a, b = new, old
+        while a is not b:
+            if b is root or (a is not root and a.start > b.start):
+                gain.append(a)
+                a = a.parent  # type: ignore[assignment]
+            elif a is root or b.start > a.start:
+                lose.append(b)
+                b = b.parent  # type: ignore[assignment]
+            else:  # equal starts: two different nodes hanging below the same position
+                gain.append(a)
+                lose.append(b)
+                a = a.parent  # type: ignore[assignment]
+                b = b.parent  # type: ignore[assignment]
+        index = self.index
+        for node in gain:
+            if node.lock_ref == 0:
+                if node.evict_key is not None:
+                    index.discard(node)
+                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
+            node.lock_ref += 1
+        for node in lose:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += len(node.blocks) - node.head_shared
+                if not node.children:
+                    index.add(node)
 
     def unlock_path(self, node: TreeNode) -> None:
         """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
@@ -344,8 +400,8 @@ class RadixTree:
 
         A leaf whose own blocks are more than still needed is trimmed from its tail (its head
         tokens stay cached; its end moves back to a block boundary); otherwise it is removed whole
-        and its parent, if now an unlocked leaf, joins the index with its own tick. O(log n) per
-        leaf.
+        and its parent, if now an unlocked leaf, joins the index with its tick (the last use of its
+        subtree). O(log n) per leaf.
         Returns (freed block ids in the order freed, tail first; tokens removed from the tree).
         """
         B = self.block_size
@@ -366,10 +422,10 @@ class RadixTree:
                 leaf.end = new_end
                 tail = leaf.blocks[-need:]
                 del leaf.blocks[-need:]
-                for b in reversed(tail):
-                    released = pool.decref(b)
-                    assert released, f"trimmed block {b} had another owner"
-                    freed.append(b)
+                tail.reverse()
+                released = pool.drop_refs(tail)
+                assert len(released) == need, f"trimmed blocks {tail} had other owners"
+                freed += released
                 self.num_evictable_blocks -= need
             else:
                 index.discard(leaf)
@@ -377,12 +433,12 @@ class RadixTree:
                 assert parent is not None
                 del parent.children[leaf.first_token]
                 leaf.parent = None
-                for b in reversed(leaf.blocks):
-                    if pool.decref(b):
-                        freed.append(b)
+                freed += pool.drop_refs(leaf.blocks[::-1])
                 self.num_evictable_blocks -= own
                 self.num_nodes -= 1
                 num_tokens += leaf.end - leaf.start
+                if leaf.tick > parent.tick:
+                    parent.tick = leaf.tick  # lazy recency: the subtree's last use
                 if parent.lock_ref == 0 and not parent.children and parent is not self.root:
                     index.add(parent)
             self.version += 1
@@ -398,6 +454,17 @@ class RadixTree:
             yield node, depth
             for key in sorted(node.children, reverse=True):
                 stack.append((node.children[key], depth + 1))
+
+    def last_uses(self) -> dict[int, int]:
+        """node id -> last use of the node or anything below it (the eager tick). O(nodes)."""
+        order = [node for node, _ in self.iter_nodes()]
+        last: dict[int, int] = {}
+        for node in reversed(order):  # children before parents
+            t = node.tick
+            for child in node.children.values():
+                t = max(t, last[child.node_id])
+            last[node.node_id] = t
+        return last
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self, handles_on: Mapping[int, int], clock: int) -> dict[int, int]:
@@ -441,8 +508,6 @@ class RadixTree:
                 for b in child.blocks:
                     if not 0 <= b < self.pool.num_blocks:
                         fail(f"node {nid} holds out-of-range block id {b}")
-                if child.tick > node.tick:
-                    fail(f"node {nid} tick {child.tick} is newer than its parent's {node.tick}")
                 stack.append(child)
         if len(order) - 1 != self.num_nodes:
             fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - 1}")
@@ -465,31 +530,27 @@ class RadixTree:
         if unknown:
             fail(f"live handles point at detached nodes {sorted(unknown)}")
 
-        # Ownership: owners per block, the shallowest owner, and head_shared.
+        # Ownership. A node owns a block either as its top (shallowest) owner or, for its head block
+        # only, below an ancestor owning it at the same index (head_shared, recomputed here). Such
+        # chains must end at exactly one top owner per block, so all owners lie under it.
         owners: dict[int, int] = {}
         index_of: dict[int, int] = {}
-        shallowest: dict[int, TreeNode] = {}
+        top_owner: dict[int, TreeNode] = {}
         for node in order[1:]:
-            for j, b in enumerate(node.blocks):
-                owners[b] = owners.get(b, 0) + 1
-                i = node.start // B + j
-                if index_of.setdefault(b, i) != i:
-                    fail(f"block {b} is owned at block indices {index_of[b]} and {i}")
-                top = shallowest.get(b)
-                if top is None or depth_of[node.node_id] < depth_of[top.node_id]:
-                    shallowest[b] = node
-            head = bool(node.blocks) and self._ancestor_owns(node, node.start // B, node.blocks[0])
+            first = node.start // B
+            head = self._ancestor_owns(node, first, node.blocks[0])
             if head != node.head_shared:
                 fail(f"node {node.node_id} head_shared={node.head_shared}, recomputed {head}")
-        for node in order[1:]:
-            for b in node.blocks:
-                top = shallowest[b]
-                up: TreeNode | None = node
-                while up is not None and up is not top:
-                    up = up.parent
-                if up is None:
-                    fail(f"owners of block {b} are not all under its shallowest owner")
-        evictable = sum(1 for b, top in shallowest.items() if top.lock_ref == 0)
+            for j, b in enumerate(node.blocks):
+                owners[b] = owners.get(b, 0) + 1
+                if index_of.setdefault(b, first + j) != first + j:
+                    fail(f"block {b} is owned at block indices {index_of[b]} and {first + j}")
+                if j == 0 and head:
+                    continue
+                top = top_owner.setdefault(b, node)
+                if top is not node:
+                    fail(f"block {b} has two unrelated owners, {top.node_id} and {node.node_id}")
+        evictable = sum(1 for top in top_owner.values() if top.lock_ref == 0)
         if evictable != self.num_evictable_blocks:
             fail(f"num_evictable_blocks is {self.num_evictable_blocks}, recomputed {evictable}")
         by_own = sum(n.num_own_blocks for n in order[1:] if n.lock_ref == 0)

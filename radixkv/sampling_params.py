@@ -1,4 +1,4 @@
-"""Per-request sampling settings, validated at construction so a bad value never reaches the engine."""
+"""Per-request sampling settings, validated at construction: bad values never reach the engine."""
 
 from __future__ import annotations
 

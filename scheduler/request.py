@@ -50,7 +50,8 @@ class Request:
       `ceil(num_computed_tokens / B)` blocks;
     * `private_block_ids` is a subset of `block_table` (blocks from `allocate()` not yet adopted by
       the tree); the other entries are tree blocks protected by `handle`.
-    While WAITING or finished: no blocks, no handle, `num_computed_tokens == 0`.
+    While WAITING: no blocks, no handle, `num_computed_tokens == 0`. Once finished: no blocks, no
+    handle; the token fields keep their final values.
     """
 
     def __init__(
@@ -87,11 +88,8 @@ class Request:
         self.block_table: list[int] = []  # physical block of each block index, in order
         self.private_block_ids: set[int] = set()  # entries of block_table we must free()
         self.handle: LockHandle | None = None  # lock on the tree path our shared blocks live on
-        # Tree block whose first `num_computed_tokens % B` slots we must copy into a private block
-        # before writing the rest of it (an insert handed us another owner's partial tail block).
-        self.tail_copy_src: int | None = None
         self.num_prefill_tokens = 0  # len(all_token_ids) at the latest admission
-        self.admit_seq = -1  # admission order among running requests (preemption picks the max)
+        self.admit_seq: int | None = None  # admission order (preemption picks the latest)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,7 +49,8 @@ class Scheduler:
     * every live request is either in the waiting queue (no blocks, no handle) or running;
     * at most `max_num_seqs` running; each running request's table covers its written tokens, its
       private blocks are entries of its table and no block is private to two requests;
-    * with nothing running, the cache has nothing in use (no lock, no private block): no leak.
+    * the scheduler is its cache's only user: every private block and lock handle of the cache
+      belongs to a running request, so with nothing running nothing is in use (no leak).
     """
 
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None) -> None:
@@ -77,6 +78,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def running_requests(self) -> tuple[Request, ...]:
+        """Running requests in admission order (read-only view for runners, displays, tests)."""
+        return tuple(self._running.values())
+
+    @property
+    def waiting_requests(self) -> tuple[Request, ...]:
+        """Waiting requests in FCFS order (the policy may admit them in another order)."""
+        return tuple(self._waiting)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live (waiting or running) request with this id, else None."""
@@ -158,7 +169,7 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING or (remaining == 1) != decode_pass:
                     continue
                 n = min(remaining, self.config.chunked_prefill_size, budget)
-                row = self._schedule_running(req, n, scheduled, copies, preempted)
+                row = self._schedule_running(req, n, scheduled, preempted)
                 if row is not None:
                     rows.append(row)
                     budget -= n
@@ -190,7 +201,8 @@ class Scheduler:
             if sampled:
                 raise ValueError("tokens sampled for an empty step")
             return []
-        if output is not self._in_flight:
+        pending = self._in_flight
+        if pending is None or output is not pending:
             raise ValueError("output is not the pending result of the last schedule()")
         sampling = {r.request_id for r in output.rows if r.sample}
         if set(sampled) != sampling:
@@ -216,7 +228,7 @@ class Scheduler:
             if row.sample:
                 req.append_output_token(sampled[row.request_id], self.config.max_model_len)
             if self._use_cache and (is_prefill or req.is_finished):
-                self._insert_written(req)
+                self._insert_written(req, writes_on=not req.is_finished)
             if req.is_finished:
                 del self._running[req.request_id]
                 del self._requests[req.request_id]
@@ -231,7 +243,6 @@ class Scheduler:
         req: Request,
         num_tokens: int,
         scheduled: set[str],
-        copies: list[BlockCopy],
         preempted: list[str],
     ) -> ScheduledRequest | None:
         """Row for the next `num_tokens` of a running request, preempting others for blocks if
@@ -240,7 +251,6 @@ class Scheduler:
         end = start + num_tokens
         while True:
             need = max(0, _cdiv(end, self._block_size) - len(req.block_table))
-            need += req.tail_copy_src is not None
             blocks = self.cache.allocate(need) if need else []
             if blocks is not None:
                 break
@@ -254,19 +264,8 @@ class Scheduler:
             if victim is req:
                 return None
 
-        new_blocks = iter(blocks)
-        if req.tail_copy_src is not None:
-            # An insert handed us another owner's partial tail: copy its valid slots, write ours.
-            index, num_slots = divmod(start, self._block_size)
-            assert num_slots and req.block_table[index] == req.tail_copy_src, (req, start)
-            dst = next(new_blocks)
-            copies.append(BlockCopy(req.tail_copy_src, dst, num_slots))
-            req.block_table[index] = dst
-            req.private_block_ids.add(dst)
-            req.tail_copy_src = None
-        for block in new_blocks:
-            req.block_table.append(block)
-            req.private_block_ids.add(block)
+        req.block_table.extend(blocks)
+        req.private_block_ids.update(blocks)
         scheduled.add(req.request_id)
         return self._row(req, start, end)
 
@@ -275,7 +274,7 @@ class Scheduler:
         its lock and private blocks, put it at the front of the waiting queue."""
         logger.debug("preempting %s", req)
         if self._use_cache:
-            self._insert_written(req)
+            self._insert_written(req, writes_on=False)
         del self._running[req.request_id]
         self._release(req)
         req.status = RequestStatus.WAITING
@@ -283,8 +282,10 @@ class Scheduler:
         req.num_preemptions += 1
         self._waiting.appendleft(req)
 
-    def _insert_written(self, req: Request) -> None:
-        """Insert tokens [0, num_computed_tokens) and adopt the canonical table the tree returns."""
+    def _insert_written(self, req: Request, *, writes_on: bool) -> None:
+        """Insert tokens [0, num_computed_tokens) and adopt the canonical table the tree returns.
+        `writes_on`: the request goes on writing after this (it is neither finishing nor
+        preempted)."""
         n = req.num_computed_tokens
         if n == 0:
             return
@@ -299,26 +300,25 @@ class Scheduler:
         req.private_block_ids.difference_update(table[:num_blocks])
         req.private_block_ids.update(result.owned_block_ids)
         table[:num_blocks] = result.block_ids
-        req.tail_copy_src = None
-        # NOTE: the request may go on writing the rest of a partial tail block only if it is the
-        # block it wrote (the tree vouches for the inserted slots alone). If the tree already had
-        # these tokens in another block, that block's later slots belong to its owner: copy-on-write
-        # before our next write into it.
-        if n % self._block_size and not req.is_finished and result.block_ids[-1] != old_tail:
-            req.tail_copy_src = result.block_ids[-1]
+        # NOTE: a request writes the rest of a partial tail block after inserting it. That is
+        # safe only in the block it wrote itself (the tree vouches for the inserted slots alone;
+        # another owner's block has later slots of its own), so the cache must hand it back: it
+        # keeps a caller's private partial last block, and its own earlier tail, even where the
+        # tree already holds those tokens in another block.
+        assert not writes_on or n % self._block_size == 0 or result.block_ids[-1] == old_tail, (
+            f"{req}: insert replaced the partial tail block {old_tail} it writes on"
+        )
 
     def _release(self, req: Request) -> None:
         """Unlock and free everything a request holds (after its insert, if any)."""
         if req.handle is not None:
             self.cache.release(req.handle)
         if req.private_block_ids:
-            # Tail blocks first so they are the last handed out again (their data is the newest).
-            order = {b: i for i, b in enumerate(req.block_table)}
-            self.cache.free(sorted(req.private_block_ids, key=order.__getitem__, reverse=True))
+            # Nothing cached lives in private blocks, so their order does not matter: table order.
+            self.cache.free([b for b in req.block_table if b in req.private_block_ids])
         req.handle = None
         req.block_table = []
         req.private_block_ids = set()
-        req.tail_copy_src = None
 
     # ------------------------------------------------------------------ admission
 
@@ -421,9 +421,10 @@ class Scheduler:
         for req in self._waiting:
             assert req.status is RequestStatus.WAITING, req
             assert not req.block_table and not req.private_block_ids and req.handle is None, req
-            assert req.num_computed_tokens == 0 and req.tail_copy_src is None, req
+            assert req.num_computed_tokens == 0, req
         private_owner: dict[int, str] = {}
-        admit_seqs = [r.admit_seq for r in self._running.values()]
+        admit_seqs = [r.admit_seq for r in self._running.values() if r.admit_seq is not None]
+        assert len(admit_seqs) == len(self._running), "running request never admitted"
         assert admit_seqs == sorted(admit_seqs), f"running not in admission order: {admit_seqs}"
         for rid, req in self._running.items():
             assert req.request_id == rid and req.status is RequestStatus.RUNNING, req
@@ -434,14 +435,14 @@ class Scheduler:
             assert all(0 <= b < self.cache.num_blocks for b in req.block_table), req.block_table
             assert req.private_block_ids <= set(req.block_table), req
             assert (req.handle is not None) == self._use_cache, req
-            if req.tail_copy_src is not None:
-                index, slots = divmod(req.num_computed_tokens, B)
-                assert slots and req.block_table[index] == req.tail_copy_src, req
-                assert req.tail_copy_src not in req.private_block_ids, req
             for b in req.private_block_ids:
                 assert b not in private_owner, f"block {b} private to {private_owner[b]} and {rid}"
                 private_owner[b] = rid
+        # NOTE: the scheduler is the only user of its cache: every private block and every lock
+        # handle of the cache belongs to a running request.
         stats = self.cache.stats()
+        assert stats.num_private_blocks == len(private_owner), (len(private_owner), stats)
+        assert stats.num_live_handles == (len(self._running) if self._use_cache else 0), stats
         assert len(private_owner) <= stats.num_in_use_blocks, (len(private_owner), stats)
         if not self._running:
             assert stats.num_in_use_blocks == 0, f"blocks in use with nothing running: {stats}"

@@ -1,7 +1,7 @@
 """Shared test set-up.
 
-TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it must be set before any kernel
-module is imported: here, at the top of the first conftest pytest loads.
+TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it must be set before any
+kernel module is imported: here, at the top of the first conftest pytest loads.
 """
 
 from __future__ import annotations

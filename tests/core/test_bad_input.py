@@ -73,6 +73,7 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("match float id", lambda w: w.cache.match([1, 2.5]), TypeError, r"tokens\[1\] = 2.5 is not"),
     ("match str id", lambda w: w.cache.match([1, "a"]), TypeError, r"tokens\[1\] = 'a' is not"),
     ("match None id", lambda w: w.cache.match([None]), TypeError, r"tokens\[0\] = None"),
+    ("match after a bool", lambda w: w.cache.match([True, 3, -3]), ValueError, r"\[2\] = -3"),
     ("match str tokens", lambda w: w.cache.match("abc"), TypeError, "sequence of ints"),
     ("match int tokens", lambda w: w.cache.match(5), TypeError, "sequence of ints"),
     ("match 2-D array", lambda w: w.cache.match(np.zeros((2, 2), int)), ValueError, "1-D"),
@@ -136,7 +137,7 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
         "insert tree block at a new index",
         lambda w: w.cache.insert([*CACHED, 1], [0, 1, 2, 3, 4, 1]),
         ValueError,
-        "repeated",
+        r"block_ids\[5\] = 1 is not held privately",
     ),
     (
         "insert tree block at the wrong covered index",
@@ -149,6 +150,12 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
         lambda w: w.cache.insert([*CACHED, 7, 7], [0, w.free_block, 2, 3, 4, w.private[0]]),
         ValueError,
         r"block_ids\[1\] = 9 is neither the cached block 1",
+    ),
+    (
+        "insert repeated private id among covered and new indices",
+        lambda w: w.cache.insert([*CACHED[:4], 9, 9, 9, 9], [w.private[0], w.private[0]]),
+        ValueError,
+        "repeated",
     ),
     (
         "insert repeated private id",

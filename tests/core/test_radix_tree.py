@@ -292,3 +292,29 @@ def test_forged_handle_is_foreign(make_cache) -> None:
     with pytest.raises(ValueError, match="not a live handle"):
         cache.release(LockHandle(real.handle_id, real.num_tokens))
     cache.release(real)
+
+
+@pytest.mark.parametrize("length", [1, 2, 5, 63, 64, 65, 200, 1500])
+def test_first_mismatch_is_found_at_every_position_and_byte(length: int) -> None:
+    from radixkv.radix_tree import _common_prefix_len, pack_tokens
+
+    rng = np.random.default_rng(length)
+    base = rng.integers(0, 2**32, length, dtype=np.uint64).tolist()
+    positions = sorted({0, length - 1, length // 2, *rng.integers(0, length, 5).tolist()})
+    for j in positions:
+        for flip in (1, 1 << 8, 1 << 16, 1 << 31):  # a difference in each byte of the token
+            other = list(base)
+            other[j] ^= flip
+            q = pack_tokens([7, 7, *other])  # the query run starts at token 2
+            assert _common_prefix_len(q, 2, pack_tokens(base), length) == j
+
+
+def test_long_prompts_match_token_exactly(make_cache) -> None:
+    cache = make_cache(512, 16)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 50_000, 3000).tolist()
+    cache.release(cache.insert(base, cache.allocate(188)).handle)
+    for cut in (1, 15, 16, 17, 1000, 2047, 2999):
+        query = [*base[:cut], base[cut] + 1, *base[cut + 1 :]]
+        m = cache.match(query)
+        assert m.num_cached_tokens == cut and len(m.block_ids) == -(-cut // 16)

@@ -129,3 +129,14 @@ def test_plan_num_blocks():
         plan_num_blocks(spec, cpu, kv_cache_bytes=100)
     with pytest.raises(ValueError, match="num_blocks"):
         plan_num_blocks(spec, cpu, num_blocks=0)
+
+
+def test_runner_through_the_triton_kernels(models):
+    """The same steps through the Triton kernels (interpreted on CPU): the runner's tensors meet
+    the launchers' shape / dtype / stride checks, not only the reference's."""
+    pytest.importorskip("triton")
+    from radixkv.kernels import use_backend
+
+    with use_backend("triton"):
+        test_packed_prefill_chunks_and_decode(models, block_size=4)
+        test_copy_on_write_of_a_partial_block(models)

@@ -68,53 +68,71 @@ class KVSim:
         self.slots: dict[tuple[int, int], int] = {}  # (block, slot) -> prefix key
 
     def vouched_slots(self) -> dict[tuple[int, int], int]:
-        """Slots the tree says hold valid KV, mapped to the node that vouches for them."""
+        """Slots the tree says hold valid KV, mapped to the node that vouches for them.
+
+        A node starting mid-block also vouches for the leading slots of its first block: they hold
+        its ancestors' KV (a co-owned block, or the copy-on-write copy its inserter made).
+        """
         out: dict[tuple[int, int], int] = {}
         for node in self.cache.nodes():
             first = node.start // self.B
-            for p in range(node.start, node.end):
+            for p in range(first * self.B, node.end):
                 out[(node.block_ids[p // self.B - first], p % self.B)] = node.node_id
         return out
 
+    def live_slots(self, scheduler: Scheduler) -> dict[tuple[int, int], set[str]]:
+        """Slots running requests rely on (positions before their first uncomputed one), mapped
+        to those requests. A request admitted this step relies on its copy-on-write copy too."""
+        out: dict[tuple[int, int], set[str]] = {}
+        for req in scheduler.running_requests:
+            for p in range(req.num_computed_tokens):
+                out.setdefault((req.block_table[p // self.B], p % self.B), set()).add(
+                    req.request_id
+                )
+        return out
+
     def step(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
-        """Apply the copies and the rows' writes; check every read and write."""
+        """Apply the copies and the rows' writes; check every read and write.
+
+        A write may only go to a slot nobody relies on: not one the tree vouches for, not one a
+        running request has written, not one another row writes this step. A read (every position
+        before a row's first) must find the KV of exactly the row's prefix, and nobody may write
+        that slot in the same step.
+        """
         B = self.B
         vouched = self.vouched_slots()
+        live = self.live_slots(scheduler)
         for c in output.copies:
             assert 0 < c.num_slots < B, c
             for i in range(c.num_slots):
                 assert (c.src_block, i) in vouched, f"copy of a slot the tree does not hold: {c}"
                 assert (c.dst_block, i) not in vouched, f"copy into a tree block: {c}"
+                users = live.get((c.dst_block, i), set())
+                assert len(users) == 1, f"copy into a slot {sorted(users)} rely on: {c}"
                 self.slots[(c.dst_block, i)] = self.slots[(c.src_block, i)]
-        writes: dict[tuple[int, int], str] = {}
+        writes: dict[tuple[int, int], tuple[str, int]] = {}  # slot -> (writer, prefix key)
+        rows = []
         for row in output.rows:
             req = scheduler.get_request(row.request_id)
             assert req is not None, row
+            keys = prefix_keys(req.all_token_ids)
+            rows.append((row, keys))
             end = row.start_position + len(row.token_ids)
             assert len(row.block_table) == -(-end // B), f"table does not cover the row: {row}"
             for p in range(row.start_position, end):
                 slot = (row.block_table[p // B], p % B)
-                assert slot not in writes, f"{row.request_id} and {writes[slot]} both write {slot}"
-                assert slot not in vouched, f"{row.request_id} overwrites tree slot {slot}"
-                writes[slot] = row.request_id
-        for row in output.rows:
-            req = scheduler.get_request(row.request_id)
-            assert req is not None
-            keys = prefix_keys(req.all_token_ids)
+                rid = row.request_id
+                assert slot not in writes, f"{rid} and {writes[slot][0]} both write {slot}"
+                assert slot not in vouched, f"{rid} overwrites tree slot {slot}"
+                assert slot not in live, f"{rid} overwrites {live[slot]}'s slot {slot}"
+                writes[slot] = (rid, keys[p])
+        for row, keys in rows:
             for p in range(row.start_position):
                 slot = (row.block_table[p // B], p % B)
-                assert slot not in writes, (
-                    f"{row.request_id} reads {slot} that {writes[slot]} writes"
-                )
-                assert self.slots.get(slot) == keys[p], (
-                    f"{row.request_id}: wrong KV at position {p}"
-                )
-        for row in output.rows:
-            req = scheduler.get_request(row.request_id)
-            assert req is not None
-            keys = prefix_keys(req.all_token_ids)
-            for p in range(row.start_position, row.start_position + len(row.token_ids)):
-                self.slots[(row.block_table[p // B], p % B)] = keys[p]
+                assert slot not in writes, f"{row.request_id} reads {slot}, written this step"
+                assert self.slots.get(slot) == keys[p], f"{row.request_id}: wrong KV at {p}"
+        for slot, (_, key) in writes.items():
+            self.slots[slot] = key
 
 
 @dataclass
@@ -148,7 +166,14 @@ class Harness:
         self.scheduler.add_request(req)
         return req
 
-    def step(self, model: Callable[[Sequence[int]], int] = fake_token) -> SchedulerOutput:
+    def step(
+        self,
+        model: Callable[[Sequence[int]], int] = fake_token,
+        *,
+        in_flight: Callable[[], object] | None = None,
+    ) -> SchedulerOutput:
+        """schedule(), check, run the fake model, update_from_output(), check integrity.
+        `in_flight` is called between the forward and the update (e.g. to abort a request)."""
         sched, cfg = self.scheduler, self.config
         out = sched.schedule()
         self.check_output(out)
@@ -160,6 +185,8 @@ class Harness:
                 req = sched.get_request(row.request_id)
                 assert req is not None
                 sampled[row.request_id] = model(req.all_token_ids)
+        if in_flight is not None:
+            in_flight()
         for req in sched.update_from_output(out, sampled):
             assert req.is_finished and req.request_id not in self.finished, req
             self.finished[req.request_id] = req
@@ -205,7 +232,8 @@ class Harness:
         """Nothing in use; every block is free or cached (evictable)."""
         s = self.cache.stats()
         assert not self.scheduler.has_unfinished()
-        assert s.num_in_use_blocks == 0, s
+        assert s.num_in_use_blocks == 0 and s.num_private_blocks == 0, s
+        assert s.num_live_handles == 0 and s.num_leaked_handles == 0, s
         assert s.num_free_blocks == s.num_blocks - s.num_evictable_blocks, s
         self.scheduler.check_integrity()
 

@@ -26,14 +26,15 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
                 {
                     "prefix": st.integers(0, len(prefixes) - 1),
                     "suffix": st.lists(st.integers(1, 6), min_size=1, max_size=12),
-                    "max_tokens": st.integers(1, 12),
-                    "arrival": st.integers(0, 12),
+                    "max_tokens": st.integers(1, 24),
+                    "arrival": st.integers(0, 8),
                     "abort": st.none() | st.integers(0, 30),
+                    "abort_in_flight": st.booleans(),  # between schedule() and update
                     "stop": st.none() | st.integers(1, 999),
                 }
             ),
             min_size=1,
-            max_size=8,
+            max_size=10,
         )
     )
     return {
@@ -60,14 +61,14 @@ def test_random_request_mixes(harness: MakeHarness, scenario: dict[str, Any]) ->
     h = harness(**scenario["cache"], **scenario["config"])
     sched, cache = h.scheduler, h.cache
     arrivals: dict[int, list[Request]] = {}
-    aborts: dict[int, list[str]] = {}
+    aborts: dict[int, list[tuple[str, bool]]] = {}
     for i, spec in enumerate(scenario["requests"]):
         stop = () if spec["stop"] is None else (spec["stop"],)
         params = SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=stop)
         prompt = scenario["prefixes"][spec["prefix"]] + spec["suffix"]
         arrivals.setdefault(spec["arrival"], []).append(Request(f"r{i}", prompt, params))
         if spec["abort"] is not None:
-            aborts.setdefault(spec["abort"], []).append(f"r{i}")
+            aborts.setdefault(spec["abort"], []).append((f"r{i}", spec["abort_in_flight"]))
 
     added: list[Request] = []
     aborted: set[str] = set()
@@ -85,11 +86,18 @@ def test_random_request_mixes(harness: MakeHarness, scenario: dict[str, Any]) ->
                 continue
             assert not (too_long or too_big), req
             added.append(req)
-        for rid in aborts.pop(step, ()):
-            if sched.abort(rid):
-                aborted.add(rid)
+        now = aborts.pop(step, [])
+
+        def abort(in_flight: bool, now: list[tuple[str, bool]] = now) -> None:
+            for rid, when in now:
+                if when == in_flight and sched.abort(rid):
+                    aborted.add(rid)
+
+        abort(in_flight=False)
         if sched.has_unfinished():
-            h.step()
+            h.step(in_flight=lambda: abort(in_flight=True))
+        else:
+            abort(in_flight=True)
         step += 1
 
     for req in added:

@@ -160,22 +160,18 @@ def test_concurrent_request_shares_after_first_chunk(harness: MakeHarness) -> No
     h.assert_no_leak()
 
 
-def test_same_prompt_same_step_copies_the_shared_tail_before_decoding(
-    harness: MakeHarness,
-) -> None:
+def test_same_prompt_same_step_keeps_private_tails(harness: MakeHarness) -> None:
     """Two identical 37-token prompts prefilled in one step: the second insert finds the first's
-    blocks, so the second must copy the partial tail block before writing position 37."""
+    blocks; it shares the full ones but keeps its own partial tail, where it writes position 37."""
     h = harness(num_blocks=64, block_size=16, chunked_prefill_size=64)
     r1 = h.add("r1", seq(1, 37), max_tokens=6)
     r2 = h.add("r2", seq(1, 37), max_tokens=6)
     h.step()
-    assert r2.block_table[:2] == r1.block_table[:2]  # deduplicated full blocks
-    shares_tail = r2.block_table[2] == r1.block_table[2]
-    out = h.step()  # both decode position 37: never into the same slot (checked by the sim)
-    tails = {r.request_id: r.block_table[2] for r in out.rows}
-    assert tails["r1"] != tails["r2"]
-    if shares_tail:
-        assert out.copies == (BlockCopy(r1.block_table[2], tails["r2"], 5),)
+    assert r2.block_table[:2] == r1.block_table[:2]  # r2's duplicates were freed
+    assert r2.block_table[2] != r1.block_table[2] and r2.private_block_ids == {r2.block_table[2]}
+    assert h.cache.stats().num_duplicate_blocks_freed == 2
+    out = h.step()  # both decode position 37, each in its own block (checked by the sim)
+    assert not out.copies
     h.run()
     assert r1.output_token_ids == r2.output_token_ids == h.reference(r1)
     h.assert_no_leak()
@@ -185,21 +181,28 @@ def test_same_prompt_same_step_copies_the_shared_tail_before_decoding(
 
 
 def _pressured_run(harness: MakeHarness, num_blocks: int) -> tuple[Harness, list[Request]]:
+    """Three 10-token prompts decoding side by side; at position 16 (their 5th block) 14 blocks
+    are short by one, so the most recently admitted one is preempted."""
     h = harness(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
-    reqs = [h.add(f"r{i}", [i + 1, *seq(40 * i + 100, 9)], max_tokens=14) for i in range(3)]
+    reqs = [
+        h.add(f"r{i}", [i + 1, *seq(40 * i + 100, 9)], max_tokens=m)
+        for i, m in enumerate((9, 14, 14))
+    ]
     h.run()
     return h, reqs
 
 
 def test_preemption_by_recompute_restarts_with_cache_hits(harness: MakeHarness) -> None:
     h, reqs = _pressured_run(harness, num_blocks=14)
-    preempted = [rid for o in h.outputs for rid in o.preempted_ids]
-    assert preempted, "expected preemption under block pressure"
-    # The victim is the most recently admitted request.
-    assert preempted[0] == "r2"
-    victims = [r for r in reqs if r.num_preemptions]
-    assert all(r.last_num_cached_tokens > 0 for r in victims), victims
-    assert all(r.last_num_cached_tokens > r.num_prompt_tokens - 1 for r in victims)
+    preempted = [(i, rid) for i, o in enumerate(h.outputs) for rid in o.preempted_ids]
+    assert preempted == [(7, "r2")], "the most recently admitted request is the victim"
+    victim = reqs[2]
+    assert victim.num_preemptions == 1 and victim.num_cached_tokens == 0
+    # It had written 16 tokens; they were inserted before its blocks were dropped, so its restart
+    # (two steps later, once r0 finished) computes one token only.
+    assert victim.last_num_cached_tokens == 16
+    restart = next(r for r in h.outputs[8:] for r in r.rows if r.request_id == "r2")
+    assert (restart.start_position, len(restart.token_ids), restart.sample) == (16, 1, True)
     relaxed, relaxed_reqs = _pressured_run(harness, num_blocks=64)
     assert not any(o.preempted_ids for o in relaxed.outputs)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in relaxed_reqs]
@@ -207,14 +210,28 @@ def test_preemption_by_recompute_restarts_with_cache_hits(harness: MakeHarness) 
     h.assert_no_leak()
 
 
+def test_preemption_under_heavy_pressure_still_completes(harness: MakeHarness) -> None:
+    """Victims whose cached tokens get evicted while they wait restart with smaller hits."""
+    h = harness(num_blocks=14, block_size=4)
+    reqs = [h.add(f"r{i}", [i + 1, *seq(40 * i + 100, 9)], max_tokens=14) for i in range(3)]
+    h.run()
+    assert sum(r.num_preemptions for r in reqs) >= 1
+    assert all(r.output_token_ids == h.reference(r) for r in reqs)
+    h.assert_no_leak()
+
+
 def test_lone_request_using_the_whole_cache_completes(harness: MakeHarness) -> None:
-    """Exactly num_blocks worth of KV, after a partial hit whose copy-on-write source stays locked:
-    it must still finish (at worst by recomputing without its hit)."""
+    """Exactly num_blocks worth of KV after a partial hit: the copy-on-write source (the warm
+    prompt's partial block) stays locked beside the request's own copy, so at position 12 the
+    request is one block short with nothing to evict. It preempts itself; readmitted with its hit
+    it still does not fit, so, alone in an idle cache, it is readmitted without its hit."""
     h = harness(num_blocks=4, block_size=4)
     h.add("warm", seq(1, 6), max_tokens=1)
     h.run()
     req = h.add("big", [*seq(1, 6), 77, 78], max_tokens=9)  # 16 KV tokens = the whole cache
     h.run()
+    assert [o.preempted_ids for o in h.outputs if o.preempted_ids] == [("big",)]
+    assert req.num_cached_tokens == 6 and req.last_num_cached_tokens == 0
     assert req.output_token_ids == h.reference(req)
     h.assert_no_leak()
 
@@ -242,10 +259,10 @@ def test_abort_running_request_frees_everything(harness: MakeHarness, in_flight:
     h = harness(num_blocks=32, block_size=4, chunked_prefill_size=8)
     h.add("warm", seq(1, 10), max_tokens=1)
     h.run()
-    evictable = h.cache.num_evictable_blocks
-    req = h.add("a", seq(1, 10) + seq(50, 20), max_tokens=5)  # hit, CoW, chunked
+    prompt = [*seq(1, 10), *seq(50, 20)]
+    req = h.add("a", prompt, max_tokens=5)  # 10 cached (CoW of 2 slots), then chunks of 8
     h.step()
-    assert req.num_computed_tokens == 17
+    assert req.num_computed_tokens == 18
     if in_flight:  # aborted between schedule() and update_from_output()
         out = h.scheduler.schedule()
         assert h.scheduler.abort("a")
@@ -253,9 +270,11 @@ def test_abort_running_request_frees_everything(harness: MakeHarness, in_flight:
     else:
         assert h.scheduler.abort("a")
     assert req.block_table == [] and req.handle is None and not req.private_block_ids
+    assert req.finish_reason == "abort" and h.scheduler.num_running == 0
     h.assert_no_leak()
-    assert h.cache.num_evictable_blocks >= evictable  # aborted KV freed, not cached
-    assert h.cache.stats().num_in_use_blocks == 0
+    # What was inserted before the abort stays cached; nothing after it was inserted.
+    assert h.cache.match(prompt).num_cached_tokens == 18
+    assert h.step().finished_ids == ("a",)
 
 
 def test_rejects_requests_that_can_never_run(harness: MakeHarness) -> None:
@@ -317,7 +336,7 @@ def test_cache_off_gives_the_same_outputs(harness: MakeHarness) -> None:
 
 def test_update_checks_the_sampled_tokens() -> None:
     sched = Scheduler(PrefixCache(num_blocks=8, block_size=4), SchedulerConfig())
-    sched.add_request(Request("a", [1, 2, 3]))
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4)))
     out = sched.schedule()
     with pytest.raises(RuntimeError, match="before update_from_output"):
         sched.schedule()
