@@ -9,7 +9,8 @@ tokens (EOS ignored), so all systems do the same work. Four systems, measured in
     (c) plain transformers `generate`    full chat history each turn, the batch left-padded
     (d) transformers continuous batching `generate_batch`'s engine (paged cache, hash-chained full
                                          pages shared), kept running across turns so its page cache
-                                         carries over from one turn to the next
+                                         carries over from one turn to the next (`--cb-api
+                                         generate_batch`: one generate_batch call per turn)
 
 The history is shared: the first system run (normally (a)) generates the replies; turn k+1's prompt
 is turn k's prompt tokens + the reply tokens + the chat template's tokens for "end of assistant
@@ -18,9 +19,14 @@ lists and generate their own replies (which are checked against the first system
 built from token ids, never re-tokenised from text, so a reply's tokens are the same in the next
 turn's history as when they were generated - as in a chat server that keeps its token history.
 
-Measured per turn: prefill tokens computed (tokens run through the model minus the decode tokens;
-for (c) this includes left padding), mean time to first token from the moment the turn's batch is
-submitted, and wall time of the turn. Run as a script, never with the repository root on sys.path:
+The systems run interleaved, turn by turn (turn 1 of a, b, c, d, then turn 2 ...), so a
+co-tenant's load on a shared machine falls on all of them alike; each is warmed up once first.
+Caches are sized to hold every conversation twice over (nothing is evicted). Measured per turn:
+prefill tokens computed (tokens run through the model minus the decode tokens; for (c) this
+includes left padding), mean time to first token from the moment the turn's batch is submitted,
+wall time of the turn, and in total the process CPU time too (robust to waiting for a core).
+`--profile` adds where each system's time goes. Run as a script, never with the repository root
+on sys.path (transformers would import the top-level `kernels/` folder):
 
     .venv/bin/python benchmarks/chat_bench.py --quick
 """
@@ -104,10 +110,10 @@ def user_message(conversation: int, turn: int) -> str:
 class ChatHistories:
     """Token histories of `num_conversations` conversations that share a system prompt.
 
-    `prompts(turn)` gives each conversation's prompt token ids for that turn; `add_replies` appends
-    the assistant replies of the last turn. Turn k+1's prompt extends turn k's prompt + reply by the
-    chat template's tokens between them, so prompts only ever grow (a radix cache can serve the
-    whole previous turn).
+    `next_prompts()` adds the next user message to each conversation and returns the prompt token
+    ids of that turn; `add_replies` appends the assistant replies to it. Turn k+1's prompt extends
+    turn k's prompt + reply by the chat template's tokens between them, so prompts only ever grow
+    (a radix cache can serve the whole previous turn).
     """
 
     def __init__(self, tokenizer: Any, num_conversations: int) -> None:
