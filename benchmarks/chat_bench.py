@@ -281,14 +281,25 @@ class RadixkvSystem(System):
     """(a) / (b): radixkv's `LLM.generate`, the whole turn as one call."""
 
     def __init__(
-        self, key: str, *, enable_prefix_cache: bool, num_blocks: int, num_threads: int
+        self,
+        key: str,
+        *,
+        enable_prefix_cache: bool,
+        block_size: int,
+        num_blocks: int,
+        max_batch_tokens: int,
+        max_requests: int,
+        num_threads: int,
     ) -> None:
         from radixkv import LLM
 
         self.key = key
         self.llm = LLM(
             enable_prefix_cache=enable_prefix_cache,
+            block_size=block_size,
             num_blocks=num_blocks,
+            max_num_batched_tokens=max_batch_tokens,
+            max_num_seqs=max_requests,
             num_threads=num_threads,
             seed=0,
         )
@@ -736,7 +747,13 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     def make(key: str) -> System:
         if key in "ab":
             return RadixkvSystem(
-                key, enable_prefix_cache=key == "a", num_blocks=num_blocks, num_threads=args.threads
+                key,
+                enable_prefix_cache=key == "a",
+                block_size=args.block_size,
+                num_blocks=num_blocks,
+                max_batch_tokens=args.max_batch_tokens,
+                max_requests=args.max_num_seqs,
+                num_threads=args.threads,
             )
         # (c) and (d) get a model instance each: (d)'s manager may switch its attention.
         model = _load_hf_model()[0]
@@ -817,9 +834,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="time the parts of each system (model, kernels...)"
     )
-    p.add_argument("--block-size", type=int, default=16, help="radixkv block = (d) page size")
-    p.add_argument("--max-batch-tokens", type=int, default=1024, help="(d)'s token budget")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="(d)'s max requests per batch")
+    p.add_argument(
+        "--block-size", type=int, default=16, help="radixkv block size = (d) page size (default 16)"
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=1024,
+        help="tokens per step, radixkv and (d) (default 1024)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=16,
+        help="requests per step, radixkv and (d) (default 16)",
+    )
     p.add_argument(
         "--cb-api",
         choices=("manager", "generate_batch"),
