@@ -22,6 +22,14 @@ class SchedulerConfig:
     # output with the cache off equals output with it on.
     enable_prefix_cache: bool = True
     max_model_len: int = 8192  # the model's context: prompt + generated tokens of one sequence
+    # In-batch prefix caching (SGLang's deprioritise threshold): requests admitted in the same step
+    # insert nothing until the step is done, so N requests sharing an uncached prompt prefix would
+    # each compute it. A waiting request is held back for this step when a request admitted earlier
+    # in the step is computing at least this many tokens of its prefix beyond its own cache hit;
+    # next step it finds them cached. Costs the held-back request one step of time to first token,
+    # so a short overlap (below the threshold) is recomputed instead. 0 disables; no effect with
+    # the prefix cache off.
+    defer_shared_prefix_tokens: int = 32
 
     def __post_init__(self) -> None:
         for name in (
@@ -35,6 +43,13 @@ class SchedulerConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        value = self.defer_shared_prefix_tokens
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"defer_shared_prefix_tokens must be an int, got {type(value).__name__}"
+            )
+        if value < 0:
+            raise ValueError(f"defer_shared_prefix_tokens must be >= 0 (0: off), got {value}")
         if not isinstance(self.enable_prefix_cache, bool):
             raise TypeError(
                 f"enable_prefix_cache must be a bool, got {type(self.enable_prefix_cache).__name__}"

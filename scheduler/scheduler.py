@@ -10,7 +10,10 @@ One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
     requester itself), and the allocation is retried.
  2. Prefill rows: running requests mid-prefill continue with their next chunk.
  3. Admission (skipped in a step that preempted): waiting requests in policy order; it stops at the
-    first that does not fit, so a large request is delayed, never skipped for ever.
+    first that does not fit, so a large request is delayed, never skipped for ever. A request whose
+    prompt prefix a request admitted earlier in the step is computing (in-batch prefix caching,
+    `defer_shared_prefix_tokens`) is deferred to the next step, where it finds that prefix cached;
+    a deferral is not a failure to fit, so admission goes on with the next request (`_admit`).
 
 Admission allocates the blocks for the whole uncached part of the sequence at once, not per chunk:
 admission is a reservation, so an admitted prefill never stalls half-way or preempts others for its
@@ -40,6 +43,33 @@ logger = logging.getLogger(__name__)
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of `a[:limit]` and `b[:limit]` (lists: a list slice
+    never equals a tuple).
+
+    List slice equality runs in C: gallop over doubling runs while they agree, then bisect the run
+    that differs down to a few tokens. O(result) C work and O(log result) Python steps, so a long
+    shared system prompt costs no per-token Python loop.
+    """
+    n = min(len(a), len(b), limit)
+    lo, step = 0, 16  # a[:lo] == b[:lo]
+    while lo < n:
+        hi = min(lo + step, n)
+        if a[lo:hi] == b[lo:hi]:
+            lo, step = hi, 2 * step
+            continue
+        while hi - lo > 16:  # the first mismatch lies in [lo, hi)
+            mid = (lo + hi) >> 1
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        while a[lo] == b[lo]:
+            lo += 1
+        return lo
+    return lo
 
 
 class Scheduler:
@@ -323,14 +353,37 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def _admit(self, budget: int, rows: list[ScheduledRequest], copies: list[BlockCopy]) -> int:
+        """Admit waiting requests in policy order; returns the token budget left.
+
+        Stops at the budget, at `max_num_seqs`, or at the first request that does not fit (FCFS
+        delays a large request, never skips it). A request deferred by `_defer_for_in_batch_prefix`
+        is not a failure to fit: it is passed over this step and admission goes on with the next
+        one, so requests that share nothing with this step's batch lose no step. It stays in the
+        waiting queue in its position, and it keeps its seat: it counts against `max_num_seqs` for
+        the rest of the step, or the requests behind it could fill the running set and hold it back
+        until one of them finishes, not one step. Its blocks are not reserved (how many it needs
+        depends on next step's hit).
+
+        Deferral and the idle-cache fallback never meet: a request is deferred only behind one
+        admitted earlier in the same step, so something is running and the fallback (for an idle
+        cache) does not apply; a deferred request that later finds the cache idle gets the fallback
+        like any other.
+        """
         max_seqs = self.config.max_num_seqs
         if not self._waiting or budget == 0 or len(self._running) >= max_seqs:
             return budget
         admitted: list[Request] = []
+        num_deferred = 0
+        # (tokens, end): what each request admitted in this step writes, then inserts, this step.
+        in_batch: list[tuple[list[int], int]] = []
+        defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
         cache_view = self.cache if self._use_cache else None
         for req in self._policy.order(self._waiting, cache_view):
-            if budget == 0 or len(self._running) >= max_seqs:
+            if budget == 0 or len(self._running) + num_deferred >= max_seqs:
                 break
+            if in_batch and self._defer_for_in_batch_prefix(req, in_batch):
+                num_deferred += 1
+                continue
             row = self._try_admit(req, budget, copies, use_hit=True)
             if row is None and not self._running:
                 # NOTE: with nothing running nothing is locked, so the request fits without its hit
@@ -343,14 +396,51 @@ class Scheduler:
             admitted.append(req)
             rows.append(row)
             budget -= len(row.token_ids)
+            if defer:
+                in_batch.append((req.all_token_ids, row.start_position + len(row.token_ids)))
         if admitted:
-            # The admitted are a prefix of the policy order; for FCFS also of the queue.
+            # The admitted are a subsequence of the policy order (deferred requests stay where
+            # they are); for FCFS without deferrals, a prefix of the queue.
             gone = {r.request_id for r in admitted}
             while self._waiting and self._waiting[0].request_id in gone:
                 gone.discard(self._waiting.popleft().request_id)
             if gone:
                 self._waiting = deque(r for r in self._waiting if r.request_id not in gone)
         return budget
+
+    def _defer_for_in_batch_prefix(
+        self, req: Request, in_batch: list[tuple[list[int], int]]
+    ) -> bool:
+        """True if `req` should wait one step for a prefix that requests admitted earlier in this
+        step compute: its longest common prefix with `tokens[:end]` of one of them exceeds its own
+        cache hit now by at least `defer_shared_prefix_tokens`. Read-only.
+
+        Never starves: a deferral needs a request admitted ahead of this one in the same step, so
+        a step that defers always admits something, and a deferred request is passed only by
+        requests ahead of it in the policy order. What it waited for is in the tree after the step
+        (inserted after every prefill chunk; locked while its writer runs), so next step its hit
+        has grown by at least the threshold and it is not deferred for that prefix again (unless
+        its writer was aborted, or finished and the prefix was evicted: then it may compute it).
+        """
+        tokens = req.all_token_ids
+        # NOTE: a hit is capped at len - 1 (the last prompt token is always computed), so only
+        # that much of a shared prefix can ever be gained by waiting.
+        cap = len(tokens) - 1
+        threshold = self.config.defer_shared_prefix_tokens
+        if cap < threshold:
+            return False
+        shared = 0
+        for other, end in in_batch:
+            shared = max(shared, _common_prefix_len(tokens, other, min(end, cap)))
+            if shared == cap:
+                break
+        if shared < threshold:  # cannot gain enough whatever is cached: skip the tree walk
+            return False
+        num_hit = self.cache.match(tokens, max_tokens=cap).num_cached_tokens
+        if shared - num_hit < threshold:
+            return False
+        logger.debug("deferring %s: %d prefix tokens computed in this step", req, shared - num_hit)
+        return True
 
     def _try_admit(
         self, req: Request, budget: int, copies: list[BlockCopy], *, use_hit: bool

@@ -18,8 +18,12 @@ tokens = st.lists(st.integers(1, 6), max_size=24)
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> dict[str, Any]:
-    prefixes = draw(st.lists(tokens, min_size=1, max_size=3))
+def scenarios(draw: st.DrawFn, *, bursts: bool = False) -> dict[str, Any]:
+    """A random mix. `bursts`: requests arrive within 3 steps, share prefixes of >= 4 tokens, the
+    cache is on and deferral too, so in-batch deferral (`defer_shared_prefix_tokens`) happens
+    often; in the general mix it seldom gets a second candidate in one step."""
+    prefix_tokens = st.lists(st.integers(1, 6), min_size=4, max_size=24) if bursts else tokens
+    prefixes = draw(st.lists(prefix_tokens, min_size=1, max_size=3))
     requests = draw(
         st.lists(
             st.fixed_dictionaries(
@@ -27,28 +31,30 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
                     "prefix": st.integers(0, len(prefixes) - 1),
                     "suffix": st.lists(st.integers(1, 6), min_size=1, max_size=12),
                     "max_tokens": st.integers(1, 24),
-                    "arrival": st.integers(0, 8),
+                    "arrival": st.integers(0, 2 if bursts else 8),
                     "abort": st.none() | st.integers(0, 30),
                     "abort_in_flight": st.booleans(),  # between schedule() and update
                     "stop": st.none() | st.integers(1, 999),
                 }
             ),
-            min_size=1,
+            min_size=3 if bursts else 1,
             max_size=10,
         )
     )
     return {
         "cache": {
-            "num_blocks": draw(st.integers(3, 24)),
+            "num_blocks": draw(st.integers(8 if bursts else 3, 40 if bursts else 24)),
             "block_size": draw(st.sampled_from([1, 2, 4, 16])),
         },
         "config": {
-            "max_num_seqs": draw(st.integers(1, 5)),
-            "max_num_batched_tokens": draw(st.integers(1, 40)),
+            "max_num_seqs": draw(st.integers(2 if bursts else 1, 5)),
+            "max_num_batched_tokens": draw(st.integers(8, 64) if bursts else st.integers(1, 40)),
             "chunked_prefill_size": draw(st.integers(1, 24)),
             "policy": draw(st.sampled_from(["fcfs", "lpm"])),
-            "enable_prefix_cache": draw(st.booleans()),
-            "max_model_len": draw(st.integers(4, 64)),
+            "enable_prefix_cache": True if bursts else draw(st.booleans()),
+            "max_model_len": draw(st.integers(40 if bursts else 4, 64)),
+            # Prompts here are at most 36 tokens: small thresholds, or deferral would never run.
+            "defer_shared_prefix_tokens": draw(st.sampled_from([1, 2, 4, 8] if bursts else [0, 3])),
         },
         "prefixes": prefixes,
         "requests": requests,
@@ -58,6 +64,16 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 def test_random_request_mixes(harness: MakeHarness, scenario: dict[str, Any]) -> None:
+    run_scenario(harness, scenario)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(bursts=True))
+def test_random_shared_prefix_bursts(harness: MakeHarness, scenario: dict[str, Any]) -> None:
+    run_scenario(harness, scenario)
+
+
+def run_scenario(harness: MakeHarness, scenario: dict[str, Any]) -> None:
     h = harness(**scenario["cache"], **scenario["config"])
     sched, cache = h.scheduler, h.cache
     arrivals: dict[int, list[Request]] = {}

@@ -162,8 +162,9 @@ def test_concurrent_request_shares_after_first_chunk(harness: MakeHarness) -> No
 
 def test_same_prompt_same_step_keeps_private_tails(harness: MakeHarness) -> None:
     """Two identical 37-token prompts prefilled in one step: the second insert finds the first's
-    blocks; it shares the full ones but keeps its own partial tail, where it writes position 37."""
-    h = harness(num_blocks=64, block_size=16, chunked_prefill_size=64)
+    blocks; it shares the full ones but keeps its own partial tail, where it writes position 37.
+    (In-batch deferral off: with it, r2 would wait a step and hit r1's prefix instead.)"""
+    h = harness(num_blocks=64, block_size=16, chunked_prefill_size=64, defer_shared_prefix_tokens=0)
     r1 = h.add("r1", seq(1, 37), max_tokens=6)
     r2 = h.add("r2", seq(1, 37), max_tokens=6)
     h.step()

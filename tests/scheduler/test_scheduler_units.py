@@ -22,6 +22,9 @@ from radixkv.scheduler.request import Request, RequestStatus
         ("max_num_seqs", True, TypeError),
         ("policy", "lifo", ValueError),
         ("enable_prefix_cache", 1, TypeError),
+        ("defer_shared_prefix_tokens", -1, ValueError),
+        ("defer_shared_prefix_tokens", 1.5, TypeError),
+        ("defer_shared_prefix_tokens", True, TypeError),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
