@@ -25,6 +25,7 @@ thread-safe.
 A request's life (B = block size, `m` = cached tokens):
 
     match(prompt, max_tokens=len(prompt)-1)   read-only; m tokens, blocks 0..ceil(m/B)-1
+    can_allocate(n, reserve=match)            read-only; False: wait, the cache is untouched
     acquire(match) -> handle                  lock the path before allocating (allocation evicts)
     allocate(...)                             a fresh block for the copy-on-write of a partial last
                                               block (m % B slots) + blocks for the uncached tokens
@@ -220,10 +221,22 @@ class PrefixCache:
         """Changes on every structural mutation; a MatchResult from another version is stale."""
         return self._tree.version
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        """Whether `allocate(num_blocks)` would succeed now (free + evictable >= n). Read-only."""
+    def can_allocate(self, num_blocks: int, *, reserve: MatchResult | None = None) -> bool:
+        """Whether `allocate(num_blocks)` would succeed now, or, given `reserve`, right after
+        `acquire(reserve)`. Read-only: no stats, no recency, no lock, in either form.
+
+        Locking a match pins the blocks of its path that are evictable now (the blocks of every
+        path node not locked yet), so `can_allocate(n)` alone over-promises to a caller that
+        acquires first. Admission asks `can_allocate(n, reserve=match)` and acquires only if it
+        is True, so a request that does not fit leaves the cache untouched. Exact: True iff
+        free + evictable - pinned >= num_blocks. O(unlocked part of the path). Raises
+        TypeError/ValueError for a bad count, and like `acquire` for a stale or foreign match.
+        """
         n = check_size(num_blocks, "num_blocks", low=0)
-        return self._pool.num_free + self._tree.num_evictable_blocks >= n
+        available = self._pool.num_free + self._tree.num_evictable_blocks
+        if reserve is not None:
+            available -= self._tree.num_blocks_pinned_by_lock(self._matched_node(reserve))
+        return available >= n
 
     # ----------------------------------------------------------------- matching
     def match(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> MatchResult:
@@ -253,20 +266,9 @@ class PrefixCache:
         lock). Raises TypeError for a non-MatchResult and ValueError for a stale match (the cache
         changed structurally since match()) or one from another cache; nothing changes then.
         """
-        if not isinstance(match, MatchResult):
-            raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
-        tree = self._tree
-        node = match._node
-        if match._owner is not tree or not isinstance(node, TreeNode):
-            raise ValueError("match was not produced by this cache")
-        # Same version => no structural change since the match: the node is still in the tree.
-        if match._version != tree.version:
-            raise ValueError(
-                f"stale match: taken at cache version {match._version}, cache is at"
-                f" {tree.version}; match() again"
-            )
+        node = self._matched_node(match)
         tick = self._tick()
-        tree.lock_path(node, tick)
+        self._tree.lock_path(node, tick)
         m = match.num_cached_tokens
         self._num_queries += 1
         self._num_query_tokens += match.num_query_tokens
@@ -554,6 +556,22 @@ class PrefixCache:
         self._next_handle_id = hid + 1
         self._live[hid] = node
         return LockHandle(hid, num_tokens, self._selfref)
+
+    def _matched_node(self, match: MatchResult) -> TreeNode:
+        """The node a current match of this cache ends at; TypeError/ValueError otherwise."""
+        if not isinstance(match, MatchResult):
+            raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
+        tree = self._tree
+        node = match._node
+        if match._owner is not tree or not isinstance(node, TreeNode):
+            raise ValueError("match was not produced by this cache")
+        # Same version => no structural change since the match: the node is still in the tree.
+        if match._version != tree.version:
+            raise ValueError(
+                f"stale match: taken at cache version {match._version}, cache is at"
+                f" {tree.version}; match() again"
+            )
+        return node
 
     def _live_node(self, handle: LockHandle) -> TreeNode:
         """The node a live handle of this cache locks; TypeError/ValueError otherwise."""

@@ -340,6 +340,16 @@ class RadixTree:
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
+    def num_blocks_pinned_by_lock(self, node: TreeNode) -> int:
+        """Evictable blocks `lock_path(node)` would take out of `num_evictable_blocks`: the own
+        blocks of the path's unlocked nodes. Read-only. The walk stops at the first locked node:
+        every ancestor of a locked node is locked (locks cover whole paths)."""
+        pinned = 0
+        while node is not None and node.lock_ref == 0:
+            pinned += len(node.blocks) - node.head_shared
+            node = node.parent  # type: ignore[assignment]
+        return pinned
+
     def move_lock(self, old: TreeNode, new: TreeNode, tick: int) -> None:
         """Move one lock from the path of `old` to the path of `new` and stamp `new`.
 
