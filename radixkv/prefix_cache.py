@@ -31,6 +31,10 @@ A request's life (B = block size, `m` = cached tokens):
                                               block (m % B slots) + blocks for the uncached tokens
     insert(written, table, handle=handle)     adopt the new blocks, free duplicates; new handle
     release(result.handle); free(result.owned_block_ids)
+
+Tokens are any sequence of ints, validated on every call (a list costs ~8 ns a token); a caller
+that hands the same tokens to several calls can validate them once with `PackedTokens`. Under
+`handle=`, insert does not walk the tree again over the prefix the handle locks.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -45,18 +45,92 @@ _INT32_DTYPE = np.dtype("=i4")
 _SIGN_BYTE = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0  # byte holding bit 31 of a token
 assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
 _unpack_token = struct.Struct("=I").unpack_from
+_new_object = object.__new__
 
 
 def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
     """Validate and pack token ids into native uint32 bytes (one C pass over the sequence).
 
     Accepts any sequence of ints (bool counts as an int; numpy integer arrays take a vectorised
-    path). Raises TypeError for a non-sequence or a non-int element and ValueError for an id
-    outside [0, 2**32 - 1], naming the first offending position. Mutates nothing.
+    path; a `PackedTokens` is packed and valid already). Raises TypeError for a non-sequence or a
+    non-int element and ValueError for an id outside [0, 2**32 - 1], naming the first offending
+    position. Mutates nothing.
     """
+    if type(tokens) is PackedTokens:
+        return tokens._packed
     if isinstance(tokens, np.ndarray):
         return _pack_ndarray(tokens, name)
     return _as_uint32_array(tokens, name, "a token id").tobytes()
+
+
+class PackedTokens(Sequence[int]):
+    """Token ids validated once and packed the way the cache stores them (native uint32).
+
+    Immutable. Every `PrefixCache` call that takes tokens reads one as is: no validation, no copy.
+    A list of n ids costs ~n x 8 ns to validate on each call that takes it; a caller that hands
+    the same tokens to several calls (`match` the prompt, then `insert` prompt + reply; a chat,
+    turn after turn) pays that once per token with a PackedTokens. `+` appends (validating the
+    other operand only), a slice with step 1 is a PackedTokens, `tobytes()` gives the packed
+    bytes. Raises like `match` for ids that are not ints in [0, 2**32).
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self._packed: bytes = pack_tokens(tokens)
+
+    @staticmethod
+    def _of(packed: bytes) -> PackedTokens:
+        """Wrap bytes known to be packed token ids (from other PackedTokens): no validation."""
+        obj = _new_object(PackedTokens)
+        obj._packed = packed
+        return obj
+
+    def __len__(self) -> int:
+        return len(self._packed) // TOKEN_BYTES
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> PackedTokens: ...
+    def __getitem__(self, index: int | slice) -> int | PackedTokens:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return PackedTokens._of(self._packed[4 * start : 4 * max(start, stop)])
+            return PackedTokens(self.tolist()[index])
+        try:
+            return memoryview(self._packed).cast("I")[index]
+        except IndexError:
+            raise IndexError("PackedTokens index out of range") from None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(memoryview(self._packed).cast("I"))
+
+    def __add__(self, other: Sequence[int]) -> PackedTokens:
+        return PackedTokens._of(self._packed + pack_tokens(other, "other"))
+
+    def __radd__(self, other: Sequence[int]) -> PackedTokens:
+        return PackedTokens._of(pack_tokens(other, "other") + self._packed)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokens):
+            return self._packed == other._packed
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._packed)
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(map(str, self[:8]))
+        return f"PackedTokens([{head}{', ...' if n > 8 else ''}], len={n})"
+
+    def tobytes(self) -> bytes:
+        return self._packed
+
+    def tolist(self) -> list[int]:
+        return memoryview(self._packed).cast("I").tolist()
 
 
 def _pack_ndarray(tokens: np.ndarray, name: str) -> bytes:

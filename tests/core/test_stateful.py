@@ -33,7 +33,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from radixkv import LockHandle, MatchResult, PrefixCache
+from radixkv import LockHandle, MatchResult, PackedTokens, PrefixCache
 from radixkv.radix_tree import unpack_tokens
 
 VOCAB = 3  # tiny, so prefixes are shared and nodes split often
@@ -82,7 +82,8 @@ class Request:
 
 
 class Counted:
-    """The cache under test: each operation is counted and followed by check_integrity()."""
+    """The cache under test: each operation is counted and followed by check_integrity(); every
+    other match / insert gets its tokens as a PackedTokens."""
 
     OPERATIONS = frozenset({"match", "acquire", "release", "allocate", "free", "insert", "evict"})
 
@@ -96,6 +97,8 @@ class Counted:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             operations["count"] += 1
+            if name in ("match", "insert") and operations["count"] % 2:
+                args = (PackedTokens(args[0]), *args[1:])  # every other call: packed tokens
             try:
                 return attr(*args, **kwargs)
             finally:
