@@ -81,6 +81,13 @@ class EvictionIndex:
         """The next victim (the set must not be empty)."""
         return self._nodes[self._keys[0]]
 
+    def pop_first(self) -> TreeNode:
+        """Remove and return the next victim (the set must not be empty); cheaper than
+        `discard(first())`, which searches for the key it just read."""
+        node = self._nodes.pop(self._keys.pop(0))
+        node.evict_key = None
+        return node
+
     def items(self) -> list[tuple[Any, TreeNode]]:
         """(key, node) pairs in eviction order, for integrity checks and displays."""
         nodes = self._nodes

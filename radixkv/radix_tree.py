@@ -563,10 +563,10 @@ class RadixTree:
                 freed += released
                 self.num_evictable_blocks -= need
             else:
-                index.discard(leaf)
+                index.pop_first()  # the leaf
                 parent = leaf.parent
                 assert parent is not None
-                del parent.children[leaf.first_token]
+                del parent.children[_unpack_token(leaf.tokens)[0]]
                 leaf.parent = None
                 freed += pool.drop_refs(leaf.blocks[::-1])
                 self.num_evictable_blocks -= own
