@@ -677,7 +677,7 @@ class PrefixCache:
         if not qb.startswith(locked if len(locked) == 4 * k else locked[: 4 * k]):
             return self._tree.walk(qb, n)  # another sequence than the one the handle locks
         node = lock.node
-        while node.start >= k:  # split at or above k since the lock: the prefix half holds k
+        while node.start >= k:  # split at a position >= k since: k is in an ancestor now
             node = node.parent  # type: ignore[assignment]
         return self._tree.walk_from(node, k, list(lock.block_ids), qb, n)
 
