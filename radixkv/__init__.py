@@ -20,6 +20,7 @@ from radixkv.prefix_cache import (
     NodeView,
     PrefixCache,
 )
+from radixkv.radix_tree import PackedTokens
 from radixkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ __all__ = [
     "MatchResult",
     "ModelNotFoundError",
     "NodeView",
+    "PackedTokens",
     "PrefixCache",
     "RequestOutput",
     "RequestStats",

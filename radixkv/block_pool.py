@@ -25,6 +25,8 @@ class BlockPoolStats:
 
 def check_size(value: object, name: str, *, low: int) -> int:
     """`value` as an int >= low; TypeError for a non-int (bool included), ValueError below `low`."""
+    if type(value) is int and value >= low:  # the common case, on every request: one check
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
     try:
@@ -85,7 +87,10 @@ class BlockPool:
         Returns None, with nothing changed, when fewer are free. Raises TypeError/ValueError for a
         count that is not an int >= 0.
         """
-        n = check_size(num_blocks, "num_blocks", low=0)
+        return self.take(check_size(num_blocks, "num_blocks", low=0))
+
+    def take(self, n: int) -> list[int] | None:
+        """`allocate` for a caller that has validated `n` (an int >= 0) already."""
         free = self._free
         if n > len(free):
             return None

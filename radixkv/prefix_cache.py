@@ -25,11 +25,16 @@ thread-safe.
 A request's life (B = block size, `m` = cached tokens):
 
     match(prompt, max_tokens=len(prompt)-1)   read-only; m tokens, blocks 0..ceil(m/B)-1
+    can_allocate(n, reserve=match)            read-only; False: wait, the cache is untouched
     acquire(match) -> handle                  lock the path before allocating (allocation evicts)
     allocate(...)                             a fresh block for the copy-on-write of a partial last
                                               block (m % B slots) + blocks for the uncached tokens
     insert(written, table, handle=handle)     adopt the new blocks, free duplicates; new handle
     release(result.handle); free(result.owned_block_ids)
+
+Tokens are any sequence of ints, validated on every call (a list costs ~8 ns a token); a caller
+that hands the same tokens to several calls can validate them once with `PackedTokens`. Under
+`handle=`, insert does not walk the tree again over the prefix the handle locks.
 """
 
 from __future__ import annotations
@@ -37,17 +42,39 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
+from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, TypeVar
 
 from radixkv.block_pool import BlockPool, check_size
-from radixkv.radix_tree import RadixTree, TreeNode, block_id_list, pack_tokens, unpack_tokens
+from radixkv.radix_tree import RadixTree, TreeNode, block_id_array, pack_tokens, unpack_tokens
 
 logger = logging.getLogger(__name__)
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
+
+_T = TypeVar("_T")
+
+
+def _positional_constructor(cls: type[_T]) -> Callable[..., _T]:
+    """A constructor for the frozen slots dataclass `cls`, for the per-request hot path.
+
+    The generated `__init__` of a frozen dataclass sets each field with `object.__setattr__` (a
+    global lookup, an attribute lookup and a call per field), which made building the three
+    result objects of a request cost microseconds. This one writes the slots through their
+    descriptors, looked up once. `make(*values)` gives the same object as `cls(*values)` with
+    every field passed positionally, in declaration order (there is no `__post_init__`).
+    """
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    namespace.update({f"_set_{name}": getattr(cls, name).__set__ for name in names})
+    lines = [f"def make({', '.join(names)}):", "    self = _new(_cls)"]
+    lines += [f"    _set_{name}(self, {name})" for name in names]
+    lines.append("    return self")
+    exec("\n".join(lines), namespace)  # the same technique dataclasses use for __init__
+    return namespace["make"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +88,7 @@ class MatchResult:
     _node: Any = field(default=None, repr=False, compare=False)  # deepest node touched (internal)
     _version: int = field(default=-1, repr=False, compare=False)  # cache version at match time
     _owner: Any = field(default=None, repr=False, compare=False)  # the tree that matched (internal)
+    _tokens: bytes = field(default=b"", repr=False, compare=False)  # the packed query (internal)
 
     @property
     def last_block_partial(self) -> bool:
@@ -88,8 +116,21 @@ class LockHandle:
         owner = self._owner
         if owner is not None:
             cache = owner()
-            if cache is not None:
+            # Released handles (the common case) are checked here, without a method call.
+            if cache is not None and self.handle_id in cache._live:
                 cache._handle_dropped(self.handle_id)
+
+
+class _Lock(NamedTuple):
+    """What the cache keeps per live handle. While the lock holds, tokens [0, num_tokens) stay on
+    the tree along the path to `node` with exactly these blocks (a locked path is never evicted
+    or trimmed, and a split keeps the block of every index), so `insert(handle=)` resumes its
+    walk there instead of reading the prefix again."""
+
+    node: TreeNode  # position num_tokens lies in it, or (after a split) in an ancestor
+    tokens: bytes  # packed; its first num_tokens tokens are the locked path's
+    num_tokens: int
+    block_ids: tuple[int, ...]  # the path's blocks of indices 0 .. ceil(num_tokens/B)-1
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +184,12 @@ class NodeView:
     head_tokens: tuple[int, ...]  # first few tokens of the segment
 
 
+_new_match = _positional_constructor(MatchResult)
+_new_lock_handle = _positional_constructor(LockHandle)
+_new_insert_result = _positional_constructor(InsertResult)
+_tuple_new = tuple.__new__  # _tuple_new(_Lock, (...)) skips NamedTuple's Python-level __new__
+
+
 class PrefixCache:
     """Token-granular prefix cache over `num_blocks` blocks of `block_size` tokens.
 
@@ -162,7 +209,7 @@ class PrefixCache:
         self.block_size: int = self._pool.block_size
         self._tree = RadixTree(self._pool)
         self._private: set[int] = set()
-        self._live: dict[int, TreeNode] = {}  # handle id -> locked node
+        self._live: dict[int, _Lock] = {}  # handle id -> what it locks
         self._next_handle_id = 1
         self._clock = 0
         self._selfref = weakref.ref(self)
@@ -220,10 +267,22 @@ class PrefixCache:
         """Changes on every structural mutation; a MatchResult from another version is stale."""
         return self._tree.version
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        """Whether `allocate(num_blocks)` would succeed now (free + evictable >= n). Read-only."""
+    def can_allocate(self, num_blocks: int, *, reserve: MatchResult | None = None) -> bool:
+        """Whether `allocate(num_blocks)` would succeed now, or, given `reserve`, right after
+        `acquire(reserve)`. Read-only: no stats, no recency, no lock, in either form.
+
+        Locking a match pins the blocks of its path that are evictable now (the blocks of every
+        path node not locked yet), so `can_allocate(n)` alone over-promises to a caller that
+        acquires first. Admission asks `can_allocate(n, reserve=match)` and acquires only if it
+        is True, so a request that does not fit leaves the cache untouched. Exact: True iff
+        free + evictable - pinned >= num_blocks. O(unlocked part of the path). Raises
+        TypeError/ValueError for a bad count, and like `acquire` for a stale or foreign match.
+        """
         n = check_size(num_blocks, "num_blocks", low=0)
-        return self._pool.num_free + self._tree.num_evictable_blocks >= n
+        available = self._pool.num_free + self._tree.num_evictable_blocks
+        if reserve is not None:
+            available -= self._tree.num_blocks_pinned_by_lock(self._matched_node(reserve))
+        return available >= n
 
     # ----------------------------------------------------------------- matching
     def match(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> MatchResult:
@@ -241,9 +300,9 @@ class PrefixCache:
             cap = check_size(max_tokens, "max_tokens", low=0)
             if cap < limit:
                 limit = cap
-        m, node, blocks = self._tree.walk(qb, limit)
         tree = self._tree
-        return MatchResult(n, m, tuple(blocks), m % self.block_size, node, tree.version, tree)
+        m, node, blocks = tree.walk(qb, limit)
+        return _new_match(n, m, tuple(blocks), m % self.block_size, node, tree.version, tree, qb)
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
@@ -253,32 +312,21 @@ class PrefixCache:
         lock). Raises TypeError for a non-MatchResult and ValueError for a stale match (the cache
         changed structurally since match()) or one from another cache; nothing changes then.
         """
-        if not isinstance(match, MatchResult):
-            raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
-        tree = self._tree
-        node = match._node
-        if match._owner is not tree or not isinstance(node, TreeNode):
-            raise ValueError("match was not produced by this cache")
-        # Same version => no structural change since the match: the node is still in the tree.
-        if match._version != tree.version:
-            raise ValueError(
-                f"stale match: taken at cache version {match._version}, cache is at"
-                f" {tree.version}; match() again"
-            )
+        node = self._matched_node(match)
         tick = self._tick()
-        tree.lock_path(node, tick)
+        self._tree.lock_path(node, tick)
         m = match.num_cached_tokens
         self._num_queries += 1
         self._num_query_tokens += match.num_query_tokens
         self._num_hit_tokens += m
         self._num_computed_tokens += match.num_query_tokens - m
-        return self._new_handle(node, m)
+        return self._new_handle(_tuple_new(_Lock, (node, match._tokens, m, match.block_ids)))
 
     def release(self, handle: LockHandle) -> None:
         """Unlock. ValueError if foreign or already released."""
-        node = self._live_node(handle)
+        lock = self._live_lock(handle)
         del self._live[handle.handle_id]
-        self._tree.unlock_path(node)
+        self._tree.unlock_path(lock.node)
 
     # --------------------------------------------------------------- allocation
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -294,14 +342,14 @@ class PrefixCache:
             if short > self._tree.num_evictable_blocks:
                 return None
             self._evict(short)
-        ids = pool.allocate(n)
+        ids = pool.take(n)
         assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
         self._private.update(ids)
         return ids
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Return private blocks. ValueError (nothing freed) if any is not privately held."""
-        ids = self._block_id_list(block_ids, "block_ids")
+        ids = self._block_id_array(block_ids, "block_ids").tolist()
         if len(set(ids)) != len(ids):
             raise ValueError(f"block_ids contains a repeated id: {ids}")
         private = self._private
@@ -347,33 +395,48 @@ class PrefixCache:
         qb = pack_tokens(tokens)
         n = len(qb) >> 2
         B = self.block_size
-        ids = self._block_id_list(block_ids, "block_ids")
+        id_array = self._block_id_array(block_ids, "block_ids")
         num_idx = -(-n // B)
-        if len(ids) != num_idx:
+        if len(id_array) != num_idx:
             raise ValueError(
-                f"block_ids has {len(ids)} entries; {n} tokens with block_size {B} need exactly"
-                f" ceil({n}/{B}) = {num_idx}"
+                f"block_ids has {len(id_array)} entries; {n} tokens with block_size {B} need"
+                f" exactly ceil({n}/{B}) = {num_idx}"
             )
-        old_node = None if handle is None else self._live_node(handle)
         tree = self._tree
+        if handle is None:
+            old_node = None
+            p, node, canonical = tree.walk(qb, n)
+        else:
+            old = self._live_lock(handle)
+            old_node = old.node
+            p, node, canonical = self._walk_past_lock(old, qb, n)
         private = self._private
-        p, node, canonical = tree.walk(qb, n)
 
-        # Indices the tree already covers: compare with its blocks (one C-level list compare when
-        # the caller used exactly the cached blocks, the common case).
+        # Indices the tree already covers: compare with its blocks. The common case is a caller
+        # that used exactly the cached blocks: one C-level compare, and no int object made for the
+        # covered ids (the table returned is built from the tree's own list).
         covered = num_idx if p == n else p // B
         if len(canonical) > covered:
             del canonical[covered:]
         duplicates: list[int] = []
         kept: int | None = None
-        new_ids = ids[covered:]
-        as_cached = ids[:covered] == canonical  # the common case: exactly the tree's blocks
+        path_ids: tuple[int, ...] | None = None  # the path's blocks, if they differ from the table
+        new_ids = id_array[covered:].tolist()
+        if type(block_ids) is list:
+            # The ids are validated ints; a table built from the match holds the tree's own int
+            # objects, which the list compare takes by identity (no uint32 array of the tree's).
+            as_cached = block_ids[:covered] == canonical
+        else:
+            as_cached = id_array[:covered] == array("I", canonical)
         # Repeated ids: the blocks of a tree path are distinct, so when the covered part is exactly
         # the tree's, only the new part needs checking (and it is short).
-        if len(set(new_ids)) != len(new_ids) or (not as_cached and len(set(ids)) != num_idx):
-            raise ValueError(f"block_ids contains a repeated id: {ids}")
+        if len(set(new_ids)) != len(new_ids) or (not as_cached and len(set(id_array)) != num_idx):
+            raise ValueError(f"block_ids contains a repeated id: {id_array.tolist()}")
         if not as_cached:
+            ids = id_array.tolist()
             partial_tail = num_idx - 1 if p == n and n % B else -1
+            if partial_tail >= 0:
+                path_ids = tuple(canonical)  # before the table keeps the caller's tail block
             for i in range(covered):
                 b = ids[i]
                 if b == canonical[i]:
@@ -440,16 +503,18 @@ class PrefixCache:
         if duplicates:
             private.difference_update(duplicates)
             self._pool.drop_refs(duplicates[::-1])
-        new_handle = self._new_handle(target, n)
+        table = tuple(canonical)
+        path = table if path_ids is None else path_ids
+        new_handle = self._new_handle(_tuple_new(_Lock, (target, qb, n, path)))
         self._num_inserts += 1
         self._num_inserted_tokens += n - p
         self._num_duplicates_freed += len(duplicates)
-        return InsertResult(
-            num_new_tokens=n - p,
-            block_ids=tuple(canonical),
-            owned_block_ids=() if kept is None else (kept,),
-            num_freed_duplicates=len(duplicates),
-            handle=new_handle,
+        return _new_insert_result(
+            n - p,  # num_new_tokens
+            table,  # block_ids
+            () if kept is None else (kept,),  # owned_block_ids
+            len(duplicates),  # num_freed_duplicates
+            new_handle,  # handle
         )
 
     # ----------------------------------------------------------------- eviction
@@ -517,7 +582,7 @@ class PrefixCache:
         """
         pool = self._pool
         pool.check_integrity()
-        handles_on = Counter(node.node_id for node in self._live.values())
+        handles_on = Counter(lock.node.node_id for lock in self._live.values())
         owners = self._tree.check_integrity(handles_on, self._clock)
         private = self._private
         for b in private:
@@ -543,29 +608,78 @@ class PrefixCache:
             raise AssertionError("hit + computed tokens != query tokens")
         if self._live and max(self._live) >= self._next_handle_id:
             raise AssertionError("a live handle id was never issued")
+        # Each lock's recorded prefix is the tree's: tokens and blocks, on the locked node's path
+        # (the node holding its last position is the locked node or, after a split, an ancestor).
+        tree = self._tree
+        for hid, lock in self._live.items():
+            k = lock.num_tokens
+            m, holder, blocks = tree.walk(lock.tokens[: 4 * k], k)
+            if m != k or tuple(blocks) != lock.block_ids:
+                raise AssertionError(
+                    f"handle {hid}: {m} of its {k} locked tokens are on the tree, blocks"
+                    f" {blocks} != recorded {lock.block_ids}"
+                )
+            node = lock.node
+            while node is not holder:
+                if node is tree.root:
+                    raise AssertionError(f"handle {hid}: its prefix is not on its node's path")
+                node = node.parent  # type: ignore[assignment]
 
     # ---------------------------------------------------------------- internals
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
 
-    def _new_handle(self, node: TreeNode, num_tokens: int) -> LockHandle:
+    def _new_handle(self, lock: _Lock) -> LockHandle:
         hid = self._next_handle_id
         self._next_handle_id = hid + 1
-        self._live[hid] = node
-        return LockHandle(hid, num_tokens, self._selfref)
+        self._live[hid] = lock
+        return _new_lock_handle(hid, lock.num_tokens, self._selfref)
 
-    def _live_node(self, handle: LockHandle) -> TreeNode:
-        """The node a live handle of this cache locks; TypeError/ValueError otherwise."""
+    def _matched_node(self, match: MatchResult) -> TreeNode:
+        """The node a current match of this cache ends at; TypeError/ValueError otherwise."""
+        if not isinstance(match, MatchResult):
+            raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
+        tree = self._tree
+        node = match._node
+        if match._owner is not tree or not isinstance(node, TreeNode):
+            raise ValueError("match was not produced by this cache")
+        # Same version => no structural change since the match: the node is still in the tree.
+        if match._version != tree.version:
+            raise ValueError(
+                f"stale match: taken at cache version {match._version}, cache is at"
+                f" {tree.version}; match() again"
+            )
+        return node
+
+    def _live_lock(self, handle: LockHandle) -> _Lock:
+        """What a live handle of this cache locks; TypeError/ValueError otherwise."""
         if not isinstance(handle, LockHandle):
             raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
-        node = self._live.get(handle.handle_id)
-        if node is None or handle._owner is not self._selfref:
+        lock = self._live.get(handle.handle_id)
+        if lock is None or handle._owner is not self._selfref:
             raise ValueError(
                 f"handle {handle.handle_id} is not a live handle of this cache (already released,"
                 " or issued by another cache)"
             )
-        return node
+        return lock
+
+    def _walk_past_lock(self, lock: _Lock, qb: bytes, n: int) -> tuple[int, TreeNode, list[int]]:
+        """`tree.walk(qb, n)`, resumed after the prefix `lock` holds when qb starts with it.
+
+        The common insert: a request inserts what it wrote under the handle of its own match or
+        earlier insert. One memcmp of the prefix replaces the walk over every node of its path.
+        """
+        k = lock.num_tokens
+        if k == 0 or k > n:
+            return self._tree.walk(qb, n)
+        locked = lock.tokens
+        if not qb.startswith(locked if len(locked) == 4 * k else locked[: 4 * k]):
+            return self._tree.walk(qb, n)  # another sequence than the one the handle locks
+        node = lock.node
+        while node.start >= k:  # split at a position >= k since: k is in an ancestor now
+            node = node.parent  # type: ignore[assignment]
+        return self._tree.walk_from(node, k, list(lock.block_ids), qb, n)
 
     def _handle_dropped(self, handle_id: int) -> None:
         """Called when a LockHandle object is garbage-collected: report it if still locked."""
@@ -581,14 +695,19 @@ class PrefixCache:
                 stacklevel=2,
             )
 
-    def _block_id_list(self, block_ids: Sequence[int], name: str) -> list[int]:
-        """Block ids as plain ints >= 0; TypeError/ValueError naming the culprit.
+    def _block_id_array(self, block_ids: Sequence[int], name: str) -> array:
+        """Block ids as array('I') (ints >= 0); TypeError/ValueError naming the culprit.
 
         The upper bound is not checked here: every id must also be private or the tree's block at
         its index, which no out-of-range id is; `_check_block_range` words that rejection.
         """
+        if type(block_ids) is list:  # the common table: straight to the one C pass
+            try:
+                return array("I", block_ids)
+            except (TypeError, OverflowError):
+                pass  # named below
         try:
-            return block_id_list(block_ids, name)
+            return block_id_array(block_ids, name)
         except ValueError:
             for i, b in enumerate(block_ids):
                 self._check_block_range(name, i, int(b))

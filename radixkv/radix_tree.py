@@ -27,10 +27,11 @@ header each, and a call per comparison).
 from __future__ import annotations
 
 import struct
+import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -40,36 +41,132 @@ from radixkv.eviction import EvictionIndex, EvictionKey, lru_key
 TOKEN_BYTES = 4
 MAX_TOKEN_ID = 2**32 - 1
 _TOKEN_DTYPE = np.dtype("=u4")
+_INT32_DTYPE = np.dtype("=i4")
+_SIGN_BYTE = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0  # byte holding bit 31 of a token
 assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
 _unpack_token = struct.Struct("=I").unpack_from
+_new_object = object.__new__
 
 
 def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
     """Validate and pack token ids into native uint32 bytes (one C pass over the sequence).
 
     Accepts any sequence of ints (bool counts as an int; numpy integer arrays take a vectorised
-    path). Raises TypeError for a non-sequence or a non-int element and ValueError for an id
-    outside [0, 2**32 - 1], naming the first offending position. Mutates nothing.
+    path; a `PackedTokens` is packed and valid already). Raises TypeError for a non-sequence or a
+    non-int element and ValueError for an id outside [0, 2**32 - 1], naming the first offending
+    position. Mutates nothing.
     """
+    if type(tokens) is PackedTokens:
+        return tokens._packed
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
-        if tokens.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold ints, got dtype {tokens.dtype}")
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
-            bad = int(np.flatnonzero((tokens < 0) | (tokens > MAX_TOKEN_ID))[0])
-            raise ValueError(
-                f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]"
-            )
-        return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
+        return _pack_ndarray(tokens, name)
     return _as_uint32_array(tokens, name, "a token id").tobytes()
+
+
+class PackedTokens(Sequence[int]):
+    """Token ids validated once and packed the way the cache stores them (native uint32).
+
+    Immutable. Every `PrefixCache` call that takes tokens reads one as is: no validation, no copy.
+    A list of n ids costs ~n x 8 ns to validate on each call that takes it; a caller that hands
+    the same tokens to several calls (`match` the prompt, then `insert` prompt + reply; a chat,
+    turn after turn) pays that once per token with a PackedTokens. `+` appends (validating the
+    other operand only), a slice with step 1 is a PackedTokens, `tobytes()` gives the packed
+    bytes. Raises like `match` for ids that are not ints in [0, 2**32).
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self._packed: bytes = pack_tokens(tokens)
+
+    @staticmethod
+    def _of(packed: bytes) -> PackedTokens:
+        """Wrap bytes known to be packed token ids (from other PackedTokens): no validation."""
+        obj = _new_object(PackedTokens)
+        obj._packed = packed
+        return obj
+
+    def __len__(self) -> int:
+        return len(self._packed) // TOKEN_BYTES
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> PackedTokens: ...
+    def __getitem__(self, index: int | slice) -> int | PackedTokens:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return PackedTokens._of(self._packed[4 * start : 4 * max(start, stop)])
+            return PackedTokens(self.tolist()[index])
+        try:
+            return memoryview(self._packed).cast("I")[index]
+        except IndexError:
+            raise IndexError("PackedTokens index out of range") from None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(memoryview(self._packed).cast("I"))
+
+    def __add__(self, other: Sequence[int]) -> PackedTokens:
+        return PackedTokens._of(self._packed + pack_tokens(other, "other"))
+
+    def __radd__(self, other: Sequence[int]) -> PackedTokens:
+        return PackedTokens._of(pack_tokens(other, "other") + self._packed)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokens):
+            return self._packed == other._packed
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._packed)
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(map(str, self[:8]))
+        return f"PackedTokens([{head}{', ...' if n > 8 else ''}], len={n})"
+
+    def tobytes(self) -> bytes:
+        return self._packed
+
+    def tolist(self) -> list[int]:
+        return memoryview(self._packed).cast("I").tolist()
+
+
+def _pack_ndarray(tokens: np.ndarray, name: str) -> bytes:
+    if tokens.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
+    dtype = tokens.dtype
+    if dtype == _TOKEN_DTYPE:
+        return tokens.tobytes()  # every uint32 is a token id
+    if dtype == _INT32_DTYPE:
+        # The common array (tokenizers hand out int32): a non-negative int32 has the bytes of the
+        # same uint32, so the sign bits are the only check. They are read from the packed bytes
+        # (the top byte of every token must be < 0x80): a strided copy and a scan, both C loops
+        # over bytes already in cache, cheaper than numpy's reduction machinery (a few µs a call).
+        packed = tokens.tobytes()
+        if not packed[_SIGN_BYTE::TOKEN_BYTES].isascii():
+            _raise_bad_token_array(tokens, name)
+        return packed
+    if dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold ints, got dtype {dtype}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
+        _raise_bad_token_array(tokens, name)
+    return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
+
+
+def _raise_bad_token_array(tokens: np.ndarray, name: str) -> None:
+    bad = int(np.flatnonzero((tokens < 0) | (tokens > MAX_TOKEN_ID))[0])
+    raise ValueError(f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]")
 
 
 def _as_uint32_array(values: Sequence[int], name: str, what: str) -> array:
     """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type, sign
     and range are checked in one C pass that reads the list in place (struct.pack(*values) was
     slower: it builds an argument tuple, touching every int object twice more)."""
-    if isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__len__"):
+    if type(values) is not list and (
+        isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__len__")
+    ):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     try:
         return array("I", values)
@@ -83,10 +180,16 @@ def _as_uint32_array(values: Sequence[int], name: str, what: str) -> array:
     raise TypeError(f"{name} could not be read as ints")  # pragma: no cover
 
 
+def block_id_array(block_ids: Sequence[int], name: str = "block_ids") -> array:
+    """Block ids validated as array('I') (values in [0, 2**32)), without making an int object per
+    id; TypeError or ValueError naming the culprit. The caller checks the upper bound."""
+    return _as_uint32_array(block_ids, name, "a block id")
+
+
 def block_id_list(block_ids: Sequence[int], name: str = "block_ids") -> list[int]:
     """Block ids as plain ints in [0, 2**32) (numpy scalars in, Python ints out); TypeError or
     ValueError naming the culprit. The caller checks the upper bound that applies."""
-    return _as_uint32_array(block_ids, name, "a block id").tolist()
+    return block_id_array(block_ids, name).tolist()
 
 
 def unpack_tokens(packed: bytes) -> tuple[int, ...]:
@@ -198,40 +301,64 @@ class RadixTree:
         when m == 0; it may be matched only partly, up to m); `blocks` the block ids of indices
         0 .. ceil(m/B)-1, each from the deepest path node touching that index within [0, m).
         """
-        node = self.root
-        blocks: list[int] = []
-        if limit <= 0:
-            return 0, node, blocks
+        return self.walk_from(self.root, 0, [], qb, limit)
+
+    def walk_from(
+        self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int
+    ) -> tuple[int, TreeNode, list[int]]:
+        """`walk(qb, limit)` for a caller that already knows tokens [0, pos) of `qb` lie on the
+        path to `node` (node.start < pos <= node.end, or the root and pos == 0) and holds their
+        `blocks` (indices 0 .. ceil(pos/B)-1, extended in place): same result, without reading
+        the known prefix again. Mutates nothing in the tree."""
         B = self.block_size
-        qv = memoryview(qb).cast("I")
         startswith = qb.startswith
-        pos = 0
+        if pos < node.end and pos < limit:
+            # Resume inside `node` (never the root: it ends at 0). Its blocks up to index
+            # (pos-1)//B are collected already.
+            start = node.start
+            k = min(node.end, limit) - pos
+            seg = node.tokens[4 * (pos - start) : 4 * (pos - start + k)]
+            matched = k if startswith(seg, 4 * pos) else _common_prefix_len(qb, pos, seg, k)
+            first = start // B
+            blocks += node.blocks[(pos - 1) // B + 1 - first : (pos + matched - 1) // B + 1 - first]
+            pos += matched
+            if pos < node.end:  # diverged inside the node, or reached the limit there
+                return pos, node, blocks
+        if pos >= limit or not node.children:
+            return pos, node, blocks
+        qv = memoryview(qb).cast("I")
         while True:
-            child = node.children.get(qv[pos])
+            child = node.children.get(qv[pos])  # child.start == pos
             if child is None:
                 break
+            end = child.end
+            if end <= limit and startswith(child.tokens, 4 * pos):
+                # The whole node matches: the common step, kept to a few operations (a prompt's
+                # path is one step per turn of a conversation).
+                if pos % B:
+                    blocks[-1:] = child.blocks  # the deeper node's copy of the shared index wins
+                else:
+                    blocks += child.blocks
+                pos = end
+                node = child
+                if pos == limit:
+                    break
+                continue
+            # Diverges inside the node or reaches the limit there: the last step.
+            k = min(end, limit) - pos
             seg = child.tokens
-            start = child.start
-            length = child.end - start
-            rest = limit - pos
-            if length <= rest:
-                k = length
-                matched = k if startswith(seg, 4 * pos) else _common_prefix_len(qb, pos, seg, k)
+            if k < end - pos and startswith(seg[: 4 * k], 4 * pos):
+                matched = k  # the limit falls inside the node, and all before it matches
             else:
-                k = rest
-                whole = startswith(seg[: 4 * k], 4 * pos)
-                matched = k if whole else _common_prefix_len(qb, pos, seg, k)
-            cb = child.blocks
-            if matched != length:
-                cb = cb[: (start + matched - 1) // B - start // B + 1]
-            if start % B:
-                blocks[-1:] = cb  # the deeper node's copy of the shared index wins
+                matched = _common_prefix_len(qb, pos, seg, k)  # a mismatch lies within k
+            cb = child.blocks[: (pos + matched - 1) // B - pos // B + 1]
+            if pos % B:
+                blocks[-1:] = cb
             else:
                 blocks += cb
             pos += matched
             node = child
-            if matched != length or pos == limit:
-                break
+            break
         return pos, node, blocks
 
     def path_block_at(self, node: TreeNode, index: int, end: int, block_id: int) -> bool:
@@ -303,18 +430,14 @@ class RadixTree:
         (transferred or increfed). A locked leaf (lock_ref > 0) needs its path locked by the caller.
         Bumps `version`."""
         start = parent.end
+        end = start + len(tokens) // TOKEN_BYTES
+        # Fields positionally (node_id, parent, start, end, tokens, blocks, head_shared, children,
+        # lock_ref, tick): keywords make the dataclass constructor over twice as slow, once per
+        # insert.
         leaf = TreeNode(
-            node_id=self._new_node_id(),
-            parent=parent,
-            start=start,
-            end=start + len(tokens) // TOKEN_BYTES,
-            tokens=tokens,
-            blocks=blocks,
-            head_shared=head_shared,
-            lock_ref=lock_ref,
-            tick=tick,
+            self._new_node_id(), parent, start, end, tokens, blocks, head_shared, {}, lock_ref, tick
         )
-        first = leaf.first_token
+        first = _unpack_token(tokens)[0]
         assert first not in parent.children, f"parent {parent.node_id} already has child {first}"
         assert parent.lock_ref >= lock_ref, "lock the parent path before attaching a locked leaf"
         parent.children[first] = leaf
@@ -323,7 +446,7 @@ class RadixTree:
             self.num_evictable_blocks += leaf.num_own_blocks
             self.index.add(leaf)
         self.num_nodes += 1
-        self.num_cached_tokens += leaf.end - start
+        self.num_cached_tokens += end - start
         self.version += 1
         return leaf
 
@@ -340,6 +463,16 @@ class RadixTree:
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
+    def num_blocks_pinned_by_lock(self, node: TreeNode) -> int:
+        """Evictable blocks `lock_path(node)` would take out of `num_evictable_blocks`: the own
+        blocks of the path's unlocked nodes. Read-only. The walk stops at the first locked node:
+        every ancestor of a locked node is locked (locks cover whole paths)."""
+        pinned = 0
+        while node is not None and node.lock_ref == 0:
+            pinned += len(node.blocks) - node.head_shared
+            node = node.parent  # type: ignore[assignment]
+        return pinned
+
     def move_lock(self, old: TreeNode, new: TreeNode, tick: int) -> None:
         """Move one lock from the path of `old` to the path of `new` and stamp `new`.
 
@@ -350,6 +483,8 @@ class RadixTree:
         knowing depths.
         """
         new.tick = tick
+        if old is new:  # a request re-inserting what it holds, or writing on past its node's end
+            return
         root = self.root
         gain: list[TreeNode] = []
         lose: list[TreeNode] = []
@@ -428,10 +563,10 @@ class RadixTree:
                 freed += released
                 self.num_evictable_blocks -= need
             else:
-                index.discard(leaf)
+                index.pop_first()  # the leaf
                 parent = leaf.parent
                 assert parent is not None
-                del parent.children[leaf.first_token]
+                del parent.children[_unpack_token(leaf.tokens)[0]]
                 leaf.parent = None
                 freed += pool.drop_refs(leaf.blocks[::-1])
                 self.num_evictable_blocks -= own

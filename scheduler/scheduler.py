@@ -387,8 +387,10 @@ class Scheduler:
             row = self._try_admit(req, budget, copies, use_hit=True)
             if row is None and not self._running:
                 # NOTE: with nothing running nothing is locked, so the request fits without its hit
-                # (add_request checked it fits the whole cache). With the hit it may not: the
-                # copy-on-write sources along its path stay locked beside its own blocks.
+                # (add_request checked it fits the whole cache). With the hit it may not: its lock
+                # pins the whole path it matched, i.e. the copy-on-write source of a partial block
+                # and the rest of the node the match ends inside, beside its own blocks. Without
+                # the hit nothing is pinned and everything cached can be evicted.
                 row = self._try_admit(req, budget, copies, use_hit=False)
                 assert row is not None, f"{req} does not fit an idle cache"
             if row is None:
@@ -445,8 +447,9 @@ class Scheduler:
     def _try_admit(
         self, req: Request, budget: int, copies: list[BlockCopy], *, use_hit: bool
     ) -> ScheduledRequest | None:
-        """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None (and
-        nothing changed) if the blocks are not there."""
+        """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None if
+        the blocks are not there, and then the cache is untouched: no query counted, no recency
+        refreshed (the fit is checked read-only before anything is locked)."""
         tokens = req.all_token_ids
         table: list[int] = []
         num_partial_slots = 0
@@ -458,15 +461,13 @@ class Scheduler:
             num_partial_slots = match.num_partial_slots
         num_hit = match.num_cached_tokens if match is not None else 0
         num_new_blocks = _cdiv(len(tokens), self._block_size) - len(table) + bool(num_partial_slots)
-        if not self.cache.can_allocate(num_new_blocks):
+        # Exact and read-only: counts the evictable blocks that locking the match will pin.
+        if not self.cache.can_allocate(num_new_blocks, reserve=match):
             return None
         # Lock before allocating, or the allocation may evict the blocks we just matched.
         handle = self.cache.acquire(match) if match is not None else None
         blocks = self.cache.allocate(num_new_blocks) if num_new_blocks else []
-        if blocks is None:  # can_allocate counted our own matched blocks as evictable
-            if handle is not None:
-                self.cache.release(handle)
-            return None
+        assert blocks is not None, f"{req}: can_allocate(reserve=match) promised the blocks"
         if num_partial_slots:
             # Copy-on-write: never write into a tree block we got from a match.
             copies.append(BlockCopy(table[-1], blocks[0], num_partial_slots))

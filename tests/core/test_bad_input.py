@@ -99,6 +99,30 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("evict < 0", lambda w: w.cache.evict(-2), ValueError, "num_blocks must be >= 0"),
     ("evict None", lambda w: w.cache.evict(None), TypeError, "num_blocks must be an int"),
     ("can_allocate < 0", lambda w: w.cache.can_allocate(-1), ValueError, ">= 0"),
+    (
+        "can_allocate reserve non-match",
+        lambda w: w.cache.can_allocate(1, reserve="m"),
+        TypeError,
+        "match must be a MatchResult",
+    ),
+    (
+        "can_allocate reserve stale",
+        lambda w: w.cache.can_allocate(1, reserve=w.stale),
+        ValueError,
+        "stale match",
+    ),
+    (
+        "can_allocate reserve foreign",
+        lambda w: w.cache.can_allocate(1, reserve=w.foreign_match),
+        ValueError,
+        "this cache",
+    ),
+    (
+        "can_allocate reserve forged",
+        lambda w: w.cache.can_allocate(1, reserve=MatchResult(1, 0, (), 0)),
+        ValueError,
+        "this cache",
+    ),
     # free: only private blocks, each once
     ("free tree block", lambda w: w.cache.free([w.tree_block]), ValueError, "not held privately"),
     ("free free block", lambda w: w.cache.free([w.free_block]), ValueError, "not held privately"),

@@ -171,6 +171,28 @@ def test_allocate_evicts_on_demand_and_only_what_it_needs(make_cache) -> None:
     assert cache.num_free_blocks == 5
 
 
+def test_can_allocate_with_reserve_counts_what_the_lock_pins(make_cache) -> None:
+    cache = make_cache(8, 4)
+    put(cache, A)  # blocks 0, 1
+    put(cache, B)  # blocks 2, 3
+    m = cache.match([*A[:6], 50])  # ends inside A's node: locking it pins both of A's blocks
+    before = (cache.stats(), list(cache.nodes()), cache.version)
+    assert cache.can_allocate(8)  # 4 free + 4 evictable
+    assert cache.can_allocate(6, reserve=m) and not cache.can_allocate(7, reserve=m)
+    assert (cache.stats(), list(cache.nodes()), cache.version) == before  # read-only
+    h = cache.acquire(m)
+    assert cache.allocate(7) is None
+    got = cache.allocate(6)
+    assert got is not None and cache.match(A).num_cached_tokens == 8
+    cache.free(got)
+    # Already locked: the path pins nothing more.
+    m = cache.match(A)
+    assert cache.can_allocate(6, reserve=m) and not cache.can_allocate(7, reserve=m)
+    cache.release(h)
+    assert cache.can_allocate(6, reserve=cache.match(B)) and cache.can_allocate(8)
+    assert not cache.can_allocate(9, reserve=cache.match([99]))  # a miss pins nothing
+
+
 def test_evict_zero_and_empty_cache(make_cache) -> None:
     cache = make_cache(8, 4)
     assert cache.evict(0) == []

@@ -318,3 +318,26 @@ def test_long_prompts_match_token_exactly(make_cache) -> None:
         query = [*base[:cut], base[cut] + 1, *base[cut + 1 :]]
         m = cache.match(query)
         assert m.num_cached_tokens == cut and len(m.block_ids) == -(-cut // 16)
+
+
+@pytest.mark.parametrize("dtype", ["=i4", "=u4", "=i8", "=u8", ">i4", "=i2", "=u1"])
+def test_token_arrays_pack_like_lists(dtype: str) -> None:
+    from radixkv.radix_tree import pack_tokens
+
+    info = np.iinfo(np.dtype(dtype))
+    top = min(int(info.max), 2**32 - 1)
+    ids = [0, 1, 127, 128, 255, top // 2, top]
+    tokens = np.array(ids, dtype=dtype)
+    assert pack_tokens(tokens) == pack_tokens(ids)
+    assert pack_tokens(tokens[::-2]) == pack_tokens(ids[::-2])  # a strided view
+
+
+@pytest.mark.parametrize("dtype", ["=i4", ">i4", "=i8"])
+@pytest.mark.parametrize("where", [0, 1, 2, 3, 4, 999])
+def test_negative_token_in_an_array_is_named(dtype: str, where: int) -> None:
+    from radixkv.radix_tree import pack_tokens
+
+    tokens = np.arange(1000, dtype=dtype)
+    tokens[where] = -(2**31) if where % 2 else -1  # every sign-bit pattern, any position
+    with pytest.raises(ValueError, match=rf"tokens\[{where}\] = -\d+ is not a token id"):
+        pack_tokens(tokens)

@@ -33,7 +33,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from radixkv import LockHandle, MatchResult, PrefixCache
+from radixkv import LockHandle, MatchResult, PackedTokens, PrefixCache
 from radixkv.radix_tree import unpack_tokens
 
 VOCAB = 3  # tiny, so prefixes are shared and nodes split often
@@ -82,7 +82,8 @@ class Request:
 
 
 class Counted:
-    """The cache under test: each operation is counted and followed by check_integrity()."""
+    """The cache under test: each operation is counted and followed by check_integrity(); every
+    other match / insert gets its tokens as a PackedTokens."""
 
     OPERATIONS = frozenset({"match", "acquire", "release", "allocate", "free", "insert", "evict"})
 
@@ -96,6 +97,8 @@ class Counted:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             operations["count"] += 1
+            if name in ("match", "insert") and operations["count"] % 2:
+                args = (PackedTokens(args[0]), *args[1:])  # every other call: packed tokens
             try:
                 return attr(*args, **kwargs)
             finally:
@@ -184,6 +187,7 @@ class CacheMachine(RuleBasedStateMachine):
         prompt = rng.randint(1, len(tokens))
         m = self.cache.match(tokens[:prompt], max_tokens=prompt - 1)
         self.check_match(tokens[:prompt], prompt - 1, m)
+        fits = self.can_allocate(1, m)  # the copy-on-write block, if a partial one is matched
         handle = self.cache.acquire(m)
         req = Request(
             tokens=tokens,
@@ -195,6 +199,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         if m.last_block_partial:
             got = self.cache.allocate(1)
+            assert (got is not None) == fits
             if got is None:
                 self.cache.release(handle)
                 return None
@@ -207,6 +212,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.requests[rid] = req
         self.next_request += 1
         return rid
+
+    def can_allocate(self, n: int, m: MatchResult) -> bool:
+        """can_allocate(n, reserve=m), checked to be read-only (the caller checks it is exact)."""
+        cache = self.cache
+        before = (cache.stats(), cache.version, cache.inner._clock)
+        fits = cache.can_allocate(n, reserve=m)
+        assert (cache.stats(), cache.version, cache.inner._clock) == before
+        return fits
 
     def advance(self, req: Request, end: int) -> None:
         """A forward step writes KV for tokens [written, end), allocating blocks as needed."""
@@ -302,6 +315,25 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.cache.match(tokens)
         self.check_match(tokens, None, m)
         self.plain.append((self.cache.acquire(m), tokens[: m.num_cached_tokens]))
+
+    @rule(seed=SEEDS)
+    def reserve(self, seed: int) -> None:
+        """can_allocate(n, reserve=m) == (allocate(n) is not None right after acquire(m))."""
+        rng = random.Random(seed)
+        tokens = self.tokens(rng)
+        m = self.cache.match(tokens, max_tokens=rng.randint(0, len(tokens)))
+        n = rng.randint(0, 8)
+        fits = self.can_allocate(n, m)
+        handle = self.cache.acquire(m)
+        got = self.cache.allocate(n)
+        assert (got is not None) == fits
+        if got is not None:
+            self.fresh(got)
+            self.loose += got
+        if rng.random() < 0.5:  # keep the lock (more locked paths), or let it go
+            self.plain.append((handle, tokens[: m.num_cached_tokens]))
+        else:
+            self.cache.release(handle)
 
     @precondition(lambda self: self.plain)
     @rule(seed=SEEDS)

@@ -123,6 +123,51 @@ def test_admission_waits_under_block_pressure(harness: MakeHarness) -> None:
     h.assert_no_leak()
 
 
+def _cache_state(cache: PrefixCache) -> tuple[Any, ...]:
+    return (cache.stats(), cache.version, list(cache.nodes()))
+
+
+def test_waiting_request_leaves_the_cache_untouched(harness: MakeHarness, monkeypatch) -> None:
+    """A request that does not fit waits without touching the cache: no query counted, no recency
+    refreshed, no version change. It shares cached blocks, so `can_allocate(n)` alone (which
+    counts them as evictable) says it fits; locking its match would pin them, which
+    `can_allocate(n, reserve=match)` accounts for before anything is locked."""
+    h = harness(num_blocks=10, block_size=4, policy="fcfs")
+    h.add("warm", seq(1, 12), max_tokens=1)
+    h.run()  # 3 blocks cached
+    a = h.add("a", seq(100, 20), max_tokens=8)
+    h.step()  # a: its whole prompt in 5 blocks; 2 free
+    b = h.add("b", [*seq(1, 12), *seq(200, 16)], max_tokens=2)  # warm's 3 blocks + 4 new
+    sched = h.scheduler
+    try_admit = sched._try_admit
+    failures = []
+
+    def watched(req: Request, *args: Any, **kwargs: Any) -> Any:
+        before = _cache_state(h.cache)
+        over_promised = h.cache.can_allocate(4)  # what the old check (no reserve) answered
+        row = try_admit(req, *args, **kwargs)
+        if row is None:
+            assert _cache_state(h.cache) == before, f"{req.request_id} touched the cache"
+            failures.append(over_promised)
+        return row
+
+    monkeypatch.setattr(sched, "_try_admit", watched)
+    quiet_steps = 0
+    while b.status is RequestStatus.WAITING:
+        before, num_blocks = _cache_state(h.cache), len(a.block_table)
+        h.step()
+        if len(a.block_table) == num_blocks and not a.is_finished:
+            quiet_steps += 1  # a decoded within its blocks: nothing but b's attempt happened
+            assert _cache_state(h.cache) == before
+    assert True in failures, "the scenario must catch the over-promise of can_allocate(n)"
+    assert quiet_steps >= 2
+    h.run()
+    assert b.num_cached_tokens == 12 and b.output_token_ids == h.reference(b)
+    # One query per admission (warm, a, b): the failed attempts counted none.
+    assert h.cache.stats().num_queries == 3
+    h.assert_no_leak()
+
+
 # ---------------------------------------------------------------- sharing and copy-on-write
 
 
