@@ -7,6 +7,13 @@ Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, hea
   extend, prefill; GQA; split-KV for long contexts).
 - `copy_blocks`: copy-on-write of the valid leading slots of partial blocks, across layers.
 
+Each function validates its inputs (a ValueError naming the argument), their values too except in
+the Triton launchers on CUDA (that would sync). The engine calls store_kv and paged_attention once
+per layer per step with the same metadata, so it builds an `AttentionMetadata` once per step, which
+checks the values then (on the host: no device sync) and precomputes the torch reference's gather
+indices, and calls `store_kv_step` / `paged_attention_step`, which check only the per-layer
+tensors' shapes, dtypes and devices against it (`metadata.py`).
+
 CUDA tensors run the Triton kernels (`triton_*.py`), CPU tensors the torch reference
 (`reference.py`, the executable spec); `use_backend` overrides the choice. Importing this package
 imports neither triton nor transformers.
@@ -23,15 +30,21 @@ from radixkv.kernels.dispatch import (
     backend_for,
     copy_blocks,
     paged_attention,
+    paged_attention_step,
     store_kv,
+    store_kv_step,
     use_backend,
 )
+from radixkv.kernels.metadata import AttentionMetadata
 
 __all__ = [
+    "AttentionMetadata",
     "backend_for",
     "check_attention_metadata",
     "copy_blocks",
     "paged_attention",
+    "paged_attention_step",
     "store_kv",
+    "store_kv_step",
     "use_backend",
 ]

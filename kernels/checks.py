@@ -4,10 +4,11 @@ Two kinds of checks:
 
 * structural (shapes, dtypes, strides, devices): always run, they read only tensor metadata;
 * contents (`check_attention_metadata`, slot and block id ranges): they read tensor values, which
-  costs a device sync on CUDA. The reference always runs them (it reads the values anyway); the
-  Triton launchers run them only when the tensors live on the CPU (the interpreter). On CUDA the
-  model runner checks its host-side metadata once per step with `check_attention_metadata` instead
-  of syncing in every layer.
+  costs a device sync on CUDA. The reference always runs them on loose tensors (it reads the values
+  anyway); the Triton launchers run them only when the tensors live on the CPU (the interpreter).
+  The engine runs them once per step instead, on the host, when it builds an `AttentionMetadata`
+  (`metadata.py`), and its layers then call the `*_step` kernels, which run the structural checks
+  only.
 
 Every failure is a `ValueError` naming the offending argument.
 """
@@ -74,27 +75,15 @@ def check_store_kv(
     check_values: bool,
 ) -> None:
     check_cache_pair(k_cache, v_cache, (4,))
-    _check_tensor("key", key)
-    _check_tensor("value", value)
+    check_new_kv(key, value, k_cache)
     _check_tensor("slot_mapping", slot_mapping)
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    _require(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {key.shape}")
-    _require(
-        tuple(key.shape[1:]) == (num_kv_heads, head_dim),
-        f"key shape {tuple(key.shape)} does not match the cache's "
-        f"[*, num_kv_heads={num_kv_heads}, head_dim={head_dim}]",
-    )
-    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} != key {key.shape}")
-    _require(key.dtype == k_cache.dtype, f"key dtype {key.dtype} != cache dtype {k_cache.dtype}")
-    _require(value.dtype == k_cache.dtype, f"value dtype {value.dtype} != {k_cache.dtype}")
-    _require(key.stride(-1) == 1, "key must have unit stride on head_dim")
-    _require(value.stride(-1) == 1, "value must have unit stride on head_dim")
+    num_blocks, block_size = k_cache.shape[:2]
     _check_index_vector("slot_mapping", slot_mapping, INDEX_DTYPES)
     _require(
         slot_mapping.shape[0] == key.shape[0],
         f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens",
     )
-    _check_same_device(k_cache.device, key=key, value=value, slot_mapping=slot_mapping)
+    _check_same_device(k_cache.device, slot_mapping=slot_mapping)
     if check_values and slot_mapping.numel() > 0:
         num_slots = num_blocks * block_size
         hi = int(slot_mapping.max())
@@ -106,6 +95,25 @@ def check_store_kv(
             written.unique().numel() == written.numel(),
             "slot_mapping writes the same slot twice",
         )
+
+
+def check_new_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """New tokens' key / value [num_tokens, num_kv_heads, head_dim] against a checked cache."""
+    _check_tensor("key", key)
+    _check_tensor("value", value)
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    _require(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {key.shape}")
+    _require(
+        tuple(key.shape[1:]) == (num_kv_heads, head_dim),
+        f"key shape {tuple(key.shape)} does not match the cache's "
+        f"[*, num_kv_heads={num_kv_heads}, head_dim={head_dim}]",
+    )
+    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} != key {key.shape}")
+    _require(key.dtype == k_cache.dtype, f"key dtype {key.dtype} != cache dtype {k_cache.dtype}")
+    _require(value.dtype == k_cache.dtype, f"value dtype {value.dtype} != {k_cache.dtype}")
+    _require(key.stride(-1) == 1, "key must have unit stride on head_dim")
+    _require(value.stride(-1) == 1, "value must have unit stride on head_dim")
+    _check_same_device(k_cache.device, key=key, value=value)
 
 
 # --------------------------------------------------------------------------------- paged_attention
@@ -124,14 +132,29 @@ def check_paged_attention(
     check_values: bool,
 ) -> None:
     check_cache_pair(k_cache, v_cache, (4,))
-    for name, t in (
-        ("q", q),
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("cu_seqlens_q", cu_seqlens_q),
-    ):
-        _check_tensor(name, t)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    check_query(q, k_cache, scale, out)
+    check_metadata_tensors(block_tables, seq_lens, cu_seqlens_q)
+    _check_same_device(
+        k_cache.device, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+    )
+    if check_values:
+        check_attention_metadata(
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            block_size=k_cache.shape[1],
+            num_blocks=k_cache.shape[0],
+            num_q_tokens=q.shape[0],
+        )
+
+
+def check_query(
+    q: torch.Tensor, k_cache: torch.Tensor, scale: float, out: torch.Tensor | None
+) -> None:
+    """q [num_tokens, num_q_heads, head_dim], the softmax scale and the optional result buffer,
+    against a checked cache."""
+    _check_tensor("q", q)
+    _, _, num_kv_heads, head_dim = k_cache.shape
     _require(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     _require(q.shape[2] == head_dim, f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
     _require(q.shape[1] > 0, "q has no heads")
@@ -141,6 +164,27 @@ def check_paged_attention(
     )
     _require(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     _require(q.stride(-1) == 1, "q must have unit stride on head_dim")
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    _check_same_device(k_cache.device, q=q)
+    if out is not None:
+        _check_tensor("out", out)
+        _require(out.shape == q.shape, f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+        _require(out.dtype == q.dtype, f"out dtype {out.dtype} != q dtype {q.dtype}")
+        _require(out.device == q.device, f"out on {out.device} != q on {q.device}")
+        _require(out.stride(-1) == 1, "out must have unit stride on head_dim")
+
+
+def check_metadata_tensors(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor
+) -> None:
+    """Tensors, dims, dtypes and lengths of the attention metadata (not their values)."""
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("cu_seqlens_q", cu_seqlens_q),
+    ):
+        _check_tensor(name, t)
     _require(
         block_tables.dim() == 2,
         f"block_tables must be [num_reqs, max_blocks], got {tuple(block_tables.shape)}",
@@ -161,30 +205,6 @@ def check_paged_attention(
         f"cu_seqlens_q must have num_reqs + 1 = {num_reqs + 1} entries, "
         f"got {cu_seqlens_q.shape[0]}",
     )
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
-    _check_same_device(
-        k_cache.device,
-        q=q,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        cu_seqlens_q=cu_seqlens_q,
-    )
-    if out is not None:
-        _check_tensor("out", out)
-        _require(out.shape == q.shape, f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-        _require(out.dtype == q.dtype, f"out dtype {out.dtype} != q dtype {q.dtype}")
-        _require(out.device == q.device, f"out on {out.device} != q on {q.device}")
-        _require(out.stride(-1) == 1, "out must have unit stride on head_dim")
-    if check_values:
-        check_attention_metadata(
-            block_tables,
-            seq_lens,
-            cu_seqlens_q,
-            block_size=block_size,
-            num_blocks=k_cache.shape[0],
-            num_q_tokens=q.shape[0],
-        )
 
 
 def check_attention_metadata(
@@ -203,9 +223,28 @@ def check_attention_metadata(
     `ceil(seq_lens[r] / block_size)` columns, and those entries are valid block ids (`< num_blocks`
     when given). Entries past a request's last block are padding and are never read.
     """
+    check_metadata_values(
+        block_tables,
+        seq_lens.tolist(),
+        cu_seqlens_q.tolist(),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_q_tokens=num_q_tokens,
+    )
+
+
+def check_metadata_values(
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    cu_seqlens_q: list[int],
+    *,
+    block_size: int,
+    num_blocks: int | None,
+    num_q_tokens: int | None,
+) -> None:
+    """`check_attention_metadata` over host copies of seq_lens and cu_seqlens_q."""
     # Per-request Python over a few scalars (tens of requests); the block ids in one tensor pass.
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
+    cu = cu_seqlens_q
     _require(cu[0] == 0, f"cu_seqlens_q[0] must be 0, got {cu[0]}")
     if num_q_tokens is not None:
         _require(
@@ -214,7 +253,7 @@ def check_attention_metadata(
         )
     max_blocks = block_tables.shape[1]
     needed = []
-    for r, seq_len in enumerate(lens):
+    for r, seq_len in enumerate(seq_lens):
         q_len = cu[r + 1] - cu[r]
         _require(q_len >= 0, f"cu_seqlens_q must be non-decreasing (at index {r})")
         _require(

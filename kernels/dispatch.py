@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from radixkv.kernels import reference
+from radixkv.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,21 @@ def store_kv(
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def store_kv_step(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    """`store_kv` at `metadata.slot_mapping` (its values were checked when it was built): the
+    engine's per-layer call. See `radixkv.kernels.metadata`."""
+    if backend_for(_device_of(k_cache)) == "triton":
+        _triton_modules()[0].store_kv_step(key, value, k_cache, v_cache, metadata)
+    else:
+        reference.store_kv_step(key, value, k_cache, v_cache, metadata)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -118,6 +134,26 @@ def paged_attention(
         scale,
         out=out,
         num_kv_splits=num_kv_splits,
+    )
+
+
+def paged_attention_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` over an `AttentionMetadata` (its values were checked when it was built):
+    the engine's per-layer call. See `radixkv.kernels.metadata`."""
+    impl = reference
+    if backend_for(_device_of(q)) == "triton":
+        impl = _triton_modules()[1]
+    return impl.paged_attention_step(
+        q, k_cache, v_cache, metadata, scale, out=out, num_kv_splits=num_kv_splits
     )
 
 

@@ -17,7 +17,9 @@ prefill ctx_len == 0.
 Math is fp32 whatever the cache dtype. Slots past a request's seq_len may hold anything (NaN): they
 are zeroed after the gather and masked before the softmax, so they never reach the output.
 No per-token Python loops: decode rows are attended in padded batches of similar length, each
-prefill/extend row by itself (in query chunks, to bound the score matrix).
+prefill/extend row by itself (in query chunks, to bound the score matrix). That layout and its index
+tensors are a `GatherPlan` (`metadata.py`): built with an `AttentionMetadata` once per step and
+reused by every layer's `*_step` call; the loose-tensor functions build one per call.
 """
 
 from __future__ import annotations
@@ -25,14 +27,22 @@ from __future__ import annotations
 import torch
 
 from radixkv.kernels.checks import check_copy_blocks, check_paged_attention, check_store_kv
+from radixkv.kernels.metadata import (
+    AttentionMetadata,
+    GatherBatch,
+    GatherPlan,
+    build_gather_plan,
+    check_attention_step,
+    check_store_step,
+)
 
-__all__ = ["copy_blocks", "paged_attention", "store_kv"]
-
-# Decode requests batched into one padded gather hold at most this many K elements (4 MiB fp32):
-# measured on a 2-core machine, larger padded batches got slower than separate calls.
-_DECODE_GROUP_ELEMS = 1 << 20
-# Query rows per score matrix in the extend path: bounds memory at [heads, 512, seq_len] fp32.
-_EXTEND_Q_CHUNK = 512
+__all__ = [
+    "copy_blocks",
+    "paged_attention",
+    "paged_attention_step",
+    "store_kv",
+    "store_kv_step",
+]
 
 
 def store_kv(
@@ -51,10 +61,36 @@ def store_kv(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
+    _store(key[keep], value[keep], k_cache, v_cache, slots // block_size, slots % block_size)
+
+
+def store_kv_step(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    """`store_kv` at `metadata.slot_mapping`, whose values were checked when it was built."""
+    check_store_step(key, value, k_cache, v_cache, metadata)
+    plan = _plan_of(metadata)
+    assert plan.store_blocks is not None and plan.store_offsets is not None, "no store plan"
+    if plan.store_rows is not None:
+        key, value = key[plan.store_rows], value[plan.store_rows]
+    _store(key, value, k_cache, v_cache, plan.store_blocks, plan.store_offsets)
+
+
+def _store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
     # Index with (block, offset) instead of viewing the cache flat: works for any cache strides.
-    k_cache[blocks, offsets] = key[keep]
-    v_cache[blocks, offsets] = value[keep]
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
 
 
 def paged_attention(
@@ -80,93 +116,64 @@ def paged_attention(
     out: optional [total_q_tokens, num_q_heads, head_dim] result buffer in q's dtype.
     num_kv_splits: accepted for signature parity with the Triton kernel; ignored here.
     Returns out (or a new tensor): [total_q_tokens, num_q_heads, head_dim] in q's dtype.
+
+    The same computation as `paged_attention_step` with metadata built (and checked) for this one
+    call.
     """
     del num_kv_splits  # one pass over the whole context: nothing to split
     check_paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, check_values=True
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, check_values=False
     )
+    # Building checks the values (the messages name block_tables / seq_lens / cu_seqlens_q).
+    metadata = AttentionMetadata(block_tables, seq_lens, cu_seqlens_q, tuple(k_cache.shape))
+    return paged_attention_step(q, k_cache, v_cache, metadata, scale, out=out)
+
+
+def paged_attention_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` over metadata checked when it was built; only q, the caches and out are
+    checked here (shapes, dtypes, devices), and the metadata's gather plan is reused."""
+    del num_kv_splits
+    check_attention_step(q, k_cache, v_cache, metadata, scale, out)
     if out is None:
         out = torch.empty_like(q)
-    num_reqs = block_tables.shape[0]
-    if num_reqs == 0 or q.shape[0] == 0:
+    if metadata.num_reqs == 0 or q.shape[0] == 0:
         return out
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [cu[r + 1] - cu[r] for r in range(num_reqs)]
-
-    decode = [r for r in range(num_reqs) if q_lens[r] == 1]
-    for group in _decode_groups(decode, lens, k_cache.shape[2] * k_cache.shape[3]):
-        r0 = group[0]
-        if len(group) == 1:  # slices: no index tensors, no copies
-            rows, tables = slice(cu[r0], cu[r0] + 1), block_tables[r0 : r0 + 1]
-        else:
-            rows = torch.tensor([cu[r] for r in group], device=q.device)
-            tables = block_tables[torch.tensor(group, device=q.device)]
-        kv_lens = [lens[r] for r in group]
-        result = _attend(
-            q[rows].unsqueeze(1),
-            k_cache,
-            v_cache,
-            tables,
-            kv_lens=kv_lens,
-            q_starts=[n - 1 for n in kv_lens],
-            scale=scale,
-        )
-        out[rows] = result.squeeze(1).to(out.dtype)
-    for r in range(num_reqs):
-        if q_lens[r] <= 1:
-            continue
-        ctx_len = lens[r] - q_lens[r]
-        for j0 in range(0, q_lens[r], _EXTEND_Q_CHUNK):
-            j1 = min(j0 + _EXTEND_Q_CHUNK, q_lens[r])
-            # Query chunk [j0, j1) sees positions [0, ctx_len + j1): shorten the gather to that.
-            result = _attend(
-                q[cu[r] + j0 : cu[r] + j1].unsqueeze(0),
-                k_cache,
-                v_cache,
-                block_tables[r : r + 1],
-                kv_lens=[ctx_len + j1],
-                q_starts=[ctx_len + j0],
-                scale=scale,
-            )
-            out[cu[r] + j0 : cu[r] + j1] = result.squeeze(0).to(out.dtype)
+    for batch in _plan_of(metadata).batches:
+        n, q_len = batch.n, batch.q_len
+        # unflatten: a view whatever q's token / head strides
+        result = _attend(q[batch.q_rows].unflatten(0, (n, q_len)), k_cache, v_cache, batch, scale)
+        out[batch.q_rows] = result.flatten(0, 1).to(out.dtype)
     return out
 
 
-def _decode_groups(decode: list[int], lens: list[int], row_elems: int) -> list[list[int]]:
-    """Decode requests grouped into padded batches of similar length whose gathered K stays within
-    _DECODE_GROUP_ELEMS; a long context is a group of its own. Batching amortises the per-call
-    overhead of short contexts; on long ones padding and a working set past the CPU caches cost
-    more than separate calls."""
-    groups: list[list[int]] = []
-    for r in sorted(decode, key=lens.__getitem__):
-        group = groups[-1] if groups else None
-        # sorted by length: lens[r] is the group's padded length if r joins it
-        if group is not None and (len(group) + 1) * lens[r] * row_elems <= _DECODE_GROUP_ELEMS:
-            group.append(r)
-        else:
-            groups.append([r])
-    return groups
+def _plan_of(metadata: AttentionMetadata) -> GatherPlan:
+    # Built with the metadata on the CPU; the reference on another device (use_backend("torch"))
+    # plans per call.
+    return metadata.gather_plan or build_gather_plan(metadata)
 
 
 def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    kv_lens: list[int],
-    q_starts: list[int],
+    batch: GatherBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Padded batch of n rows: q [n, q_len, num_q_heads, head_dim]; row i attends to positions
-    [0, kv_lens[i]) of its block table, its query j sitting at position q_starts[i] + j (causal;
-    the last query of a row sits at kv_lens[i] - 1). Returns fp32 [n, q_len, num_q_heads, head_dim].
-    """
+    """q [n, q_len, num_q_heads, head_dim] of one padded batch (see `GatherBatch`).
+    Returns fp32 [n, q_len, num_q_heads, head_dim]."""
     n, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    k, v = _gather_kv(k_cache, v_cache, block_tables, kv_lens)  # [n, kv_len, kv heads, head_dim]
+    k, v = _gather_kv(k_cache, v_cache, batch)  # [n, kv_len, kv heads, head_dim]
     kv_len = k.shape[1]
 
     # qh, scores: [kv heads, n, group * q_len, head_dim | kv_len]. bmm reads K/V in place through
@@ -180,15 +187,9 @@ def _attend(
     else:
         for h in range(num_kv_heads):
             torch.bmm(qh[h], k[:, :, h].transpose(1, 2), out=scores[h])
-    if q_len > 1 or min(kv_lens) < kv_len:
-        # Causal: the query at position p sees [0, p]; p < kv_lens[i], so this hides padding too.
-        pos = torch.arange(kv_len, device=q.device)
-        q_pos = (
-            torch.arange(q_len, device=q.device) + torch.tensor(q_starts, device=q.device)[:, None]
-        )
-        hidden = pos[None, None, :] > q_pos[:, :, None]  # [n, q_len, kv_len]
+    if batch.hidden is not None:  # [n, q_len, kv_len]
         scores.view(num_kv_heads, n, group, q_len, kv_len).masked_fill_(
-            hidden[None, :, None], float("-inf")
+            batch.hidden[None, :, None], float("-inf")
         )
     probs = torch.softmax(scores, dim=-1)
     o = qh.new_empty((num_kv_heads, n, group * q_len, head_dim))
@@ -202,32 +203,23 @@ def _attend(
 
 
 def _gather_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: list[int],
+    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: GatherBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous fp32 K, V [n, max(kv_lens), num_kv_heads, head_dim] of n block-table rows;
-    positions at or past a row's kv_len are zero (never the cache's contents: they may be NaN)."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    n, max_len = len(kv_lens), max(kv_lens)
-    num_used_blocks = -(-max_len // block_size)
-    padded_len = num_used_blocks * block_size
+    """Contiguous fp32 K, V [n, kv_len, num_kv_heads, head_dim] of the batch's block-table rows;
+    positions at or past a row's own length are zero (never the cache's contents: they may be
+    NaN)."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    n = batch.n
     # Whole blocks by index_select on the block dim (a copy; several times faster than advanced
-    # indexing on CPU). Padding entries of shorter rows may hold any id (even -1): clamp them, their
-    # slots are zeroed below.
-    blocks = block_tables[:, :num_used_blocks].reshape(-1).long().clamp_(0, num_blocks - 1)
-    k = k_cache.index_select(0, blocks).view(n, padded_len, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, blocks).view(n, padded_len, num_kv_heads, head_dim)
+    # indexing on CPU).
+    k = k_cache.index_select(0, batch.blocks).view(n, -1, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, batch.blocks).view(n, -1, num_kv_heads, head_dim)
     if n == 1:
-        k, v = k[:, :max_len], v[:, :max_len]  # nothing to zero: the tail is cut off
-    elif min(kv_lens) < padded_len:
+        k, v = k[:, : batch.kv_len], v[:, : batch.kv_len]  # nothing to zero: the tail is cut off
+    elif batch.zero_positions is not None:
         # NOTE: zero, never multiply by a mask: an unwritten slot may hold NaN and 0 * NaN = NaN.
-        pos = torch.arange(padded_len, device=k.device)
-        invalid = pos[None, :] >= torch.tensor(kv_lens, device=k.device)[:, None]  # [n, len]
-        rows = invalid.view(-1).nonzero().squeeze(1)
-        k.view(-1, num_kv_heads, head_dim).index_fill_(0, rows, 0)
-        v.view(-1, num_kv_heads, head_dim).index_fill_(0, rows, 0)
+        k.view(-1, num_kv_heads, head_dim).index_fill_(0, batch.zero_positions, 0)
+        v.view(-1, num_kv_heads, head_dim).index_fill_(0, batch.zero_positions, 0)
     return k.float(), v.float()
 
 

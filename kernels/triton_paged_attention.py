@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from radixkv.kernels.checks import check_paged_attention
+from radixkv.kernels.metadata import AttentionMetadata, check_attention_step
 
-__all__ = ["default_num_kv_splits", "paged_attention"]
+__all__ = ["default_num_kv_splits", "paged_attention", "paged_attention_step"]
 
 _LOG2E = 1.4426950408889634
 # Aim for this many programs per SM before splitting the context further.
@@ -272,7 +273,8 @@ def paged_attention(
     Returns out: [total_q_tokens, num_q_heads, head_dim] in q's dtype.
 
     Same semantics as `radixkv.kernels.reference.paged_attention`. Metadata contents are checked
-    only for CPU tensors (no sync); on CUDA see `checks.check_attention_metadata`.
+    only for CPU tensors (no sync); on CUDA build an `AttentionMetadata` from host tensors (checked
+    once) and call `paged_attention_step`.
     """
     check_paged_attention(
         q,
@@ -285,6 +287,48 @@ def paged_attention(
         out,
         check_values=q.device.type == "cpu",
     )
+    return _launch(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, num_kv_splits
+    )
+
+
+def paged_attention_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` over metadata checked when it was built: only q, the caches and out are
+    checked here (tensor metadata, no sync)."""
+    check_attention_step(q, k_cache, v_cache, metadata, scale, out)
+    return _launch(
+        q,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.cu_seqlens_q,
+        scale,
+        out,
+        num_kv_splits,
+    )
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+    num_kv_splits: int | None,
+) -> torch.Tensor:
     if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
         raise ValueError(f"num_kv_splits must be a positive int, got {num_kv_splits!r}")
     if out is None:

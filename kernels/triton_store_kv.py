@@ -7,8 +7,9 @@ import triton
 import triton.language as tl
 
 from radixkv.kernels.checks import check_store_kv
+from radixkv.kernels.metadata import AttentionMetadata, check_store_step
 
-__all__ = ["store_kv"]
+__all__ = ["store_kv", "store_kv_step"]
 
 
 @triton.jit
@@ -69,6 +70,29 @@ def store_kv(
     check_store_kv(
         key, value, k_cache, v_cache, slot_mapping, check_values=key.device.type == "cpu"
     )
+    _launch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_step(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    """`store_kv` at `metadata.slot_mapping`, whose values were checked when it was built."""
+    check_store_step(key, value, k_cache, v_cache, metadata)
+    assert metadata.slot_mapping is not None  # checked above
+    _launch(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+
+def _launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

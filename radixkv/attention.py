@@ -17,7 +17,6 @@ transformers forwards to it; nothing is stored in module globals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,39 +24,28 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from radixkv import kernels
+from radixkv.kernels import AttentionMetadata
 
 ATTENTION_NAME = "radixkv"
-
-
-@dataclass(frozen=True, slots=True)
-class StepMetadata:
-    """Kernel inputs of one packed step, built once per step by the model runner.
-
-    The step is one row of `num_tokens` tokens: request i owns the query range
-    `[cu_seqlens_q[i], cu_seqlens_q[i+1])`, which are the last q_len positions of its
-    `seq_lens[i]`-token context.
-    """
-
-    slot_mapping: torch.Tensor  # int64 [num_tokens]: block * B + offset where each new K/V goes
-    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks] (padding entries are never read)
-    seq_lens: torch.Tensor  # int32 [num_reqs]: context length incl. this step's tokens
-    cu_seqlens_q: torch.Tensor  # int32 [num_reqs + 1]: prefix sums of the per-request q lengths
 
 
 class PagedKVCache(Cache):
     """A transformers `Cache` whose storage is the engine's paged KV tensors.
 
     `k_cache` / `v_cache` are stacked over layers: [num_layers, num_blocks, B, kv_heads, head_dim].
-    One instance per step (it only carries the step's slot mapping); it never grows or allocates.
+    One instance per step (it carries the step's kernel metadata, validated once when the runner
+    built it, for every layer); it never grows or allocates.
     """
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepMetadata) -> None:
+    def __init__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
         # No per-layer objects: transformers' layer bookkeeping (lazy growth, offloading, cropping)
         # has no meaning for a cache whose blocks the scheduler manages.
         super().__init__(layers=[])
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self.step = step
+        self.metadata = metadata
 
     def update(
         self,
@@ -70,8 +58,8 @@ class PagedKVCache(Cache):
         # key_states / value_states: [1, kv_heads, num_tokens, head_dim] (after RoPE)
         key = key_states[0].transpose(0, 1).contiguous()  # [num_tokens, kv_heads, head_dim]
         value = value_states[0].transpose(0, 1).contiguous()
-        kernels.store_kv(
-            key, value, self.k_cache[layer_idx], self.v_cache[layer_idx], self.step.slot_mapping
+        kernels.store_kv_step(
+            key, value, self.k_cache[layer_idx], self.v_cache[layer_idx], self.metadata
         )
         return key_states, value_states
 
@@ -99,18 +87,15 @@ def paged_attention_forward(
             "the radixkv attention only runs inside the radixkv model runner "
             "(model(..., past_key_values=cache, radixkv_cache=cache))"
         )
-    step = radixkv_cache.step
     layer = module.layer_idx
     q = query[0].transpose(0, 1).contiguous()  # [num_tokens, heads, head_dim]
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out = kernels.paged_attention(
+    out = kernels.paged_attention_step(
         q,
         radixkv_cache.k_cache[layer],
         radixkv_cache.v_cache[layer],
-        step.block_tables,
-        step.seq_lens,
-        step.cu_seqlens_q,
+        radixkv_cache.metadata,
         scaling,
     )
     return out.unsqueeze(0), None

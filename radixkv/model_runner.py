@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from radixkv import kernels
-from radixkv.attention import PagedKVCache, StepMetadata, register_attention
+from radixkv.attention import PagedKVCache, register_attention
+from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class ModelRunner:
 
     def build_inputs(
         self, rows: Sequence[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Pack the rows of a step (built once per step, on the host, then moved in one go).
 
         Returns input_ids [1, T], position_ids [1, T], the kernel metadata and the indices (into
@@ -204,11 +205,15 @@ class ModelRunner:
         assert input_ids.min() >= 0 and input_ids.max() < self.vocab_size, "token id out of range"
         dev = self.device
         ids = torch.from_numpy(input_ids).to(dev).unsqueeze(0)
-        meta = StepMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu_seqlens_q).to(dev),
+        # Validated here, once per step and on the host (no device sync); every layer's kernels
+        # then check only their own tensors' shapes against it.
+        meta = AttentionMetadata(
+            block_tables=torch.from_numpy(block_tables),
+            seq_lens=torch.from_numpy(seq_lens),
+            cu_seqlens_q=torch.from_numpy(cu_seqlens_q),
+            kv_cache_shape=tuple(self.k_cache.shape[1:]),
+            slot_mapping=torch.from_numpy(slots),
+            device=dev,
         )
         return (
             ids,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_llama import build_model
 
+from radixkv.kernels import metadata, reference
 from radixkv.model_runner import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
@@ -107,6 +108,36 @@ def test_copy_on_write_of_a_partial_block(models):
     # a's block 9 is untouched by c's writes.
     logits = runner.execute(SchedulerOutput(rows=(row("a", [3], 8, [5, 9, 1]),)))
     torch.testing.assert_close(logits[0], dense_last_logits(reference, [*a, 3]), atol=ATOL, rtol=0)
+
+
+def _recording(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch):
+    model, _ = models
+    validated, stored, attended = [], [], []
+    # The metadata's values are checked when it is built; each step kernel checks its own tensors
+    # (looked up in the reference's namespace, the CPU backend).
+    monkeypatch.setattr(
+        metadata, "check_metadata_values", _recording(metadata.check_metadata_values, validated)
+    )
+    monkeypatch.setattr(
+        reference, "check_store_step", _recording(metadata.check_store_step, stored)
+    )
+    monkeypatch.setattr(
+        reference, "check_attention_step", _recording(metadata.check_attention_step, attended)
+    )
+    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3]), row("b", [8], 0, [4]))))
+    assert len(validated) == 1
+    assert len(stored) == len(attended) == model.config.num_hidden_layers
+    # one metadata object, shared by every layer's store and attention
+    assert len({id(args[4]) for args in stored} | {id(args[3]) for args in attended}) == 1
 
 
 def test_kv_cache_layout(models):

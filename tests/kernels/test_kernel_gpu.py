@@ -14,10 +14,14 @@ import os
 import pytest
 import torch
 
-from radixkv.kernels import backend_for, reference
+from radixkv.kernels import AttentionMetadata, backend_for, reference
 from radixkv.kernels.triton_copy_blocks import copy_blocks as triton_copy_blocks
 from radixkv.kernels.triton_paged_attention import paged_attention as triton_paged_attention
+from radixkv.kernels.triton_paged_attention import (
+    paged_attention_step as triton_paged_attention_step,
+)
 from radixkv.kernels.triton_store_kv import store_kv as triton_store_kv
+from radixkv.kernels.triton_store_kv import store_kv_step as triton_store_kv_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,6 +110,52 @@ def test_paged_attention_int64_offsets_gpu(assert_close):
         head_dim**-0.5,
     )
     assert_close(triton_paged_attention(*args), reference.paged_attention(*args), torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_step_kernels_from_host_metadata_gpu(paged_batch, block_size):
+    """The runner's CUDA path: metadata checked on host tensors, moved once; the step kernels equal
+    the loose launchers exactly and never sync (a sync would raise in "error" sync-debug mode)."""
+    seq_lens, q_lens = _lens(block_size)
+    batch = paged_batch(
+        seq_lens, q_lens, block_size=block_size, group=3, dtype=torch.float16, device="cuda"
+    )
+    cu, slots = batch.cu_seqlens_q.tolist(), []
+    for r, seq_len in enumerate(seq_lens):
+        for pos in range(seq_len - (cu[r + 1] - cu[r]), seq_len):
+            block = int(batch.block_tables[r, pos // block_size])
+            slots.append(block * block_size + pos % block_size)
+    meta = AttentionMetadata(
+        batch.block_tables.cpu(),
+        batch.seq_lens.cpu(),
+        batch.cu_seqlens_q.cpu(),
+        tuple(batch.k_cache.shape),
+        slot_mapping=torch.tensor(slots),
+        device="cuda",
+    )
+    assert meta.block_tables.is_cuda and meta.slot_mapping.is_cuda and meta.gather_plan is None
+    key = torch.randn(len(slots), *batch.k_cache.shape[2:], device="cuda").half()
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    triton_store_kv(key, key, expected_k, expected_v, meta.slot_mapping)
+    expected = triton_paged_attention(batch.q, expected_k, expected_v, *batch.args[3:])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_store_kv_step(key, key, batch.k_cache, batch.v_cache, meta)
+        actual = triton_paged_attention_step(
+            batch.q, batch.k_cache, batch.v_cache, meta, batch.scale
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(batch.k_cache, expected_k, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    # The reference on CUDA (use_backend("torch")) plans per call from the same metadata.
+    torch.testing.assert_close(
+        reference.paged_attention_step(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale),
+        reference.paged_attention(batch.q, batch.k_cache, batch.v_cache, *batch.args[3:]),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
