@@ -163,6 +163,8 @@ class CacheStats:
     num_inserts: int = 0
     num_inserted_tokens: int = 0  # new tokens added to the tree by insert()
     num_duplicate_blocks_freed: int = 0  # private duplicates insert() returned to the free list
+    # partial tails of a node that insert() replaced by the new child's copy and freed
+    num_superseded_tails_freed: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -223,6 +225,7 @@ class PrefixCache:
         self._num_inserts = 0
         self._num_inserted_tokens = 0
         self._num_duplicates_freed = 0
+        self._num_superseded_freed = 0
 
     def __repr__(self) -> str:
         return (
@@ -386,6 +389,10 @@ class PrefixCache:
                 a path node's block at that index    -> co-owned (ref + 1); only the first index,
                   (p % B != 0)                          e.g. the partial tail of an earlier insert
             anything else                            -> ValueError naming the index
+            When the leaf starts at its parent's mid-block end with a private copy of the parent's
+            partial tail, the parent has no other child, no other live handle in its subtree and
+            is that tail's only owner, the parent co-owns the copy and its old tail is freed (no
+            path could read it any more; `CacheStats.num_superseded_tails_freed`).
 
         Returns the canonical table, the caller's still-private blocks, the number of duplicates
         freed, and a new lock handle on the deepest node of tokens[0:n) (path recency refreshed);
@@ -484,12 +491,22 @@ class PrefixCache:
                 tree.move_lock(old_node, node, tick)
             if co_owned is not None:
                 self._pool.incref(co_owned)
+                head_shared = True
+            elif p % B and not node.children:
+                # The leaf's first block is the caller's copy of node's partial tail: node may
+                # take the copy over and free its own tail, which nothing could use any more.
+                superseded = tree.supersede_tail(node, new_ids[0])
+                head_shared = superseded is not None
+                if head_shared:
+                    self._num_superseded_freed += 1
+            else:
+                head_shared = False
             private.difference_update(new_ids)
             target = tree.attach_leaf(
                 node,
                 qb[4 * p :],
                 new_ids,
-                head_shared=co_owned is not None,
+                head_shared=head_shared,
                 lock_ref=1,
                 tick=tick,
             )
@@ -556,6 +573,7 @@ class PrefixCache:
             num_inserts=self._num_inserts,
             num_inserted_tokens=self._num_inserted_tokens,
             num_duplicate_blocks_freed=self._num_duplicates_freed,
+            num_superseded_tails_freed=self._num_superseded_freed,
         )
 
     def nodes(self) -> Iterator[NodeView]:

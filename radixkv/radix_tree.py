@@ -415,6 +415,38 @@ class RadixTree:
         self.version += 1
         return prefix
 
+    def supersede_tail(self, node: TreeNode, block: int) -> int | None:
+        """Before a leaf whose first block is `block` (the caller's copy-on-write of `node`'s
+        partial tail) is attached at `node.end`: let `node` own `block` in place of its tail block
+        and free that block, when nothing else can read it. Returns the freed block id, or None
+        (nothing changed).
+
+        A node's partial tail that a child has superseded is dead weight: every later match through
+        the node's end continues into the child and uses the child's copy for that index, and an
+        internal node's block is never evicted. The copy's leading slots were copied from the
+        old block's valid slots, so the swap changes no KV that any path reads. Done only when:
+        * `node.end` is mid-block (the leaf's first index is `node`'s last index);
+        * `node` has no child (no other branch co-owns or reads the old block);
+        * `node.lock_ref == 1`: the only lock in its subtree is the one the caller has already moved
+          or taken onto `node` for the new leaf (no other live handle, hence no request that may
+          still read or write the old block, records it);
+        * the old block's ref count is 1 (`node` alone owns it: not an ancestor's block too).
+        `node` stays locked, so the evictable count does not change; the caller attaches the leaf
+        with `head_shared=True` (`node` now owns `block` at that index) and has not yet taken
+        ownership of `block` for it (this adds `node`'s reference).
+        """
+        if node.end % self.block_size == 0 or node.children or node.lock_ref != 1:
+            return None
+        blocks = node.blocks
+        old = blocks[-1]
+        refs = self.pool._refs
+        if refs[old] != 1 or old == block:
+            return None
+        self.pool.incref(block)
+        blocks[-1] = block
+        self.pool.decref(old)
+        return old
+
     def attach_leaf(
         self,
         parent: TreeNode,

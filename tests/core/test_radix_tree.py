@@ -341,3 +341,80 @@ def test_negative_token_in_an_array_is_named(dtype: str, where: int) -> None:
     tokens[where] = -(2**31) if where % 2 else -1  # every sign-bit pattern, any position
     with pytest.raises(ValueError, match=rf"tokens\[{where}\] = -\d+ is not a token id"):
         pack_tokens(tokens)
+
+
+# ------------------------------------------- superseded partial tails (chat continuation)
+
+
+def test_continuation_supersedes_the_parents_partial_tail(make_cache, serve) -> None:
+    """A turn that continues the previous one copies its partial tail; the parent then co-owns
+    that copy and the old tail block, which no path could read any more, is freed."""
+    cache = make_cache(64, 16)
+    tokens = list(range(500, 550))
+    assert serve(cache, tokens[:30]).result.block_ids == (0, 1)  # leaf [0,30): 14 slots of 1
+    turn = serve(cache, tokens)
+    assert turn.match.num_cached_tokens == 30 and turn.table == (0, 2, 3, 4)  # 2 = CoW of 1
+    assert turn.result.block_ids == (0, 2, 3, 4)
+    assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 30, (0, 2)), (2, 1, 30, 50, (2, 3, 4))]
+    assert refs(cache, 0, 1, 2, 3, 4) == [1, 0, 2, 1, 1]
+    assert cache.stats().num_superseded_tails_freed == 1
+    assert cache.stats().num_duplicate_blocks_freed == 0
+    # A hit ending inside the parent's tail reads the copy's leading slots (same KV as block 1).
+    assert cache.match(tokens[:28]).block_ids == (0, 2)
+    assert cache.num_evictable_blocks == 4 and cache.num_free_blocks == 60
+    assert cache.evict(1) == [4]
+    assert cache.evict(3) == [3, 2, 0]  # leaf's rest (2 stays: the parent owns it), then parent
+
+
+def test_continuation_without_a_handle_supersedes_too(make_cache) -> None:
+    cache = make_cache(64, 16)
+    tokens = list(range(500, 550))
+    cache.release(cache.insert(tokens[:30], cache.allocate(2)).handle)  # [0,30): blocks 0, 1
+    r = cache.insert(tokens[:40], [0, *cache.allocate(2)])  # 2 = copy of block 1's 14 slots
+    assert r.block_ids == (0, 2, 3) and r.owned_block_ids == ()
+    assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 30, (0, 2)), (2, 1, 30, 40, (2, 3))]
+    assert refs(cache, 1, 2) == [0, 2]
+    cache.release(r.handle)
+
+
+def test_tail_is_kept_when_the_parent_has_another_child(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    a = list(range(500, 540))
+    serve(cache, a[:30])
+    serve(cache, a)  # first continuation: the parent [0,30) takes its copy 2, block 1 is freed
+    branch = serve(cache, [*a[:30], *range(900, 910)])  # a second child of [0,30)
+    assert branch.match.num_cached_tokens == 30 and branch.table == (0, 1, 4)  # 1: CoW of 2
+    assert shape(cache) == [
+        (0, None, 0, 0, ()),
+        (1, 0, 0, 30, (0, 2)),
+        (2, 1, 30, 40, (2, 3)),
+        (3, 1, 30, 40, (1, 4)),
+    ]
+    assert refs(cache, 1, 2) == [1, 2]  # the parent keeps 2 (its first child reads it)
+    assert cache.stats().num_superseded_tails_freed == 1
+
+
+def test_tail_is_kept_while_another_lock_reads_the_parent(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    tokens = list(range(500, 550))
+    serve(cache, tokens[:30])
+    reader = cache.acquire(cache.match(tokens[:30]))  # another request holds the parent's path
+    turn = serve(cache, tokens)
+    assert turn.table == (0, 2, 3, 4)
+    assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 30, (0, 1)), (2, 1, 30, 50, (2, 3, 4))]
+    assert refs(cache, 1, 2) == [1, 1]
+    assert cache.stats().num_superseded_tails_freed == 0
+    cache.release(reader)
+
+
+def test_tail_is_kept_when_an_ancestor_shares_it(make_cache, serve) -> None:
+    cache = make_cache(64, 16)
+    tokens = list(range(500, 550))
+    r1 = cache.insert(tokens[:20], cache.allocate(2))  # [0,20): blocks 0, 1
+    r2 = cache.insert(tokens[:25], list(r1.block_ids), handle=r1.handle)  # wrote on in block 1
+    cache.release(r2.handle)
+    assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 20, (0, 1)), (2, 1, 20, 25, (1,))]
+    turn = serve(cache, tokens)  # hits 25 = the end of [20,25), whose only block 1 [0,20) owns
+    assert turn.table == (0, 2, 3, 4)
+    assert refs(cache, 1, 2) == [2, 1]
+    assert cache.stats().num_superseded_tails_freed == 0

@@ -268,11 +268,12 @@ def test_preemption_under_heavy_pressure_still_completes(harness: MakeHarness) -
 
 def test_lone_request_using_the_whole_cache_completes(harness: MakeHarness) -> None:
     """Exactly num_blocks worth of KV after a partial hit: the copy-on-write source (the warm
-    prompt's partial block) stays locked beside the request's own copy, so at position 12 the
-    request is one block short with nothing to evict. It preempts itself; readmitted with its hit
-    it still does not fit, so, alone in an idle cache, it is readmitted without its hit."""
+    prompt's partial block, split at the hit's end so the warm suffix still co-owns it) stays
+    locked beside the request's own copy, so at position 12 the request is one block short with
+    nothing to evict. It preempts itself; readmitted with its hit it still does not fit, so, alone
+    in an idle cache, it is readmitted without its hit."""
     h = harness(num_blocks=4, block_size=4)
-    h.add("warm", seq(1, 6), max_tokens=1)
+    h.add("warm", seq(1, 7), max_tokens=1)  # 7 tokens: the hit of 6 ends inside its node
     h.run()
     req = h.add("big", [*seq(1, 6), 77, 78], max_tokens=9)  # 16 KV tokens = the whole cache
     h.run()
