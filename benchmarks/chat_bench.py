@@ -317,8 +317,9 @@ class RadixkvSystem(System):
         prof.wrap(self.llm.runner, "build_inputs", "runner: build step inputs")
         prof.wrap(radixkv.engine, "sample", "sampling")
         # Inside the model forward (attention.py calls them through the module at call time).
-        prof.wrap(radixkv.kernels, "paged_attention", "  kernels.paged_attention")
-        prof.wrap(radixkv.kernels, "store_kv", "  kernels.store_kv")
+        # The engine calls the per-step variants (metadata validated once per step).
+        prof.wrap(radixkv.kernels, "paged_attention_step", "  kernels.paged_attention")
+        prof.wrap(radixkv.kernels, "store_kv_step", "  kernels.store_kv")
         return [
             "  kernels.paged_attention",
             "  kernels.store_kv",
