@@ -7,8 +7,8 @@ transformers 5):
    step's new K/V into their slots with `kernels.store_kv_step` and hands them back unchanged;
 2. the attention function registered as ``"radixkv"`` (`paged_attention_forward`) ignores the dense
    key/value it is given and attends over the paged cache through the block tables with
-   `kernels.paged_attention_step`; it does the causal masking itself (transformers passes no mask to an
-   attention name it has no mask function for).
+   `kernels.paged_attention_step`; it does the causal masking itself (transformers passes no
+   mask to an attention name it has no mask function for).
 
 transformers does not hand `past_key_values` to the attention function, so the runner passes the
 same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
