@@ -1,5 +1,6 @@
 """End-to-end CPU step timing of the default model: decode tokens/s at batch 1 and 8, and the time
-of a 1024-token prefill, with one torch thread (see PLATFORM.md).
+of a 1024-token prefill, with one torch thread (two threads
+stall on OpenMP spin-waits whenever the other core is busy).
 
     .venv/bin/python benchmarks/cpu_step_bench.py [--repeats 5]
 

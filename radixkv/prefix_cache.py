@@ -4,7 +4,7 @@ Layers: `BlockPool` (physical blocks, ref counts, free list) <- `RadixTree` (tok
 ownership, locks, eviction order) <- `PrefixCache` (this module: validation of caller input, lock
 handles, private blocks, statistics).
 
-Ownership model (see DESIGN.md):
+Ownership model (the invariants in the README):
 * A physical block's ref count = number of tree nodes owning it + number of *private* holders
   (0 or 1: a block is never both private and owned by the tree).
 * `allocate(n)` hands out private blocks (ref 1, held by the caller). `free(ids)` gives them back.

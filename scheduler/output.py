@@ -1,4 +1,4 @@
-"""What one scheduler step hands the model runner (INTERFACE CONTRACT; the scheduler fills it in).
+"""What one scheduler step hands the model runner: the interface between scheduler and runner.
 
 Token regions of a scheduled row (B = block size):
 

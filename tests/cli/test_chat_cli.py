@@ -19,8 +19,8 @@ STATUS = re.compile(
 
 def _run(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    # Run from a scratch folder: the repository root must not be on sys.path (see PLATFORM notes on
-    # a top-level `kernels` folder), exactly as for an installed user.
+    # Run from a scratch folder: the repository root must not be on sys.path: transformers
+    # imports any top-level `kernels` module it can find. This is how an installed user runs it.
     return subprocess.run(
         [sys.executable, "-m", "radixkv", *args],
         cwd=cwd,

@@ -97,8 +97,8 @@ def build_paged_batch(
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread() -> Iterator[None]:
-    # Small ops on 2 threads slow down 10-250x when the other core is busy (OpenMP spin-wait, see
-    # PLATFORM.md), and kernel tests are many small ops. Restored after each test.
+    # Small ops on 2 threads slow down 10-250x when the other core is busy (OpenMP spin-wait),
+    # and kernel tests are many small ops. Restored after each test.
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
