@@ -69,14 +69,26 @@ def _warn_no_triton() -> None:
 
 
 @functools.cache
-def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType]:
+def _triton_modules() -> dict[str, ModuleType]:
     if not _triton_available():
         raise RuntimeError(
             "the triton backend needs the `triton` package; install it or use_backend('torch')"
         )
     from radixkv.kernels import triton_copy_blocks, triton_paged_attention, triton_store_kv
 
-    return triton_store_kv, triton_paged_attention, triton_copy_blocks
+    return {
+        "store_kv": triton_store_kv,
+        "paged_attention": triton_paged_attention,
+        "copy_blocks": triton_copy_blocks,
+    }
+
+
+def _impl(kernel: str, t: object) -> ModuleType:
+    """The module implementing `kernel` for `t`'s device: a Triton module or the reference (which
+    has every kernel under the same names and signatures)."""
+    if backend_for(_device_of(t)) == "triton":
+        return _triton_modules()[kernel]
+    return reference
 
 
 def store_kv(
@@ -87,10 +99,7 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new tokens' K/V at their slots, in place. See `reference.store_kv`."""
-    if backend_for(_device_of(k_cache)) == "triton":
-        _triton_modules()[0].store_kv(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _impl("store_kv", k_cache).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def store_kv_step(
@@ -102,10 +111,7 @@ def store_kv_step(
 ) -> None:
     """`store_kv` at `metadata.slot_mapping` (its values were checked when it was built): the
     engine's per-layer call. See `radixkv.kernels.metadata`."""
-    if backend_for(_device_of(k_cache)) == "triton":
-        _triton_modules()[0].store_kv_step(key, value, k_cache, v_cache, metadata)
-    else:
-        reference.store_kv_step(key, value, k_cache, v_cache, metadata)
+    _impl("store_kv", k_cache).store_kv_step(key, value, k_cache, v_cache, metadata)
 
 
 def paged_attention(
@@ -121,10 +127,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen paged attention (GQA). See `reference.paged_attention` for the contract."""
-    impl = reference
-    if backend_for(_device_of(q)) == "triton":
-        impl = _triton_modules()[1]
-    return impl.paged_attention(
+    return _impl("paged_attention", q).paged_attention(
         q,
         k_cache,
         v_cache,
@@ -149,10 +152,7 @@ def paged_attention_step(
 ) -> torch.Tensor:
     """`paged_attention` over an `AttentionMetadata` (its values were checked when it was built):
     the engine's per-layer call. See `radixkv.kernels.metadata`."""
-    impl = reference
-    if backend_for(_device_of(q)) == "triton":
-        impl = _triton_modules()[1]
-    return impl.paged_attention_step(
+    return _impl("paged_attention", q).paged_attention_step(
         q, k_cache, v_cache, metadata, scale, out=out, num_kv_splits=num_kv_splits
     )
 
@@ -165,7 +165,4 @@ def copy_blocks(
     num_slots: torch.Tensor,
 ) -> None:
     """Copy-on-write of partial blocks across the given layers. See `reference.copy_blocks`."""
-    if backend_for(_device_of(k_cache)) == "triton":
-        _triton_modules()[2].copy_blocks(k_cache, v_cache, src, dst, num_slots)
-    else:
-        reference.copy_blocks(k_cache, v_cache, src, dst, num_slots)
+    _impl("copy_blocks", k_cache).copy_blocks(k_cache, v_cache, src, dst, num_slots)
