@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from radixkv.outputs import ChatReply, RequestStats, StreamDelta
 from radixkv.sampling_params import SamplingParams
+from radixkv.token_lists import common_prefix_len
 
 if TYPE_CHECKING:
     from radixkv.engine import LLM
@@ -100,7 +101,7 @@ class ChatSession:
     def _prepare(self, message: str) -> list[int]:
         prompt = self.prompt_token_ids(message)
         if self._last_tokens:
-            n = _common_prefix_len(prompt, self._last_tokens)
+            n = common_prefix_len(prompt, self._last_tokens)
             self.num_reused_tokens = n
             if n < len(self._last_tokens):
                 # The template re-rendered the previous reply with different tokens (e.g. a
@@ -127,11 +128,3 @@ class ChatSession:
         reply = ChatReply(text, tuple(token_ids), stats, finish_reason)
         self.last_reply = reply
         return reply
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

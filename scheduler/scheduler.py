@@ -37,39 +37,13 @@ from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import make_policy
 from radixkv.scheduler.request import Request, RequestStatus
+from radixkv.token_lists import common_prefix_len
 
 logger = logging.getLogger(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of `a[:limit]` and `b[:limit]` (lists: a list slice
-    never equals a tuple).
-
-    List slice equality runs in C: gallop over doubling runs while they agree, then bisect the run
-    that differs down to a few tokens. O(result) C work and O(log result) Python steps, so a long
-    shared system prompt costs no per-token Python loop.
-    """
-    n = min(len(a), len(b), limit)
-    lo, step = 0, 16  # a[:lo] == b[:lo]
-    while lo < n:
-        hi = min(lo + step, n)
-        if a[lo:hi] == b[lo:hi]:
-            lo, step = hi, 2 * step
-            continue
-        while hi - lo > 16:  # the first mismatch lies in [lo, hi)
-            mid = (lo + hi) >> 1
-            if a[lo:mid] == b[lo:mid]:
-                lo = mid
-            else:
-                hi = mid
-        while a[lo] == b[lo]:
-            lo += 1
-        return lo
-    return lo
 
 
 class Scheduler:
@@ -433,7 +407,7 @@ class Scheduler:
             return False
         shared = 0
         for other, end in in_batch:
-            shared = max(shared, _common_prefix_len(tokens, other, min(end, cap)))
+            shared = max(shared, common_prefix_len(tokens, other, min(end, cap)))
             if shared == cap:
                 break
         if shared < threshold:  # cannot gain enough whatever is cached: skip the tree walk
