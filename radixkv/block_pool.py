@@ -8,9 +8,10 @@ zero.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from radixkv.validation import check_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,21 +22,6 @@ class BlockPoolStats:
     num_used_blocks: int  # ref count >= 1
     num_allocated_total: int  # blocks handed out by allocate() since construction
     num_freed_total: int  # blocks returned to the free list since construction
-
-
-def check_size(value: object, name: str, *, low: int) -> int:
-    """`value` as an int >= low; TypeError for a non-int (bool included), ValueError below `low`."""
-    if type(value) is int and value >= low:  # the common case, on every request: one check
-        return value
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        number = operator.index(value)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if number < low:
-        raise ValueError(f"{name} must be >= {low}, got {number}")
-    return number
 
 
 class BlockPool:

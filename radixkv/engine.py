@@ -33,6 +33,7 @@ from radixkv.sampler import make_generator, sample
 from radixkv.sampling_params import SamplingParams
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
 from radixkv.scheduler.output import SchedulerOutput
+from radixkv.validation import check_size
 
 if TYPE_CHECKING:
     from radixkv.chat import ChatSession
@@ -88,10 +89,10 @@ class LLM:
         num_threads: int | None = None,
         progress: Progress | None = None,
     ) -> None:
-        _check_int("block_size", block_size, low=1)
-        _check_int("seed", seed, low=0)
+        check_size(block_size, "block_size", low=1)
+        check_size(seed, "seed", low=0)
         if num_threads is not None:
-            _check_int("num_threads", num_threads, low=1)
+            check_size(num_threads, "num_threads", low=1)
         # Validate the scheduler bounds before the (slow) model load.
         config_args: dict[str, Any] = dict(
             max_num_seqs=max_num_seqs,
@@ -381,13 +382,6 @@ def _normalize_params(
 
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_int(name: str, value: object, *, low: int) -> None:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:  # type: ignore[operator]
-        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def _derive_seed(engine_seed: int, index: int) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from radixkv.validation import check_size
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -24,10 +26,10 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed reply lengths)
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("top_k", self.top_k, low=0)
+        check_size(self.max_tokens, "max_tokens", low=1)
+        check_size(self.top_k, "top_k", low=0)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
+            check_size(self.seed, "seed", low=0)
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -40,15 +42,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids[i]", t, low=0)
+            check_size(t, "stop_token_ids[i]", low=0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _check_int(name: str, value: object, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.validation import check_size
+
 POLICIES = ("fcfs", "lpm")
 
 
@@ -38,18 +40,8 @@ class SchedulerConfig:
             "chunked_prefill_size",
             "max_model_len",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        value = self.defer_shared_prefix_tokens
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"defer_shared_prefix_tokens must be an int, got {type(value).__name__}"
-            )
-        if value < 0:
-            raise ValueError(f"defer_shared_prefix_tokens must be >= 0 (0: off), got {value}")
+            check_size(getattr(self, name), name, low=1)
+        check_size(self.defer_shared_prefix_tokens, "defer_shared_prefix_tokens", low=0)
         if not isinstance(self.enable_prefix_cache, bool):
             raise TypeError(
                 f"enable_prefix_cache must be a bool, got {type(self.enable_prefix_cache).__name__}"
