@@ -48,7 +48,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from radixkv.prefix_cache import LockHandle, PrefixCache
+from radixkv.cache.prefix_cache import LockHandle, PrefixCache
 
 try:
     from benchmarks.flat_hash_cache import FlatHashCache, FlatMatch, token_bytes

@@ -717,7 +717,7 @@ def format_report(
 def _load_hf_model() -> tuple[Any, Any]:
     """The embedded default model and tokenizer, loaded as plain transformers objects (a separate
     instance from radixkv's, which switches its model's attention implementation)."""
-    from radixkv.model_loader import load_model
+    from radixkv.engine.model_loader import load_model
 
     loaded = load_model(None)
     return loaded.model, loaded.tokenizer

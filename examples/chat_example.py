@@ -6,13 +6,13 @@ Runs on CPU with the embedded default model (first use converts it once, ~30 s; 
 
 from __future__ import annotations
 
-from radixkv import LLM, SamplingParams
+from radixkv import LLM, ChatSession, SamplingParams
 
 
 def main() -> None:
     llm = LLM()  # embedded SmolLM2-135M-Instruct
-    chat = llm.chat_session(
-        system="You are a concise assistant.", params=SamplingParams(max_tokens=40)
+    chat = ChatSession(
+        llm, system="You are a concise assistant.", params=SamplingParams(max_tokens=40)
     )
     for message in (
         "What is the capital of France?",

@@ -1,32 +1,35 @@
 """radixkv: a prefix-cache engine for LLM inference.
 
-The core (`BlockPool`, `PrefixCache`) is pure Python; the kernels live in `radixkv.kernels`, the
-continuous-batching scheduler in `radixkv.scheduler`. The engine (`LLM`, `ChatSession`) imports
-torch and transformers, so it is loaded on first access: `from radixkv import PrefixCache` stays
-light.
+Layers, each importing only those below it:
+
+    radixkv.cache      pure Python: block pool, radix tree, PrefixCache
+    radixkv.scheduler  continuous batching over the cache (requests, sampling params)
+    radixkv.kernels    paged KV-cache kernels (Triton on CUDA, torch reference on CPU)
+    radixkv.engine     LLM: model loading, model runner, sampler (torch + transformers)
+    radixkv.chat       chat session, terminal UI
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from radixkv.block_pool import BlockPool, BlockPoolStats
-from radixkv.outputs import ChatReply, RequestOutput, RequestStats, StreamDelta
-from radixkv.prefix_cache import (
+from radixkv.cache import (
+    BlockPool,
+    BlockPoolStats,
     CacheStats,
     InsertResult,
     LockHandle,
     MatchResult,
     NodeView,
+    PackedTokens,
     PrefixCache,
 )
-from radixkv.radix_tree import PackedTokens
-from radixkv.sampling_params import SamplingParams
+from radixkv.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixkv.chat import ChatSession
-    from radixkv.engine import LLM
-    from radixkv.model_loader import ModelNotFoundError
+    from radixkv.chat import ChatReply, ChatSession
+    from radixkv.engine import LLM, ModelNotFoundError, RequestOutput, RequestStats, StreamDelta
 
 __all__ = [
     "LLM",
@@ -48,19 +51,22 @@ __all__ = [
     "StreamDelta",
 ]
 
-_LAZY = {
+# Names of the torch layers, imported on first use so that `from radixkv import PrefixCache` never
+# loads torch and transformers.
+_ENGINE_NAMES = {
     "LLM": "radixkv.engine",
+    "ModelNotFoundError": "radixkv.engine",
+    "RequestOutput": "radixkv.engine",
+    "RequestStats": "radixkv.engine",
+    "StreamDelta": "radixkv.engine",
+    "ChatReply": "radixkv.chat",
     "ChatSession": "radixkv.chat",
-    "ModelNotFoundError": "radixkv.model_loader",
 }
 
 
 def __getattr__(name: str) -> Any:
-    # The engine pulls in torch + transformers (seconds); the cache core must not pay for that.
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _ENGINE_NAMES:
+        value = getattr(importlib.import_module(_ENGINE_NAMES[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'radixkv' has no attribute {name!r}")

@@ -1,5 +1,15 @@
-"""`python -m radixkv` runs the command line (see radixkv.cli)."""
+"""The `radixkv` command (`python -m radixkv`): `radixkv chat` (the default)."""
 
-from radixkv.cli import main
+from __future__ import annotations
 
-raise SystemExit(main())
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from radixkv.chat.cli import main as chat_main
+
+    return chat_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

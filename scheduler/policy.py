@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from radixkv.prefix_cache import PrefixCache
+from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.scheduler.request import Request
 
 

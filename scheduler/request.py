@@ -16,8 +16,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from radixkv.prefix_cache import LockHandle
-from radixkv.sampling_params import SamplingParams
+from radixkv.cache.prefix_cache import LockHandle
+from radixkv.scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

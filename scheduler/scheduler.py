@@ -32,12 +32,12 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 
-from radixkv.prefix_cache import PrefixCache
+from radixkv.cache.prefix_cache import PrefixCache
+from radixkv.cache.token_lists import common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import make_policy
 from radixkv.scheduler.request import Request, RequestStatus
-from radixkv.token_lists import common_prefix_len
 
 logger = logging.getLogger(__name__)
 

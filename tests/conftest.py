@@ -1,13 +1,74 @@
-"""Shared test set-up.
+"""Shared test set-up, and the tiny-model fixtures of the engine and chat tests.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it must be set before any
-kernel module is imported: here, at the top of the first conftest pytest loads.
+kernel module is imported: here, at the top of the first conftest pytest loads. torch and
+transformers are imported inside the fixtures, so the cache tests never load them.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """kind ("gqa" | "mha") -> folder with the saved model + tokenizer (built once per session)."""
+    from tiny_llama import build_model, build_tokenizer
+
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            path = tmp_path_factory.mktemp(f"tiny-llama-{kind}")
+            build_model(kind).save_pretrained(path)
+            build_tokenizer().save_pretrained(path)
+            made[kind] = path
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_generate(
+    tiny_model_dir: Callable[[str], Path],
+) -> Callable[[str, Sequence[Sequence[int]], Sequence[int]], list[list[int]]]:
+    """(kind, prompts, max_new_tokens per prompt) -> greedy tokens of plain transformers."""
+    import torch
+    from tiny_llama import EOS_ID
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, object] = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def run(kind: str, prompts: Sequence[Sequence[int]], max_new: Sequence[int]) -> list[list[int]]:
+        if kind not in models:
+            models[kind] = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(kind), attn_implementation="eager", dtype=torch.float32
+            ).eval()
+        model = models[kind]
+        results = []
+        for prompt, n in zip(prompts, max_new, strict=True):
+            key = (kind, tuple(prompt), n)
+            if key not in memo:
+                with torch.no_grad():
+                    out = model.generate(
+                        torch.tensor([list(prompt)]),
+                        max_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=EOS_ID,
+                        pad_token_id=0,
+                    )
+                memo[key] = out[0, len(prompt) :].tolist()
+            results.append(copy.copy(memo[key]))
+        return results
+
+    return run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

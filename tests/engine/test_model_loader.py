@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from radixkv import model_loader
-from radixkv.model_loader import ModelNotFoundError, default_model_dir, ensure_default_model
+from radixkv.engine import model_loader
+from radixkv.engine.model_loader import ModelNotFoundError, default_model_dir, ensure_default_model
 
 
 @pytest.fixture

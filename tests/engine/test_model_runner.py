@@ -8,13 +8,13 @@ import pytest
 import torch
 from tiny_llama import build_model
 
-from radixkv.kernels import metadata, reference
-from radixkv.model_runner import (
+from radixkv.engine.model_runner import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
     ModelRunner,
     plan_num_blocks,
 )
+from radixkv.kernels import metadata, reference
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
 ATOL = 1e-4

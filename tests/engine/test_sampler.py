@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from radixkv import SamplingParams
-from radixkv.sampler import _filtered_probs, make_generator, sample
+from radixkv.engine.sampler import _filtered_probs, make_generator, sample
 
 VOCAB = 50
 

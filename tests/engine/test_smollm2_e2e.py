@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv import LLM, SamplingParams
+from radixkv import LLM, ChatSession, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def reference_model(llm):
     """An independent copy of the same weights with transformers' own attention."""
     from transformers import AutoModelForCausalLM
 
-    from radixkv.model_loader import default_model_dir
+    from radixkv.engine.model_loader import default_model_dir
 
     return AutoModelForCausalLM.from_pretrained(
         default_model_dir(), dtype=torch.float32, attn_implementation="sdpa"
@@ -40,7 +40,7 @@ def reference_model(llm):
 
 def test_three_turn_chat_matches_transformers_and_hits_the_cache(llm, reference_model):
     tok = llm.tokenizer
-    chat = llm.chat_session(system=SYSTEM, params=SamplingParams(max_tokens=MAX_TOKENS))
+    chat = ChatSession(llm, system=SYSTEM, params=SamplingParams(max_tokens=MAX_TOKENS))
     previous: list[int] = []  # last turn's prompt + reply tokens
     for turn, message in enumerate(TURNS):
         messages = [*chat.history, {"role": "user", "content": message}]

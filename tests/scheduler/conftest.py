@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from radixkv.prefix_cache import PrefixCache
-from radixkv.sampling_params import SamplingParams
+from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import SchedulerOutput
 from radixkv.scheduler.request import Request
+from radixkv.scheduler.sampling_params import SamplingParams
 from radixkv.scheduler.scheduler import Scheduler
 
 VOCAB = 1000

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.sampling_params import SamplingParams
 from radixkv.scheduler.request import Request
+from radixkv.scheduler.sampling_params import SamplingParams
 
 MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
 

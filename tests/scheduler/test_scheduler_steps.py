@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from radixkv.prefix_cache import PrefixCache
-from radixkv.sampling_params import SamplingParams
+from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, SchedulerOutput
 from radixkv.scheduler.request import Request, RequestStatus
+from radixkv.scheduler.sampling_params import SamplingParams
 from radixkv.scheduler.scheduler import Scheduler
 
 MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py

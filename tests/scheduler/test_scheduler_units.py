@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.prefix_cache import PrefixCache
-from radixkv.sampling_params import SamplingParams
+from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.policy import FcfsPolicy, LongestPrefixMatchPolicy, make_policy
 from radixkv.scheduler.request import Request, RequestStatus
+from radixkv.scheduler.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

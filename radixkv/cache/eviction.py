@@ -11,14 +11,20 @@ never a member.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sortedcontainers import SortedList
 
-if TYPE_CHECKING:
-    from radixkv.radix_tree import TreeNode
 
-EvictionKey = Callable[["TreeNode"], Any]
+class TreeNode(Protocol):
+    """What the index reads of a tree node (the tree's nodes satisfy it)."""
+
+    node_id: int
+    tick: int
+    evict_key: Any
+
+
+EvictionKey = Callable[[TreeNode], Any]
 
 
 _NODE_ID_BITS = 64  # node ids are a counter: they never reach 2**64

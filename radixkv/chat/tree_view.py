@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from radixkv.prefix_cache import NodeView
+from radixkv.cache.prefix_cache import NodeView
 
 Decoder = Callable[[Sequence[int]], str]
 

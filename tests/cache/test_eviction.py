@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.eviction import EvictionIndex
-from radixkv.radix_tree import TreeNode
+from radixkv.cache.eviction import EvictionIndex
+from radixkv.cache.tree import TreeNode
 
 
 def put(cache, tokens: list[int]) -> tuple[int, ...]:

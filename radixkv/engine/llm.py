@@ -1,6 +1,6 @@
 """The engine: `LLM` ties model runner, scheduler, prefix cache and sampler together.
 
-    LLM.generate / LLM.stream / ChatSession.send
+    LLM.generate / LLM.stream
         │  validate + tokenize (nothing is admitted unless every request of the call is valid)
         ▼
     Scheduler.add_request ──► loop: schedule() ─► ModelRunner.execute() ─► sample() ─►
@@ -20,23 +20,20 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from radixkv.detokenizer import IncrementalDetokenizer
-from radixkv.model_loader import Progress, load_model
-from radixkv.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
-from radixkv.outputs import RequestOutput, RequestStats, StreamDelta
-from radixkv.prefix_cache import PrefixCache
-from radixkv.sampler import make_generator, sample
-from radixkv.sampling_params import SamplingParams
+from radixkv.cache.prefix_cache import PrefixCache
+from radixkv.cache.validation import check_size
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.model_loader import Progress, load_model
+from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
+from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
+from radixkv.engine.sampler import make_generator, sample
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
 from radixkv.scheduler.output import SchedulerOutput
-from radixkv.validation import check_size
-
-if TYPE_CHECKING:
-    from radixkv.chat import ChatSession
+from radixkv.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -165,14 +162,6 @@ class LLM:
         with self._lock:
             (rid,) = self._submit(prompt_ids, params_list)
         return self._stream_iter(rid)
-
-    def chat_session(
-        self, system: str | None = None, params: SamplingParams | None = None
-    ) -> ChatSession:
-        """A multi-turn chat whose every prompt extends the previous prompt + reply (cache hits)."""
-        from radixkv.chat import ChatSession
-
-        return ChatSession(self, system=system, params=params)
 
     def encode(self, text: str) -> list[int]:
         """Tokenize like generate() does for a string prompt."""

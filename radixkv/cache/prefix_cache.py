@@ -48,9 +48,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, TypeVar
 
-from radixkv.block_pool import BlockPool
-from radixkv.radix_tree import RadixTree, TreeNode, block_id_array, pack_tokens, unpack_tokens
-from radixkv.validation import check_size
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.tree import RadixTree, TreeNode, block_id_array, pack_tokens, unpack_tokens
+from radixkv.cache.validation import check_size
 
 logger = logging.getLogger(__name__)
 

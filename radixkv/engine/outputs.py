@@ -1,4 +1,4 @@
-"""What the engine hands back: finished requests, stream deltas, chat replies."""
+"""What the engine hands back: finished requests and stream deltas."""
 
 from __future__ import annotations
 
@@ -41,11 +41,3 @@ class StreamDelta:
     @property
     def finished(self) -> bool:
         return self.output is not None
-
-
-@dataclass(frozen=True, slots=True)
-class ChatReply:
-    text: str
-    token_ids: tuple[int, ...]
-    stats: RequestStats
-    finish_reason: str = "stop"

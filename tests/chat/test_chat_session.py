@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv import LLM, ChatReply, SamplingParams
+from radixkv import LLM, ChatReply, ChatSession, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def llm(tiny_model_dir):
 
 
 def test_turns_extend_the_previous_prompt_and_hit_the_cache(llm):
-    chat = llm.chat_session(system="w10 w11", params=SamplingParams(max_tokens=8))
+    chat = ChatSession(llm, system="w10 w11", params=SamplingParams(max_tokens=8))
     previous: list[int] = []  # last turn's prompt + reply tokens
     for turn, message in enumerate(["w20 w21 w22", "w30", "w31 w32"]):
         prompt = chat.prompt_token_ids(message)
@@ -34,7 +34,7 @@ def test_turns_extend_the_previous_prompt_and_hit_the_cache(llm):
 
 
 def test_stream_then_last_reply(llm):
-    chat = llm.chat_session(params=SamplingParams(max_tokens=6))
+    chat = ChatSession(llm, params=SamplingParams(max_tokens=6))
     pieces = list(chat.stream("w40 w41"))
     assert "".join(pieces) == chat.last_reply.text
     assert chat.history[-1] == {"role": "assistant", "content": chat.last_reply.text}
@@ -43,7 +43,7 @@ def test_stream_then_last_reply(llm):
 
 
 def test_bad_messages_leave_the_history_unchanged(llm):
-    chat = llm.chat_session(params=SamplingParams(max_tokens=3))
+    chat = ChatSession(llm, params=SamplingParams(max_tokens=3))
     chat.send("w50")
     before = chat.history
     with pytest.raises(ValueError, match="empty"):

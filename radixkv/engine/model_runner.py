@@ -6,7 +6,7 @@ Layers of the runner:
   memory budget (CPU: `kv_cache_bytes`, default 512 MiB; CUDA: a fraction of free device memory).
 * `ModelRunner`: owns the KV tensors, stacked over layers as
   `[num_layers, num_blocks, block_size, kv_heads, head_dim]` (K and V separately), switches the
-  model to the ``"radixkv"`` attention (see `radixkv.attention`), and runs `execute(step)`:
+  model to the ``"radixkv"`` attention (see `radixkv.engine.attention`), and runs `execute(step)`:
 
       copies (copy-on-write of partial blocks)  ->  metadata  ->  model forward  ->  logits
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from radixkv import kernels
-from radixkv.attention import PagedKVCache, register_attention
+from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 

@@ -68,8 +68,9 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = sys.stderr
     # Imported here so `radixkv --help` answers instantly and a broken install fails with one line.
-    from radixkv import LLM, SamplingParams
-    from radixkv.model_loader import ModelNotFoundError
+    from radixkv.chat.session import ChatSession
+    from radixkv.engine import LLM, ModelNotFoundError
+    from radixkv.scheduler.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(
@@ -110,7 +111,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     interactive = messages is None
     if interactive:
         print(f"radixkv chat · {llm.model_name} · commands: {HELP_COMMANDS}", file=out)
-    session = llm.chat_session(system=args.system, params=params)
+    session = ChatSession(llm, system=args.system, params=params)
     for message in messages if messages is not None else _prompt_lines():
         message = message.strip()
         if not message:
@@ -164,7 +165,7 @@ def stats_text(llm: object) -> str:
 
 def _command(line: str, llm: object, session: object, out: TextIO) -> bool:
     """Run one /command; returns True when the chat should end."""
-    from radixkv.tree_view import render_tree
+    from radixkv.chat.tree_view import render_tree
 
     name = line.split()[0].lower()
     if name in ("/quit", "/exit", "/q"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from radixkv.validation import check_size
+from radixkv.cache.validation import check_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixkv import PrefixCache
-from radixkv.tree_view import render_tree
+from radixkv.chat.tree_view import render_tree
 
 
 def _serve(cache: PrefixCache, tokens: list[int]) -> None:

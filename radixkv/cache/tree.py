@@ -35,8 +35,8 @@ from typing import Any, overload
 
 import numpy as np
 
-from radixkv.block_pool import BlockPool
-from radixkv.eviction import EvictionIndex, EvictionKey, lru_key
+from radixkv.cache.eviction import EvictionIndex, EvictionKey, lru_key
+from radixkv.cache.pool import BlockPool
 
 TOKEN_BYTES = 4
 MAX_TOKEN_ID = 2**32 - 1

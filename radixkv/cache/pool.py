@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixkv.validation import check_size
+from radixkv.cache.validation import check_size
 
 
 @dataclass(frozen=True, slots=True)

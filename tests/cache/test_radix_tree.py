@@ -296,7 +296,7 @@ def test_forged_handle_is_foreign(make_cache) -> None:
 
 @pytest.mark.parametrize("length", [1, 2, 5, 63, 64, 65, 200, 1500])
 def test_first_mismatch_is_found_at_every_position_and_byte(length: int) -> None:
-    from radixkv.radix_tree import _common_prefix_len, pack_tokens
+    from radixkv.cache.tree import _common_prefix_len, pack_tokens
 
     rng = np.random.default_rng(length)
     base = rng.integers(0, 2**32, length, dtype=np.uint64).tolist()
@@ -322,7 +322,7 @@ def test_long_prompts_match_token_exactly(make_cache) -> None:
 
 @pytest.mark.parametrize("dtype", ["=i4", "=u4", "=i8", "=u8", ">i4", "=i2", "=u1"])
 def test_token_arrays_pack_like_lists(dtype: str) -> None:
-    from radixkv.radix_tree import pack_tokens
+    from radixkv.cache.tree import pack_tokens
 
     info = np.iinfo(np.dtype(dtype))
     top = min(int(info.max), 2**32 - 1)
@@ -335,7 +335,7 @@ def test_token_arrays_pack_like_lists(dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["=i4", ">i4", "=i8"])
 @pytest.mark.parametrize("where", [0, 1, 2, 3, 4, 999])
 def test_negative_token_in_an_array_is_named(dtype: str, where: int) -> None:
-    from radixkv.radix_tree import pack_tokens
+    from radixkv.cache.tree import pack_tokens
 
     tokens = np.arange(1000, dtype=dtype)
     tokens[where] = -(2**31) if where % 2 else -1  # every sign-bit pattern, any position

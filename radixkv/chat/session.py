@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from radixkv.outputs import ChatReply, RequestStats, StreamDelta
-from radixkv.sampling_params import SamplingParams
-from radixkv.token_lists import common_prefix_len
-
-if TYPE_CHECKING:
-    from radixkv.engine import LLM
+from radixkv.cache.token_lists import common_prefix_len
+from radixkv.engine import LLM
+from radixkv.engine.outputs import RequestStats, StreamDelta
+from radixkv.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    text: str
+    token_ids: tuple[int, ...]
+    stats: RequestStats
+    finish_reason: str = "stop"
 
 
 class ChatSession:

@@ -1,0 +1,123 @@
+"""The package layout: dependencies point one way and no file imports itself in a circle.
+
+Every import counts, type-checking and function-level ones included. The layers, lowest first:
+cache <- scheduler <- engine <- chat (and serve); kernels <- engine.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = {"radixkv": ROOT / "radixkv", "radixkv.kernels": ROOT / "kernels"}
+PACKAGE_DIRS["radixkv.scheduler"] = ROOT / "scheduler"
+
+# layer -> the layers it may import (besides itself)
+ALLOWED = {
+    "cache": set(),
+    "scheduler": {"cache"},
+    "kernels": set(),
+    "engine": {"cache", "scheduler", "kernels"},
+    "chat": {"cache", "scheduler", "engine"},
+    "serve": {"cache", "scheduler", "engine", "chat"},
+}
+
+
+def module_files() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if package == "radixkv" and parts and parts[0] in ("kernels", "scheduler"):
+                continue
+            modules[name] = path
+    return modules
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
+    """The radixkv modules `path` imports (a `from package import name` of a submodule counts
+    as that submodule)."""
+    found: set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:
+                pkg = name.split(".")
+                pkg = pkg if is_package else pkg[:-1]
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + [node.module])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    found.add(sub)
+                elif base in known:
+                    found.add(base)
+    found.discard(name)
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # radixkv/__init__.py: the public re-exports
+    return parts[1] if parts[1] in ALLOWED else None
+
+
+MODULES = module_files()
+GRAPH = {m: imports_of(p, m, set(MODULES)) for m, p in MODULES.items()}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m)))
+def test_imports_point_down_the_layers(module: str) -> None:
+    layer = layer_of(module)
+    assert layer is not None
+    for dep in GRAPH[module]:
+        dep_layer = layer_of(dep)
+        if dep == "radixkv":
+            pytest.fail(f"{module} imports the top-level radixkv package (import the layer)")
+        assert dep_layer == layer or dep_layer in ALLOWED[layer], (
+            f"{module} ({layer}) imports {dep} ({dep_layer})"
+        )
+
+
+def test_no_import_cycles() -> None:
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(GRAPH[m]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep) :] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+
+
+def test_the_cache_stays_pure_python() -> None:
+    for module, path in MODULES.items():
+        if layer_of(module) != "cache":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for n in names:
+                assert n.split(".")[0] not in ("torch", "transformers", "triton"), (module, n)
