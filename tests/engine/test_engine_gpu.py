@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tiny_llama import random_prompts
@@ -11,6 +13,10 @@ from radixkv import LLM, SamplingParams
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
+        reason="TRITON_INTERPRET is on: the engine would run interpreted kernels on CUDA tensors",
+    ),
 ]
 
 

@@ -162,6 +162,7 @@ def test_plan_num_blocks():
         plan_num_blocks(spec, cpu, num_blocks=0)
 
 
+@pytest.mark.interpreter
 def test_runner_through_the_triton_kernels(models):
     """The same steps through the Triton kernels (interpreted on CPU): the runner's tensors meet
     the launchers' shape / dtype / stride checks, not only the reference's."""

@@ -25,6 +25,7 @@ def bench(monkeypatch):
     return module
 
 
+@pytest.mark.interpreter
 def test_kernel_bench_runs_on_tiny_sizes(bench, capsys):
     copy_gbps = bench.copy_bandwidth_gbps(num_bytes=1 << 20)
     decode = [bench.bench_decode(1, 40, block_size, sdpa_ms=2.0) for block_size in (16, 64)]

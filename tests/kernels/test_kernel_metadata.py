@@ -46,6 +46,9 @@ def _slots_of(batch) -> torch.Tensor:
 # ------------------------------------------------------------------- step path == loose path
 
 
+# The Triton launchers on CPU tensors need the interpreter (skipped on a GPU machine).
+IMPLS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
+
 LENS = [
     pytest.param([1, 15, 16, 17, 300], [1, 1, 16, 2, 37], id="mixed"),
     pytest.param([700, 5], [700, 1], id="prefill-past-the-query-chunk"),
@@ -84,6 +87,7 @@ def test_reference_step_accepts_strided_q(paged_batch):
     assert not torch.equal(actual, expected)  # a different scale: the comparison is not vacuous
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_triton_step_equals_loose(paged_batch, block_size):
     batch = paged_batch([1, 15, 17, 40], [1, 1, 2, 7], block_size=block_size, group=3)
@@ -94,7 +98,7 @@ def test_triton_step_equals_loose(paged_batch, block_size):
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("skip", [False, True], ids=["all-written", "some-skipped"])
 def test_store_kv_step_equals_loose(paged_batch, impl, skip):
     batch = paged_batch([20, 5, 33], [3, 5, 1], block_size=16)
@@ -238,7 +242,7 @@ def test_built_from_host_tensors_for_another_device():
 # ------------------------------------------------------------------- per-layer checks
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_attention_step_checks_its_tensors_against_the_metadata(paged_batch, impl):
     step = {"reference": reference.paged_attention_step, "triton": triton_paged_attention_step}
     attend = step[impl]
@@ -260,7 +264,7 @@ def test_attention_step_checks_its_tensors_against_the_metadata(paged_batch, imp
         attend(q, k, v, meta_elsewhere, scale)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_store_step_checks_its_tensors_against_the_metadata(paged_batch, impl):
     store = {"reference": reference.store_kv_step, "triton": triton_store_kv_step}[impl]
     batch = paged_batch([20, 5], [3, 5], block_size=16)
