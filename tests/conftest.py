@@ -28,6 +28,8 @@ if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests re-check every engine step's metadata values (the engine skips that by default).
+os.environ.setdefault("RADIXKV_VALIDATE_STEPS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -65,6 +65,7 @@ class LLM:
     blocks, or what `kv_cache_bytes` holds, or (CPU) 512 MiB / (CUDA) 80 % of free device memory.
     `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
+    `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         progress: Progress | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         check_size(block_size, "block_size", low=1)
         check_size(seed, "seed", low=0)
@@ -112,9 +114,16 @@ class LLM:
         n_blocks = plan_num_blocks(
             spec, param.device, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes
         )
-        self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=n_blocks)
-        self.cache = PrefixCache(n_blocks, block_size)
         self.max_model_len = _max_model_len(self.model.config.get_text_config())
+        self.runner = ModelRunner(
+            self.model,
+            block_size=block_size,
+            num_blocks=n_blocks,
+            enforce_eager=enforce_eager,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        self.cache = PrefixCache(n_blocks, block_size)
         self.scheduler_config = SchedulerConfig(**config_args, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.vocab_size = self.runner.vocab_size

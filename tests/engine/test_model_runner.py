@@ -118,7 +118,10 @@ def _recording(fn, calls: list):
     return wrapped
 
 
-def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch):
+@pytest.mark.parametrize("validate_steps", [True, False])
+def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch, validate_steps):
+    """With validate_steps the values are checked once per step (never per layer); without it
+    (the default hot path) not at all."""
     model, _ = models
     validated, stored, attended = [], [], []
     # The metadata's values are checked when it is built; each step kernel checks its own tensors
@@ -132,9 +135,9 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     monkeypatch.setattr(
         reference, "check_attention_step", _recording(metadata.check_attention_step, attended)
     )
-    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    runner = ModelRunner(model, block_size=4, num_blocks=16, validate_steps=validate_steps)
     runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3]), row("b", [8], 0, [4]))))
-    assert len(validated) == 1
+    assert len(validated) == int(validate_steps)
     assert len(stored) == len(attended) == model.config.num_hidden_layers
     # one metadata object, shared by every layer's store and attention
     assert len({id(args[4]) for args in stored} | {id(args[3]) for args in attended}) == 1

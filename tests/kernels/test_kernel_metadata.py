@@ -239,6 +239,40 @@ def test_built_from_host_tensors_for_another_device():
         AttentionMetadata(**args, device="meta")
 
 
+def test_device_tensors_with_their_host_copies_are_never_read_back():
+    # The engine's staging path, "meta" standing in for a GPU: the tensors are already on the
+    # device (their values cannot be read there) and the host copies carry the values.
+    host = _good()
+    names = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
+    on_device = {n: host[n].to("meta") for n in names}
+    host_tensors = tuple(host[n] for n in names)
+    meta = AttentionMetadata(
+        **on_device, kv_cache_shape=host["kv_cache_shape"], host_tensors=host_tensors
+    )
+    assert meta.device == torch.device("meta") and meta.host_tensors is None  # not kept
+    assert meta.seq_lens_host == (20, 5) and meta.cu_seqlens_q_host == (0, 3, 8)
+    bad = (host["block_tables"], host["seq_lens"][:1], host["cu_seqlens_q"], host["slot_mapping"])
+    with pytest.raises(ValueError, match="host_tensors' seq_lens"):
+        AttentionMetadata(**on_device, kv_cache_shape=host["kv_cache_shape"], host_tensors=bad)
+    wrong = dict(host, seq_lens=_i32(20, 4))  # values checked on the host copies
+    with pytest.raises(ValueError, match="< q_len"):
+        AttentionMetadata(
+            **on_device,
+            kv_cache_shape=host["kv_cache_shape"],
+            host_tensors=tuple(wrong[n] for n in names),
+        )
+
+
+def test_validate_false_skips_only_the_value_checks():
+    args = _good()
+    args["seq_lens"] = _i32(20, 4)  # a value error: accepted unvalidated
+    meta = AttentionMetadata(**args, validate=False)
+    assert meta.seq_lens_host == (20, 4)
+    args["block_tables"] = args["block_tables"].long()  # a structural error: still rejected
+    with pytest.raises(ValueError, match="int32"):
+        AttentionMetadata(**args, validate=False)
+
+
 # ------------------------------------------------------------------- per-layer checks
 
 
