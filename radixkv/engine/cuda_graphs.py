@@ -34,6 +34,8 @@ from radixkv.scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
+_METADATA_FIELDS = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
+
 # forward(input_ids [1, T], position_ids [1, T], metadata) -> logits [1, T, vocab]
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -99,6 +101,7 @@ class DecodeGraphs:
         largest = StepLayout(self.buckets[-1], self.buckets[-1], max_blocks)
         self.static = torch.zeros(largest.total, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Captured] = {}
+        self.num_replays = 0  # decode steps computed by a graph (a statistic)
         self._capture_all(forward, kv_cache_shape, device)
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
@@ -120,6 +123,7 @@ class DecodeGraphs:
         pack_step(rows, (), self.block_size, captured.layout, host.numpy())
         self.stager.to_device(host, out=self.static)
         captured.graph.replay()
+        self.num_replays += 1
         return captured.logits[0, : len(rows)]
 
     def _capture_all(
@@ -151,10 +155,7 @@ class DecodeGraphs:
                 kv_cache_shape,
                 slot_mapping=views["slot_mapping"],
                 device=device,
-                host_tensors=tuple(
-                    host_views[n] for n in ("block_tables", "seq_lens", "cu_seqlens_q")
-                )
-                + (host_views["slot_mapping"],),
+                host_tensors=tuple(host_views[n] for n in _METADATA_FIELDS),
             )
             ids, positions = views["input_ids"][None], views["positions"][None]
             # Warm-up off the capture stream: compiles the Triton kernels, runs lazy inits.

@@ -186,7 +186,8 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(step.rows):
             if step.copies:
                 self._run_copies(step)
-            return graphs.run(step.rows).float()
+            # A copy: the graph overwrites its output buffer on the next replay.
+            return graphs.run(step.rows).to(torch.float32, copy=True)
         inputs = self.build_inputs(step)
         if step.copies:
             kernels.copy_blocks(self.k_cache, self.v_cache, *inputs.copies)
