@@ -123,8 +123,8 @@ class ModelRunner:
     ``"radixkv"`` for as long as the runner lives; `decode_graphs` is None on the CPU and with
     `enforce_eager`.
 
-    `max_num_seqs` bounds the decode graphs' batch sizes, `max_model_len` (default: the model's
-    `max_position_embeddings`) their block-table width.
+    `max_num_seqs` bounds the decode graphs' batch sizes, `max_model_len` (default: what the pool
+    holds) their block-table width; a step past either runs eager.
     """
 
     def __init__(
@@ -168,9 +168,8 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager:
-            if max_model_len is None:
-                cfg = model.config.get_text_config()
-                max_model_len = int(getattr(cfg, "max_position_embeddings", None) or 8192)
+            if max_model_len is None:  # no sequence can outgrow the pool
+                max_model_len = num_blocks * block_size
             self.decode_graphs = self._capture(max_num_seqs, max_model_len)
 
     @property

@@ -175,3 +175,11 @@ def test_runner_through_the_triton_kernels(models):
     with use_backend("triton"):
         test_packed_prefill_chunks_and_decode(models, block_size=4)
         test_copy_on_write_of_a_partial_block(models)
+
+
+def test_cpu_runs_eager_and_enforce_eager_must_be_a_bool(models):
+    model, _ = models
+    runner = ModelRunner(model, block_size=4, num_blocks=8, enforce_eager=False)
+    assert runner.decode_graphs is None  # CUDA graphs exist on CUDA only
+    with pytest.raises(TypeError, match="enforce_eager"):
+        ModelRunner(model, block_size=4, num_blocks=8, enforce_eager="no")
