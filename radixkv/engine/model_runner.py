@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from radixkv import kernels
+from radixkv.cache import check_size
 from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.cuda_graphs import DecodeGraphs, decode_buckets, graph_max_blocks
 from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step
@@ -83,21 +84,17 @@ def plan_num_blocks(
     gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
 ) -> int:
     """Number of KV blocks: `num_blocks` if given, else what `kv_cache_bytes` holds, else (CUDA) a
-    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises ValueError when the
-    budget holds no block."""
+    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises TypeError for a
+    size that is not an int, ValueError when the budget holds no block."""
     if num_blocks is not None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        return num_blocks
+        return check_size(num_blocks, "num_blocks", low=1)
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
             kv_cache_bytes = int(free * gpu_memory_fraction)
         else:
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int):
-        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
-    n = kv_cache_bytes // spec.bytes_per_block
+    n = check_size(kv_cache_bytes, "kv_cache_bytes", low=0) // spec.bytes_per_block
     if n < 1:
         raise ValueError(
             f"kv_cache_bytes={kv_cache_bytes} holds no KV block ({spec.bytes_per_block} bytes each)"
@@ -171,10 +168,6 @@ class ModelRunner:
             if max_model_len is None:  # no sequence can outgrow the pool
                 max_model_len = num_blocks * block_size
             self.decode_graphs = self._capture(max_num_seqs, max_model_len)
-
-    @property
-    def num_kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.spec.bytes_per_block
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
