@@ -35,6 +35,10 @@ A request's life (B = block size, `m` = cached tokens):
     insert(written, table, handle=handle)     adopt the new blocks, free duplicates; new handle
     release(result.handle); free(result.owned_block_ids)
 
+A scheduler holds all of that in one `BlockTable` per request: `admit` (match, check the fit,
+acquire, allocate, copy-on-write), `grow` (blocks for decoding), `commit` (insert what was written,
+adopt the canonical table) and `close` (release and free).
+
 Tokens are any sequence of ints, validated on every call; a caller that hands the same tokens to
 several calls can validate them once with `PackedTokens`. Under `handle=`, insert does not walk
 the tree again over the prefix the handle locks.
@@ -151,6 +155,23 @@ class InsertResult:
     owned_block_ids: tuple[int, ...]  # blocks of block_ids still privately owned by the caller
     num_freed_duplicates: int  # caller's private duplicates returned to the free list
     handle: LockHandle  # new lock on the inserted path (the `handle` argument, if any, is released)
+
+
+@dataclass(slots=True, eq=False)
+class BlockTable:
+    """The blocks one request uses: issued by `PrefixCache.admit`, changed by `grow` and
+    `commit`, given back by `close` (the cache's methods are its only writers).
+
+    `blocks[i]` is the physical block of block index i. `private` are the entries the request
+    holds alone (allocated, not adopted by the tree); the others are tree blocks that `handle`
+    keeps locked (None: the table was admitted without the cache and holds private blocks only).
+    """
+
+    blocks: list[int]
+    private: set[int]
+    handle: LockHandle | None
+    num_cached_tokens: int  # the hit at admission: KV of tokens [0, m) is there already
+    copy: tuple[int, int, int] | None  # (source, target, slots): copy-on-write of a partial hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,6 +483,65 @@ class PrefixCache:
             num_freed_duplicates=len(plan.duplicates),
             handle=self._new_handle(target, qb, n, path, namespace),
         )
+
+    # ------------------------------------------------------------- block tables
+    def admit(
+        self, tokens: Sequence[int], *, max_hit: int | None, namespace: str | None = None
+    ) -> BlockTable | None:
+        """A block table covering `tokens`: the hit (at most `max_hit` tokens; None: no match
+        and no lock), a private copy of a partial hit block (`BlockTable.copy`, to be done
+        before the KV is written), private blocks for the rest. None if the blocks are not
+        there, and then the cache is untouched: no query counted, no recency refreshed (the fit
+        is checked read-only, `can_allocate(reserve=match)`, before anything is locked).
+        Raises like `match` for bad tokens or a bad namespace."""
+        match = None
+        if max_hit is not None:
+            match = self.match(tokens, max_tokens=max_hit, namespace=namespace)
+        blocks = [] if match is None else list(match.block_ids)
+        partial = 0 if match is None else match.num_partial_slots
+        num_new = -(-len(tokens) // self.block_size) - len(blocks) + bool(partial)
+        if not self.can_allocate(num_new, reserve=match):
+            return None
+        handle = None if match is None else self.acquire(match)  # lock before allocation evicts
+        new = self.allocate(num_new)
+        assert new is not None, "can_allocate(reserve=match) promised the blocks"
+        copy = None
+        if partial:  # never write into a tree block got from a match
+            copy = (blocks[-1], new[0], partial)
+            blocks[-1] = new[0]
+        blocks += new[1:] if partial else new
+        hit = 0 if match is None else match.num_cached_tokens
+        return BlockTable(blocks, set(new), handle, hit, copy)
+
+    def grow(self, table: BlockTable, num_blocks: int) -> bool:
+        """Append `num_blocks` private blocks to `table` (evicting on demand); False, nothing
+        changed, if they are not there."""
+        new = self.allocate(num_blocks)
+        if new is None:
+            return False
+        table.blocks += new
+        table.private.update(new)
+        return True
+
+    def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
+        """Insert `tokens` (their KV written in `table`'s blocks) under the table's lock, which
+        moves to the inserted path; the table takes the canonical blocks the tree returns and
+        keeps as private only what the tree did not adopt. Raises like `insert`."""
+        assert table.handle is not None, "a table admitted without the cache cannot commit"
+        k = -(-len(tokens) // self.block_size)
+        result = self.insert(tokens, table.blocks[:k], handle=table.handle)
+        table.handle = result.handle
+        table.private.difference_update(table.blocks[:k])
+        table.private.update(result.owned_block_ids)
+        table.blocks[:k] = result.block_ids
+
+    def close(self, table: BlockTable) -> None:
+        """Release the table's lock and free its private blocks; the table is left empty."""
+        if table.handle is not None:
+            self.release(table.handle)
+        if table.private:  # nothing cached lives in them: their order does not matter
+            self.free([b for b in table.blocks if b in table.private])
+        table.blocks, table.private, table.handle, table.copy = [], set(), None, None
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:
