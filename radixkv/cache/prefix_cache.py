@@ -56,12 +56,24 @@ from dataclasses import dataclass, field
 
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
-from radixkv.cache.tree import RadixTree, TreeNode
+from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode
 from radixkv.cache.validation import check_size
 
 logger = logging.getLogger(__name__)
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
+_COUNTERS = (
+    "num_queries",
+    "num_query_tokens",
+    "num_hit_tokens",
+    "num_evicted_blocks",
+    "num_evicted_tokens",
+    "num_leaked_handles",
+    "num_inserts",
+    "num_inserted_tokens",
+    "num_duplicate_blocks_freed",
+    "num_superseded_tails_freed",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +258,8 @@ class PrefixCache:
         self._live: dict[int, _Lock] = {}  # handle id -> what it locks
         self._next_handle_id = 1
         self._clock = 0
-        self._counts: Counter[str] = Counter()  # the statistics of `stats()` that are counters
+        # The statistics of `stats()` that are counters, by their field names.
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         cache = weakref.ref(self)
 
         def on_handle_dropped(handle_id: int) -> None:
@@ -357,9 +370,9 @@ class PrefixCache:
         tick = self._tick()
         self._tree.lock_path(node, tick)
         m = match.num_cached_tokens
-        self._counts["queries"] += 1
-        self._counts["query_tokens"] += match.num_query_tokens
-        self._counts["hit_tokens"] += m
+        self._counts["num_queries"] += 1
+        self._counts["num_query_tokens"] += match.num_query_tokens
+        self._counts["num_hit_tokens"] += m
         return self._new_handle(node, matched.tokens, m, match.block_ids, match.namespace)
 
     def release(self, handle: LockHandle) -> None:
@@ -440,6 +453,42 @@ class PrefixCache:
         `handle`, if given, is released after the new lock is taken. Everything is validated
         (TypeError/ValueError) before anything changes.
         """
+        qb, plan, old, namespace = self._plan_insert(tokens, block_ids, handle, namespace)
+        n = len(qb) // 4
+        # Validated: commit.
+        tick = self._tick()
+        if handle is not None:
+            del self._live[handle.handle_id]  # its lock moves to the new handle below
+        target, superseded = self._tree.commit_insert(
+            plan, qb, None if old is None else old.node, tick
+        )
+        self._private.difference_update(plan.new_ids)
+        if plan.duplicates:
+            self._private.difference_update(plan.duplicates)
+            self._pool.release(plan.duplicates)
+        table = tuple(plan.table)
+        path = table if plan.path_ids is None else plan.path_ids
+        self._counts["num_inserts"] += 1
+        self._counts["num_inserted_tokens"] += n - plan.num_cached
+        self._counts["num_duplicate_blocks_freed"] += len(plan.duplicates)
+        self._counts["num_superseded_tails_freed"] += superseded
+        return InsertResult(
+            num_new_tokens=n - plan.num_cached,
+            block_ids=table,
+            owned_block_ids=() if plan.kept is None else (plan.kept,),
+            num_freed_duplicates=len(plan.duplicates),
+            handle=self._new_handle(target, qb, n, path, namespace),
+        )
+
+    def _plan_insert(
+        self,
+        tokens: Sequence[int],
+        block_ids: Sequence[int],
+        handle: LockHandle | None,
+        namespace: str | None,
+    ) -> tuple[bytes, InsertPlan, _Lock | None, str | None]:
+        """Every check of `insert`, nothing changed: (packed tokens, the tree's plan, the lock
+        of `handle`, the namespace inserted into). TypeError/ValueError as `insert` says."""
         qb = pack_tokens(tokens)
         n = len(qb) // 4
         ids = self._block_id_array(block_ids)
@@ -458,31 +507,7 @@ class PrefixCache:
         namespace = namespace if old is None else old.namespace
         walked = self._walk(qb, n, namespace) if old is None else self._walk_past_lock(old, qb, n)
         plan = self._tree.plan_insert(walked, n, ids, block_ids, self._private)
-
-        # ---- validated: commit ----
-        tick = self._tick()
-        if handle is not None:
-            del self._live[handle.handle_id]  # its lock moves to the new handle below
-        target, superseded = self._tree.commit_insert(
-            plan, qb, None if old is None else old.node, tick
-        )
-        self._private.difference_update(plan.new_ids)
-        if plan.duplicates:
-            self._private.difference_update(plan.duplicates)
-            self._pool.release(plan.duplicates)
-        table = tuple(plan.table)
-        path = table if plan.path_ids is None else plan.path_ids
-        self._counts["inserts"] += 1
-        self._counts["inserted_tokens"] += n - plan.num_cached
-        self._counts["duplicates_freed"] += len(plan.duplicates)
-        self._counts["superseded_freed"] += superseded
-        return InsertResult(
-            num_new_tokens=n - plan.num_cached,
-            block_ids=table,
-            owned_block_ids=() if plan.kept is None else (plan.kept,),
-            num_freed_duplicates=len(plan.duplicates),
-            handle=self._new_handle(target, qb, n, path, namespace),
-        )
+        return qb, plan, old, namespace
 
     # ------------------------------------------------------------- block tables
     def admit(
@@ -555,8 +580,8 @@ class PrefixCache:
 
     def _evict(self, n: int) -> list[int]:
         freed, num_tokens = self._tree.evict(n)
-        self._counts["evicted_blocks"] += len(freed)
-        self._counts["evicted_tokens"] += num_tokens
+        self._counts["num_evicted_blocks"] += len(freed)
+        self._counts["num_evicted_tokens"] += num_tokens
         return freed
 
     # ------------------------------------------------------------------ reports
@@ -569,21 +594,12 @@ class PrefixCache:
             num_evictable_blocks=tree.num_evictable_blocks,
             num_in_use_blocks=self.num_in_use_blocks,
             num_nodes=tree.num_nodes,
-            num_queries=c["queries"],
-            num_query_tokens=c["query_tokens"],
-            num_hit_tokens=c["hit_tokens"],
-            num_computed_tokens=c["query_tokens"] - c["hit_tokens"],
-            num_evicted_blocks=c["evicted_blocks"],
-            num_evicted_tokens=c["evicted_tokens"],
+            num_computed_tokens=c["num_query_tokens"] - c["num_hit_tokens"],
             num_private_blocks=len(self._private),
             num_cached_tokens=tree.num_cached_tokens,
             num_live_handles=len(self._live),
-            num_leaked_handles=c["leaked_handles"],
-            num_inserts=c["inserts"],
-            num_inserted_tokens=c["inserted_tokens"],
-            num_duplicate_blocks_freed=c["duplicates_freed"],
-            num_superseded_tails_freed=c["superseded_freed"],
             num_namespaces=len(tree.roots),
+            **c,
         )
 
     def nodes(self) -> Iterator[NodeView]:
@@ -734,7 +750,7 @@ class PrefixCache:
     def _report_if_leaked(self, handle_id: int) -> None:
         """Every copy of a handle is gone: report it if its lock is still held."""
         if handle_id in self._live:
-            self._counts["leaked_handles"] += 1
+            self._counts["num_leaked_handles"] += 1
             logger.warning(
                 "lock handle %d was dropped without release(); its path stays locked", handle_id
             )
