@@ -31,18 +31,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in _FINISH_REASONS
 
 
-_FINISHED = frozenset(
-    (
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_ERROR,
-    )
-)
-_FINISH_REASONS = {
+_FINISH_REASONS = {  # the finished statuses and the finish reason each reports
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",

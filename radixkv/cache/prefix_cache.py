@@ -76,7 +76,7 @@ _COUNTERS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Matched:
     """What the cache matched, kept inside a MatchResult so that `acquire` can tell it from a
     result whose public fields were edited (e.g. with `dataclasses.replace`)."""
@@ -85,14 +85,14 @@ class _Matched:
     version: int  # the tree's version at match time
     node: TreeNode | None  # deepest node touched; None: the namespace has no root yet
     tokens: bytes  # the packed query
-    namespace: str | None
-    num_cached_tokens: int
-    block_ids: tuple[int, ...]
+    fields: tuple[object, ...]  # the MatchResult's public fields, as issued
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MatchResult:
-    """Read-only result of `PrefixCache.match`. Safe to use only until the cache next mutates."""
+    """Result of `PrefixCache.match`, to be read, not edited (`acquire` rejects an edited one).
+    Safe to use only until the cache next mutates. Not frozen: one is made per request, and a
+    frozen dataclass costs several times more to build (see RESULTS.md)."""
 
     num_query_tokens: int  # len(tokens) given to match()
     num_cached_tokens: int  # m: tokens [0, m) have KV in the cache
@@ -131,7 +131,7 @@ class _Lease:
         self.on_drop(self.handle_id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LockHandle:
     """A lock on a tree path. Release exactly once with `PrefixCache.release` (any copy will do).
 
@@ -160,7 +160,7 @@ class _Lock:
     lease: weakref.ref[_Lease]  # weak: the handles' copies alone keep it alive
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InsertResult:
     num_new_tokens: int  # tokens added to the tree by this call
     block_ids: tuple[int, ...]  # canonical table for tokens[0:n): use these from now on
@@ -351,8 +351,8 @@ class PrefixCache:
         _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
         block_ids = tuple(blocks)
-        matched = _Matched(self._tree, self._tree.version, node, qb, namespace, m, block_ids)
-        return MatchResult(n, m, block_ids, m % self.block_size, namespace, matched)
+        fields = (n, m, block_ids, m % self.block_size, namespace)
+        return MatchResult(*fields, _Matched(self._tree, self._tree.version, node, qb, fields))
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
@@ -691,13 +691,9 @@ class PrefixCache:
         matched = match.matched
         if not isinstance(matched, _Matched) or matched.tree is not self._tree:
             raise ValueError("match was not produced by this cache")
-        if (
-            matched.num_cached_tokens != match.num_cached_tokens
-            or matched.block_ids != match.block_ids
-            or len(matched.tokens) // 4 != match.num_query_tokens
-            or match.num_partial_slots != match.num_cached_tokens % self.block_size
-            or matched.namespace != match.namespace
-        ):
+        m = match
+        fields = (m.num_query_tokens, m.num_cached_tokens, m.block_ids, m.num_partial_slots)
+        if matched.fields != (*fields, m.namespace):
             raise ValueError("match was edited after match(): its fields differ from the cache's")
         # Same version => no structural change since the match: the node is still in the tree.
         if matched.version != self._tree.version:

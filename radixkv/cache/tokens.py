@@ -7,6 +7,7 @@ uint32 memoryviews of packed bytes).
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import overload
@@ -16,6 +17,8 @@ import numpy as np
 TOKEN_BYTES = 4
 MAX_TOKEN_ID = 2**32 - 1
 _TOKEN_DTYPE = np.dtype("=u4")
+_INT32_DTYPE = np.dtype("=i4")
+_SIGN_BYTE = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0  # the byte holding bit 31
 assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
 
 
@@ -161,10 +164,16 @@ def uint32_array(values: Sequence[int], name: str, what: str) -> array:
 def _pack_ndarray(tokens: np.ndarray, name: str) -> bytes:
     if tokens.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype == _TOKEN_DTYPE:
+        return tokens.tobytes()  # every uint32 is a token id
+    if tokens.dtype == _INT32_DTYPE:  # what tokenizers hand out: only the signs to check
+        packed = tokens.tobytes()
+        # Speed: the sign bytes all below 0x80 (ASCII) means no negative id; see RESULTS.md.
+        if packed[_SIGN_BYTE::TOKEN_BYTES].isascii():
+            return packed
     if tokens.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold ints, got dtype {tokens.dtype}")
-    checked = tokens.dtype == _TOKEN_DTYPE or not tokens.size  # every uint32 is a token id
-    if not checked and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
         bad = int(np.flatnonzero((tokens < 0) | (tokens > MAX_TOKEN_ID))[0])
         raise ValueError(
             f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]"
