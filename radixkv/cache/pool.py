@@ -99,8 +99,7 @@ class BlockPool:
         """
         refs = self._refs
         for b in block_ids:
-            if type(b) is not int or not 0 <= b < self.num_blocks:
-                self._check_id(b)  # raises, naming the problem
+            self._check_id(b)
             if refs[b] == 0:
                 raise ValueError(f"block {b} is already free")
         if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
@@ -144,6 +143,8 @@ class BlockPool:
                 raise AssertionError(f"block {b} ref count {r} != {owners.get(b, 0)} owners")
 
     def _check_id(self, block_id: object) -> None:
+        if type(block_id) is int and 0 <= block_id < self.num_blocks:
+            return
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
         if not 0 <= block_id < self.num_blocks:

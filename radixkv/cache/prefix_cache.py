@@ -115,7 +115,7 @@ class _Lease:
     `dataclasses.replace` keep it): when the last copy is garbage-collected while its lock is
     still held, the issuing cache reports a leak, once."""
 
-    __slots__ = ("__weakref__", "handle_id", "on_drop")
+    __slots__ = ("handle_id", "on_drop")
 
     def __init__(self, handle_id: int, on_drop: Callable[[int], None]) -> None:
         self.handle_id = handle_id
@@ -157,7 +157,6 @@ class _Lock:
     num_tokens: int
     block_ids: tuple[int, ...]  # the path's blocks of indices 0 .. ceil(num_tokens/B)-1
     namespace: str | None
-    lease: weakref.ref[_Lease]  # weak: the handles' copies alone keep it alive
 
 
 @dataclass(slots=True)
@@ -681,7 +680,7 @@ class PrefixCache:
         hid = self._next_handle_id
         self._next_handle_id = hid + 1
         lease = _Lease(hid, self._on_handle_dropped)
-        self._live[hid] = _Lock(node, tokens, num_tokens, block_ids, namespace, weakref.ref(lease))
+        self._live[hid] = _Lock(node, tokens, num_tokens, block_ids, namespace)
         return LockHandle(hid, num_tokens, lease)
 
     def _matched(self, match: MatchResult) -> _Matched:
@@ -708,7 +707,13 @@ class PrefixCache:
         if not isinstance(handle, LockHandle):
             raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
         lock = self._live.get(handle.handle_id)
-        if lock is None or handle.lease is not lock.lease():
+        lease = handle.lease  # shared by every copy of the handle this cache issued
+        if (
+            lock is None
+            or lease is None
+            or lease.on_drop is not self._on_handle_dropped
+            or lease.handle_id != handle.handle_id
+        ):
             raise ValueError(
                 f"handle {handle.handle_id} is not a live handle of this cache (already released,"
                 " or issued by another cache)"
