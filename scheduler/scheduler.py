@@ -121,9 +121,10 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens is longer than the model's "
                 f"context (max_model_len={max_len})"
             )
-        num_blocks = self._max_num_blocks(request)
+        # NOTE: the last token of a finished sequence has no KV, hence the - 1.
+        max_kv_tokens = request.max_num_tokens(max_len) - 1
+        num_blocks = _cdiv(max_kv_tokens, self._block_size)
         if num_blocks > self.cache.num_blocks:
-            max_kv_tokens = request.max_num_tokens(max_len) - 1
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens + up to "
                 f"{max_kv_tokens + 1 - num_prompt} generated tokens need {num_blocks} KV blocks of "
@@ -330,16 +331,15 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         if not self._waiting or budget == 0 or len(self._running) >= max_seqs:
             return budget
-        admitted: list[Request] = []
-        num_deferred = 0
         # (request, end): what each request admitted in this step writes, then inserts, this step.
-        in_batch: list[tuple[Request, int]] = []
+        admitted: list[tuple[Request, int]] = []
+        num_deferred = 0
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
         cache_view = self.cache if self._use_cache else None
         for req in self._policy.order(self._waiting, cache_view):
             if budget == 0 or len(self._running) + num_deferred >= max_seqs:
                 break
-            if in_batch and self._defer_for_in_batch_prefix(req, in_batch):
+            if defer and admitted and self._defer_for_in_batch_prefix(req, admitted):
                 num_deferred += 1
                 continue
             row = self._try_admit(req, budget, copies, use_hit=True)
@@ -353,15 +353,13 @@ class Scheduler:
                 assert row is not None, f"{req} does not fit an idle cache"
             if row is None:
                 break
-            admitted.append(req)
+            admitted.append((req, row.start_position + len(row.token_ids)))
             rows.append(row)
             budget -= len(row.token_ids)
-            if defer:
-                in_batch.append((req, row.start_position + len(row.token_ids)))
         if admitted:
             # The admitted are a subsequence of the policy order (deferred requests stay where
             # they are); for FCFS without deferrals, a prefix of the queue.
-            gone = {r.request_id for r in admitted}
+            gone = {r.request_id for r, _ in admitted}
             while self._waiting and self._waiting[0].request_id in gone:
                 gone.discard(self._waiting.popleft().request_id)
             if gone:
@@ -428,10 +426,6 @@ class Scheduler:
         self._running[req.request_id] = req
         num_tokens = min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget)
         return self._row(req, num_hit, num_hit + num_tokens)
-
-    def _max_num_blocks(self, req: Request) -> int:
-        """Blocks of the request's longest KV (the last token of a finished sequence has none)."""
-        return _cdiv(req.max_num_tokens(self.config.max_model_len) - 1, self._block_size)
 
     def _row(self, req: Request, start: int, end: int) -> ScheduledRequest:
         return ScheduledRequest(
