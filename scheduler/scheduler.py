@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
-from radixkv.cache.tokens import common_prefix_len
+from radixkv.cache.tokens import MAX_TOKEN_ID, common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import make_policy
@@ -218,9 +218,14 @@ class Scheduler:
                 f"{sorted(sampling - set(sampled))}, unexpected {sorted(set(sampled) - sampling)}"
             )
         for rid, token in sampled.items():
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, int)
+                or not 0 <= token <= MAX_TOKEN_ID
+            ):
                 raise ValueError(
-                    f"request {rid!r}: sampled token must be an int >= 0, got {token!r}"
+                    f"request {rid!r}: sampled token must be an int in [0, {MAX_TOKEN_ID}],"
+                    f" got {token!r}"
                 )
         self._in_flight = None
 

@@ -398,6 +398,9 @@ def test_update_checks_the_sampled_tokens() -> None:
         sched.update_from_output(out, {"a": 4, "b": 5})
     with pytest.raises(ValueError, match="not the pending"):
         sched.update_from_output(SchedulerOutput(rows=out.rows), {"a": 4})
+    for bad in (-1, 2**32, True, 1.0):  # checked before anything changes
+        with pytest.raises(ValueError, match="sampled token must be an int in"):
+            sched.update_from_output(out, {"a": bad})
     assert sched.update_from_output(out, {"a": 4}) == []
     sched.check_integrity()
 
