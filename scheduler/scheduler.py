@@ -69,6 +69,7 @@ class Scheduler:
         self._num_admissions = 0
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._scheduling = False  # inside schedule(): still set after a fault there
 
     # ------------------------------------------------------------------ queries
 
@@ -138,7 +139,8 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        if req.status is RequestStatus.RUNNING:
+        # Not by status: a fault in update_from_output can leave a finished request running.
+        if request_id in self._running:
             del self._running[request_id]
             self._release(req)
         else:
@@ -158,6 +160,7 @@ class Scheduler:
             raise RuntimeError(
                 "schedule() called again before update_from_output() of the last step"
             )
+        self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
         copies: list[BlockCopy] = []
@@ -191,6 +194,7 @@ class Scheduler:
         self._aborted_ids.clear()
         if rows:
             self._in_flight = output
+        self._scheduling = False
         return output
 
     def update_from_output(
@@ -438,8 +442,9 @@ class Scheduler:
         # Exact and read-only: counts the evictable blocks that locking the match will pin.
         if not self.cache.can_allocate(num_new_blocks, reserve=match):
             return None
-        # Lock before allocating, or the allocation may evict the blocks we just matched.
-        handle = self.cache.acquire(match) if match is not None else None
+        # Lock before allocating, or the allocation may evict the blocks we just matched. The
+        # request holds the lock at once, so that a fault in between cannot leak it.
+        req.handle = self.cache.acquire(match) if match is not None else None
         blocks = self.cache.allocate(num_new_blocks) if num_new_blocks else []
         assert blocks is not None, f"{req}: can_allocate(reserve=match) promised the blocks"
         if num_partial_slots:
@@ -450,7 +455,6 @@ class Scheduler:
 
         req.block_table = table
         req.private_block_ids = set(blocks)
-        req.handle = handle
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit
@@ -516,14 +520,30 @@ class Scheduler:
             assert stats.num_free_blocks == stats.num_blocks - len(private_owner), stats
 
     def fail_step(self) -> list[Request]:
-        """After a fault between `schedule()` and `update_from_output()`: finish the pending
-        step's requests with FINISHED_ERROR, returning their blocks and locks (their KV of that
-        step is not inserted), so the next `schedule()` works. Returns them ([] if none pending)."""
+        """After a fault in a step: finish the requests it touched with FINISHED_ERROR and return
+        their blocks and locks (their KV of that step is not inserted), so the next `schedule()`
+        works. Returns them: the rows of the pending step, [] if none is pending (e.g. the fault
+        came after `update_from_output()`), and every live request after a fault inside
+        `schedule()`, whose partial work no output records."""
         output, self._in_flight = self._in_flight, None
+        if self._scheduling:
+            return self._fail_all()
         failed = []
         for row in output.rows if output is not None else ():
             req = self._requests.get(row.request_id)
             if req is not None and self.abort(row.request_id):
                 req.set_finished(RequestStatus.FINISHED_ERROR)
                 failed.append(req)
+        return failed
+
+    def _fail_all(self) -> list[Request]:
+        failed = list(self._requests.values())
+        self._waiting.clear()
+        self._running.clear()
+        self._requests.clear()
+        self._scheduling = False
+        for req in failed:
+            self._release(req)  # whatever it holds, whatever its state
+            req.set_finished(RequestStatus.FINISHED_ERROR)
+            self._aborted_ids.append(req.request_id)
         return failed

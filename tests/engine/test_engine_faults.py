@@ -2,10 +2,11 @@
 the exception to their callers, returns every block and lock, and the next call works.
 
 Each run injects one exception (KeyboardInterrupt included) at the n-th pass through one point of
-the step: scheduling (before or after the scheduler's work), the model forward (between two
-layers), the KV store, sampling, detokenizing; while requests of all three front doors (step API,
-stream, generate) are in flight on one long-lived engine. Afterwards the scheduler and cache are
-consistent, nothing is in use, and the engine's outputs equal a fresh engine's.
+the step: scheduling (before, inside, or after the scheduler's work), the model forward (between
+two layers), the KV store, sampling, the scheduler's update (its cache insert), detokenizing; while
+requests of all three front doors (step API, stream, generate) are in flight on one long-lived
+engine. Afterwards the scheduler and cache are consistent, nothing is in use, and the engine's
+outputs equal a fresh engine's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from radixkv.engine.attention import PagedKVCache
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 
 ENGINE_ARGS = dict(block_size=4, num_blocks=96, max_num_seqs=3, chunked_prefill_size=8)
-POINTS = ("schedule", "scheduled", "forward", "kv-store", "sample", "detokenize")
+POINTS = (
+    "schedule",
+    "allocate",
+    "scheduled",
+    "forward",
+    "kv-store",
+    "sample",
+    "insert",
+    "detokenize",
+)
 PROMPTS = random_prompts(51, 6, shared_prefix=10, max_len=24)
 PARAMS = [
     SamplingParams(max_tokens=6, ignore_eos=True),
@@ -79,6 +89,8 @@ def fault(llm: LLM, point: str, at: int, exc: BaseException) -> Iterator[list[bo
             mp.setattr(
                 llm.scheduler, "schedule", around(llm.scheduler.schedule, point == "schedule")
             )
+        elif point in ("allocate", "insert"):  # the cache, inside schedule / update_from_output
+            mp.setattr(llm.cache, point, around(getattr(llm.cache, point), True))
         elif point == "forward":
             hook = llm.model.model.layers[1].register_forward_pre_hook(lambda *_: trip())
         elif point == "kv-store":
@@ -109,7 +121,7 @@ def drain(stream: Iterator, caught: list[BaseException]) -> list:
     return deltas
 
 
-@pytest.mark.parametrize("run", range(48))
+@pytest.mark.parametrize("run", range(64))
 def test_a_fault_anywhere_fails_only_its_step(llm, expected, run):
     rng = random.Random(run)
     point = POINTS[run % len(POINTS)]
