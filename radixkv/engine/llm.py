@@ -33,7 +33,7 @@ from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_block
 from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.scheduler.sampling_params import SamplingParams, check_seed
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,10 @@ class LLM:
         progress: Progress | None = None,
         enforce_eager: bool = False,
     ) -> None:
-        check_size(block_size, "block_size", low=1)
-        check_size(seed, "seed", low=0)
+        block_size = check_size(block_size, "block_size", low=1)
+        seed = check_seed(seed)
         if num_threads is not None:
-            check_size(num_threads, "num_threads", low=1)
+            num_threads = check_size(num_threads, "num_threads", low=1)
         loaded = load_model(
             model, tokenizer=tokenizer, device=device, dtype=dtype, progress=progress
         )
