@@ -139,12 +139,12 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        # Not by status: a fault in update_from_output can leave a finished request running.
-        if request_id in self._running:
-            del self._running[request_id]
-            self._release(req)
-        else:
+        # Found by where it is, not by its status: after a fault inside a step, a request can be
+        # finished but still running, or admitted but still waiting, or half-admitted.
+        self._running.pop(request_id, None)
+        if req in self._waiting:
             self._waiting.remove(req)  # O(len(waiting)): aborts are rare, not the hot path
+        self._release(req)
         req.set_finished(RequestStatus.FINISHED_ABORTED)
         self._aborted_ids.append(request_id)
         return True
@@ -527,23 +527,14 @@ class Scheduler:
         `schedule()`, whose partial work no output records."""
         output, self._in_flight = self._in_flight, None
         if self._scheduling:
-            return self._fail_all()
+            self._scheduling = False
+            ids = list(self._requests)
+        else:
+            ids = [row.request_id for row in output.rows] if output is not None else []
         failed = []
-        for row in output.rows if output is not None else ():
-            req = self._requests.get(row.request_id)
-            if req is not None and self.abort(row.request_id):
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is not None and self.abort(rid):
                 req.set_finished(RequestStatus.FINISHED_ERROR)
                 failed.append(req)
-        return failed
-
-    def _fail_all(self) -> list[Request]:
-        failed = list(self._requests.values())
-        self._waiting.clear()
-        self._running.clear()
-        self._requests.clear()
-        self._scheduling = False
-        for req in failed:
-            self._release(req)  # whatever it holds, whatever its state
-            req.set_finished(RequestStatus.FINISHED_ERROR)
-            self._aborted_ids.append(req.request_id)
         return failed
