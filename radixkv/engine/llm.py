@@ -75,6 +75,10 @@ class LLM:
     `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
     `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
+
+    Invariants (between calls): the unfinished records are exactly the scheduler's live
+    requests; a finished record waits only for its front door (the update in `step()`'s outbox,
+    the stream's queue, generate's return); no dropped stream waits for release.
     """
 
     def __init__(
@@ -183,6 +187,16 @@ class LLM:
     @property
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting
+
+    def check_integrity(self) -> None:
+        """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
+        self.scheduler.check_integrity()
+        assert not self._stepping and not self._orphans, self._orphans
+        unfinished = {rid for rid, t in self._tracked.items() if t.output is None}
+        live = self.scheduler.running_requests + self.scheduler.waiting_requests
+        assert unfinished == {r.request_id for r in live}, (unfinished, live)
+        for u in self._outbox:
+            assert u.output is None or u.request_id in self._tracked, u
 
     # ------------------------------------------------------------------ generate / stream
 

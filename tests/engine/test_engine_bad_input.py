@@ -21,10 +21,10 @@ def good_prompt():
 def assert_still_usable(llm: LLM, prompt: list[int]) -> None:
     assert not llm.scheduler.has_unfinished()
     assert not llm._tracked
-    llm.cache.check_integrity()
+    llm.check_integrity()
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4
-    llm.cache.check_integrity()
+    llm.check_integrity()
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,7 @@ def test_a_fault_anywhere_fails_only_its_step(llm, expected, run):
         deltas = [first, *drain(stream, caught)] if first is not None else []
         while llm.has_unfinished_requests():
             updates += attempt(llm.step, caught) or []
+            llm.check_integrity()
     assert fired[0], f"the fault at {point} never fired"
     assert caught and all(e is exc for e in caught)
 
@@ -151,8 +152,8 @@ def test_a_fault_anywhere_fails_only_its_step(llm, expected, run):
     if outs is not None:
         assert [o.token_ids for o in outs] == expected[2:4]
 
-    llm.scheduler.check_integrity()
+    llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
     assert not llm.has_unfinished_requests() and not llm._tracked
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
-    llm.scheduler.check_integrity()
+    llm.check_integrity()

@@ -51,7 +51,7 @@ def test_two_thousand_abandoned_streams_leave_nothing(llm, monkeypatch):
     (out,) = llm.generate([prompts[0]], params)
     assert set(seen) == {out.request_id}
     assert not llm._tracked and not llm.scheduler.has_unfinished()
-    llm.scheduler.check_integrity()
+    llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
 
 
@@ -77,7 +77,7 @@ def test_a_stream_freed_inside_a_step_is_aborted_after_it(llm, monkeypatch):
     orphan_rows = [rid for rid in seen if rid != out.request_id]
     assert len(orphan_rows) == 1  # the dropped stream ran in one step, no more
     assert not llm._tracked and not llm.scheduler.has_unfinished()
-    llm.scheduler.check_integrity()
+    llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
 
 
