@@ -345,14 +345,8 @@ class LLM:
             decode_tokens_per_s=(len(out_ids) - 1) / decode_s if decode_s > 0 else 0.0,
             total_s=now - t.t_submit,
         )
-        t.output = RequestOutput(
-            req.request_id,
-            tuple(req.prompt_token_ids),
-            out_ids,
-            t.detok.emitted,
-            finish_reason,
-            stats,
-        )
+        rid, prompt_ids = req.request_id, tuple(req.prompt_token_ids)
+        t.output = RequestOutput(rid, prompt_ids, out_ids, t.detok.emitted, finish_reason, stats)
 
     def _emit(self, t: _Tracked, new_token_ids: tuple[int, ...], new_text: str) -> None:
         if t.sink is not None:
