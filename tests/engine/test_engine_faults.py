@@ -1,12 +1,12 @@
 """Faults never wedge the engine: an exception anywhere in a step fails that step's requests, hands
 the exception to their callers, returns every block and lock, and the next call works.
 
-Each run injects one exception (KeyboardInterrupt included) at the n-th pass through one point of
-the step: scheduling (before, inside, or after the scheduler's work), the model forward (between
-two layers), the KV store, sampling, the scheduler's update (its cache insert), detokenizing; while
-requests of all three front doors (step API, stream, generate) are in flight on one long-lived
-engine. Afterwards the scheduler and cache are consistent, nothing is in use, and the engine's
-outputs equal a fresh engine's.
+Each run injects one exception (KeyboardInterrupt and SystemExit included) at the n-th pass
+through one point of the step: scheduling (before, inside, or after the scheduler's work), the
+model forward (between two layers), the KV store, sampling, the scheduler's update (its cache
+insert), detokenizing; while requests of all three front doors (step API, stream, generate) are in
+flight on one long-lived engine. Afterwards the engine, scheduler and cache are consistent, nothing
+is in use, and the engine's outputs equal a fresh engine's.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def fault(llm: LLM, point: str, at: int, exc: BaseException) -> Iterator[list[bo
 def attempt(action: Callable[[], object], caught: list[BaseException]) -> object:
     try:
         return action()
-    except (Exception, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt, SystemExit) as e:
         caught.append(e)
         return None
 
@@ -125,7 +125,7 @@ def drain(stream: Iterator, caught: list[BaseException]) -> list:
 def test_a_fault_anywhere_fails_only_its_step(llm, expected, run):
     rng = random.Random(run)
     point = POINTS[run % len(POINTS)]
-    exc = rng.choice([RuntimeError(f"injected {run}"), KeyboardInterrupt(), ValueError("bad")])
+    exc = rng.choice([RuntimeError(f"injected {run}"), KeyboardInterrupt(), SystemExit(3)])
     caught: list[BaseException] = []
     updates: list[RequestUpdate] = []
     with fault(llm, point, rng.randint(1, 4), exc) as fired:
