@@ -24,7 +24,7 @@ def pack_prompts(
     TypeError / ValueError naming the prompt at fault; mutates nothing."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    elif not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+    elif not isinstance(prompts, Sequence):
         raise TypeError(
             "prompts must be a string, a list of strings, a list of token ids or a list of "
             f"token-id lists, got {type(prompts).__name__}"
@@ -44,11 +44,9 @@ def _pack(
             raise ValueError(f"prompt {i} is an empty string")
         prompt = encode(prompt)
     kinds = f"prompt {i} must be a string or a list of ints (token ids)"
-    # PackedTokens takes bools and bytes as ints; a prompt never means them.
-    if isinstance(prompt, (bytes, bytearray)) or (
-        isinstance(prompt, Sequence) and bool in map(type, prompt)
-    ):
-        raise TypeError(f"{kinds}, got {type(prompt).__name__} or bools")
+    # Sets and dicts have no token order; PackedTokens would take bools as ints.
+    if not isinstance(prompt, Sequence) or bool in map(type, prompt):
+        raise TypeError(f"{kinds}, got {type(prompt).__name__} {prompt!r:.40}")
     vocab = f"the vocabulary [0, {vocab_size})"
     try:
         tokens = PackedTokens(prompt)

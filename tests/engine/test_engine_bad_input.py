@@ -42,6 +42,11 @@ def assert_still_usable(llm: LLM, prompt: list[int]) -> None:
         (42, TypeError, "prompts must be"),
         ([None], TypeError, "prompt 0"),
         ([1] * 1024, ValueError, "context"),
+        (b"\x05\x06", TypeError, "prompt 0"),
+        ([b"ab"], TypeError, "prompt 0"),
+        ({5, 6}, TypeError, "prompts must be"),
+        ([5, {6: 7}], TypeError, "prompt 0"),
+        ([{5, 6}], TypeError, "prompt 0"),
     ],
     ids=[
         "empty string",
@@ -56,6 +61,11 @@ def assert_still_usable(llm: LLM, prompt: list[int]) -> None:
         "int prompt",
         "None prompt",
         "longer than the model",
+        "bytes",
+        "bytes prompt",
+        "set",
+        "dict id",
+        "set prompt",
     ],
 )
 def test_bad_prompts(llm, good_prompt, prompts, error, match):
