@@ -371,6 +371,7 @@ class LLM:
         """A stream's deltas: its request's updates, stepping the engine while none is pending."""
         while True:
             while not pending:
+                assert self.scheduler.has_unfinished(), "a stream's request left unannounced"
                 self._run_step()
             update = pending.popleft()
             if update.error is not None:
