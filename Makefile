@@ -2,7 +2,7 @@
 .PHONY: chat test setup
 
 chat: setup
-	.venv/bin/radixkv chat
+	@.venv/bin/radixkv chat
 
 test:
 	scripts/setup_env.sh --test
@@ -11,4 +11,4 @@ test:
 	.venv/bin/python -m pytest
 
 setup:
-	scripts/setup_env.sh
+	@scripts/setup_env.sh

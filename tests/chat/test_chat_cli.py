@@ -53,9 +53,11 @@ def test_scripted_four_turn_chat_hits_the_cache(tmp_path: Path) -> None:
             ]
         )
     )
-    proc = _run(["chat", "--script", str(script), "--max-tokens", "24"], cwd=tmp_path)
+    args = ["chat", "--script", str(script), "--max-tokens", "24", "--temperature", "0"]
+    proc = _run(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    assert lines[0].startswith("radixkv chat · SmolLM2-135M-Instruct · greedy · ")
 
     replies = [line[len("assistant> ") :] for line in lines if line.startswith("assistant> ")]
     assert len(replies) == 4 and all(r.strip() for r in replies)
@@ -85,6 +87,15 @@ def test_scripted_four_turn_chat_hits_the_cache(tmp_path: Path) -> None:
     assert queried == sum(p for p, _, _ in turns)
     assert hits == sum(c for _, c, _ in turns)
     assert re.search(r"blocks\s+\d+ x 16 tokens: \d+ free, [1-9]\d* cached, 0 in use", stats)
+
+
+@pytest.mark.slow
+def test_the_default_model_chats_with_its_recommended_sampling(tmp_path: Path) -> None:
+    proc = _run(["chat"], cwd=tmp_path, stdin="/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "radixkv chat · SmolLM2-135M-Instruct · temperature 0.2, top-p 0.9 · "
+    )
 
 
 def test_bad_model_path_is_one_clear_line(tmp_path: Path) -> None:
