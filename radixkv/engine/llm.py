@@ -76,6 +76,11 @@ class LLM:
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
     `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
 
+    Raises ModelLoadError (a ValueError; its subclass ModelNotFoundError when nothing is found)
+    for any model that cannot be loaded: a missing folder or id, corrupt or truncated weights,
+    shapes that do not match the config, missing weights. A folder without a tokenizer loads
+    (prompts must then be token ids); a chat over it raises ModelLoadError.
+
     Invariants (between calls): the unfinished records are exactly the scheduler's live
     requests; a finished record waits only for its front door (the update in `step()`'s outbox,
     the stream's queue, generate's return); no dropped stream waits for release.
