@@ -1,14 +1,14 @@
 # The two entry points a new machine needs; each sets up .venv first (a no-op when up to date).
-.PHONY: chat test lint setup
+.PHONY: chat test setup
 
 chat: setup
-	.venv/bin/radixkv chat
+	@.venv/bin/radixkv chat
 
 test:
 	scripts/setup_env.sh --test
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
-	.venv/bin/pytest
+	.venv/bin/python -m ruff check .
+	.venv/bin/python -m ruff format --check .
+	.venv/bin/python -m pytest
 
 setup:
-	scripts/setup_env.sh
+	@scripts/setup_env.sh

@@ -31,18 +31,18 @@ from radixkv.kernels import AttentionMetadata, reference
 
 
 class StepTimer:
-    """Wraps `llm._step` and records (wall_s, cpu_s) of every step."""
+    """Wraps `llm._run_step` and records (wall_s, cpu_s) of every step."""
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[tuple[float, float]] = []
-        inner = llm._step
+        inner = llm._run_step
 
         def timed() -> None:
             w0, c0 = time.perf_counter(), time.thread_time()
             inner()
             self.steps.append((time.perf_counter() - w0, time.thread_time() - c0))
 
-        llm._step = timed  # type: ignore[method-assign]
+        llm._run_step = timed  # type: ignore[method-assign]
 
     def run(self, fn: Callable[[], object]) -> list[tuple[float, float]]:
         self.steps = []

@@ -1,7 +1,8 @@
 """A three-turn chat through the Python API: each turn's prompt extends the previous prompt and
 reply, so the status line shows the cache serving almost all of it.
 
-Runs on CPU with the embedded default model (first use converts it once, ~30 s; later ~1 s).
+Runs on CPU with the embedded default model (the first use converts it once, about 20 s;
+later starts take seconds). Run it as `.venv/bin/python examples/chat_example.py`.
 """
 
 from __future__ import annotations

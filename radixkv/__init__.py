@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from radixkv.chat import ChatReply, ChatSession
     from radixkv.engine import (
         LLM,
+        ModelLoadError,
         ModelNotFoundError,
         RequestOutput,
         RequestStats,
@@ -48,6 +49,7 @@ __all__ = [
     "InsertResult",
     "LockHandle",
     "MatchResult",
+    "ModelLoadError",
     "ModelNotFoundError",
     "NodeView",
     "PackedTokens",
@@ -63,6 +65,7 @@ __all__ = [
 # loads torch and transformers.
 _ENGINE_NAMES = {
     "LLM": "radixkv.engine",
+    "ModelLoadError": "radixkv.engine",
     "ModelNotFoundError": "radixkv.engine",
     "RequestOutput": "radixkv.engine",
     "RequestStats": "radixkv.engine",

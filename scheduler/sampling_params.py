@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from radixkv.cache.validation import check_size
@@ -29,15 +28,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_size(self.max_tokens, "max_tokens", low=1)
         check_size(self.top_k, "top_k", low=0)
-        if self.seed is not None and check_size(self.seed, "seed", low=0) >= 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.seed is not None:
+            check_seed(self.seed)
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # Written so that NaN fails the comparisons too.
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be in [0, inf), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.stop_token_ids, tuple):
@@ -48,3 +46,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_seed(seed: object) -> int:
+    """`seed` as an int in [0, 2**64), what torch's generators take; TypeError / ValueError."""
+    value = check_size(seed, "seed", low=0)
+    if value >= 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {value}")
+    return value

@@ -70,6 +70,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every live (waiting or running) request
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._scheduling = False  # inside schedule(): still set after a fault there
 
     # ------------------------------------------------------------------ queries
 
@@ -139,11 +140,12 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        if req.status is RequestStatus.RUNNING:
-            del self._running[request_id]
-            self._release(req)
-        else:
+        # Found by where it is, not by its status: after a fault inside a step, a request can be
+        # finished but still running, or admitted but still waiting, or half-admitted.
+        self._running.pop(request_id, None)
+        if req in self._waiting:
             self._waiting.remove(req)  # O(len(waiting)): aborts are rare, not the hot path
+        self._release(req)
         req.set_finished(RequestStatus.FINISHED_ABORTED)
         self._aborted_ids.append(request_id)
         return True
@@ -159,6 +161,7 @@ class Scheduler:
             raise RuntimeError(
                 "schedule() called again before update_from_output() of the last step"
             )
+        self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
         copies: list[BlockCopy] = []
@@ -194,6 +197,7 @@ class Scheduler:
         self._aborted_ids.clear()
         if rows:
             self._in_flight = output
+        self._scheduling = False
         return output
 
     def update_from_output(
@@ -418,10 +422,10 @@ class Scheduler:
         table = self.cache.admit(tokens, max_hit=max_hit, namespace=req.cache_salt)
         if table is None:
             return None
+        req.table = table  # at once: a fault from here on cannot leak its lock or blocks
         if table.copy is not None:
             copies.append(BlockCopy(*table.copy))
         num_hit = table.num_cached_tokens
-        req.table = table
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit
@@ -482,14 +486,21 @@ class Scheduler:
             assert stats.num_free_blocks == stats.num_blocks - len(private_owner), stats
 
     def fail_step(self) -> list[Request]:
-        """After a fault between `schedule()` and `update_from_output()`: finish the pending
-        step's requests with FINISHED_ERROR, returning their blocks and locks (their KV of that
-        step is not inserted), so the next `schedule()` works. Returns them ([] if none pending)."""
+        """After a fault in a step: finish the requests it touched with FINISHED_ERROR and return
+        their blocks and locks (their KV of that step is not inserted), so the next `schedule()`
+        works. Returns them: the rows of the pending step, [] if none is pending (e.g. the fault
+        came after `update_from_output()`), and every live request after a fault inside
+        `schedule()`, whose partial work no output records."""
         output, self._in_flight = self._in_flight, None
+        if self._scheduling:
+            self._scheduling = False
+            ids = list(self._requests)
+        else:
+            ids = [row.request_id for row in output.rows] if output is not None else []
         failed = []
-        for row in output.rows if output is not None else ():
-            req = self._requests.get(row.request_id)
-            if req is not None and self.abort(row.request_id):
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is not None and self.abort(rid):
                 req.set_finished(RequestStatus.FINISHED_ERROR)
                 failed.append(req)
         return failed

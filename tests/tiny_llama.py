@@ -42,7 +42,7 @@ def build_tokenizer():
     return fast
 
 
-def build_model(kind: str, seed: int = 0):
+def build_model(kind: str, seed: int = 0, max_position_embeddings: int = 1024):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads, kv_heads, layers = TINY_CONFIGS[kind]
@@ -53,7 +53,7 @@ def build_model(kind: str, seed: int = 0):
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         # Wider than the default 0.02 so greedy choices are not near-ties that float noise flips.
         initializer_range=0.1,
         bos_token_id=1,

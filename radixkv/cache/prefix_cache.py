@@ -527,7 +527,12 @@ class PrefixCache:
         if not self.can_allocate(num_new, reserve=match):
             return None
         handle = None if match is None else self.acquire(match)  # lock before allocation evicts
-        new = self.allocate(num_new)
+        try:
+            new = self.allocate(num_new)
+        except BaseException:  # a fault (e.g. an interrupt) must not leave the lock held
+            if handle is not None:
+                self.release(handle)
+            raise
         assert new is not None, "can_allocate(reserve=match) promised the blocks"
         copy = None
         if partial:  # never write into a tree block got from a match

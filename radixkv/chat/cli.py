@@ -7,6 +7,12 @@
 After each reply one status line shows how much of the prompt the cache served. In-chat
 commands: /tree draws the radix tree, /stats prints cache counters, /reset starts a new
 conversation (the cache keeps the old one until it is evicted), /quit leaves.
+
+Ctrl-C during a reply stops it and returns to the prompt: the interrupted turn (message and
+partial reply) is not kept, the conversation before it is. Ctrl-C anywhere else (at the prompt,
+while loading or converting the model) ends the program with one line. Sampling defaults to the
+model's generation config (SmolLM2: temperature 0.2, top-p 0.9), greedy when it has none.
+Runs offline (HF_HUB_OFFLINE=1) unless HF_HUB_OFFLINE=0 is set.
 """
 
 from __future__ import annotations
@@ -17,8 +23,13 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from radixkv.chat.session import ChatSession
+    from radixkv.scheduler.sampling_params import SamplingParams
 
 HELP_COMMANDS = "/tree  /stats  /reset  /quit"
 
@@ -46,21 +57,54 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--max-tokens", type=int, default=256, help="reply length limit (default 256)"
     )
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--top-k", type=int, default=0)
+    model_default = "default: the model's generation config, greedy without one"
+    chat.add_argument(
+        "--temperature", type=float, default=None, help=f"0 = greedy ({model_default})"
+    )
+    chat.add_argument("--top-p", type=float, default=None, help=f"nucleus mass ({model_default})")
+    chat.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default})")
     chat.add_argument("--seed", type=int, default=0)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv.insert(0, "chat")  # `radixkv` alone starts the chat
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return run_chat(args)
+    """Entry point of the `radixkv` command; returns the exit code (130 after Ctrl-C outside a
+    reply)."""
+    try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+            argv.insert(0, "chat")  # `radixkv` alone starts the chat
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # Library deprecation notices are for developers; in a chat they split a reply.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        # The engine logs every failed step; a Ctrl-C is the user's, answered by the chat itself.
+        logging.getLogger("radixkv.engine.llm").addFilter(_not_an_interrupt)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        _tolerate_undecodable_bytes()
+        return run_chat(args)
+    except KeyboardInterrupt:
+        lead = "\n" if sys.stderr.isatty() else ""  # end the line the ^C or a progress line is on
+        print(f"{lead}radixkv: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _not_an_interrupt(record: logging.LogRecord) -> bool:
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not any(isinstance(a, KeyboardInterrupt) for a in args)
+
+
+def _tolerate_undecodable_bytes() -> None:
+    """Input bytes that are not UTF-8 reach the chat as lone surrogates (which it rejects with
+    one line) instead of raising inside input(); output shows them escaped."""
+    for stream, errors in (
+        (sys.stdin, "surrogateescape"),
+        (sys.stdout, "backslashreplace"),
+        (sys.stderr, "backslashreplace"),
+    ):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors=errors)
 
 
 def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -69,27 +113,21 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     err = sys.stderr
     # Imported here so `radixkv --help` answers instantly and a broken install fails with one line.
     from radixkv.chat.session import ChatSession
-    from radixkv.engine import LLM, ModelNotFoundError
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine import LLM, ModelLoadError
 
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
+        chat_sampling(args, None)  # bad values fail before the model loads
         messages = _message_source(args.script)
     except (ValueError, TypeError, OSError) as exc:
         print(f"radixkv: {exc}", file=err)
         return 2
 
     # Our own progress lines cover the one-time conversion; transformers' per-load weight bars
-    # would only add noise to every start.
+    # and load reports would only add noise (a broken model is reported in one line below).
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
         with _Progress(err) as progress:
             llm = LLM(
@@ -101,17 +139,17 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 seed=args.seed,
                 progress=progress,
             )
-    except ModelNotFoundError as exc:
-        print(f"radixkv: {exc}", file=err)
-        return 2
-    except (ValueError, TypeError) as exc:
+        params = chat_sampling(args, llm.model.generation_config)
+        session = ChatSession(llm, system=args.system, params=params)
+    except (ModelLoadError, ValueError, TypeError) as exc:
         print(f"radixkv: {exc}", file=err)
         return 2
 
+    print(
+        f"radixkv chat · {llm.model_name} · {sampling_text(params)} · commands: {HELP_COMMANDS}",
+        file=out,
+    )
     interactive = messages is None
-    if interactive:
-        print(f"radixkv chat · {llm.model_name} · commands: {HELP_COMMANDS}", file=out)
-    session = ChatSession(llm, system=args.system, params=params)
     for message in messages if messages is not None else _prompt_lines():
         message = message.strip()
         if not message:
@@ -122,16 +160,68 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
             if _command(message, llm, session, out):
                 break
             continue
-        print("assistant> ", end="", file=out, flush=True)
-        try:
-            for delta in session.stream(message):
-                print(delta, end="", file=out, flush=True)
-        except (ValueError, TypeError) as exc:
-            print(f"\nradixkv: {exc}", file=err)
-            continue
-        print(file=out)
-        print(status_line(session.last_reply.stats), file=out, flush=True)
+        _reply(session, message, out, err)
     return 0
+
+
+def chat_sampling(args: argparse.Namespace, generation_config: object | None) -> SamplingParams:
+    """The chat's SamplingParams: each option given on the command line, else the model's
+    generation config when it samples (`do_sample`), else greedy. Raises ValueError /
+    TypeError for out-of-range values."""
+    from radixkv.scheduler.sampling_params import SamplingParams
+
+    def pick(given: object, key: str, unset: float) -> object:
+        if given is not None:
+            return given
+        if getattr(generation_config, "do_sample", False):
+            value = getattr(generation_config, key, None)
+            return unset if value is None else value
+        return 0.0 if key == "temperature" else unset
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=pick(args.temperature, "temperature", 1.0),  # type: ignore[arg-type]
+        top_p=pick(args.top_p, "top_p", 1.0),  # type: ignore[arg-type]
+        top_k=int(pick(args.top_k, "top_k", 0)),  # type: ignore[call-overload]
+        seed=args.seed,
+    )
+
+
+def sampling_text(params: SamplingParams) -> str:
+    if params.greedy:
+        return "greedy"
+    top_k = f", top-k {params.top_k}" if params.top_k else ""
+    return f"temperature {params.temperature:g}, top-p {params.top_p:g}{top_k}"
+
+
+def _reply(session: ChatSession, message: str, out: TextIO, err: TextIO) -> None:
+    """Stream one reply. Ctrl-C stops it (the turn is not kept); a failed step is one line."""
+    try:
+        pieces = session.stream(message)
+    except (ValueError, TypeError) as exc:
+        print(f"radixkv: {exc}", file=err, flush=True)
+        return
+    print("assistant> ", end="", file=out, flush=True)
+    try:
+        for piece in pieces:
+            print(piece, end="", file=out, flush=True)
+    except KeyboardInterrupt:
+        pieces.close()
+        print("\n(reply interrupted; this turn is not kept. Ctrl-C at the prompt quits)", file=out)
+        return
+    except Exception as exc:
+        pieces.close()
+        print(f"\nradixkv: the reply failed ({type(exc).__name__}: {exc})", file=err, flush=True)
+        return
+    print(file=out)
+    print(status_line(session.last_reply.stats), file=out, flush=True)  # type: ignore[union-attr]
+    if session.dropped_turns:
+        print(
+            f"  (context full: dropped the oldest {session.dropped_turns} turn(s);"
+            " the system prompt stays)",
+            file=out,
+            flush=True,
+        )
 
 
 def status_line(stats: object) -> str:
@@ -187,7 +277,7 @@ def _command(line: str, llm: object, session: object, out: TextIO) -> bool:
 def _message_source(script: str | None) -> list[str] | None:
     """Messages from --script FILE or piped stdin; None means interactive."""
     if script is not None:
-        with open(script, encoding="utf-8") as f:
+        with open(script, encoding="utf-8", errors="surrogateescape") as f:
             return f.read().splitlines()
     if not sys.stdin.isatty():
         return sys.stdin.read().splitlines()

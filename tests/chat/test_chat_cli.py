@@ -5,11 +5,15 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
+
+from radixkv.chat import cli
 
 STATUS = re.compile(
     r"^  \[prompt (\d+) tok · cached (\d+) \(([\d.]+)%\) · ttft \d+ ms · reply (\d+) tok"
@@ -49,9 +53,11 @@ def test_scripted_four_turn_chat_hits_the_cache(tmp_path: Path) -> None:
             ]
         )
     )
-    proc = _run(["chat", "--script", str(script), "--max-tokens", "24"], cwd=tmp_path)
+    args = ["chat", "--script", str(script), "--max-tokens", "24", "--temperature", "0"]
+    proc = _run(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    assert lines[0].startswith("radixkv chat · SmolLM2-135M-Instruct · greedy · ")
 
     replies = [line[len("assistant> ") :] for line in lines if line.startswith("assistant> ")]
     assert len(replies) == 4 and all(r.strip() for r in replies)
@@ -83,6 +89,15 @@ def test_scripted_four_turn_chat_hits_the_cache(tmp_path: Path) -> None:
     assert re.search(r"blocks\s+\d+ x 16 tokens: \d+ free, [1-9]\d* cached, 0 in use", stats)
 
 
+@pytest.mark.slow
+def test_the_default_model_chats_with_its_recommended_sampling(tmp_path: Path) -> None:
+    proc = _run(["chat"], cwd=tmp_path, stdin="/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "radixkv chat · SmolLM2-135M-Instruct · temperature 0.2, top-p 0.9 · "
+    )
+
+
 def test_bad_model_path_is_one_clear_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     proc = _run(["chat", "--model", str(missing)], cwd=tmp_path, stdin="hello\n")
@@ -99,3 +114,130 @@ def test_bad_option_values_are_rejected_before_loading(tmp_path: Path) -> None:
     missing = tmp_path / "missing.txt"
     proc = _run(["chat", "--script", str(missing)], cwd=tmp_path)
     assert proc.returncode == 2 and str(missing) in proc.stderr
+
+
+def _chat_in_process(
+    model: Path, lines: list[str] | bytes, tmp_path: Path, capsys, *extra: str
+) -> tuple[int, str, str]:
+    script = tmp_path / "chat.txt"
+    if isinstance(lines, bytes):
+        script.write_bytes(lines)
+    else:
+        script.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    args = ["chat", "--model", str(model), "--script", str(script), "--block-size", "4"]
+    code = cli.main([*args, "--num-blocks", "256", "--max-tokens", "8", *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_tiny_temperatures_sample_without_failing(tiny_model_dir, tmp_path, capsys):
+    code, out, err = _chat_in_process(
+        tiny_model_dir("gqa"), ["w10 w11", "w12"], tmp_path, capsys, "--temperature", "1e-50"
+    )
+    assert code == 0 and err == ""
+    assert "temperature 1e-50" in out.splitlines()[0]
+    assert len([line for line in out.splitlines() if STATUS.match(line)]) == 2
+
+
+def test_undecodable_line_is_one_message_and_the_chat_goes_on(tiny_model_dir, tmp_path, capsys):
+    code, out, err = _chat_in_process(
+        tiny_model_dir("gqa"), b"w10 \xff\xfe w11\nw12 w13\n", tmp_path, capsys
+    )
+    assert code == 0
+    assert err.splitlines() == [
+        "radixkv: message is not valid UTF-8 text (undecodable byte at position 4)"
+    ]
+    assert "you> w10 \\udcff\\udcfe w11" in out  # echoed, escaped
+    assert len([line for line in out.splitlines() if STATUS.match(line)]) == 1
+
+
+def test_ctrl_c_in_a_reply_returns_to_the_prompt(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from radixkv.engine.model_runner import ModelRunner
+
+    real_execute = ModelRunner.execute
+    calls = 0
+
+    def ctrl_c_on_fourth_step(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise KeyboardInterrupt
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "execute", ctrl_c_on_fourth_step)
+    model = tiny_model_dir("gqa")
+    lines = ["w20", "w30 w31", "w40", "/stats"]
+    code, out, err = _chat_in_process(model, lines, tmp_path, capsys, "--system", "w10")
+    assert code == 0 and err == ""
+    # The first reply (prefill + 2 decode steps) is interrupted; the other two complete.
+    assert out.count("(reply interrupted; this turn is not kept") == 1
+    assert out.index("(reply interrupted") < out.index("you> w30 w31")
+    statuses = [STATUS.match(line) for line in out.splitlines()]
+    prompts = [int(m.group(1)) for m in statuses if m]
+    assert len(prompts) == 2
+    # The second turn's prompt holds neither the interrupted message nor its partial reply.
+    tok = AutoTokenizer.from_pretrained(model)
+    system, user = {"role": "system", "content": "w10"}, {"role": "user", "content": "w30 w31"}
+    text = tok.apply_chat_template([system, user], add_generation_prompt=True, tokenize=False)
+    assert prompts[0] == len(tok(text, add_special_tokens=False)["input_ids"])
+    assert re.search(r"blocks\s+256 x 4 tokens: \d+ free, \d+ cached, 0 in use", out)
+
+
+def test_context_limit_notice(tmp_path, capsys):
+    from tiny_llama import build_model, build_tokenizer
+
+    folder = tmp_path / "short-context"
+    build_model("gqa", max_position_embeddings=48).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    lines = [f"w{20 + i} w{40 + i} w{60 + i} w{80 + i}" for i in range(8)]
+    code, out, err = _chat_in_process(folder, lines, tmp_path, capsys)
+    assert code == 0 and err == ""
+    assert len([line for line in out.splitlines() if STATUS.match(line)]) == 8
+    assert "(context full: dropped the oldest 1 turn(s); the system prompt stays)" in out
+
+
+def test_chat_sampling_follows_the_generation_config_unless_given():
+    from transformers import GenerationConfig
+
+    args = cli.build_parser().parse_args(["chat"])
+    sampled = GenerationConfig(do_sample=True, temperature=0.2, top_p=0.9)
+    p = cli.chat_sampling(args, sampled)
+    assert (p.temperature, p.top_p, p.top_k) == (0.2, 0.9, 0)
+    assert cli.chat_sampling(args, GenerationConfig()).greedy  # no do_sample: greedy
+    assert cli.chat_sampling(args, None).greedy
+    args = cli.build_parser().parse_args(["chat", "--temperature", "0", "--top-k", "5"])
+    p = cli.chat_sampling(args, sampled)
+    assert p.greedy and p.top_k == 5
+
+
+def test_sigint_in_a_reply_and_undecodable_stdin(tiny_model_dir, tmp_path: Path) -> None:
+    """The real signal, in the real process: Ctrl-C stops the reply, the chat goes on."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    args = ["--model", str(tiny_model_dir("gqa")), "--block-size", "4", "--num-blocks", "512"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv", "chat", *args, "--max-tokens", "1000"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"w10 \xff\nw10 w11\n/stats\n")
+    proc.stdin.close()
+    seen = b""
+    while b"assistant> w" not in seen:  # the greedy tiny model runs to max_tokens: seconds
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, seen
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    proc.stdin = None  # closed above: communicate() must not flush it
+    out, err = proc.communicate(timeout=300)
+    out = (seen + out).decode()
+    assert proc.returncode == 0, err
+    assert err.decode().splitlines() == [
+        "radixkv: message is not valid UTF-8 text (undecodable byte at position 4)"
+    ]
+    assert "(reply interrupted; this turn is not kept" in out
+    assert re.search(r"blocks\s+512 x 4 tokens: \d+ free, \d+ cached, 0 in use", out)

@@ -53,3 +53,67 @@ def test_bad_messages_leave_the_history_unchanged(llm):
     assert chat.history == before
     chat.send("w51")
     assert len(chat.history) == len(before) + 2
+
+
+def test_context_limit_drops_the_oldest_turns_and_keeps_the_system_prompt(tmp_path):
+    from tiny_llama import build_model, build_tokenizer
+
+    folder = tmp_path / "short-context"
+    build_model("gqa", max_position_embeddings=64).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    llm = LLM(str(folder), block_size=4, num_blocks=128)
+    chat = ChatSession(llm, system="w10 w11", params=SamplingParams(max_tokens=8))
+    dropped = []
+    for turn in range(12):
+        message = f"w{20 + turn} w{40 + turn} w{60 + turn}"
+        before = chat.history
+        reply = chat.send(message)  # never fails, however long the conversation
+        assert reply.stats.num_prompt_tokens + 8 <= 64
+        dropped.append(chat.dropped_turns)
+        history = chat.history
+        assert history[0] == {"role": "system", "content": "w10 w11"}
+        assert [m["role"] for m in history[1:]] == ["user", "assistant"] * ((len(history) - 1) // 2)
+        # The oldest turns went, the newest stayed in order, and this turn was added.
+        kept = before[1 + 2 * chat.dropped_turns :]
+        assert history[1:-2] == kept and history[-2]["content"] == message
+    assert dropped[0] == 0 and sum(dropped) > 0
+    llm.cache.check_integrity()
+
+
+def test_interrupted_reply_keeps_the_conversation_and_the_engine(llm, monkeypatch):
+    chat = ChatSession(llm, system="w10", params=SamplingParams(max_tokens=12))
+    chat.send("w20 w21")
+    before = chat.history
+    real_execute = llm.runner.execute
+    calls = 0
+
+    def ctrl_c_on_third_step(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "execute", ctrl_c_on_third_step)
+    pieces = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in chat.stream("w30 w31"):
+            pieces.append(piece)
+    assert pieces  # the reply had started
+    assert chat.history == before  # the interrupted turn is not kept
+    assert llm.cache.stats().num_in_use_blocks == 0
+    llm.cache.check_integrity()
+    reply = chat.send("w30 w31")  # and the next turn works
+    assert reply.token_ids and chat.history[-2:] == [
+        {"role": "user", "content": "w30 w31"},
+        {"role": "assistant", "content": reply.text},
+    ]
+
+
+def test_undecodable_input_is_rejected_with_a_clear_message(llm):
+    chat = ChatSession(llm, params=SamplingParams(max_tokens=3))
+    line = b"w10 \xff w11".decode("utf-8", errors="surrogateescape")
+    with pytest.raises(ValueError, match="not valid UTF-8 text"):
+        chat.send(line)
+    assert chat.history == []
+    assert chat.send("w10 w11").token_ids

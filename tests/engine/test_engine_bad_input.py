@@ -21,10 +21,10 @@ def good_prompt():
 def assert_still_usable(llm: LLM, prompt: list[int]) -> None:
     assert not llm.scheduler.has_unfinished()
     assert not llm._tracked
-    llm.cache.check_integrity()
+    llm.check_integrity()
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4
-    llm.cache.check_integrity()
+    llm.check_integrity()
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,11 @@ def assert_still_usable(llm: LLM, prompt: list[int]) -> None:
         (42, TypeError, "prompts must be"),
         ([None], TypeError, "prompt 0"),
         ([1] * 1024, ValueError, "context"),
+        (b"\x05\x06", TypeError, "prompt 0"),
+        ([b"ab"], TypeError, "prompt 0"),
+        ({5, 6}, TypeError, "prompts must be"),
+        ([5, {6: 7}], TypeError, "prompt 0"),
+        ([{5, 6}], TypeError, "prompt 0"),
     ],
     ids=[
         "empty string",
@@ -56,6 +61,11 @@ def assert_still_usable(llm: LLM, prompt: list[int]) -> None:
         "int prompt",
         "None prompt",
         "longer than the model",
+        "bytes",
+        "bytes prompt",
+        "set",
+        "dict id",
+        "set prompt",
     ],
 )
 def test_bad_prompts(llm, good_prompt, prompts, error, match):
@@ -74,6 +84,11 @@ def test_bad_prompts(llm, good_prompt, prompts, error, match):
         (dict(top_p=1.5), ValueError, "top_p"),
         (dict(top_p=-0.1), ValueError, "top_p"),
         (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=float("inf")), ValueError, r"temperature must be in \[0, inf\)"),
+        (dict(temperature=float("nan")), ValueError, r"temperature must be in \[0, inf\)"),
+        (dict(temperature=True), TypeError, "temperature must be a number"),
+        (dict(top_p=float("inf")), ValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=float("nan")), ValueError, r"top_p must be in \(0, 1\]"),
         (dict(top_k=-1), ValueError, "top_k"),
     ],
 )
@@ -135,18 +150,34 @@ def test_bad_engine_arguments(tiny_model_dir, kwargs, error, match):
         LLM(str(tiny_model_dir("gqa")), **kwargs)
 
 
-def test_seed_range_is_named():
+def test_seed_range_is_named(tiny_model_dir):
     SamplingParams(temperature=1.0, seed=2**64 - 1)
     with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
         SamplingParams(temperature=1.0, seed=2**64)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        LLM(str(tiny_model_dir("gqa")), seed=2**64)
+    llm = LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=16, seed=2**64 - 1)
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, ignore_eos=True)
+    (out,) = llm.generate([[5, 6, 7]], params)  # the largest seeds sample
+    assert len(out.token_ids) == 3
 
 
-def test_num_blocks_is_checked_like_every_size(tiny_model_dir):
+SIZES = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "seed")
+
+
+@pytest.mark.parametrize("name", [*SIZES, "chunked_prefill_size", "kv_cache_bytes"])
+def test_size_arguments_are_checked_alike(tiny_model_dir, name):
+    with pytest.raises(TypeError, match=f"{name} must be an int, got str"):
+        LLM(str(tiny_model_dir("gqa")), **{name: "8"})
+
+
+def test_numpy_ints_are_sizes_everywhere(tiny_model_dir):
     import numpy as np
 
-    with pytest.raises(TypeError, match="num_blocks must be an int"):
-        LLM(str(tiny_model_dir("gqa")), num_blocks="8")
-    llm = LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=np.int64(64))
+    sizes = dict(block_size=4, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, seed=3)
+    llm = LLM(str(tiny_model_dir("gqa")), **{k: np.int64(v) for k, v in sizes.items()})
     assert llm.cache.num_blocks == 64 and type(llm.cache.num_blocks) is int
+    assert llm.cache.block_size == 4 and llm.scheduler_config.max_num_seqs == 2
+    assert type(llm.cache.block_size) is int and type(llm.seed) is int
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.token_ids) == 2

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from radixkv.chat import cli
 from radixkv.engine import model_loader
 from radixkv.engine.model_loader import ModelNotFoundError, default_model_dir, ensure_default_model
 
@@ -68,3 +72,49 @@ def test_bad_model_argument_type():
         model_loader.load_model(3.5)
     with pytest.raises(ModelNotFoundError, match="non-empty"):
         model_loader.load_model("  ")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(proc.stdout)
+
+
+def test_leftovers_of_killed_conversions_are_removed_at_the_next_start(cache_home, monkeypatch):
+    models = cache_home / "radixkv" / "models"
+    dead = models / f".SmolLM2-135M-Instruct.tmp-{_dead_pid()}-k1ll3d"
+    older = models / ".SmolLM2-135M-Instruct.x7q2m9"  # named before the pid was in the name
+    live = models / f".SmolLM2-135M-Instruct.tmp-{os.getpid()}-running"  # a conversion under way
+    for folder in (dead, older, live):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half written")
+    monkeypatch.setattr(
+        model_loader, "_convert_gguf", lambda g, out, say: (out / "config.json").write_text("{}")
+    )
+    path = ensure_default_model()
+    assert sorted(p.name for p in models.iterdir()) == sorted([live.name, path.name])
+    # Also when the model is already converted: every start looks.
+    dead.mkdir()
+    assert ensure_default_model() == path and not dead.exists() and live.is_dir()
+
+
+def test_ctrl_c_during_the_conversion_is_one_line_and_leaves_nothing(
+    cache_home, monkeypatch, tmp_path, capsys
+):
+    def interrupted(gguf, out_dir, say):
+        say("dequantising weights from GGUF")
+        (out_dir / "model.safetensors").write_bytes(b"half written")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", interrupted)
+    script = tmp_path / "chat.txt"
+    script.write_text("hello\n")
+    assert cli.main(["chat", "--script", str(script)]) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "radixkv: interrupted" and not any("Traceback" in line for line in err)
+    assert all(line.startswith("radixkv: ") for line in err)  # progress lines, then the one line
+    assert list((cache_home / "radixkv" / "models").iterdir()) == []

@@ -19,7 +19,7 @@ def drive(llm: LLM) -> dict[str, list[RequestUpdate]]:
     while llm.has_unfinished_requests():
         for u in llm.step():
             updates.setdefault(u.request_id, []).append(u)
-        llm.scheduler.check_integrity()
+        llm.check_integrity()
     return updates
 
 
@@ -62,7 +62,7 @@ def test_abort_request_returns_blocks_and_reports_once(llm):
     assert [u.request_id for u in updates] == [queued, rid]
     assert all(u.output.finish_reason == "abort" and u.new_token_ids == () for u in updates)
     assert not llm.has_unfinished_requests() and llm.step() == []
-    llm.scheduler.check_integrity()
+    llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
 
 
@@ -80,3 +80,13 @@ def test_generate_and_stream_share_the_loop_with_step_requests(llm):
     updates = drive(llm)[rid]  # the updates of the steps generate and stream drove are kept
     assert tuple(t for u in updates for t in u.new_token_ids) == expected[0].token_ids
     assert not llm._tracked and llm.cache.stats().num_in_use_blocks == 0
+
+
+def test_check_integrity_sees_a_request_the_engine_lost_track_of(llm):
+    rid = llm.add_request(random_prompts(44, 1, max_len=8)[0], SamplingParams(max_tokens=2))
+    llm.check_integrity()
+    llm.scheduler.abort(rid)  # behind the engine's back: its record still says unfinished
+    with pytest.raises(AssertionError):
+        llm.check_integrity()
+    assert llm.abort_request(rid) and llm.step()[0].output.finish_reason == "abort"
+    llm.check_integrity()

@@ -1,0 +1,99 @@
+"""A fault anywhere in a step, inside the scheduler's own cache calls included, leaves the scheduler
+consistent: `fail_step()` (plus aborting the step's rows, for a fault after the update began, as
+the engine does) fails what the step touched and returns every block and lock; the other requests
+then finish with the output they would have had alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from radixkv.scheduler.request import RequestStatus
+
+# Cache calls of schedule() (admission, growth, preemption) and of update_from_output(); "forward"
+# is a fault between the two, in the model.
+POINTS = ("match", "can_allocate", "acquire", "allocate", "insert", "forward")
+
+
+class Injected(Exception):
+    pass
+
+
+def test_fail_step_without_a_step_fails_nothing(harness: Callable[..., Any]) -> None:
+    h = harness()
+    h.add("a", [1, 2, 3])
+    assert h.scheduler.fail_step() == []
+    h.run()
+    assert h.finished["a"].output_token_ids == h.reference(h.finished["a"])
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_fault_anywhere_fails_only_what_its_step_touched(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    rng = random.Random(seed)
+    # A small pool, so that steps preempt and insert as well as admit.
+    h = harness(num_blocks=20, block_size=4, max_num_seqs=3, chunked_prefill_size=6)
+    sched = h.scheduler
+    shared = [rng.randrange(1, 500) for _ in range(7)]
+    reqs = [
+        h.add(f"r{i}", shared[: rng.randint(0, 7)] + [500 + i] * rng.randint(1, 9), 6)
+        for i in range(6)
+    ]
+    point, at = POINTS[seed % len(POINTS)], rng.randint(1, 4)
+    calls = iter(range(1, 10**6))
+
+    def trip() -> None:
+        if next(calls) == at:
+            raise Injected(point)
+
+    if point != "forward":
+        real = getattr(h.cache, point)
+
+        def faulty(*args: object, **kwargs: object) -> object:
+            trip()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(h.cache, point, faulty)
+
+    failed: set[str] = set()
+    while sched.has_unfinished() and not failed:
+        out = None
+        try:
+            out = sched.schedule()
+            h.check_output(out)
+            h.sim.step(out, sched)
+            sampled = {r.request_id: next_token(h, r.request_id) for r in out.rows if r.sample}
+            if point == "forward":
+                trip()
+            for req in sched.update_from_output(out, sampled):
+                h.finished[req.request_id] = req
+        except Injected:
+            failed = {req.request_id for req in sched.fail_step()}
+            if out is not None:  # like the engine: a fault inside the update leaves none pending
+                for row in out.rows:
+                    sched.abort(row.request_id)
+                failed |= {row.request_id for row in out.rows}
+        sched.check_integrity()
+    assert failed, f"the fault in {point} never fired"
+    monkeypatch.undo()
+
+    h.run()
+    for req in reqs:
+        if req.request_id in failed:
+            assert req.is_finished and sched.get_request(req.request_id) is None, req
+        else:
+            assert h.finished[req.request_id].output_token_ids == h.reference(req)
+    assert any(r.status is RequestStatus.FINISHED_ERROR for r in reqs) or point == "insert"
+    h.assert_no_leak()
+
+
+def next_token(h: Any, request_id: str) -> int:
+    """The fake model's next token for a request: the one it generates when run alone."""
+    req = h.scheduler.get_request(request_id)
+    return h.reference(req)[len(req.output_token_ids)]
