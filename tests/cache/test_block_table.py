@@ -3,7 +3,9 @@ its lock (admit / grow / commit / close)."""
 
 from __future__ import annotations
 
-from radixkv import PackedTokens
+import pytest
+
+from radixkv import PackedTokens, PrefixCache
 
 PROMPT = PackedTokens(range(1, 12))  # 11 tokens, B = 4: 3 blocks
 
@@ -39,3 +41,20 @@ def test_admit_without_the_cache_locks_nothing(make_cache) -> None:
     assert cache.stats().num_queries == 0
     cache.close(table)
     assert cache.num_free_blocks == 4
+
+
+def test_a_fault_while_admitting_leaves_no_lock(monkeypatch) -> None:
+    cache = PrefixCache(16, 4)  # not the checking proxy: admit must call the patched allocate
+    first = cache.admit(PROMPT, max_hit=10)
+    cache.commit(first, PROMPT)
+    cache.close(first)
+
+    def interrupted(num_blocks: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache, "allocate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.admit(PROMPT + [50], max_hit=11)  # locks its hit, then allocation is interrupted
+    s = cache.stats()
+    assert s.num_live_handles == 0 and s.num_in_use_blocks == 0 and s.num_private_blocks == 0
+    cache.check_integrity()
