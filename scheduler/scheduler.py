@@ -52,7 +52,7 @@ class Scheduler:
     """Continuous-batching scheduler. Deterministic: no wall clock, no randomness.
 
     Invariants (recomputed by `check_integrity`):
-    * every live request is either in the waiting queue (no blocks, no handle) or running;
+    * every live request is either in the waiting queue (no block table) or running;
     * at most `max_num_seqs` running; each running request's table covers its written tokens, its
       private blocks are entries of its table and no block is private to two requests;
     * the scheduler is its cache's only user: every private block and lock handle of the cache
