@@ -167,6 +167,7 @@ class OpenAIServer:
     async def submit(
         self, prompt_ids: list[int], params: SamplingParams, body: SamplingFields, t_arrival: float
     ) -> RequestStream:
+        self.metrics.overhead.observe(time.perf_counter() - t_arrival)
         queued = self.engine.num_queued
         if queued >= self.config.max_queued_requests:
             raise APIError(
@@ -266,6 +267,22 @@ async def _collect(pieces: AsyncIterator[_Piece], request: Request) -> tuple[str
     return None
 
 
+class _StampArrival:
+    """ASGI middleware: notes when a request's headers arrived, before its body is parsed."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope["radixkv.t_arrival"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
+def _arrival_time(request: Request) -> float:
+    return float(request.scope.get("radixkv.t_arrival", time.perf_counter()))
+
+
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -281,6 +298,7 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
         server.engine.stop()
 
     app = FastAPI(title="radixkv", lifespan=lifespan)
+    app.add_middleware(_StampArrival)
     app.state.server = server
     _add_error_handlers(app, server)
     _add_info_routes(app, server)
@@ -339,15 +357,17 @@ def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
 def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        t_arrival = time.perf_counter()
+        t_arrival = _arrival_time(request)
         prompt = server.chat_prompt(body)
-        requested = body.max_completion_tokens or body.max_tokens
+        requested = body.max_completion_tokens
+        if requested is None:
+            requested = body.max_tokens
         params = server.sampling_params(body, len(prompt), requested)
         return await _respond(server, request, body, prompt, params, t_arrival, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        t_arrival = time.perf_counter()
+        t_arrival = _arrival_time(request)
         prompt = server.completion_prompt(body)
         params = server.sampling_params(
             body, len(prompt), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS

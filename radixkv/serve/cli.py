@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)"
     )
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="CPU torch threads (default: half the cores)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     parser.add_argument(
         "--max-queued-requests",
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
+            num_threads=args.num_threads,
         )
         config = ServeConfig(
             model_name=args.served_model_name or llm.model_name,
