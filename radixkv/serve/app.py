@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -118,11 +118,14 @@ class OpenAIServer:
         body: SamplingFields,
         num_prompt_tokens: int,
         max_tokens: int | None,
+        *,
+        prompt_param: str,
         default: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; `default` max_tokens, None: as many as the context and
-        the KV cache hold. Raises APIError(400) for an unknown model, n != 1, a prompt or reply
-        over the context length, or an out-of-range sampling value."""
+        the KV cache hold. Raises APIError(400) for an unknown model, n != 1, a prompt (the body
+        field `prompt_param`) or reply over the context length, or an out-of-range sampling
+        value (its field named as the error's param)."""
         if body.model is not None and body.model != self.config.model_name:
             raise APIError(
                 400,
@@ -139,7 +142,7 @@ class OpenAIServer:
             raise bad_request(
                 f"the prompt has {num_prompt_tokens} tokens; the model's context length is "
                 f"{context}",
-                "messages",
+                prompt_param,
             )
         if max_tokens is None:
             cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
@@ -160,7 +163,7 @@ class OpenAIServer:
                 ignore_eos=body.ignore_eos,
             )
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), _sampling_param(exc)) from exc
 
     # ------------------------------------------------------------------ running a request
 
@@ -240,6 +243,14 @@ class OpenAIServer:
         stream.t_last_token = now
 
 
+def _sampling_param(exc: Exception) -> str | None:
+    """The request field a SamplingParams error is about: its messages start with the name."""
+    name = str(exc).split(" ", 1)[0]
+    if name.startswith("stop_token_ids"):
+        return "stop"
+    return name if name in SamplingFields.model_fields else None
+
+
 async def _join(pieces: AsyncIterator[_Piece]) -> tuple[str, _Piece]:
     parts = []
     last = _Piece("")
@@ -287,15 +298,23 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
-    """The FastAPI app serving `llm`. Its lifespan starts and stops the engine thread."""
+def create_app(
+    llm: LLM, config: ServeConfig, *, on_shutdown: Sequence[Callable[[], None]] = ()
+) -> FastAPI:
+    """The FastAPI app serving `llm`. Its lifespan starts and stops the engine thread; then
+    each `on_shutdown` callable runs, in order (e.g. closing a KV-event publisher subscribed to
+    `llm.cache`, whose callbacks run on the engine thread)."""
     server = OpenAIServer(llm, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.engine.start(asyncio.get_running_loop())
-        yield
-        server.engine.stop()
+        try:
+            yield
+        finally:
+            server.engine.stop()
+            for close in on_shutdown:
+                close()
 
     app = FastAPI(title="radixkv", lifespan=lifespan)
     app.add_middleware(_StampArrival)
@@ -362,7 +381,7 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
-        params = server.sampling_params(body, len(prompt), requested)
+        params = server.sampling_params(body, len(prompt), requested, prompt_param="messages")
         return await _respond(server, request, body, prompt, params, t_arrival, chat=True)
 
     @app.post("/v1/completions")
@@ -370,7 +389,11 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
         t_arrival = _arrival_time(request)
         prompt = server.completion_prompt(body)
         params = server.sampling_params(
-            body, len(prompt), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS
+            body,
+            len(prompt),
+            body.max_tokens,
+            prompt_param="prompt",
+            default=DEFAULT_COMPLETION_MAX_TOKENS,
         )
         return await _respond(server, request, body, prompt, params, t_arrival, chat=False)
 

@@ -10,6 +10,11 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine import LLM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelNotFoundError, ValueError, TypeError) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(llm, config)
+    app = create_app(llm, config, on_shutdown=engine_services(args, llm))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def engine_services(args: argparse.Namespace, llm: LLM) -> list[Callable[[], None]]:
+    """Start the optional services that subscribe to the engine (KV events, `--kv-events`:
+    not wired yet) and return how to close each; the server closes them after the engine
+    thread stops."""
+    return []

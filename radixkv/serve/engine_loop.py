@@ -223,8 +223,10 @@ class EngineLoop:
                     continue  # stop() woke us up
                 command()
                 self._drain_inbox()
-            if not (self.llm.has_unfinished_requests() or self._must_step):
+                # Requests taken from the inbox now count as waiting in the engine, before the
+                # step: the queue limit never loses sight of them.
                 self._publish()
+            if not (self.llm.has_unfinished_requests() or self._must_step):
                 continue
             self._must_step = False
             try:

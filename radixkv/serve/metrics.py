@@ -17,8 +17,9 @@ from radixkv.serve.engine_loop import EngineSnapshot
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Request outcomes: the engine's finish reasons, plus refusals answered before the engine saw them.
 OUTCOMES = ("stop", "length", "abort", "error", "bad_request", "overloaded")
-_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Sub-millisecond resolution where the server's own work (goal: under 2 ms) is measured.
+_FINE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, *_LATENCY_BUCKETS[1:])
 
 
 class ServerMetrics:
@@ -57,13 +58,13 @@ class ServerMetrics:
         self.overhead = Histogram(
             "radixkv_server_overhead_seconds",
             "HTTP request in -> handed to the engine thread (parse, chat template, tokenize)",
-            buckets=_OVERHEAD_BUCKETS,
+            buckets=_FINE_BUCKETS,
             registry=self.registry,
         )
         self.admission = Histogram(
             "radixkv_admission_seconds",
             "HTTP request in -> queued in the engine (waits for the current step to end)",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_FINE_BUCKETS,
             registry=self.registry,
         )
         # Totals behind the hit-rate gauge (prometheus_client counters have no public getter).

@@ -18,13 +18,15 @@ torch.set_num_threads(1)  # see the PLATFORM notes on OpenMP spin-waiting
 class LiveServer:
     """uvicorn serving `create_app(llm, config)` in a thread; `close()` shuts it down."""
 
-    def __init__(self, llm: Any, **config: Any) -> None:
+    def __init__(self, llm: Any, on_shutdown: Any = (), **config: Any) -> None:
         import uvicorn
 
         from radixkv.serve.app import ServeConfig, create_app
 
         self.llm = llm
-        self.app = create_app(llm, ServeConfig(model_name="tiny", **config))
+        self.app = create_app(
+            llm, ServeConfig(model_name="tiny", **config), on_shutdown=on_shutdown
+        )
         self.server_state = self.app.state.server
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -61,7 +63,9 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def make_server(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., LiveServer]]:
-    """(engine kwargs, server kwargs) -> a started LiveServer on a fresh tiny-model LLM."""
+    """(engine kwargs, server kwargs) -> a started LiveServer on a fresh tiny-model LLM.
+
+    Server kwargs: `on_shutdown` for `create_app`, the rest for `ServeConfig`."""
     from radixkv.engine import LLM
 
     servers: list[LiveServer] = []

@@ -125,11 +125,14 @@ def test_stop_strings_cut_the_reply(server) -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "w12 " * 1100}]}, "messages"),
         ({"temperature": 3.0}, "temperature"),
-        ({"temperature": -0.5}, None),
-        ({"top_p": 0.0}, None),
-        ({"max_tokens": 0}, None),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
         ({"n": 2}, "n"),
-        ({"seed": -1}, None),
+        ({"seed": -1}, "seed"),
+        ({"stop": [-3]}, "stop"),
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, param) -> None:
@@ -145,9 +148,59 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, param) 
     error = info.value.body
     assert error["type"] == "invalid_request_error"
     assert error["message"]
-    if param is not None:
-        assert error["param"] == param
+    assert error["param"] == param
     assert chat(client, [{"role": "user", "content": "w12 w13"}]).choices[0].message.content
+
+
+def test_a_completion_prompt_over_the_context_gets_400_naming_the_prompt(server) -> None:
+    client = server.client(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[5] * 5000, max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+    assert "context length" in info.value.body["message"]
+
+
+def test_stop_token_ids_and_seeded_sampling_equal_the_request_run_alone(
+    server, reference_llm
+) -> None:
+    from radixkv.scheduler.sampling_params import SamplingParams
+
+    client = server.client()
+    ids = reference_llm.encode("w50 w51 w52")
+    (full,) = reference_llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))
+    stop_id = full.token_ids[3]
+    params = SamplingParams(max_tokens=8, stop_token_ids=(stop_id,), ignore_eos=True)
+    (cut,) = reference_llm.generate([ids], params)
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(full.token_ids)
+    extra = {"ignore_eos": True}
+    reply = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, temperature=0, stop=[stop_id], extra_body=extra
+    )
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == (cut.text, "stop")
+    assert reply.usage.completion_tokens == len(cut.token_ids)
+
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, seed=1234, ignore_eos=True)
+    (alone,) = reference_llm.generate([ids], sampled)
+    for _ in range(2):  # the second time, its prompt comes from the cache: the same reply
+        reply = client.completions.create(
+            model="tiny",
+            prompt=ids,
+            max_tokens=8,
+            temperature=0.9,
+            top_p=0.8,
+            seed=1234,
+            extra_body=extra,
+        )
+        assert reply.choices[0].text == alone.text
+
+
+def test_shutdown_stops_the_engine_then_runs_the_shutdown_hooks(make_server) -> None:
+    calls: list[bool] = []
+    server = make_server(on_shutdown=[lambda: calls.append(server.server_state.engine.is_alive)])
+    assert chat(server.client(), [{"role": "user", "content": "w60"}]).choices[0].message.content
+    assert calls == []
+    server.close()
+    assert calls == [False]  # called once, after the engine thread ended
 
 
 def test_disconnect_mid_stream_aborts_and_returns_the_blocks(server) -> None:
@@ -227,7 +280,13 @@ def test_a_full_queue_answers_503_with_retry_after(make_server) -> None:
     server = make_server({"max_num_seqs": 1}, max_queued_requests=1)
     client = server.client(max_retries=0)
     running = start_long_stream(client, 5)
-    next(iter(running))  # admitted: it holds the only running slot
+    next(iter(running))
+
+    def gauges() -> tuple[float, float]:
+        now = read_metrics(server.base_url)
+        return metric(now, "radixkv_running_requests"), metric(now, "radixkv_queue_depth")
+
+    wait_until(lambda: gauges() == (1, 0), what="the long request holding the only slot")
     queued: list = []
     waiter = threading.Thread(
         target=lambda: queued.append(chat(client, [{"role": "user", "content": "w40 w41"}]))
