@@ -137,10 +137,7 @@ class EngineLoop:
 
         def add() -> None:  # engine thread
             try:
-                if cache_salt is None:
-                    rid = self.llm.add_request(ids, params)
-                else:
-                    rid = self.llm.add_request(ids, params, cache_salt=cache_salt)
+                rid = self.llm.add_request(ids, params, cache_salt=cache_salt)
             except Exception as exc:
                 loop.call_soon_threadsafe(on_added, None, exc)
                 return

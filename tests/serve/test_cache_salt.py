@@ -3,7 +3,6 @@ requests without a salt share the common namespace."""
 
 from __future__ import annotations
 
-import pytest
 from serve_helpers import user_message
 
 
@@ -19,9 +18,6 @@ def cached_tokens(client, content: str, salt: str | None) -> int:
     return reply.usage.prompt_tokens_details.cached_tokens
 
 
-@pytest.mark.xfail(
-    strict=True, reason="LLM.add_request(..., cache_salt=) is plumbed when the cache branch merges"
-)
 def test_salts_isolate_tenants(server) -> None:
     client = server.client(max_retries=0)
     content = user_message(4242, n=40)  # a prompt long enough to span several blocks
