@@ -253,31 +253,37 @@ def summarize(
     }
 
 
-def report(rows: list[dict]) -> str:
-    def fmt(value, spec: str) -> str:
-        return "n/a" if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
+
+def report(rows: list[dict]) -> str:
+    """The results table (one row per server and round) and, per round where both servers ran,
+    radixkv's ratios to transformers serve next to the goals."""
     lines = [
-        "| server | requests | TTFT p50 | TTFT p99 | output tok/s | hit rate | overhead p50 "
-        "| admission p50 | wall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | server | requests | TTFT p50 | TTFT p99 | output tok/s | hit rate "
+        "| overhead p50 | admission p50 | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['server']} | {r['requests']} | {r['ttft_p50_s'] * 1e3:.0f} ms "
+            f"| {r['round']} | {r['server']} | {r['requests']} | {r['ttft_p50_s'] * 1e3:.0f} ms "
             f"| {r['ttft_p99_s'] * 1e3:.0f} ms | {r['output_tok_s']:.1f} "
-            f"| {fmt(r['hit_rate'], '.1%')} | {fmt(r['overhead_p50_ms'], '.2f')} ms "
-            f"| {fmt(r['admission_p50_ms'], '.2f')} ms "
-            f"| {r['wall_s']:.1f} s |"
+            f"| {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['overhead_p50_ms'], '.2f')} ms "
+            f"| {_fmt(r['admission_p50_ms'], '.2f')} ms | {r['wall_s']:.1f} s |"
         )
-    if len(rows) == 2:
-        ours, peer = rows
-        lines.append(
-            f"radixkv / transformers: TTFT p50 x{ours['ttft_p50_s'] / peer['ttft_p50_s']:.2f} "
-            f"(goal <= 0.3), output tok/s x{ours['output_tok_s'] / peer['output_tok_s']:.2f} "
-            f"(goal >= 1.5); radixkv overhead p50 {fmt(ours['overhead_p50_ms'], '.2f')} ms "
-            "(goal <= 2)"
-        )
+    by_round: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_round.setdefault(r["round"], {})[r["server"]] = r
+    for number, pair in sorted(by_round.items()):
+        if {"radixkv", "transformers"} <= pair.keys():
+            ours, peer = pair["radixkv"], pair["transformers"]
+            lines.append(
+                f"round {number}, radixkv / transformers: "
+                f"TTFT p50 x{ours['ttft_p50_s'] / peer['ttft_p50_s']:.2f} (goal <= 0.3), "
+                f"output tok/s x{ours['output_tok_s'] / peer['output_tok_s']:.2f} (goal >= 1.5); "
+                f"radixkv overhead p50 {_fmt(ours['overhead_p50_ms'], '.2f')} ms (goal <= 2)"
+            )
     return "\n".join(lines)
 
 
@@ -291,6 +297,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--servers", default="radixkv,transformers", help="comma-separated: radixkv,transformers"
     )
+    p.add_argument("--rounds", type=int, default=1, help="run each server this many times")
     p.add_argument("--tiny", action="store_true", help="2 clients x 2 turns x 4 tokens, radixkv")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--verbose", action="store_true", help="show the servers' logs")
@@ -316,7 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)
 
-    rows = [bench_server(name, args, model_path, say) for name in servers]
+    rows = []
+    for number in range(1, args.rounds + 1):  # servers alternate: both see the machine's swings
+        for name in servers:
+            rows.append({"round": number, **bench_server(name, args, model_path, say)})
     print(f"model {model_path}; {args.clients} clients x {args.turns} turns, ", end="")
     print(f"max {args.max_tokens} tokens per reply, greedy, {args.threads} thread(s) per server")
     print(report(rows))
