@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -220,13 +221,12 @@ def test_disconnect_mid_stream_aborts_and_returns_the_blocks(server) -> None:
         )
 
     wait_until(aborted, what="the abort and the blocks back")
-    assert server.on_engine(lambda llm: llm.cache.stats().num_in_use_blocks) == 0
-    server.on_engine(lambda llm: llm.cache.check_integrity())
-    server.on_engine(lambda llm: llm.scheduler.check_integrity())
+    assert_engine_clean(server)
 
 
-def test_a_fault_in_a_step_fails_its_request_with_500(server) -> None:
-    client = server.client(max_retries=0)
+@contextmanager
+def fault_in_next_forward(server):
+    """The engine's next model forward raises (a fault inside a step of the real engine)."""
     state = {"armed": True}
 
     def fail_once(module, args):
@@ -236,14 +236,39 @@ def test_a_fault_in_a_step_fails_its_request_with_500(server) -> None:
 
     hook = server.on_engine(lambda llm: llm.model.register_forward_pre_hook(fail_once))
     try:
-        with pytest.raises(openai.InternalServerError) as info:
-            chat(client, [{"role": "user", "content": user_message(11)}])
-        assert "injected fault" in info.value.body["message"]
+        yield
     finally:
         server.on_engine(lambda llm: hook.remove())
+    assert not state["armed"]
+
+
+def assert_engine_clean(server) -> None:
     assert server.on_engine(lambda llm: llm.cache.stats().num_in_use_blocks) == 0
     server.on_engine(lambda llm: llm.cache.check_integrity())
-    assert chat(client, [{"role": "user", "content": user_message(11)}]).choices[0].message.content
+    server.on_engine(lambda llm: llm.scheduler.check_integrity())
+
+
+def test_a_fault_in_a_step_fails_its_request_with_500(server) -> None:
+    client = server.client(max_retries=0)
+    messages = [{"role": "user", "content": user_message(11)}]
+    with fault_in_next_forward(server), pytest.raises(openai.InternalServerError) as info:
+        chat(client, messages)
+    assert "injected fault" in info.value.body["message"]
+    assert info.value.body["type"] == "server_error"
+    assert_engine_clean(server)
+    assert chat(client, messages).choices[0].message.content
+
+
+def test_a_fault_in_a_step_ends_a_started_stream_with_an_error_event(server) -> None:
+    client = server.client(max_retries=0)
+    messages = [{"role": "user", "content": user_message(12)}]
+    with fault_in_next_forward(server), pytest.raises(openai.APIError) as info:
+        for _ in chat(client, messages, stream=True):
+            pass
+    assert "injected fault" in info.value.message
+    assert_engine_clean(server)
+    reply = chat(client, messages, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
 
 
 def test_metrics_count_requests_tokens_and_latencies(server) -> None:
