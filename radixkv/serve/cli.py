@@ -43,7 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)"
     )
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, default=512, help="prompt tokens per request per step"
+    )
+    parser.add_argument(
+        "--policy",
+        default="lpm",
+        choices=["lpm", "fcfs"],
+        help="waiting order: longest cached prefix first (default) or arrival",
+    )
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
+    parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="model dtype (default: the engine's)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA-graph decode (GPU only)"
+    )
     parser.add_argument(
         "--num-threads", type=int, default=None, help="CPU torch threads (default: half the cores)"
     )
@@ -67,21 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so that `radixkv serve --help` answers at once.
     import uvicorn
 
-    from radixkv.engine import LLM, ModelNotFoundError
+    from radixkv.engine import ModelNotFoundError
     from radixkv.serve.app import ServeConfig, create_app
 
     try:
-        llm = LLM(
-            args.model,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_cache_bytes=None if args.cache_mb is None else args.cache_mb * 2**20,
-            enable_prefix_cache=not args.no_prefix_cache,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed,
-            num_threads=args.num_threads,
-        )
+        llm = build_llm(args)
         config = ServeConfig(
             model_name=args.served_model_name or llm.model_name,
             max_queued_requests=args.max_queued_requests,
@@ -92,6 +101,30 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(llm, config, on_shutdown=engine_services(args, llm))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    """The engine the parsed options describe. Raises what `LLM` raises."""
+    import torch
+
+    from radixkv.engine import LLM
+
+    return LLM(
+        args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=None if args.cache_mb is None else args.cache_mb * 2**20,
+        enable_prefix_cache=not args.no_prefix_cache,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        policy=args.policy,
+        device=args.device,
+        dtype=None if args.dtype is None else getattr(torch, args.dtype),
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
 
 
 def engine_services(args: argparse.Namespace, llm: LLM) -> list[Callable[[], None]]:

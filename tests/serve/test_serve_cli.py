@@ -21,6 +21,11 @@ def test_serve_help_lists_the_engine_options(capsys) -> None:
         "--no-prefix-cache",
         "--seed",
         "--max-queued-requests",
+        "--chunked-prefill-size",
+        "--policy",
+        "--device",
+        "--dtype",
+        "--enforce-eager",
     ):
         assert option in out
 
@@ -35,3 +40,20 @@ def test_a_bad_queue_limit_exits_2(tiny_model_dir, capsys) -> None:
     argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--max-queued-requests", "0"]
     assert main(argv) == 2
     assert "max_queued_requests" in capsys.readouterr().err
+
+
+def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
+    import torch
+
+    from radixkv.serve.cli import build_llm, build_parser
+
+    argv = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "48", "--block-size", "8"]
+    argv += ["--max-num-seqs", "3", "--max-num-batched-tokens", "96", "--chunked-prefill-size"]
+    argv += ["32", "--policy", "fcfs", "--no-prefix-cache", "--dtype", "float32", "--seed", "7"]
+    llm = build_llm(build_parser().parse_args(argv))
+    config = llm.scheduler.config
+    assert (llm.cache.num_blocks, llm.cache.block_size, llm.seed) == (48, 8, 7)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 96)
+    assert (config.chunked_prefill_size, config.policy) == (32, "fcfs")
+    assert config.enable_prefix_cache is False
+    assert next(llm.model.parameters()).dtype == torch.float32
