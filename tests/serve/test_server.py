@@ -248,6 +248,28 @@ def assert_engine_clean(server) -> None:
     server.on_engine(lambda llm: llm.scheduler.check_integrity())
 
 
+def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server) -> None:
+    before = read_metrics(server.base_url)
+    client = server.client(max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": user_message(8)}],
+            max_tokens=900,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    def aborted() -> bool:
+        now = read_metrics(server.base_url)
+        return metric(now, "radixkv_requests_total", outcome="abort") > metric(
+            before, "radixkv_requests_total", outcome="abort"
+        ) and (metric(now, "radixkv_running_requests") == 0)
+
+    wait_until(aborted, what="the abandoned request aborted")
+    assert_engine_clean(server)
+
+
 def test_a_fault_in_a_step_fails_its_request_with_500(server) -> None:
     client = server.client(max_retries=0)
     messages = [{"role": "user", "content": user_message(11)}]
