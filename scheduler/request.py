@@ -67,6 +67,8 @@ class Request:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         eos_token_ids: Sequence[int] = (),
+        *,
+        cache_salt: str | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -74,7 +76,11 @@ class Request:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         self.request_id = request_id
+        # The cache namespace: requests share cached KV only with requests of the same salt.
+        self.cache_salt = cache_salt
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.params = params
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
-from radixkv.cache.token_lists import common_prefix_len
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import make_policy
@@ -121,10 +121,9 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens is longer than the model's "
                 f"context (max_model_len={max_len})"
             )
-        # NOTE: the last token of a finished sequence has no KV, hence the - 1.
-        max_kv_tokens = request.max_num_tokens(max_len) - 1
-        num_blocks = _cdiv(max_kv_tokens, self._block_size)
+        num_blocks = self._max_num_blocks(request)
         if num_blocks > self.cache.num_blocks:
+            max_kv_tokens = request.max_num_tokens(max_len) - 1
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens + up to "
                 f"{max_kv_tokens + 1 - num_prompt} generated tokens need {num_blocks} KV blocks of "
@@ -181,8 +180,10 @@ class Scheduler:
                     rows.append(row)
                     budget -= n
 
-        # 3. Admission. A step that had to preempt has no blocks to spare.
-        if not preempted:
+        # 3. Admission. A step that had to preempt has no blocks to spare, unless it preempted
+        # every running request: then nothing else could run and an idle cache admits anything
+        # that fits it alone (`_admit`).
+        if not preempted or not rows:
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
@@ -300,7 +301,9 @@ class Scheduler:
         num_blocks = _cdiv(n, self._block_size)
         table = req.block_table
         old_tail = table[num_blocks - 1]
-        result = self.cache.insert(req.all_token_ids[:n], table[:num_blocks], handle=req.handle)
+        result = self.cache.insert(
+            req.all_token_ids[:n], table[:num_blocks], handle=req.handle, namespace=req.cache_salt
+        )
         req.handle = result.handle
         assert len(result.block_ids) == num_blocks, (result, n)
         # Private blocks of the inserted range: the tree adopted some, freed our duplicates of
@@ -352,8 +355,8 @@ class Scheduler:
             return budget
         admitted: list[Request] = []
         num_deferred = 0
-        # (tokens, end): what each request admitted in this step writes, then inserts, this step.
-        in_batch: list[tuple[list[int], int]] = []
+        # (request, end): what each request admitted in this step writes, then inserts, this step.
+        in_batch: list[tuple[Request, int]] = []
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
         cache_view = self.cache if self._use_cache else None
         for req in self._policy.order(self._waiting, cache_view):
@@ -377,7 +380,7 @@ class Scheduler:
             rows.append(row)
             budget -= len(row.token_ids)
             if defer:
-                in_batch.append((req.all_token_ids, row.start_position + len(row.token_ids)))
+                in_batch.append((req, row.start_position + len(row.token_ids)))
         if admitted:
             # The admitted are a subsequence of the policy order (deferred requests stay where
             # they are); for FCFS without deferrals, a prefix of the queue.
@@ -388,9 +391,7 @@ class Scheduler:
                 self._waiting = deque(r for r in self._waiting if r.request_id not in gone)
         return budget
 
-    def _defer_for_in_batch_prefix(
-        self, req: Request, in_batch: list[tuple[list[int], int]]
-    ) -> bool:
+    def _defer_for_in_batch_prefix(self, req: Request, in_batch: list[tuple[Request, int]]) -> bool:
         """True if `req` should wait one step for a prefix that requests admitted earlier in this
         step compute: its longest common prefix with `tokens[:end]` of one of them exceeds its own
         cache hit now by at least `defer_shared_prefix_tokens`. Read-only.
@@ -411,12 +412,15 @@ class Scheduler:
             return False
         shared = 0
         for other, end in in_batch:
-            shared = max(shared, common_prefix_len(tokens, other, min(end, cap)))
+            if other.cache_salt == req.cache_salt:  # only its own namespace can serve it
+                shared = max(shared, common_prefix_len(tokens, other.all_token_ids, min(end, cap)))
             if shared == cap:
                 break
         if shared < threshold:  # cannot gain enough whatever is cached: skip the tree walk
             return False
-        num_hit = self.cache.match(tokens, max_tokens=cap).num_cached_tokens
+        num_hit = self.cache.match(
+            tokens, max_tokens=cap, namespace=req.cache_salt
+        ).num_cached_tokens
         if shared - num_hit < threshold:
             return False
         logger.debug("deferring %s: %d prefix tokens computed in this step", req, shared - num_hit)
@@ -434,7 +438,8 @@ class Scheduler:
         match = None
         if self._use_cache:
             # NOTE: the last token is always computed, so there are logits to sample from.
-            match = self.cache.match(tokens, max_tokens=len(tokens) - 1 if use_hit else 0)
+            limit = len(tokens) - 1 if use_hit else 0
+            match = self.cache.match(tokens, max_tokens=limit, namespace=req.cache_salt)
             table = list(match.block_ids)
             num_partial_slots = match.num_partial_slots
         num_hit = match.num_cached_tokens if match is not None else 0
@@ -466,6 +471,10 @@ class Scheduler:
         self._running[req.request_id] = req
         num_tokens = min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget)
         return self._row(req, num_hit, num_hit + num_tokens)
+
+    def _max_num_blocks(self, req: Request) -> int:
+        """Blocks of the request's longest KV (the last token of a finished sequence has none)."""
+        return _cdiv(req.max_num_tokens(self.config.max_model_len) - 1, self._block_size)
 
     def _row(self, req: Request, start: int, end: int) -> ScheduledRequest:
         return ScheduledRequest(

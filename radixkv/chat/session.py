@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from radixkv.cache.token_lists import common_prefix_len
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.engine import LLM, ModelLoadError
 from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
 from radixkv.scheduler.sampling_params import SamplingParams

@@ -152,10 +152,19 @@ class LLM:
 
     # ------------------------------------------------------------------ step API
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> str:
         """Validate (ValueError / TypeError, nothing queued) and queue one request; returns its id.
-        Its progress comes back from `step()` as RequestUpdates. No model work."""
-        (rid,) = self._submit(self._pack_one(prompt), params_list(params, 1), self._outbox.append)
+        Its progress comes back from `step()` as RequestUpdates. No model work. Requests share
+        cached KV only with requests of the same `cache_salt` (None: the shared namespace)."""
+        (rid,) = self._submit(
+            self._pack_one(prompt), params_list(params, 1), self._outbox.append, cache_salt
+        )
         return rid
 
     def step(self) -> list[RequestUpdate]:
@@ -260,6 +269,7 @@ class LLM:
         prompts: list[PackedTokens],
         params: list[SamplingParams],
         sink: Callable[[RequestUpdate], None] | None,
+        cache_salt: str | None = None,
     ) -> list[str]:
         """Queue every request or none: one the scheduler refuses rolls back those before it."""
         added: list[str] = []
@@ -269,7 +279,7 @@ class LLM:
                 seed = _derive_seed(self.seed, self._num_submitted) if p.seed is None else p.seed
                 self._num_submitted += 1
                 eos = () if p.ignore_eos else self.eos_token_ids
-                request = Request(rid, tokens, p, eos_token_ids=eos)
+                request = Request(rid, tokens, p, eos_token_ids=eos, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 added.append(rid)
                 gen = None if p.greedy else make_generator(seed, self.runner.device)

@@ -176,6 +176,9 @@ class Harness:
         `in_flight` is called between the forward and the update (e.g. to abort a request)."""
         sched, cfg = self.scheduler, self.config
         out = sched.schedule()
+        # A step with requests pending always runs something: an engine treats an empty step
+        # as a fault (it could wait for ever).
+        assert out.rows or not sched.has_unfinished(), "scheduled nothing with requests pending"
         self.check_output(out)
         if self.check_sim:
             self.sim.step(out, sched)

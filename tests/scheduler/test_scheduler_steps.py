@@ -395,3 +395,24 @@ def test_update_checks_the_sampled_tokens() -> None:
         sched.update_from_output(SchedulerOutput(rows=out.rows), {"a": 4})
     assert sched.update_from_output(out, {"a": 4}) == []
     sched.check_integrity()
+
+
+def test_cache_salts_isolate_requests(harness: MakeHarness) -> None:
+    h = harness(num_blocks=32, block_size=4)
+    prompt = list(range(1, 14))
+    a = h.add("a", prompt, max_tokens=2)
+    h.run()
+    salted = [
+        Request("b", prompt, SamplingParams(max_tokens=2), cache_salt="t1"),
+        Request("c", prompt, SamplingParams(max_tokens=2), cache_salt="t1"),
+        Request("d", prompt, SamplingParams(max_tokens=2)),
+    ]
+    h.run(arrivals={0: salted[:1], 3: salted[1:]})
+    b, c, d = salted
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0  # another namespace: no hit
+    assert c.num_cached_tokens == d.num_cached_tokens == len(prompt) - 1  # same namespace: hit
+    for req in (a, *salted):
+        assert req.output_token_ids == h.reference(req)
+    h.assert_no_leak()
+    with pytest.raises(TypeError, match="cache_salt must be a str"):
+        Request("e", prompt, cache_salt=3)  # type: ignore[arg-type]
