@@ -99,9 +99,10 @@ class BlockPool:
         """
         refs = self._refs
         for b in block_ids:
-            if self.ref_count(b) == 0:
+            self._check_id(b)
+            if refs[b] == 0:
                 raise ValueError(f"block {b} is already free")
-        if len(set(block_ids)) != len(block_ids):
+        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block_ids contains a repeated id: {list(block_ids)}")
         freed = []
         for b in reversed(block_ids):
@@ -142,6 +143,8 @@ class BlockPool:
                 raise AssertionError(f"block {b} ref count {r} != {owners.get(b, 0)} owners")
 
     def _check_id(self, block_id: object) -> None:
+        if type(block_id) is int and 0 <= block_id < self.num_blocks:
+            return
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
         if not 0 <= block_id < self.num_blocks:

@@ -185,13 +185,17 @@ class RadixTree:
             child = node.children.get(qv[pos])  # child.start == pos
             if child is None:
                 break
-            matched = self._match_in(child, pos, qb, limit)
-            child_blocks = child.blocks[: (pos + matched - 1) // B - pos // B + 1]
+            end = child.end
+            if end <= limit and qb.startswith(child.tokens, TOKEN_BYTES * pos):
+                child_blocks = child.blocks  # the common step: the whole node agrees, one memcmp
+            else:
+                end = pos + self._match_in(child, pos, qb, limit)
+                child_blocks = child.blocks[: (end - 1) // B - pos // B + 1]
             if pos % B:
                 blocks[-1:] = child_blocks  # the deeper node's copy of the shared index wins
             else:
                 blocks += child_blocks
-            pos += matched
+            pos = end
             node = child
             if pos < child.end:
                 break
@@ -433,13 +437,7 @@ class RadixTree:
     def lock_path(self, node: TreeNode, tick: int) -> None:
         """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (its root included)."""
         node.tick = tick
-        cursor: TreeNode | None = node
-        while cursor is not None:
-            if cursor.lock_ref == 0:
-                self.index.discard(cursor)
-                self.num_evictable_blocks -= cursor.num_own_blocks
-            cursor.lock_ref += 1
-            cursor = cursor.parent
+        self._lock_up(node, None)
 
     def num_blocks_pinned_by_lock(self, node: TreeNode | None) -> int:
         """Evictable blocks `lock_path(node)` would take out of `num_evictable_blocks`: the own
@@ -461,46 +459,48 @@ class RadixTree:
         knowing depths.
         """
         new.tick = tick
-        gain: list[TreeNode] = []
-        lose: list[TreeNode] = []
         a, b = new, old
-        while a is not b:
+        while a is not b:  # up to the lowest common ancestor
             if b.parent is None or (a.parent is not None and a.start > b.start):
-                gain.append(a)
                 a = a.parent  # type: ignore[assignment]
             elif a.parent is None or b.start > a.start:
-                lose.append(b)
                 b = b.parent  # type: ignore[assignment]
             else:  # equal starts: two different nodes hanging below the same position
-                gain.append(a)
-                lose.append(b)
                 a = a.parent  # type: ignore[assignment]
                 b = b.parent  # type: ignore[assignment]
-        for node in gain:
-            if node.lock_ref == 0:
-                self.index.discard(node)
-                self.num_evictable_blocks -= node.num_own_blocks
-            node.lock_ref += 1
-        for node in lose:
-            self._unlock(node)
+        self._lock_up(new, a)
+        self._unlock_up(old, a)
 
     def unlock_path(self, node: TreeNode) -> None:
         """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
         the tick they already have; a namespace root left empty is dropped."""
-        cursor: TreeNode | None = node
-        while cursor is not None:
-            self._unlock(cursor)
-            node = cursor
-            cursor = cursor.parent
-        self._drop_if_empty(node)
+        self._drop_if_empty(self._unlock_up(node, None))
 
-    def _unlock(self, node: TreeNode) -> None:
-        node.lock_ref -= 1
-        assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
-        if node.lock_ref == 0:
-            self.num_evictable_blocks += node.num_own_blocks
-            if not node.children and node.parent is not None:
-                self.index.add(node)
+    def _lock_up(self, node: TreeNode | None, stop: TreeNode | None) -> None:
+        """lock_ref += 1 on `node` and its ancestors below `stop`; a node that was unlocked leaves
+        the eviction index and its own blocks stop being evictable."""
+        while node is not stop:
+            if node.lock_ref == 0:
+                if node.evict_key is not None:  # an unlocked leaf: a member of the index
+                    self.index.discard(node)
+                self.num_evictable_blocks -= node.num_own_blocks
+            node.lock_ref += 1
+            node = node.parent
+
+    def _unlock_up(self, node: TreeNode, stop: TreeNode | None) -> TreeNode:
+        """lock_ref -= 1 on `node` and its ancestors below `stop`; a node left unlocked has its own
+        blocks evictable and, a leaf, joins the index with the tick it has. Returns the last node
+        unlocked."""
+        last = node
+        while node is not stop:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += node.num_own_blocks
+                if not node.children and node.parent is not None:
+                    self.index.add(node)
+            last, node = node, node.parent  # type: ignore[assignment]
+        return last
 
     def _drop_if_empty(self, root: TreeNode) -> None:
         """Forget a namespace root with nothing cached and no lock (the shared root stays)."""

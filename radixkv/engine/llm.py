@@ -162,9 +162,8 @@ class LLM:
         """Validate (ValueError / TypeError, nothing queued) and queue one request; returns its id.
         Its progress comes back from `step()` as RequestUpdates. No model work. Requests share
         cached KV only with requests of the same `cache_salt` (None: the shared namespace)."""
-        (rid,) = self._submit(
-            self._pack_one(prompt), params_list(params, 1), self._outbox.append, cache_salt
-        )
+        prompts, plist = self._pack_one(prompt), params_list(params, 1)
+        (rid,) = self._submit(prompts, plist, self._outbox.append, cache_salt)
         return rid
 
     def step(self) -> list[RequestUpdate]:

@@ -86,7 +86,7 @@ class KVSim:
         out: dict[tuple[int, int], set[str]] = {}
         for req in scheduler.running_requests:
             for p in range(req.num_computed_tokens):
-                out.setdefault((req.block_table[p // self.B], p % self.B), set()).add(
+                out.setdefault((req.table.blocks[p // self.B], p % self.B), set()).add(
                     req.request_id
                 )
         return out
