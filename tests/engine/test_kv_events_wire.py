@@ -1,0 +1,194 @@
+"""KV events on the wire: the bytes decode with vLLM's own struct definitions, over real ZeroMQ.
+
+The msgspec structs below mirror `vllm/distributed/kv_events.py` field for field (order, types,
+defaults and struct options): a router built on vLLM's definitions decodes what radixkv sends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
+from radixkv.engine.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
+
+# ---- vLLM's definitions (vllm/distributed/kv_events.py), mirrored for decoding ----
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class VllmBlockStored(KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VllmBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VllmAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+B = 4
+TOKENS = [7, 0, 2**31, 2**32 - 1, 128, 255, 65535, 65536]  # every msgpack int width
+HASHES = chain_hashes(None, b"".join(t.to_bytes(4, "little") for t in TOKENS), B)
+EVENTS = [
+    BlockStored(tuple(HASHES), None, tuple(TOKENS), B),
+    BlockStored((2**64 - 1,), HASHES[1], (1, 2, 3, 4), B),
+    BlockRemoved((2**64 - 1, HASHES[1])),
+    AllBlocksCleared(),
+]
+
+
+def vllm_events(medium: str | None) -> list[KVCacheEvent]:
+    return [
+        VllmBlockStored(HASHES, None, TOKENS, B, None, medium, None),
+        VllmBlockStored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None),
+        VllmBlockRemoved([2**64 - 1, HASHES[1]], medium),
+        VllmAllBlocksCleared(),
+    ]
+
+
+def test_hashes_are_unsigned_64_bit_and_chained() -> None:
+    assert all(0 <= h < 2**64 for h in HASHES)
+    assert HASHES[0] != HASHES[1]
+    # The second hash covers the first block through its parent: a change there changes it.
+    other = chain_hashes(None, b"".join(t.to_bytes(4, "little") for t in [8, *TOKENS[1:]]), B)
+    assert other[1] != HASHES[1] and other[0] != HASHES[0]
+
+
+@pytest.mark.parametrize("medium", ["GPU", "CPU", None])
+def test_batch_decodes_with_vllm_structs_and_equals_their_encoding(medium: str | None) -> None:
+    payload = encode_batch(EVENTS, ts=1757500000.25, data_parallel_rank=3, medium=medium)
+    batch = DECODER.decode(payload)
+    assert batch.ts == 1757500000.25 and batch.data_parallel_rank == 3
+    assert batch.events == vllm_events(medium)
+    # Byte for byte what vLLM's publisher (msgspec's encoder over these structs) sends.
+    expected = KVEventBatch(ts=1757500000.25, events=vllm_events(medium), data_parallel_rank=3)
+    assert payload == msgspec.msgpack.encode(expected)
+
+
+def test_unknown_event_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="not a KV event"):
+        encode_batch(["BlockStored"], ts=0.0, data_parallel_rank=0)  # type: ignore[list-item]
+
+
+def test_bad_endpoint_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="endpoint must be a ZeroMQ address"):
+        ZmqEventPublisher("localhost:5557")
+
+
+def recv_batches(sub: zmq.Socket, num_events: int, timeout_s: float = 10.0) -> list[list[bytes]]:
+    """Multipart messages until `num_events` events have arrived (or the timeout)."""
+    messages: list[list[bytes]] = []
+    got = 0
+    deadline = time.monotonic() + timeout_s
+    while got < num_events and time.monotonic() < deadline:
+        if sub.poll(100):
+            frames = sub.recv_multipart()
+            messages.append(frames)
+            got += len(DECODER.decode(frames[2]).events)
+    return messages
+
+
+def subscriber(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    return sub
+
+
+def wait_for_subscription(publisher: ZmqEventPublisher, sub: zmq.Socket) -> None:
+    """PUB drops messages until a SUB has joined: send probes until one arrives, then drain."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        publisher(AllBlocksCleared())
+        if sub.poll(100):
+            break
+    else:
+        pytest.fail("the subscriber never received a probe")
+    time.sleep(0.2)
+    while sub.poll(100):
+        sub.recv_multipart()
+
+
+def test_pub_sub_over_tcp_frames_and_payloads() -> None:
+    ctx = zmq.Context()
+    with ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv", context=ctx) as publisher:
+        sub = subscriber(ctx, publisher.last_endpoint, b"kv")
+        wait_for_subscription(publisher, sub)
+        for event in EVENTS:
+            publisher(event)
+        messages = recv_batches(sub, len(EVENTS))
+        sub.close(linger=0)
+    ctx.term()
+    assert messages, "no batch arrived"
+    topics = {m[0] for m in messages}
+    assert topics == {b"kv"} and all(len(m) == 3 for m in messages)
+    seqs = [int.from_bytes(m[1], "big") for m in messages]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers must be dense"
+    events = [e for m in messages for e in DECODER.decode(m[2]).events]
+    assert events == vllm_events("GPU")
+    assert all(DECODER.decode(m[2]).data_parallel_rank == 0 for m in messages)
+
+
+def test_replay_serves_buffered_batches_then_end_marker() -> None:
+    ctx = zmq.Context()
+    replay_endpoint = "inproc://radixkv-replay-test"
+    with ZmqEventPublisher(
+        "inproc://radixkv-pub-test", replay_endpoint=replay_endpoint, context=ctx
+    ) as publisher:
+        for k, event in enumerate(EVENTS):  # one batch each: wait for each to be sent
+            publisher(event)
+            deadline = time.monotonic() + 10
+            while publisher.num_batches_sent == k and time.monotonic() < deadline:
+                time.sleep(0.005)
+        assert publisher.num_batches_sent == len(EVENTS)
+        dealer = ctx.socket(zmq.DEALER)  # several answers to one request: not a REQ socket
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart((b"", (1).to_bytes(8, "big")))  # from sequence number 1 on
+        replies = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                break
+            replies.append((int.from_bytes(seq, "big"), payload))
+        dealer.close(linger=0)
+    ctx.term()
+    seqs = [s for s, _ in replies]
+    assert seqs == [1, 2, 3], "every buffered batch from sequence number 1 on, in order"
+    events = [e for _, p in replies for e in DECODER.decode(p).events]
+    assert events == vllm_events("GPU")[1:]
