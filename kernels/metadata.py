@@ -11,8 +11,10 @@ does the torch reference's index arithmetic. `AttentionMetadata` does both once,
       -> store_kv_step / paged_attention_step, once per layer: shape / dtype / device checks of the
          per-layer tensors against the metadata only
 
-Building is the only way to get an instance, so holding one means its contents passed validation.
-Tensors already on `device` are not copied: do not modify them after building.
+Building is the only way to get an instance, so holding one means its contents passed validation
+(unless built with `validate=False`: the engine's hot path, whose inputs come from its scheduler;
+tests and the engine's debug mode validate). Tensors already on `device` are not copied: do not
+modify them after building, except a CUDA graph's static inputs, rewritten before each replay.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class AttentionMetadata:
     and every non-negative slot is the one the block tables give its token (so `store_kv_step`
     writes exactly where `paged_attention_step` reads) and no slot is written twice.
 
-    The values are read from host copies: pass CPU tensors (the runner does) and the kernels'
-    `device`; CUDA tensors are copied to the host once (one sync).
+    The values are read from host copies: pass CPU tensors and the kernels' `device` (copied
+    there once), or device tensors with their `host_tensors` (nothing copied, no sync); device
+    tensors alone are copied to the host once (one sync). `validate=False` skips the value checks.
     """
 
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]; entries past a request's blocks
@@ -72,6 +75,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # int32/int64 [num_tokens]: where each new token's
     # K/V goes (block * block_size + offset; < 0: not written); None: attention only
     device: torch.device | str | None = None  # where the kernels run; None: block_tables' device
+    # False: skip the value checks (check_metadata_values, the slot check); structure, dtypes and
+    # shapes are still checked. The engine's step passes False unless debugging: its inputs come
+    # from the scheduler, and the checks cost a pass over every token per step.
+    validate: bool = True
+    # CPU copies of (block_tables, seq_lens, cu_seqlens_q, slot_mapping) when those are already on
+    # `device` (the engine's staging buffer, copied without waiting): the host values are read from
+    # them, so building never syncs. Not kept after building.
+    host_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = (
+        field(default=None, repr=False)
+    )
     # ---- derived when built
     seq_lens_host: tuple[int, ...] = field(init=False)
     cu_seqlens_q_host: tuple[int, ...] = field(init=False)
@@ -98,20 +111,20 @@ class AttentionMetadata:
             _check_index_vector("slot_mapping", slots, INDEX_DTYPES)
         device = torch.device(self.device) if self.device is not None else self.block_tables.device
 
-        # Host copies: `.cpu()` returns CPU tensors themselves.
-        tables_host = self.block_tables.cpu()
-        lens = self.seq_lens.cpu().tolist()
-        cu = self.cu_seqlens_q.cpu().tolist()
-        check_metadata_values(
-            tables_host,
-            lens,
-            cu,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            num_q_tokens=None if slots is None else slots.shape[0],
-        )
-        if slots is not None:
-            _check_slot_mapping(slots.cpu(), tables_host, lens, cu, block_size)
+        tables_host, lens_host, cu_host, slots_host = self._host_copies()
+        lens = lens_host.tolist()
+        cu = cu_host.tolist()
+        if self.validate:
+            check_metadata_values(
+                tables_host,
+                lens,
+                cu,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                num_q_tokens=None if slots is None else slots.shape[0],
+            )
+            if slots_host is not None:
+                _check_slot_mapping(slots_host, tables_host, lens, cu, block_size)
 
         def on_device(t: torch.Tensor) -> torch.Tensor:
             return t if t.device == device else t.to(device)
@@ -129,6 +142,43 @@ class AttentionMetadata:
         set_field(self, "max_seq_len", max(lens, default=0))
         set_field(self, "max_q_len", max((b - a for a, b in pairwise(cu)), default=0))
         set_field(self, "gather_plan", build_gather_plan(self) if device.type == "cpu" else None)
+        set_field(self, "host_tensors", None)
+
+    def _host_copies(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """block_tables, seq_lens, cu_seqlens_q, slot_mapping on the host: `host_tensors` when
+        given (checked to match), else `.cpu()` (the tensors themselves on the CPU; a sync on
+        CUDA)."""
+        if self.host_tensors is None:
+            slots = self.slot_mapping
+            return (
+                self.block_tables.cpu(),
+                self.seq_lens.cpu(),
+                self.cu_seqlens_q.cpu(),
+                None if slots is None else slots.cpu(),
+            )
+        _require(
+            isinstance(self.host_tensors, tuple) and len(self.host_tensors) == 4,
+            "host_tensors must be (block_tables, seq_lens, cu_seqlens_q, slot_mapping)",
+        )
+        names = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
+        for name, host in zip(names, self.host_tensors, strict=True):
+            on_device = getattr(self, name)
+            _require(
+                (host is None) == (on_device is None)
+                and (
+                    host is None
+                    or (
+                        isinstance(host, torch.Tensor)
+                        and host.device.type == "cpu"
+                        and host.shape == on_device.shape
+                        and host.dtype == on_device.dtype
+                    )
+                ),
+                f"host_tensors' {name} must be a CPU tensor like {name}",
+            )
+        return self.host_tensors
 
     @property
     def num_reqs(self) -> int:

@@ -37,11 +37,16 @@ from radixkv.kernels.metadata import AttentionMetadata, check_attention_step
 __all__ = ["default_num_kv_splits", "paged_attention", "paged_attention_step"]
 
 _LOG2E = 1.4426950408889634
-# Aim for this many programs per SM before splitting the context further.
-_PROGRAMS_PER_SM = 2
-# A split shorter than this costs more in merge traffic than it gains in parallelism.
-_MIN_TOKENS_PER_SPLIT = 512
+# Decode is memory-bound: keep about 4 programs' loads in flight per SM before splitting further.
+_PROGRAMS_PER_SM = 4
+# A split of 4 BLOCK_N tiles still amortises its partial-output write and merge read.
+_MIN_TOKENS_PER_SPLIT = 256
+# Bounds the fp32 scratch (splits x tokens x heads x head_dim) and the merge kernel's tile.
 _MAX_KV_SPLITS = 64
+# Extend / prefill tiles of 16-bit inputs: 128 query rows x 64 keys with 8 warps (the shape of
+# Triton's fused-attention tutorial on Hopper); fp32 and head_dim > 128 keep 64 rows, 4 warps.
+_EXTEND_BLOCK_M = 128
+_EXTEND_WARPS = 8
 
 
 @triton.jit
@@ -341,13 +346,17 @@ def _launch(
 
     group = num_q_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
+    # Every launch parameter below comes from tensor shapes only, never from values on the device,
+    # so a CUDA graph captured for one bucket of shapes stays right for every replay of it.
     # Decode-like batches (at most one new token per request on average) get the smallest tile
     # tl.dot accepts on a GPU (M >= 16); prefill/extend tiles are larger to reuse K/V across rows.
     decode_like = num_tokens <= num_reqs
-    block_m = max(16 if decode_like else 64, group_p)
+    half = q.dtype != torch.float32 and head_dim <= 128
+    block_m = max(16 if decode_like else (_EXTEND_BLOCK_M if half else 64), group_p)
     block_q = block_m // group_p
+    num_warps = _EXTEND_WARPS if half and not decode_like else 4
     # fp32 tiles take twice the shared memory: halve BLOCK_N for them (and for head_dim > 128).
-    block_n = 64 if head_dim <= 128 and q.dtype != torch.float32 else 32
+    block_n = 64 if half else 32
     num_tiles = num_tokens // block_q + num_reqs
 
     if num_kv_splits is None:
@@ -403,7 +412,7 @@ def _launch(
         SPLIT=split,
         # fp32 inputs: exact fp32 products (tf32 would lose ~3 decimal digits); else the default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=2,
     )
     if split:

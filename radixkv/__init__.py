@@ -29,7 +29,14 @@ from radixkv.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixkv.chat import ChatReply, ChatSession
-    from radixkv.engine import LLM, ModelNotFoundError, RequestOutput, RequestStats, StreamDelta
+    from radixkv.engine import (
+        LLM,
+        ModelNotFoundError,
+        RequestOutput,
+        RequestStats,
+        RequestUpdate,
+        StreamDelta,
+    )
 
 __all__ = [
     "LLM",
@@ -47,6 +54,7 @@ __all__ = [
     "PrefixCache",
     "RequestOutput",
     "RequestStats",
+    "RequestUpdate",
     "SamplingParams",
     "StreamDelta",
 ]
@@ -58,6 +66,7 @@ _ENGINE_NAMES = {
     "ModelNotFoundError": "radixkv.engine",
     "RequestOutput": "radixkv.engine",
     "RequestStats": "radixkv.engine",
+    "RequestUpdate": "radixkv.engine",
     "StreamDelta": "radixkv.engine",
     "ChatReply": "radixkv.chat",
     "ChatSession": "radixkv.chat",

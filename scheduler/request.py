@@ -26,6 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # a stop token or EOS was sampled
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # its step failed (an exception in the engine)
 
     @property
     def is_finished(self) -> bool:
@@ -33,12 +34,18 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
 )
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -21,15 +21,16 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = disabled, else keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]
-    seed: int | None = None  # per-request RNG seed; None = derived from the engine seed and request
+    # per-request RNG seed in [0, 2**64); None = derived from the engine seed and request
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed reply lengths)
 
     def __post_init__(self) -> None:
         check_size(self.max_tokens, "max_tokens", low=1)
         check_size(self.top_k, "top_k", low=0)
-        if self.seed is not None:
-            check_size(self.seed, "seed", low=0)
+        if self.seed is not None and check_size(self.seed, "seed", low=0) >= 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")

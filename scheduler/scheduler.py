@@ -514,3 +514,16 @@ class Scheduler:
         if not self._use_cache:
             assert stats.num_in_use_blocks == len(private_owner), stats
             assert stats.num_free_blocks == stats.num_blocks - len(private_owner), stats
+
+    def fail_step(self) -> list[Request]:
+        """After a fault between `schedule()` and `update_from_output()`: finish the pending
+        step's requests with FINISHED_ERROR, returning their blocks and locks (their KV of that
+        step is not inserted), so the next `schedule()` works. Returns them ([] if none pending)."""
+        output, self._in_flight = self._in_flight, None
+        failed = []
+        for row in output.rows if output is not None else ():
+            req = self._requests.get(row.request_id)
+            if req is not None and self.abort(row.request_id):
+                req.set_finished(RequestStatus.FINISHED_ERROR)
+                failed.append(req)
+        return failed

@@ -1,8 +1,10 @@
 """Shared test set-up, and the tiny-model fixtures of the engine and chat tests.
 
-TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it must be set before any
-kernel module is imported: here, at the top of the first conftest pytest loads. torch and
-transformers are imported inside the fixtures, so the cache tests never load them.
+TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it is decided before any
+kernel module is imported: here, at the top of the first conftest pytest loads. It is set only on a
+machine without CUDA, where the interpreter runs the Triton kernels on CPU tensors; on a GPU the
+engine and kernel tests launch compiled kernels, and the tests marked `interpreter` (Triton on CPU
+tensors) are skipped. transformers is imported inside the fixtures.
 """
 
 from __future__ import annotations
@@ -14,9 +16,37 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def _cuda_present() -> bool:
+    # Imported here only: the answer must exist before any kernel module is imported.
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests re-check every engine step's metadata values (the engine skips that by default).
+os.environ.setdefault("RADIXKV_VALIDATE_STEPS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "interpreter: Triton kernels on CPU tensors (TRITON_INTERPRET=1, set only without CUDA)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if INTERPRETED:
+        return
+    skip = pytest.mark.skip(reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (no CUDA here)")
+    for item in items:
+        if item.get_closest_marker("interpreter") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,17 @@
 """The engine: `LLM` ties model runner, scheduler, prefix cache and sampler together.
 
-    LLM.generate / LLM.stream
-        │  validate + tokenize (nothing is admitted unless every request of the call is valid)
-        ▼
-    Scheduler.add_request ──► loop: schedule() ─► ModelRunner.execute() ─► sample() ─►
-                                    Scheduler.update_from_output()  (stop rules, cache inserts)
+One step loop, three front doors:
 
-The engine is synchronous and single-threaded: every public call drives the step loop until its
-own requests finish (requests of other calls, e.g. a paused stream, advance with it). A lock
-serialises callers from several threads.
+    add_request / step / abort_request   (the server: one thread drives step())
+    generate(prompts)                    steps until its requests finish
+    stream(prompt)                       steps whenever its consumer wants more
+        │
+        ▼
+    step: schedule() ─► ModelRunner.execute() ─► sample() ─► update_from_output() ─► detokenize
+
+Requests of every door advance together in each step. A fault anywhere in a step fails the
+requests of that step (finish reason "error"), returns their blocks and locks, and the engine
+keeps serving. `LLM` is not thread-safe: one thread calls it.
 """
 
 from __future__ import annotations
@@ -16,23 +19,20 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from radixkv.cache.prefix_cache import PrefixCache
-from radixkv.cache.validation import check_size
+from radixkv.cache import PackedTokens, PrefixCache, check_size
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
 from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
-from radixkv.scheduler.output import SchedulerOutput
 from radixkv.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,20 +40,30 @@ logger = logging.getLogger(__name__)
 PromptInput = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one engine step did to one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens sampled for it in this step (may be empty)
+    new_text: str  # newly completed detokenised text (may be "")
+    output: RequestOutput | None = None  # set once, when it finished (stop/length/abort/error)
+    error: BaseException | None = None  # set when it failed in this step
+
+
 @dataclass(slots=True)
 class _Tracked:
-    """Engine-side bookkeeping of one request, kept until its caller collects the output."""
+    """Engine-side record of one request, kept until its front door has taken the output."""
 
-    request: Any  # radixkv.scheduler.Request
+    request: Request
     generator: torch.Generator | None
     detok: IncrementalDetokenizer
     t_submit: float
-    num_cached_tokens: int | None = None  # start position of its first scheduled row
+    external: bool  # added by add_request: its updates are handed out by step()
     t_first_token: float | None = None
     t_last_token: float | None = None
-    t_finish: float | None = None
-    num_streamed_tokens: int = 0
-    finished: bool = False
+    output: RequestOutput | None = None
+    error: BaseException | None = None
 
 
 class LLM:
@@ -65,6 +75,7 @@ class LLM:
     blocks, or what `kv_cache_bytes` holds, or (CPU) 512 MiB / (CUDA) 80 % of free device memory.
     `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
+    `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
     """
 
     def __init__(
@@ -85,26 +96,27 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         progress: Progress | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         check_size(block_size, "block_size", low=1)
         check_size(seed, "seed", low=0)
         if num_threads is not None:
             check_size(num_threads, "num_threads", low=1)
-        # Validate the scheduler bounds before the (slow) model load.
-        config_args: dict[str, Any] = dict(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            policy=policy,
-            enable_prefix_cache=enable_prefix_cache,
-        )
-        SchedulerConfig(**config_args)
         loaded = load_model(
             model, tokenizer=tokenizer, device=device, dtype=dtype, progress=progress
         )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
+        self.max_model_len = _max_model_len(self.model.config.get_text_config())
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            policy=policy,
+            enable_prefix_cache=enable_prefix_cache,
+            max_model_len=self.max_model_len,
+        )
         param = next(self.model.parameters())
         if param.device.type == "cpu":
             _set_cpu_threads(num_threads)
@@ -112,19 +124,65 @@ class LLM:
         n_blocks = plan_num_blocks(
             spec, param.device, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes
         )
-        self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=n_blocks)
+        self.runner = ModelRunner(
+            self.model,
+            block_size=block_size,
+            num_blocks=n_blocks,
+            enforce_eager=enforce_eager,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.cache = PrefixCache(n_blocks, block_size)
-        self.max_model_len = _max_model_len(self.model.config.get_text_config())
-        self.scheduler_config = SchedulerConfig(**config_args, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self.seed = seed
         self._num_submitted = 0
         self._tracked: dict[str, _Tracked] = {}
-        self._lock = threading.RLock()
+        self._outbox: list[RequestUpdate] = []  # updates of add_request's requests, not yet taken
+        self._stepping = False
+        self._orphans: list[str] = []  # streams dropped during a step, released after it
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ step API
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> str:
+        """Validate (ValueError / TypeError, nothing queued) and queue one request; returns its id.
+        Its progress comes back from `step()` as RequestUpdates. No model work."""
+        (rid,) = self._submit(self._one_prompt(prompt), _normalize_params(params, 1), True)
+        return rid
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one scheduler step if any request is pending; returns the updates of the requests
+        queued by `add_request` ([] when idle).
+
+        Never raises because of a fault inside the step: the requests of a failed step come back
+        with `error` set (finish reason "error"), their blocks and locks returned. On a
+        KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
+        re-raised (their updates come with the next call)."""
+        self._run_step()
+        updates, self._outbox = self._outbox, []
+        return updates
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a queued or running request (its blocks come back; its final update, finish
+        reason "abort", comes with the next `step()`). False if unknown or finished."""
+        t = self._tracked.get(request_id)
+        if t is None or t.output is not None:
+            return False
+        self.scheduler.abort(request_id)
+        self._finish(t, "abort")
+        self._emit(t, (), "")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running, or an update waits for `step()`."""
+        return self.scheduler.has_unfinished() or bool(self._outbox)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ------------------------------------------------------------------ generate / stream
 
     def generate(
         self,
@@ -134,34 +192,34 @@ class LLM:
         """Generate for one or many prompts (strings or token-id lists), in input order.
 
         Raises ValueError / TypeError, with nothing admitted, for an empty prompt, token ids outside
-        the vocabulary, a prompt that can never fit, or params of the wrong type or count.
+        the vocabulary, a prompt that can never fit, or params of the wrong type or count. Raises
+        the exception of a step that failed one of its requests (the others are aborted).
         """
         prompt_ids = self._normalize_prompts(prompts)
-        params_list = _normalize_params(params, len(prompt_ids))
-        with self._lock:
-            ids = self._submit(prompt_ids, params_list)
-            try:
-                while not all(self._tracked[i].finished for i in ids):
-                    self._step()
-            except BaseException:
-                self._abort(ids)
-                raise
-            return [self._collect(i) for i in ids]
+        ids = self._submit(prompt_ids, _normalize_params(params, len(prompt_ids)), False)
+        try:
+            while True:
+                records = [self._tracked[rid] for rid in ids]
+                error = next((t.error for t in records if t.error is not None), None)
+                if error is not None:
+                    raise error
+                if all(t.output is not None for t in records):
+                    return [t.output for t in records if t.output is not None]
+                self._run_step()
+        finally:
+            for rid in ids:
+                self._discard(rid)
 
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> Iterator[StreamDelta]:
         """Generate for one prompt, yielding text deltas as tokens arrive; the last delta carries
-        the finished RequestOutput (`delta.output`). Closing the iterator early aborts the request.
+        the finished RequestOutput (`delta.output`). Closing or dropping the iterator, started or
+        not, aborts the request. Iterating raises the exception of a step that failed it.
 
         Validation errors are raised by this call, before iteration starts."""
-        prompt_ids = self._normalize_prompts(prompt)
-        if len(prompt_ids) != 1:
-            raise ValueError("stream() takes one prompt; use generate() for several")
-        params_list = _normalize_params(params, 1)
-        with self._lock:
-            (rid,) = self._submit(prompt_ids, params_list)
-        return self._stream_iter(rid)
+        (rid,) = self._submit(self._one_prompt(prompt), _normalize_params(params, 1), False)
+        return _Stream(self._deltas(rid), lambda: self._release(rid))
 
     def encode(self, text: str) -> list[int]:
         """Tokenize like generate() does for a string prompt."""
@@ -176,180 +234,231 @@ class LLM:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    # ------------------------------------------------------------------ step loop
+    # ------------------------------------------------------------------ the step loop
 
-    def _submit(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[str]:
+    def _submit(
+        self, prompts: list[PackedTokens], params: list[SamplingParams], external: bool
+    ) -> list[str]:
         """Add every request or none (a rejected one rolls back those added before it)."""
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) >= self.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; the model's context is {self.max_model_len}"
-                )
         added: list[str] = []
         now = time.perf_counter()
         try:
-            for ids, p in zip(prompt_ids, params, strict=True):
-                # Ids are never reused, not even those of a rolled-back call: the scheduler may
-                # still report an aborted id as finished in a later step.
-                index = self._num_submitted
+            for tokens, p in zip(prompts, params, strict=True):
+                # Ids are never reused, not even those of a rolled-back call.
+                rid = f"req-{self._num_submitted}"
+                seed = (
+                    p.seed if p.seed is not None else _derive_seed(self.seed, self._num_submitted)
+                )
                 self._num_submitted += 1
-                rid = f"req-{index}"
                 eos = () if p.ignore_eos else self.eos_token_ids
-                request = Request(rid, tuple(ids), p, eos_token_ids=eos)
+                request = Request(rid, tokens, p, eos_token_ids=eos)
                 self.scheduler.add_request(request)
                 added.append(rid)
-                gen = None
-                if not p.greedy:
-                    seed = p.seed if p.seed is not None else _derive_seed(self.seed, index)
-                    gen = make_generator(seed, self.runner.device)
-                self._tracked[rid] = _Tracked(
-                    request, gen, IncrementalDetokenizer(self.tokenizer), t_submit=now
-                )
+                gen = None if p.greedy else make_generator(seed, self.runner.device)
+                detok = IncrementalDetokenizer(self.tokenizer)
+                self._tracked[rid] = _Tracked(request, gen, detok, now, external)
         except BaseException:
-            self._abort(added)
+            for rid in added:
+                self._discard(rid)
             raise
         return added
 
-    def _step(self) -> None:
-        out: SchedulerOutput = self.scheduler.schedule()
-        for rid in out.finished_ids:  # aborted / rejected by the scheduler itself
-            t = self._tracked.get(rid)
-            if t is not None and t.request.finish_reason is not None:
-                self._mark_finished(rid)
+    def _run_step(self) -> None:
+        """One step, if anything is pending. A fault fails the step's requests (see `step`)."""
+        if not self.scheduler.has_unfinished():
+            return
+        step_ids: list[str] = []
+        self._stepping = True
+        try:
+            self._step(step_ids)
+        except BaseException as exc:
+            logger.error("step failed, failing its requests: %r", exc)
+            self._fail(step_ids, exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._stepping = False
+            while self._orphans:
+                self._discard(self._orphans.pop())
+
+    def _step(self, step_ids: list[str]) -> None:
+        """schedule -> forward -> sample -> update -> detokenize; `step_ids` gets the ids of the
+        step's rows as soon as they are known."""
+        out = self.scheduler.schedule()
+        step_ids.extend(row.request_id for row in out.rows)
         if out.is_empty:
-            if out.finished_ids:
-                return
-            unfinished = [r for r, t in self._tracked.items() if not t.finished]
             raise RuntimeError(
-                f"scheduler scheduled nothing with requests pending ({unfinished[:5]}...)"
+                f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
-        for row in out.rows:
-            tracked = self._tracked.get(row.request_id)
-            if tracked is not None and tracked.num_cached_tokens is None:
-                tracked.num_cached_tokens = row.start_position
         logits = self.runner.execute(out)
-        sample_rows = [r for r in out.rows if r.sample]
-        tracked_rows = [self._tracked[r.request_id] for r in sample_rows]
-        tokens = sample(
-            logits,
-            [t.request.params for t in tracked_rows],
-            [t.generator for t in tracked_rows],
-        )
+        sample_ids = [row.request_id for row in out.rows if row.sample]
+        records = [self._tracked[rid] for rid in sample_ids]
+        tokens = sample(logits, [t.request.params for t in records], [t.generator for t in records])
+        self.scheduler.update_from_output(out, dict(zip(sample_ids, tokens, strict=True)))
         now = time.perf_counter()
-        for t in tracked_rows:
-            if t.t_first_token is None:
-                t.t_first_token = now
+        for t, token in zip(records, tokens, strict=True):
+            t.t_first_token = t.t_first_token or now
             t.t_last_token = now
-        sampled = {r.request_id: tok for r, tok in zip(sample_rows, tokens, strict=True)}
-        for request in self.scheduler.update_from_output(out, sampled):
-            if request.request_id in self._tracked:
-                self._mark_finished(request.request_id)
+            text = t.detok.push((token,))
+            if t.request.is_finished:
+                text += t.detok.finish()
+                self._finish(t, str(t.request.finish_reason))
+            self._emit(t, (token,), text)
 
-    def _mark_finished(self, rid: str) -> None:
-        t = self._tracked[rid]
-        t.finished = True
-        t.t_finish = time.perf_counter()
+    def _fail(self, step_ids: list[str], exc: BaseException) -> None:
+        """Fail the requests of a faulty step: every live one when it failed before its rows were
+        known, since then nothing tells which requests it touched."""
+        self.scheduler.fail_step()
+        for rid in step_ids or list(self._tracked):
+            t = self._tracked.get(rid)
+            if t is not None and t.output is None:
+                self.scheduler.abort(rid)  # False where fail_step() failed it already
+                t.error = exc
+                self._finish(t, "error")
+                self._emit(t, (), "")
 
-    def _abort(self, ids: Sequence[str]) -> None:
-        for rid in ids:
-            t = self._tracked.pop(rid, None)
-            if t is not None and t.finished:
-                continue
-            try:
-                self.scheduler.abort(rid)
-            except (KeyError, ValueError):
-                logger.debug("abort of %s: not in the scheduler", rid)
-
-    def _collect(self, rid: str) -> RequestOutput:
-        t = self._tracked.pop(rid)
+    def _finish(self, t: _Tracked, finish_reason: str) -> None:
         req = t.request
         out_ids = tuple(req.output_token_ids)
-        t_first = t.t_first_token if t.t_first_token is not None else t.t_finish
-        t_last = t.t_last_token if t.t_last_token is not None else t.t_finish
-        assert t_first is not None and t_last is not None and t.t_finish is not None
-        decode_s = t_last - t_first
+        now = time.perf_counter()
+        t_first = t.t_first_token or now
+        decode_s = (t.t_last_token or now) - t_first
         stats = RequestStats(
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_cached_tokens=t.num_cached_tokens or 0,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=len(out_ids),
             ttft_s=t_first - t.t_submit,
             decode_tokens_per_s=(len(out_ids) - 1) / decode_s if decode_s > 0 else 0.0,
-            total_s=t.t_finish - t.t_submit,
+            total_s=now - t.t_submit,
         )
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=tuple(req.prompt_token_ids),
-            token_ids=out_ids,
-            text=self.decode(out_ids),
-            finish_reason=str(req.finish_reason or "abort"),
-            stats=stats,
+        t.output = RequestOutput(
+            req.request_id,
+            tuple(req.prompt_token_ids),
+            out_ids,
+            t.detok.emitted,
+            finish_reason,
+            stats,
         )
 
-    def _stream_iter(self, rid: str) -> Iterator[StreamDelta]:
-        try:
-            while True:
-                output = None
-                with self._lock:
-                    t = self._tracked[rid]
-                    if not t.finished and len(t.request.output_token_ids) <= t.num_streamed_tokens:
-                        self._step()
-                    new = tuple(t.request.output_token_ids[t.num_streamed_tokens :])
-                    t.num_streamed_tokens += len(new)
-                    text = t.detok.push(new)
-                    if t.finished:
-                        text += t.detok.finish()
-                        output = self._collect(rid)
-                # Yield outside the lock: the consumer may call the engine between deltas.
-                if output is not None:
-                    yield StreamDelta(text, new, output)
-                    return
-                if new or text:
-                    yield StreamDelta(text, new)
-        finally:
-            with self._lock:
-                if rid in self._tracked:
-                    self._abort([rid])
+    def _emit(self, t: _Tracked, new_token_ids: tuple[int, ...], new_text: str) -> None:
+        """Hand an update of a step-API request to the next `step()`; drop its record once final."""
+        if t.external:
+            rid = t.request.request_id
+            self._outbox.append(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error))
+            if t.output is not None:
+                del self._tracked[rid]
+
+    def _discard(self, rid: str) -> None:
+        """Drop a request's record, aborting it if it has not finished."""
+        t = self._tracked.pop(rid, None)
+        if t is not None and t.output is None:
+            self.scheduler.abort(rid)
+
+    def _release(self, rid: str) -> None:
+        """A stream was closed or dropped; a drop may come from the garbage collector in the
+        middle of a step, so the abort then waits for the step's end."""
+        if self._stepping:
+            self._orphans.append(rid)
+        else:
+            self._discard(rid)
+
+    def _deltas(self, rid: str) -> Iterator[StreamDelta]:
+        num_tokens = num_chars = 0
+        while True:
+            t = self._tracked[rid]
+            if t.error is not None:
+                raise t.error
+            token_ids = t.request.output_token_ids
+            if t.output is None and len(token_ids) == num_tokens:
+                self._run_step()
+                continue
+            new = tuple(token_ids[num_tokens:])
+            text = t.detok.emitted[num_chars:]
+            num_tokens += len(new)
+            num_chars += len(text)
+            if t.output is not None:
+                yield StreamDelta(text, new, t.output)
+                return
+            if new or text:
+                yield StreamDelta(text, new)
 
     # ------------------------------------------------------------------ validation
 
-    def _normalize_prompts(self, prompts: PromptInput) -> list[list[int]]:
+    def _one_prompt(self, prompt: str | Sequence[int]) -> list[PackedTokens]:
+        prompts = self._normalize_prompts(prompt)
+        if len(prompts) != 1:
+            raise ValueError("one prompt expected; use generate() for several")
+        return prompts
+
+    def _normalize_prompts(self, prompts: PromptInput) -> list[PackedTokens]:
+        """Each prompt as PackedTokens (validated once here, at the engine's door)."""
         if isinstance(prompts, str):
             items: list[Any] = [prompts]
         elif isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
             if len(prompts) == 0:
                 raise ValueError("prompts must not be empty")
-            first = prompts[0]
             # A flat list of ints is one prompt given as token ids.
-            items = [prompts] if _is_int(first) else list(prompts)
+            items = [prompts] if _is_int(prompts[0]) else list(prompts)
         else:
             raise TypeError(
                 "prompts must be a string, a list of strings, a list of token ids or a list of "
                 f"token-id lists, got {type(prompts).__name__}"
             )
-        result = []
-        for i, item in enumerate(items):
-            if isinstance(item, str):
-                if not item:
-                    raise ValueError(f"prompt {i} is an empty string")
-                ids = self.encode(item)
-            elif isinstance(item, Sequence) and not isinstance(item, (bytes, bytearray)):
-                if not all(_is_int(t) for t in item):
-                    raise TypeError(f"prompt {i}: token ids must be ints")
-                ids = [int(t) for t in item]
-            else:
-                raise TypeError(
-                    f"prompt {i} must be a string or a list of token ids, got {type(item).__name__}"
-                )
-            if not ids:
-                raise ValueError(f"prompt {i} is empty (no tokens)")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i}: token ids {bad[:5]} are outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-            result.append(ids)
-        return result
+        return [self._tokens(i, item) for i, item in enumerate(items)]
+
+    def _tokens(self, i: int, item: Any) -> PackedTokens:
+        if isinstance(item, str):
+            if not item:
+                raise ValueError(f"prompt {i} is an empty string")
+            item = self.encode(item)
+        elif not isinstance(item, Sequence) or isinstance(item, (bytes, bytearray)):
+            raise TypeError(
+                f"prompt {i} must be a string or a list of token ids, got {type(item).__name__}"
+            )
+        elif bool in map(type, item):
+            raise TypeError(f"prompt {i}: token ids must be ints, not bools")
+        vocab = f"the vocabulary [0, {self.vocab_size})"
+        try:
+            tokens = PackedTokens(item)
+        except TypeError as e:
+            raise TypeError(f"prompt {i}: token ids must be ints: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: token ids outside {vocab}: {e}") from None
+        if not tokens:
+            raise ValueError(f"prompt {i} is empty (no tokens)")
+        if max(tokens) >= self.vocab_size:
+            bad = [t for t in tokens if t >= self.vocab_size][:5]
+            raise ValueError(f"prompt {i}: token ids {bad} are outside {vocab}")
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(tokens)} tokens; the model's context is {self.max_model_len}"
+            )
+        return tokens
+
+
+class _Stream(Iterator[StreamDelta]):
+    """What `LLM.stream` returns. Closing it, or dropping it, started or not, runs `on_close`
+    (abort the request, drop its record): a bare generator's `finally` never runs unless it
+    was started."""
+
+    def __init__(self, deltas: Iterator[StreamDelta], on_close: Callable[[], None]) -> None:
+        self._deltas = deltas
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __next__(self) -> StreamDelta:
+        try:
+            return next(self._deltas)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _normalize_params(

@@ -12,22 +12,31 @@ Layers of the runner:
 
   Every row of the step is packed into one batch row of `num_tokens` tokens with explicit
   position ids, so prefill chunks and decode tokens of different requests share one forward.
+  The step's integer inputs travel in one buffer, one host->device copy (`step_inputs`).
+* On CUDA, unless `enforce_eager`, decode steps replay a CUDA graph captured at start-up per
+  batch-size bucket (`cuda_graphs`); prefill and mixed steps, and every step on the CPU, run eager.
+
+A step syncs with the device only when its logits are read back. The metadata's values are
+re-checked per step only with `validate_steps` (default: the RADIXKV_VALIDATE_STEPS environment
+variable); the scheduler builds them, and the public kernel API still checks what it is given.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from radixkv import kernels
+from radixkv.cache import check_size
 from radixkv.engine.attention import PagedKVCache, register_attention
+from radixkv.engine.cuda_graphs import DecodeGraphs, decode_buckets, graph_max_blocks
+from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step
 from radixkv.kernels import AttentionMetadata
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +84,17 @@ def plan_num_blocks(
     gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
 ) -> int:
     """Number of KV blocks: `num_blocks` if given, else what `kv_cache_bytes` holds, else (CUDA) a
-    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises ValueError when the
-    budget holds no block."""
+    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises TypeError for a
+    size that is not an int, ValueError when the budget holds no block."""
     if num_blocks is not None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        return num_blocks
+        return check_size(num_blocks, "num_blocks", low=1)
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
             kv_cache_bytes = int(free * gpu_memory_fraction)
         else:
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int):
-        raise TypeError(f"kv_cache_bytes must be an int, got {type(kv_cache_bytes).__name__}")
-    n = kv_cache_bytes // spec.bytes_per_block
+    n = check_size(kv_cache_bytes, "kv_cache_bytes", low=0) // spec.bytes_per_block
     if n < 1:
         raise ValueError(
             f"kv_cache_bytes={kv_cache_bytes} holds no KV block ({spec.bytes_per_block} bytes each)"
@@ -97,15 +102,41 @@ def plan_num_blocks(
     return n
 
 
+class StepTensors(NamedTuple):
+    """One eager step's inputs on the device (int32; views of the step's one copied buffer)."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    metadata: AttentionMetadata
+    sample_idx: torch.Tensor  # [num_sampled]: indices into the T tokens of the sampled rows' last
+    copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # copy-on-write src, dst, num_slots
+
+
 class ModelRunner:
     """Runs scheduler steps on a Hugging Face causal LM with a paged KV cache.
 
     Invariants: `k_cache` / `v_cache` have shape [num_layers, num_blocks, block_size, kv_heads,
     head_dim] on the model's device in the model's dtype; the model's attention implementation is
-    ``"radixkv"`` for as long as the runner lives.
+    ``"radixkv"`` for as long as the runner lives; `decode_graphs` is None on the CPU and with
+    `enforce_eager`.
+
+    `max_num_seqs` bounds the decode graphs' batch sizes, `max_model_len` (default: what the pool
+    holds) their block-table width; a step past either runs eager.
     """
 
-    def __init__(self, model: Any, *, block_size: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        block_size: int,
+        num_blocks: int,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
+        validate_steps: bool | None = None,
+    ) -> None:
+        if not isinstance(enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {type(enforce_eager).__name__}")
         self.model = model
         param = next(model.parameters())
         self.device = param.device
@@ -114,10 +145,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        if validate_steps is None:
+            validate_steps = os.environ.get("RADIXKV_VALIDATE_STEPS", "0") not in ("", "0")
+        self.validate_steps = validate_steps
         shape = (self.spec.num_layers, num_blocks, block_size, self.spec.num_kv_heads)
         shape += (self.spec.head_dim,)
         # Zeroed, not empty: slots past a request's length are masked, but NaN garbage could leak
-        # through a masked product in a reference kernel.
+        # through a masked product in a reference kernel (and pad rows of a graph read block 0).
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.set_attn_implementation(register_attention())
@@ -128,96 +162,106 @@ class ModelRunner:
             num_blocks * self.spec.bytes_per_block / 2**20,
             self.device,
         )
-
-    @property
-    def num_kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.spec.bytes_per_block
+        self.stager = InputStager(self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            if max_model_len is None:  # no sequence can outgrow the pool
+                max_model_len = num_blocks * block_size
+            self.decode_graphs = self._capture(max_num_seqs, max_model_len)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns fp32 logits [num_sampled_rows, vocab] for the rows with
         `sample=True`, in row order."""
         assert not step.is_empty, "execute() needs at least one scheduled row"
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(step.rows):
+            if step.copies:
+                self._run_copies(step)
+            # A copy: the graph overwrites its output buffer on the next replay.
+            return graphs.run(step.rows).to(torch.float32, copy=True)
+        inputs = self.build_inputs(step)
         if step.copies:
-            self._copy_blocks(step.copies)
-        input_ids, position_ids, meta, sample_idx = self.build_inputs(step.rows)
-        cache = PagedKVCache(self.k_cache, self.v_cache, meta)
+            kernels.copy_blocks(self.k_cache, self.v_cache, *inputs.copies)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
+        logits = self._forward(
+            inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_idx
+        )
+        return logits[0].float()
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_to_keep: torch.Tensor | int = 0,
+    ) -> torch.Tensor:
+        """The model over one packed row: logits [1, num_kept, vocab] (0: every token's)."""
+        cache = PagedKVCache(self.k_cache, self.v_cache, meta)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=sample_idx,
+            logits_to_keep=logits_to_keep,
             radixkv_cache=cache,
         )
-        return out.logits[0].float()  # out.logits: [1, num_sampled, vocab]
+        return out.logits
 
-    def _copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
-        dev = self.device
-        src = torch.tensor([c.src_block for c in copies], dtype=torch.int64, device=dev)
-        dst = torch.tensor([c.dst_block for c in copies], dtype=torch.int64, device=dev)
-        num_slots = torch.tensor([c.num_slots for c in copies], dtype=torch.int64, device=dev)
-        kernels.copy_blocks(self.k_cache, self.v_cache, src, dst, num_slots)
-
-    def build_inputs(
-        self, rows: Sequence[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Pack the rows of a step (built once per step, on the host, then moved in one go).
-
-        Returns input_ids [1, T], position_ids [1, T], the kernel metadata and the indices (into
-        the packed T tokens) of the last token of every row with `sample=True`.
-
-            row 0                     row 1        row 2 (decode)
-            |--- q_len 0 ---|--------- q_len 1 ---|q|
-            positions: start_0 .. start_0+q_len0-1 | start_1 .. | start_2
-        """
-        B = self.block_size
-        num_tokens = sum(len(r.token_ids) for r in rows)
-        max_blocks = max(len(r.block_table) for r in rows)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        block_tables = np.zeros((len(rows), max_blocks), dtype=np.int32)
-        seq_lens = np.empty(len(rows), dtype=np.int32)
-        cu_seqlens_q = np.zeros(len(rows) + 1, dtype=np.int32)
-        sample_idx: list[int] = []
-        t = 0
-        for i, row in enumerate(rows):
-            q_len = len(row.token_ids)
-            end = row.start_position + q_len
-            assert q_len > 0, f"row {row.request_id} has no tokens"
-            assert len(row.block_table) * B >= end, (
-                f"row {row.request_id}: {len(row.block_table)} blocks cannot hold {end} tokens"
+    def _capture(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
+        with torch.inference_mode():
+            return DecodeGraphs(
+                self._forward,
+                buckets=decode_buckets(max_num_seqs),
+                max_blocks=graph_max_blocks(max_model_len, self.block_size, self.num_blocks),
+                block_size=self.block_size,
+                kv_cache_shape=tuple(self.k_cache.shape[1:]),
+                device=self.device,
+                stager=self.stager,
             )
-            table = np.asarray(row.block_table, dtype=np.int64)
-            pos = np.arange(row.start_position, end, dtype=np.int64)
-            input_ids[t : t + q_len] = row.token_ids
-            positions[t : t + q_len] = pos
-            slots[t : t + q_len] = table[pos // B] * B + pos % B
-            block_tables[i, : len(table)] = table
-            seq_lens[i] = end
-            t += q_len
-            cu_seqlens_q[i + 1] = t
-            if row.sample:
-                sample_idx.append(t - 1)
+
+    def _run_copies(self, step: SchedulerOutput) -> None:
+        """The step's copy-on-write block copies alone (before a graph replay)."""
+        layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
+        host = self.stager.host(layout.total)
+        pack_step((), step.copies, self.block_size, layout, host.numpy())
+        dev = layout.split(self.stager.to_device(host))
+        kernels.copy_blocks(self.k_cache, self.v_cache, *_copy_views(dev))
+
+    def build_inputs(self, step: SchedulerOutput) -> StepTensors:
+        """Pack the step (see `step_inputs.pack_step`) on the host and copy it to the device in
+        one go (non-blocking on CUDA). Mutates only the staging buffer."""
+        layout = layout_for(step.rows, num_copies=len(step.copies))
+        host = self.stager.host(layout.total)
+        pack_step(step.rows, step.copies, self.block_size, layout, host.numpy())
+        ids_host = host.numpy()[: layout.num_tokens]
         # Checked on the host: an out-of-range id would index out of the embedding on device.
-        assert input_ids.min() >= 0 and input_ids.max() < self.vocab_size, "token id out of range"
-        dev = self.device
-        ids = torch.from_numpy(input_ids).to(dev).unsqueeze(0)
-        # Validated here, once per step and on the host (no device sync); every layer's kernels
-        # then check only their own tensors' shapes against it.
+        assert ids_host.min() >= 0 and ids_host.max() < self.vocab_size, "token id out of range"
+        dev = layout.split(self.stager.to_device(host))
+        hv = layout.split(host)
         meta = AttentionMetadata(
-            block_tables=torch.from_numpy(block_tables),
-            seq_lens=torch.from_numpy(seq_lens),
-            cu_seqlens_q=torch.from_numpy(cu_seqlens_q),
+            block_tables=dev["block_tables"],
+            seq_lens=dev["seq_lens"],
+            cu_seqlens_q=dev["cu_seqlens_q"],
             kv_cache_shape=tuple(self.k_cache.shape[1:]),
-            slot_mapping=torch.from_numpy(slots),
-            device=dev,
+            slot_mapping=dev["slot_mapping"],
+            device=self.device,
+            validate=self.validate_steps,
+            host_tensors=(
+                hv["block_tables"],
+                hv["seq_lens"],
+                hv["cu_seqlens_q"],
+                hv["slot_mapping"],
+            ),
         )
-        return (
-            ids,
-            torch.from_numpy(positions).to(dev).unsqueeze(0),
+        return StepTensors(
+            dev["input_ids"].unsqueeze(0),
+            dev["positions"].unsqueeze(0),
             meta,
-            torch.tensor(sample_idx, dtype=torch.int64, device=dev),
+            dev["sample_idx"],
+            _copy_views(dev),
         )
+
+
+def _copy_views(views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return views["copy_src"], views["copy_dst"], views["copy_slots"]

@@ -25,7 +25,9 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]  # generated tokens, including a final EOS / stop token if any
     text: str  # detokenised reply without special tokens ("" when the model has no tokenizer)
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens / model length)
+    # "stop" (EOS or a stop token), "length" (max_tokens / model length), "abort", "error" (its
+    # step failed)
+    finish_reason: str
     stats: RequestStats
 
 

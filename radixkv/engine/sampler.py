@@ -49,7 +49,11 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     vocab = logits.shape[1]
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    scaled = logits.float() / temps[:, None]
+    # Shifted so the best logit is 0: a temperature too small for fp32 (1e-50 rounds to 0, or
+    # underflows the quotient) then sends the others to -inf, the greedy limit, instead of NaN.
+    logits = logits.float()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled = shifted / temps.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
     if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
@@ -66,6 +70,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # Keep a token when the mass strictly before it is < top_p: the most likely token always stays.
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop = drop | (mass_before >= p)
+    drop[:, 0] = False  # even a top_p that rounds to 0 in fp32
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     probs = torch.zeros_like(sorted_probs)

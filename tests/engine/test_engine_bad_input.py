@@ -133,3 +133,20 @@ def test_unknown_model_path(tmp_path):
 def test_bad_engine_arguments(tiny_model_dir, kwargs, error, match):
     with pytest.raises(error, match=match):
         LLM(str(tiny_model_dir("gqa")), **kwargs)
+
+
+def test_seed_range_is_named():
+    SamplingParams(temperature=1.0, seed=2**64 - 1)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        SamplingParams(temperature=1.0, seed=2**64)
+
+
+def test_num_blocks_is_checked_like_every_size(tiny_model_dir):
+    import numpy as np
+
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        LLM(str(tiny_model_dir("gqa")), num_blocks="8")
+    llm = LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=np.int64(64))
+    assert llm.cache.num_blocks == 64 and type(llm.cache.num_blocks) is int
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.token_ids) == 2

@@ -1,41 +1,147 @@
-"""The engine on CUDA (Triton kernels): greedy output equals transformers on the same device."""
+"""The engine on CUDA (compiled Triton kernels): greedy output with CUDA-graph decode equals eager
+decode and transformers on the same device, under eviction pressure; steps never sync.
+
+    python3 -P -m pytest -m gpu tests/engine/test_engine_gpu.py
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
+
 import pytest
 import torch
-from tiny_llama import random_prompts
+from tiny_llama import build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"),
+        reason="TRITON_INTERPRET is on: the engine would run interpreted kernels on CUDA tensors",
+    ),
 ]
+
+MAX_NEW = 24
+# KV pools far smaller than the workload (10 prompts of up to 84 tokens with their replies), yet
+# holding the longest request: requests are evicted and preempted by recompute.
+POOL_BLOCKS = {1: 120, 16: 10, 64: 3}
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_model_dir) -> Callable[[str, Sequence[Sequence[int]]], list[list[int]]]:
+    """(kind, prompts) -> greedy tokens of plain transformers on CUDA (fp32, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, object] = {}
+
+    def run(kind: str, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        if kind not in models:
+            models[kind] = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(kind), attn_implementation="eager", dtype=torch.float32
+            ).to("cuda")
+        expected = []
+        with torch.no_grad():
+            for p in prompts:
+                out = models[kind].generate(
+                    torch.tensor([list(p)], device="cuda"),
+                    max_new_tokens=MAX_NEW,
+                    do_sample=False,
+                    eos_token_id=2,
+                    pad_token_id=0,
+                )
+                expected.append(out[0, len(p) :].tolist())
+        return expected
+
+    return run
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mha"])
-def test_greedy_matches_transformers_on_cuda(kind, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    path = tiny_model_dir(kind)
-    reference = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).to("cuda")
-    prompts = random_prompts(41, 6, shared_prefix=20, max_len=40)
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            out = reference.generate(
-                torch.tensor([p], device="cuda"),
-                max_new_tokens=16,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(p) :].tolist())
-    llm = LLM(str(path), device="cuda", dtype=torch.float32, block_size=16, num_blocks=256)
+@pytest.mark.parametrize("block_size", sorted(POOL_BLOCKS))
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_matches_transformers_on_cuda(
+    kind, block_size, enforce_eager, tiny_model_dir, cuda_reference
+):
+    prompts = random_prompts(41, 10, shared_prefix=20, max_len=40)
+    expected = cuda_reference(kind, prompts)
+    llm = LLM(
+        str(tiny_model_dir(kind)),
+        device="cuda",
+        dtype=torch.float32,
+        block_size=block_size,
+        num_blocks=POOL_BLOCKS[block_size],
+        max_num_seqs=6,
+        enforce_eager=enforce_eager,
+    )
+    graphs = llm.runner.decode_graphs
+    assert (graphs is None) == enforce_eager
     for _ in range(2):  # cold, then from the cache
-        outs = llm.generate(prompts, SamplingParams(max_tokens=16))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
         assert [list(o.token_ids) for o in outs] == expected
-    llm.cache.check_integrity()
+        llm.cache.check_integrity()
+    assert llm.cache.stats().num_evicted_blocks > 0
+    if graphs is not None:
+        assert graphs.buckets == (1, 2, 4, 6)
+        assert graphs.num_replays > 0
+
+
+def _row(rid, tokens, start, table, sample=True):
+    return ScheduledRequest(rid, tuple(tokens), start, tuple(table), sample)
+
+
+def _steps() -> list[SchedulerOutput]:
+    """Prefill of a and b; then decode steps, one with a copy-on-write, one mixed with a prefill;
+    batch sizes 2 and 3 (graph buckets 2 and 4: one pad row)."""
+    a, b, c = list(range(10, 31)), list(range(40, 49)), list(range(50, 60))
+    return [
+        SchedulerOutput(rows=(_row("a", a, 0, [7, 3]), _row("b", b, 0, [5]))),
+        SchedulerOutput(rows=(_row("a", [31], 21, [7, 3]), _row("b", [49], 9, [5]))),
+        SchedulerOutput(
+            rows=(_row("a", [32], 22, [7, 3]), _row("b", [50], 10, [5])),
+            copies=(BlockCopy(src_block=5, dst_block=9, num_slots=10),),
+        ),
+        SchedulerOutput(rows=(_row("a", [33], 23, [7, 3]), _row("c", c, 0, [11]))),
+        SchedulerOutput(
+            rows=(_row("a", [34], 24, [7, 3]), _row("b", [51], 11, [5]), _row("c", [60], 10, [11]))
+        ),
+    ]
+
+
+def test_steps_never_sync_and_graphs_equal_eager():
+    """Every step after the first runs under sync-debug "error" (a host<->device sync raises):
+    decode steps replayed from graphs, a copy-on-write, a mixed eager step. The graph runner's
+    logits equal the eager runner's."""
+    model = build_model("gqa").to("cuda")
+    runners = {
+        eager: ModelRunner(
+            model,
+            block_size=16,
+            num_blocks=16,
+            enforce_eager=eager,
+            max_num_seqs=4,
+            max_model_len=256,
+            validate_steps=False,
+        )
+        for eager in (True, False)
+    }
+    assert runners[False].decode_graphs is not None
+    logits: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for eager, runner in runners.items():
+        steps = _steps()
+        logits[eager].append(runner.execute(steps[0]).clone())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in steps[1:]:
+                logits[eager].append(runner.execute(step).clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert runners[False].decode_graphs.num_replays == 3  # the three pure decode steps
+    for graph_step, eager_step in zip(logits[False], logits[True], strict=True):
+        torch.testing.assert_close(graph_step, eager_step, rtol=1e-5, atol=1e-5)
+    # Padded graph batches may pick other matmul kernels: equal up to rounding.
+    torch.testing.assert_close(runners[False].k_cache, runners[True].k_cache, rtol=1e-5, atol=1e-5)

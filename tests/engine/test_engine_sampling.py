@@ -52,8 +52,10 @@ def test_unseeded_sampling_is_deterministic_per_engine_seed(model_dir):
     [
         SamplingParams(max_tokens=10, temperature=1.5, top_k=1),
         SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-9),
+        SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-50),
+        SamplingParams(max_tokens=10, temperature=1e-50),
     ],
-    ids=["top_k=1", "tiny top_p"],
+    ids=["top_k=1", "tiny top_p", "top_p=1e-50", "temperature=1e-50"],
 )
 def test_degenerate_sampling_equals_greedy(llm, params):
     prompts = random_prompts(33, 4, max_len=20)

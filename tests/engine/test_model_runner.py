@@ -118,7 +118,10 @@ def _recording(fn, calls: list):
     return wrapped
 
 
-def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch):
+@pytest.mark.parametrize("validate_steps", [True, False])
+def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch, validate_steps):
+    """With validate_steps the values are checked once per step (never per layer); without it
+    (the default hot path) not at all."""
     model, _ = models
     validated, stored, attended = [], [], []
     # The metadata's values are checked when it is built; each step kernel checks its own tensors
@@ -132,9 +135,9 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     monkeypatch.setattr(
         reference, "check_attention_step", _recording(metadata.check_attention_step, attended)
     )
-    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    runner = ModelRunner(model, block_size=4, num_blocks=16, validate_steps=validate_steps)
     runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3]), row("b", [8], 0, [4]))))
-    assert len(validated) == 1
+    assert len(validated) == int(validate_steps)
     assert len(stored) == len(attended) == model.config.num_hidden_layers
     # one metadata object, shared by every layer's store and attention
     assert len({id(args[4]) for args in stored} | {id(args[3]) for args in attended}) == 1
@@ -162,6 +165,7 @@ def test_plan_num_blocks():
         plan_num_blocks(spec, cpu, num_blocks=0)
 
 
+@pytest.mark.interpreter
 def test_runner_through_the_triton_kernels(models):
     """The same steps through the Triton kernels (interpreted on CPU): the runner's tensors meet
     the launchers' shape / dtype / stride checks, not only the reference's."""
@@ -171,3 +175,11 @@ def test_runner_through_the_triton_kernels(models):
     with use_backend("triton"):
         test_packed_prefill_chunks_and_decode(models, block_size=4)
         test_copy_on_write_of_a_partial_block(models)
+
+
+def test_cpu_runs_eager_and_enforce_eager_must_be_a_bool(models):
+    model, _ = models
+    runner = ModelRunner(model, block_size=4, num_blocks=8, enforce_eager=False)
+    assert runner.decode_graphs is None  # CUDA graphs exist on CUDA only
+    with pytest.raises(TypeError, match="enforce_eager"):
+        ModelRunner(model, block_size=4, num_blocks=8, enforce_eager="no")

@@ -82,3 +82,29 @@ def test_temperature_changes_the_distribution():
     cold, neutral, hot = freq_of_top(0.3), freq_of_top(1.0), freq_of_top(3.0)
     assert abs(neutral - 0.6) < 0.04  # temperature 1 samples the model's distribution
     assert cold > 0.85 and hot < 0.5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-50),
+        SamplingParams(temperature=5e-324),
+        SamplingParams(temperature=1e-40, top_k=5),
+        SamplingParams(temperature=1.0, top_p=1e-50),
+        SamplingParams(temperature=1.0, top_p=5e-324),
+        SamplingParams(temperature=1e-50, top_p=1e-50, top_k=2),
+    ],
+    ids=["t=1e-50", "t=min float", "t=1e-40 top_k", "p=1e-50", "p=min float", "all tiny"],
+)
+def test_underflowing_values_sample_greedily(params):
+    logits = logits_rows(8, seed=2)
+    assert sample(logits, [params] * 8, gens(8)) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e300, 1.7e308])
+def test_huge_temperatures_sample_uniformly(temperature):
+    logits = logits_rows(1, seed=3).expand(2000, VOCAB)
+    params = [SamplingParams(temperature=temperature)] * 2000
+    tokens = sample(logits, params, gens(2000))
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert len(set(tokens)) == VOCAB  # every token drawn: 2000 draws of 50 equally likely

@@ -31,7 +31,10 @@ def test_use_backend_overrides_and_restores():
     assert backend_for(torch.device("cpu")) == "torch"
 
 
-@pytest.mark.parametrize(("backend", "expected"), [(None, "reference"), ("triton", "triton")])
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [(None, "reference"), pytest.param("triton", "triton", marks=pytest.mark.interpreter)],
+)
 def test_paged_attention_dispatch(paged_batch, monkeypatch, backend, expected):
     calls = []
 

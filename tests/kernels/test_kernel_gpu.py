@@ -1,10 +1,10 @@
 """Compiled Triton kernels on a CUDA device against the torch reference (run on the same device),
 in bf16 / fp16 / fp32, at the sizes the interpreter cannot afford.
 
-Run with the interpreter off (tests/conftest.py turns it on by default):
+tests/conftest.py turns the interpreter on only where no CUDA device is present, so on a GPU:
 
-    TRITON_INTERPRET=0 .venv/bin/pytest -m gpu tests/kernels
-    (or: .venv/bin/python benchmarks/kernel_bench.py --check)
+    python3 -P -m pytest -m gpu tests/kernels
+    (or: python3 -P benchmarks/kernel_bench.py --check)
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ def _slots_of(batch) -> torch.Tensor:
 # ------------------------------------------------------------------- step path == loose path
 
 
+# The Triton launchers on CPU tensors need the interpreter (skipped on a GPU machine).
+IMPLS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
+
 LENS = [
     pytest.param([1, 15, 16, 17, 300], [1, 1, 16, 2, 37], id="mixed"),
     pytest.param([700, 5], [700, 1], id="prefill-past-the-query-chunk"),
@@ -84,6 +87,7 @@ def test_reference_step_accepts_strided_q(paged_batch):
     assert not torch.equal(actual, expected)  # a different scale: the comparison is not vacuous
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_triton_step_equals_loose(paged_batch, block_size):
     batch = paged_batch([1, 15, 17, 40], [1, 1, 2, 7], block_size=block_size, group=3)
@@ -94,7 +98,7 @@ def test_triton_step_equals_loose(paged_batch, block_size):
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("skip", [False, True], ids=["all-written", "some-skipped"])
 def test_store_kv_step_equals_loose(paged_batch, impl, skip):
     batch = paged_batch([20, 5, 33], [3, 5, 1], block_size=16)
@@ -235,10 +239,44 @@ def test_built_from_host_tensors_for_another_device():
         AttentionMetadata(**args, device="meta")
 
 
+def test_device_tensors_with_their_host_copies_are_never_read_back():
+    # The engine's staging path, "meta" standing in for a GPU: the tensors are already on the
+    # device (their values cannot be read there) and the host copies carry the values.
+    host = _good()
+    names = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
+    on_device = {n: host[n].to("meta") for n in names}
+    host_tensors = tuple(host[n] for n in names)
+    meta = AttentionMetadata(
+        **on_device, kv_cache_shape=host["kv_cache_shape"], host_tensors=host_tensors
+    )
+    assert meta.device == torch.device("meta") and meta.host_tensors is None  # not kept
+    assert meta.seq_lens_host == (20, 5) and meta.cu_seqlens_q_host == (0, 3, 8)
+    bad = (host["block_tables"], host["seq_lens"][:1], host["cu_seqlens_q"], host["slot_mapping"])
+    with pytest.raises(ValueError, match="host_tensors' seq_lens"):
+        AttentionMetadata(**on_device, kv_cache_shape=host["kv_cache_shape"], host_tensors=bad)
+    wrong = dict(host, seq_lens=_i32(20, 4))  # values checked on the host copies
+    with pytest.raises(ValueError, match="< q_len"):
+        AttentionMetadata(
+            **on_device,
+            kv_cache_shape=host["kv_cache_shape"],
+            host_tensors=tuple(wrong[n] for n in names),
+        )
+
+
+def test_validate_false_skips_only_the_value_checks():
+    args = _good()
+    args["seq_lens"] = _i32(20, 4)  # a value error: accepted unvalidated
+    meta = AttentionMetadata(**args, validate=False)
+    assert meta.seq_lens_host == (20, 4)
+    args["block_tables"] = args["block_tables"].long()  # a structural error: still rejected
+    with pytest.raises(ValueError, match="int32"):
+        AttentionMetadata(**args, validate=False)
+
+
 # ------------------------------------------------------------------- per-layer checks
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_attention_step_checks_its_tensors_against_the_metadata(paged_batch, impl):
     step = {"reference": reference.paged_attention_step, "triton": triton_paged_attention_step}
     attend = step[impl]
@@ -260,7 +298,7 @@ def test_attention_step_checks_its_tensors_against_the_metadata(paged_batch, imp
         attend(q, k, v, meta_elsewhere, scale)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_store_step_checks_its_tensors_against_the_metadata(paged_batch, impl):
     store = {"reference": reference.store_kv_step, "triton": triton_store_kv_step}[impl]
     batch = paged_batch([20, 5], [3, 5], block_size=16)

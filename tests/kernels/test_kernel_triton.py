@@ -14,6 +14,8 @@ from radixkv.kernels.triton_copy_blocks import copy_blocks as triton_copy_blocks
 from radixkv.kernels.triton_paged_attention import paged_attention as triton_paged_attention
 from radixkv.kernels.triton_store_kv import store_kv as triton_store_kv
 
+pytestmark = pytest.mark.interpreter
+
 FLOATS = [torch.float32, torch.float16]
 
 

@@ -1,0 +1,483 @@
+"""End-to-end serving benchmark: radixkv (prefix cache on / off) against transformers `generate`
+(padded batch, SDPA) and transformers continuous batching (`generate_batch`), on a random-weight
+Llama (no download). Greedy decoding with EOS ignored, so every system does the same work.
+
+    python3 -P benchmarks/gpu_bench.py                  # the issue's model and workloads (a GPU)
+    python3 -P benchmarks/gpu_bench.py --tiny           # a tiny model and workload: seconds on CPU
+    python3 -P benchmarks/gpu_bench.py --systems on,off # a subset (on, off, generate, batch)
+
+Workloads:
+- chat: C conversations x T turns over one shared system prompt; turn k of every conversation is
+  submitted together; each turn adds a user message and a reply of fixed lengths (the reply is
+  the system's own greedy output, so each system's history is its own). Reported: total seconds
+  and, for radixkv, the mean time to first token of turns 1 and T.
+- decode: N unique prompts, all submitted at once, each generating a fixed number of tokens.
+  Reported: output tokens per second.
+
+One table with each system's numbers and their ratios to radixkv with the cache on, then the
+issue's goals with what was measured. The model is built once from a seed; every system gets its
+own copy (radixkv switches its copy's attention to the paged one). Run with `python3 -P` (or from
+another folder): the repo root on sys.path would make the top-level kernels/ folder importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+Prompts = list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """Model shape, workloads and engine settings of one benchmark run."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype: torch.dtype
+    device: str
+    chat_conversations: int
+    chat_turns: int
+    chat_system_tokens: int
+    chat_turn_tokens: int  # each user message and each reply
+    decode_prompts: int
+    decode_prompt_tokens: int
+    decode_new_tokens: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    seed: int = 0
+    # transformers' ContinuousBatchingConfig fields; () keeps its defaults, which size the paged
+    # cache from free memory (on a CPU, tens of seconds of page zeroing even for the tiny run).
+    hf_batch_options: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def max_model_len(self) -> int:
+        chat = self.chat_system_tokens + 2 * self.chat_turns * self.chat_turn_tokens
+        return max(chat, self.decode_prompt_tokens + self.decode_new_tokens) + 64
+
+
+# The issue's model: about 1B parameters (hidden 2048, 16 layers, 32 q / 8 kv heads, head_dim 64,
+# vocab 32000), bf16, and its workloads.
+FULL = BenchConfig(
+    hidden=2048,
+    layers=16,
+    heads=32,
+    kv_heads=8,
+    head_dim=64,
+    intermediate=8192,
+    vocab=32000,
+    dtype=torch.bfloat16,
+    device="cuda",
+    chat_conversations=32,
+    chat_turns=6,
+    chat_system_tokens=1024,
+    chat_turn_tokens=128,
+    decode_prompts=64,
+    decode_prompt_tokens=512,
+    decode_new_tokens=256,
+)
+TINY = BenchConfig(
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    vocab=512,
+    dtype=torch.float32,
+    device="cpu",
+    chat_conversations=2,
+    chat_turns=2,
+    chat_system_tokens=24,
+    chat_turn_tokens=6,
+    decode_prompts=2,
+    decode_prompt_tokens=12,
+    decode_new_tokens=6,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    chunked_prefill_size=64,
+    hf_batch_options=(("num_blocks", 16), ("max_batch_tokens", 256)),
+)
+
+
+def build_model(cfg: BenchConfig) -> Any:
+    """A seeded random-weight LlamaForCausalLM with no EOS (generation never stops early)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_model_len,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(config).to(device=cfg.device, dtype=cfg.dtype).eval()
+
+
+# ----------------------------------------------------------------------------------- systems
+
+
+@dataclass
+class Generated:
+    """One batch of requests: replies in prompt order, per-request TTFT where the system has it."""
+
+    replies: Prompts
+    ttft_s: list[float] | None
+
+
+class System:
+    """A generator under test: `generate(prompts, max_new)` greedy, EOS ignored."""
+
+    name: str
+
+    def generate(self, prompts: Prompts, max_new: int) -> Generated:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release device memory before the next system is built."""
+
+
+class RadixKV(System):
+    def __init__(self, model: Any, cfg: BenchConfig, *, cache: bool) -> None:
+        from radixkv import LLM
+
+        self.name = f"radixkv cache {'on' if cache else 'off'}"
+        self.llm = LLM(
+            model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+            enable_prefix_cache=cache,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+        )
+
+    def generate(self, prompts: Prompts, max_new: int) -> Generated:
+        from radixkv import SamplingParams
+
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=max_new, ignore_eos=True))
+        return Generated([list(o.token_ids) for o in outs], [o.stats.ttft_s for o in outs])
+
+    def close(self) -> None:
+        del self.llm
+
+
+class HFGenerate(System):
+    """`model.generate` on one left-padded batch, SDPA attention."""
+
+    name = "transformers generate"
+
+    def __init__(self, model: Any) -> None:
+        model.set_attn_implementation("sdpa")
+        self.model = model
+
+    def generate(self, prompts: Prompts, max_new: int) -> Generated:
+        width = max(len(p) for p in prompts)
+        dev = self.model.device
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return Generated(out[:, width:].tolist(), None)
+
+    def close(self) -> None:
+        del self.model
+
+
+class HFBatch(System):
+    """transformers continuous batching (`generate_batch`: paged cache, its own scheduler)."""
+
+    name = "transformers generate_batch"
+
+    def __init__(self, model: Any, options: tuple[tuple[str, int], ...] = ()) -> None:
+        model.set_attn_implementation("sdpa")
+        self.model = model
+        self.batch_config = None
+        if options:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+            self.batch_config = ContinuousBatchingConfig(**dict(options))
+
+    def generate(self, prompts: Prompts, max_new: int) -> Generated:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        extra = (
+            {} if self.batch_config is None else {"continuous_batching_config": self.batch_config}
+        )
+        with torch.no_grad():
+            out = self.model.generate_batch(
+                inputs=prompts, generation_config=config, progress_bar=False, **extra
+            )
+        assert len(out) == len(prompts), f"{len(out)} outputs for {len(prompts)} prompts"
+        # Request ids are "req_<index in inputs>".
+        by_prompt = sorted(out.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+        assert [list(o.prompt_ids) for o in by_prompt] == prompts, "outputs out of prompt order"
+        return Generated([list(o.generated_tokens)[:max_new] for o in by_prompt], None)
+
+    def close(self) -> None:
+        del self.model
+
+
+SYSTEMS: dict[str, Callable[[Any, BenchConfig], System]] = {
+    "on": lambda m, cfg: RadixKV(m, cfg, cache=True),
+    "off": lambda m, cfg: RadixKV(m, cfg, cache=False),
+    "generate": lambda m, cfg: HFGenerate(m),
+    "batch": lambda m, cfg: HFBatch(m, cfg.hf_batch_options),
+}
+
+
+# --------------------------------------------------------------------------------- workloads
+
+
+def _tokens(gen: torch.Generator, n: int, cfg: BenchConfig) -> list[int]:
+    return torch.randint(1, cfg.vocab, (n,), generator=gen).tolist()
+
+
+@dataclass
+class ChatResult:
+    total_s: float
+    turn_ttft_s: list[float | None]  # mean per turn
+    replies: list[Prompts]  # [turn][conversation]
+
+
+def run_chat(system: System, cfg: BenchConfig) -> ChatResult:
+    """Turn k of every conversation is submitted together; histories grow by the system's own
+    replies."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    system_prompt = _tokens(gen, cfg.chat_system_tokens, cfg)
+    users = [
+        [_tokens(gen, cfg.chat_turn_tokens, cfg) for _ in range(cfg.chat_turns)]
+        for _ in range(cfg.chat_conversations)
+    ]
+    histories = [list(system_prompt) for _ in range(cfg.chat_conversations)]
+    total, ttfts, replies = 0.0, [], []
+    for turn in range(cfg.chat_turns):
+        prompts = [h + users[c][turn] for c, h in enumerate(histories)]
+        t0 = time.perf_counter()
+        out = system.generate(prompts, cfg.chat_turn_tokens)
+        total += time.perf_counter() - t0
+        ttfts.append(statistics.mean(out.ttft_s) if out.ttft_s else None)
+        replies.append(out.replies)
+        histories = [p + r for p, r in zip(prompts, out.replies, strict=True)]
+    return ChatResult(total, ttfts, replies)
+
+
+@dataclass
+class DecodeResult:
+    tokens_per_s: float
+    replies: Prompts
+
+
+def run_decode(system: System, cfg: BenchConfig) -> DecodeResult:
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    prompts = [_tokens(gen, cfg.decode_prompt_tokens, cfg) for _ in range(cfg.decode_prompts)]
+    t0 = time.perf_counter()
+    out = system.generate(prompts, cfg.decode_new_tokens)
+    elapsed = time.perf_counter() - t0
+    assert all(len(r) == cfg.decode_new_tokens for r in out.replies), "a reply stopped early"
+    return DecodeResult(cfg.decode_prompts * cfg.decode_new_tokens / elapsed, out.replies)
+
+
+def _warm_up(system: System, cfg: BenchConfig) -> None:
+    """One tiny request, never timed: kernel compilation and lazy initialisation."""
+    gen = torch.Generator().manual_seed(cfg.seed + 3)
+    system.generate([_tokens(gen, 8, cfg)], 4)
+
+
+def _sync(cfg: BenchConfig) -> None:
+    if cfg.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class SystemResult:
+    key: str  # as given to --systems
+    name: str
+    chat: ChatResult
+    decode: DecodeResult
+
+
+def run_system(key: str, base_model: Any, cfg: BenchConfig) -> SystemResult:
+    system = SYSTEMS[key](copy.deepcopy(base_model), cfg)
+    try:
+        _warm_up(system, cfg)
+        _sync(cfg)
+        chat = run_chat(system, cfg)
+        _sync(cfg)
+        decode = run_decode(system, cfg)
+        _sync(cfg)
+        return SystemResult(key, system.name, chat, decode)
+    finally:
+        system.close()
+        gc.collect()
+        if cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def _agreement(a: Prompts, b: Prompts) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def report(results: list[SystemResult], cfg: BenchConfig) -> list[str]:
+    """Print the table and the goals; returns the rows of the goal table that were missed."""
+    names = [r.name for r in results]
+    base = results[0]
+    # Ratio columns: how many times better the first system did than each other one (> 1: better).
+    ratio_heads = [f"{base.key} vs {r.key}, x" for r in results[1:]]
+    print(f"\n| metric | {' | '.join(names + ratio_heads)} |")
+    print("|---|" + "---:|" * (2 * len(names) - 1))
+
+    def row(label: str, values: list[float | None], fmt: str, lower_is_better: bool) -> None:
+        cells = ["-" if v is None else format(v, fmt) for v in values]
+        ratios = [
+            _ratio(v, values[0]) if lower_is_better else _ratio(values[0], v) for v in values[1:]
+        ]
+        print(f"| {label} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+
+    turns = cfg.chat_turns
+    row("chat total, s", [r.chat.total_s for r in results], ".2f", True)
+    row("chat turn 1 mean TTFT, ms", [_ms(r.chat.turn_ttft_s[0]) for r in results], ".1f", True)
+    row(
+        f"chat turn {turns} mean TTFT, ms",
+        [_ms(r.chat.turn_ttft_s[-1]) for r in results],
+        ".1f",
+        True,
+    )
+    row("decode, output tok/s", [r.decode.tokens_per_s for r in results], ".0f", False)
+    ref = next((r for r in results if r.name == "radixkv cache off"), None)
+    if ref is not None:
+        agree = [
+            _agreement(
+                [x for turn in r.chat.replies for x in turn] + r.decode.replies,
+                [x for turn in ref.chat.replies for x in turn] + ref.decode.replies,
+            )
+            for r in results
+        ]
+        cells = " | ".join(f"{a:.2f}" for a in agree)
+        print(
+            f"| replies equal to radixkv cache off (share) | {cells} |" + " - |" * (len(names) - 1)
+        )
+    return _print_goals(results, cfg)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def _print_goals(results: list[SystemResult], cfg: BenchConfig) -> list[str]:
+    by_name = {r.name: r for r in results}
+    on, off = by_name.get("radixkv cache on"), by_name.get("radixkv cache off")
+    goals: list[tuple[str, str, str, bool | None]] = []
+    if on is not None:
+        tps, chat_s = on.decode.tokens_per_s, on.chat.total_s
+        ttft = _ms(on.chat.turn_ttft_s[-1])
+        goals.append(("decode, cache on", ">= 15000 tok/s", f"{tps:.0f}", tps >= 15000))
+        goals.append(("chat total, cache on", "<= 6 s", f"{chat_s:.2f}", chat_s <= 6))
+        turn_ok = ttft is not None and ttft <= 30
+        ttft_cell = "-" if ttft is None else f"{ttft:.1f}"
+        goals.append((f"turn-{cfg.chat_turns} mean TTFT, cache on", "<= 30 ms", ttft_cell, turn_ok))
+    if on is not None and off is not None:
+        share = on.chat.total_s / off.chat.total_s
+        goals.append(("chat time, cache on / off", "<= 0.60", f"{share:.2f}", share <= 0.6))
+    print("\n| goal | target | measured | status |\n|---|---:|---:|---|")
+    for name, target, measured, met in goals:
+        print(f"| {name} | {target} | {measured} | {'met' if met else 'MISSED'} |")
+    return [name for name, _, _, met in goals if not met]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(cfg: BenchConfig) -> str:
+    device = cfg.device
+    if device.startswith("cuda"):
+        device = torch.cuda.get_device_name(0)
+    import transformers
+
+    return (
+        f"{device}; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"random Llama hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads}/{cfg.kv_heads} "
+        f"heads, head_dim {cfg.head_dim}, vocab {cfg.vocab}, {_dtype_name(cfg.dtype)}; "
+        f"chat {cfg.chat_conversations} x {cfg.chat_turns} turns, system {cfg.chat_system_tokens}, "
+        f"turns {cfg.chat_turn_tokens}; decode {cfg.decode_prompts} x {cfg.decode_prompt_tokens} "
+        f"-> {cfg.decode_new_tokens}; block {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model and workloads (CPU)")
+    parser.add_argument(
+        "--systems", default="on,off,generate,batch", help="comma-separated: " + ",".join(SYSTEMS)
+    )
+    parser.add_argument("--device", default=None, help="override the configuration's device")
+    args = parser.parse_args(argv)
+    cfg = TINY if args.tiny else FULL
+    if args.device is not None:
+        cfg = replace(cfg, device=args.device)
+    keys = [k.strip() for k in args.systems.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in SYSTEMS]
+    if unknown or not keys:
+        parser.error(f"--systems takes a comma-separated subset of {list(SYSTEMS)}, got {unknown}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_bench needs a CUDA device (or --tiny for the CPU)", file=sys.stderr)
+        return 2
+    print(f"## gpu_bench: {_describe(cfg)}")
+    base = build_model(cfg)
+    results = []
+    for key in keys:
+        t0 = time.perf_counter()
+        results.append(run_system(key, base, cfg))
+        print(f"- {results[-1].name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    report(results, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

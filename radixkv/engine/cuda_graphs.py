@@ -1,0 +1,175 @@
+"""CUDA-graph decode: the model forward of a decode step, captured once per batch-size bucket.
+
+An eager decode step of a small model is mostly Python: transformers' modules launch hundreds of
+small kernels, each costing more host time than GPU time. A captured graph replays them all in one
+launch. What makes that possible:
+
+* static inputs: one device buffer laid out as a `StepLayout` of `bucket` one-token rows over
+  `max_blocks` block-table columns (ids, positions, slot mapping, block tables, seq_lens,
+  cu_seqlens_q); a replay packs the step into the pinned host buffer and copies it in one
+  non-blocking copy, padding the rows past the step's up to the bucket (`step_inputs`: a pad row
+  writes nowhere and reads block 0);
+* fixed launch parameters: every kernel's grid and split-KV count is computed from tensor shapes
+  only (the bucket and `max_blocks * block_size`, the longest context a row can have), never from
+  per-step values, so the captured launches are right for every step of that bucket;
+* one `AttentionMetadata` per bucket, built at capture over the static buffers.
+
+Prefill and mixed steps stay eager: their token counts vary too much to bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixkv.engine.step_inputs import InputStager, StepLayout, pack_step
+from radixkv.kernels import AttentionMetadata
+from radixkv.scheduler.output import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+_METADATA_FIELDS = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
+
+# forward(input_ids [1, T], position_ids [1, T], metadata) -> logits [1, T, vocab]
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, up to and including
+    `max_num_seqs` (a step of n rows replays the smallest bucket >= n: at most 7 pad rows past
+    8, where a row costs little next to the weights every row shares)."""
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+def choose_bucket(num_rows: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding `num_rows` rows; None when none does (the step runs eager)."""
+    i = bisect.bisect_left(buckets, num_rows)
+    return buckets[i] if i < len(buckets) else None
+
+
+def graph_max_blocks(max_model_len: int, block_size: int, num_blocks: int) -> int:
+    """Block-table columns of the static buffers: the blocks of the longest sequence, which also
+    cannot hold more blocks than the pool has."""
+    return min(-(-max_model_len // block_size), num_blocks)
+
+
+def is_decode_step(rows: Sequence[ScheduledRequest]) -> bool:
+    """Every row is one new token whose logits are sampled: the shape a decode graph captures."""
+    return all(len(r.token_ids) == 1 and r.sample for r in rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    layout: StepLayout
+    logits: torch.Tensor  # [1, bucket, vocab]: the graph's output, overwritten by each replay
+
+
+class DecodeGraphs:
+    """Decode forwards captured per bucket, over one static input buffer and one memory pool.
+
+    Invariants: `static` holds the inputs of the last replay (or the pad rows of the capture);
+    each bucket's graph reads the leading `StepLayout(bucket, bucket, max_blocks).total` entries.
+    """
+
+    def __init__(
+        self,
+        forward: DecodeForward,
+        *,
+        buckets: Sequence[int],
+        max_blocks: int,
+        block_size: int,
+        kv_cache_shape: tuple[int, int, int, int],
+        device: torch.device,
+        stager: InputStager,
+    ) -> None:
+        self.buckets = tuple(buckets)
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.stager = stager
+        largest = StepLayout(self.buckets[-1], self.buckets[-1], max_blocks)
+        self.static = torch.zeros(largest.total, dtype=torch.int32, device=device)
+        self._graphs: dict[int, _Captured] = {}
+        self.num_replays = 0  # decode steps computed by a graph (a statistic)
+        self._capture_all(forward, kv_cache_shape, device)
+
+    def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
+        """Whether a replay computes this step: decode rows only, a bucket for their number,
+        block tables within `max_blocks`."""
+        return (
+            choose_bucket(len(rows), self.buckets) is not None
+            and is_decode_step(rows)
+            and max(len(r.block_table) for r in rows) <= self.max_blocks
+        )
+
+    def run(self, rows: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Replay the bucket of `rows` (`can_run` must hold). Returns the logits of the real rows,
+        [len(rows), vocab], a view valid until the next replay."""
+        bucket = choose_bucket(len(rows), self.buckets)
+        assert bucket is not None, f"no bucket for {len(rows)} rows"
+        captured = self._graphs[bucket]
+        host = self.stager.host(captured.layout.total)
+        pack_step(rows, (), self.block_size, captured.layout, host.numpy())
+        self.stager.to_device(host, out=self.static)
+        captured.graph.replay()
+        self.num_replays += 1
+        return captured.logits[0, : len(rows)]
+
+    def _capture_all(
+        self,
+        forward: DecodeForward,
+        kv_cache_shape: tuple[int, int, int, int],
+        device: torch.device,
+    ) -> None:
+        logger.info(
+            "capturing CUDA graphs of the decode forward for %d batch sizes (1..%d), "
+            "%d block-table columns",
+            len(self.buckets),
+            self.buckets[-1],
+            self.max_blocks,
+        )
+        t0 = time.perf_counter()
+        pool = None
+        # Largest first: the smaller graphs then fit in the memory the largest one reserved.
+        for bucket in reversed(self.buckets):
+            layout = StepLayout(bucket, bucket, self.max_blocks)
+            host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
+            pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
+            self.static[: layout.total].copy_(host)
+            views, host_views = layout.split(self.static), layout.split(host)
+            metadata = AttentionMetadata(
+                views["block_tables"],
+                views["seq_lens"],
+                views["cu_seqlens_q"],
+                kv_cache_shape,
+                slot_mapping=views["slot_mapping"],
+                device=device,
+                host_tensors=tuple(host_views[n] for n in _METADATA_FIELDS),
+            )
+            ids, positions = views["input_ids"][None], views["positions"][None]
+            # Warm-up off the capture stream: compiles the Triton kernels, runs lazy inits.
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                forward(ids, positions, metadata)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = forward(ids, positions, metadata)
+            pool = graph.pool()
+            self._graphs[bucket] = _Captured(graph, layout, logits)
+            logger.debug("captured decode graph for batch %d", bucket)
+        torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d decode graphs in %.2f s", len(self.buckets), elapsed)

@@ -1,0 +1,72 @@
+"""The GPU serving benchmark on its tiny configuration, on the CPU: every system's plumbing runs,
+and greedy replies agree across systems (fp32, same weights), so the script is sound before a GPU
+run. No timing assertions."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("gpu_bench", None)
+
+
+def test_tiny_run_prints_one_table_and_the_goals(bench, capsys):
+    assert bench.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    names = (
+        "radixkv cache on | radixkv cache off | transformers generate | transformers generate_batch"
+    )
+    assert f"| metric | {names} | on vs off, x | on vs generate, x | on vs batch, x |" in out
+    for label in ("chat total, s", "chat turn 2 mean TTFT, ms", "decode, output tok/s"):
+        assert f"| {label} |" in out
+    # Greedy, fp32, the same weights: every system's replies (chat turns and decode) agree.
+    assert "| replies equal to radixkv cache off (share) | 1.00 | 1.00 | 1.00 | 1.00 |" in out
+    assert "| chat time, cache on / off | <= 0.60 |" in out
+
+
+def test_workloads_have_the_configured_shape(bench):
+    cfg = bench.TINY
+    model = bench.build_model(cfg)
+    system = bench.HFGenerate(model)
+    chat = bench.run_chat(system, cfg)
+    assert len(chat.replies) == cfg.chat_turns
+    assert all(len(turn) == cfg.chat_conversations for turn in chat.replies)
+    assert all(len(r) == cfg.chat_turn_tokens for turn in chat.replies for r in turn)
+    assert chat.turn_ttft_s == [None] * cfg.chat_turns  # generate reports no TTFT
+    decode = bench.run_decode(system, cfg)
+    assert len(decode.replies) == cfg.decode_prompts and decode.tokens_per_s > 0
+    full = bench.FULL
+    assert (full.hidden, full.layers, full.heads, full.kv_heads, full.head_dim, full.vocab) == (
+        2048,
+        16,
+        32,
+        8,
+        64,
+        32000,
+    )
+    assert full.max_model_len >= full.chat_system_tokens + 2 * 6 * 128
+
+
+def test_continuous_batching_replies_match_generate(bench):
+    """transformers' generate_batch: replies in prompt order, equal to padded `generate`."""
+    cfg = bench.TINY
+    model = bench.build_model(cfg)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16, 17]]
+    expected = bench.HFGenerate(bench.copy.deepcopy(model)).generate(prompts, 5).replies
+    got = bench.HFBatch(model, cfg.hf_batch_options).generate(prompts, 5)
+    assert got.replies == expected and got.ttft_s is None
