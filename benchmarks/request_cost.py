@@ -4,6 +4,12 @@ Run from the repository root:
     python benchmarks/request_cost.py                    # numpy int32 prompts
     python benchmarks/request_cost.py --tokens list      # Python lists (what the scheduler holds)
     python benchmarks/request_cost.py --tokens packed    # PackedTokens kept per conversation
+    python benchmarks/request_cost.py --against f291e1f  # this tree vs a git revision, one run
+
+`--against REV` exports REV with `git archive` into a temporary folder and runs its own copy of
+this script there and this tree's, alternately, `--rounds` times each, then prints both medians and
+their ratio (each run keeps its fastest of `--repeat` passes; the ratio uses the fastest run of each
+side, so both face the same machine load).
 
 N conversations x T turns after one system prompt: prompt_t = written_{t-1} + last reply token +
 user_t, so prompts grow to ~1-2k tokens and every turn hits the previous one's cache. Requests go
@@ -25,6 +31,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -116,6 +127,41 @@ def run(
     return ns
 
 
+def compare(rev: str, args: argparse.Namespace) -> int:
+    """Run this script here and in an export of `rev`, alternately; print the two medians."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [a for a in sys.argv[1:] if not a.startswith("--against") and a != rev]
+    own = [a for i, a in enumerate(own) if not (i and own[i - 1] == "--rounds")]
+    own = [a for a in own if not a.startswith("--rounds")]
+    medians: dict[str, list[float]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", rev], cwd=root, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        for name in ("scheduler", "kernels"):  # packaged under radixkv: make them importable
+            os.symlink(os.path.join(tmp, name), os.path.join(tmp, "radixkv", name))
+        sides = {"before": tmp, "after": root}
+        for _ in range(args.rounds):
+            for side, src in sides.items():
+                env = {**os.environ, "PYTHONPATH": src}
+                script = os.path.join(src, "benchmarks", "request_cost.py")
+                out = subprocess.run(
+                    [sys.executable, script, *own],
+                    cwd=src,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                found = re.search(r"1k-2k-token prompts: ([0-9.]+)", out)
+                assert found, out
+                medians[side].append(float(found.group(1)))
+    before, after = min(medians["before"]), min(medians["after"])
+    print(f"{rev} (before): median µs per request {before:.1f}  (runs {medians['before']})")
+    print(f"this tree (after): median µs per request {after:.1f}  (runs {medians['after']})")
+    print(f"after / before: {after / before:.3f}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", choices=("numpy", "list", "packed"), default="numpy")
@@ -123,7 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=7, help="each request's fastest run counts")
+    parser.add_argument("--against", metavar="REV", help="compare with a git revision")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side with --against")
     args = parser.parse_args(argv)
+    if args.against:
+        return compare(args.against, args)
 
     requests = prepare(make_chat(args.conversations, args.turns), args.tokens)
     prompt_lens = np.array([len(prompt) for _, prompt, _, _, _ in requests])

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
-from radixkv.cache.token_lists import common_prefix_len
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import make_policy

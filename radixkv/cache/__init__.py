@@ -1,8 +1,8 @@
 """The prefix cache: pure Python, imports nothing else from radixkv.
 
-pool.py          BlockPool: physical blocks, ref counts, free list
-tokens.py        PackedTokens: token ids validated once, packed as the tree stores them
-tree.py          RadixTree: token paths, block ownership, locks, eviction
+pool.py          BlockPool: physical blocks, owner counts, free list
+tokens.py        PackedTokens, token validation, the common-prefix helper
+tree.py          RadixTree: token paths per namespace, block ownership, locks, insert plan/commit
 eviction.py      the sorted set of evictable leaves
 prefix_cache.py  PrefixCache: the facade (argument checks, handles, stats, integrity)
 """
@@ -15,8 +15,9 @@ from radixkv.cache.prefix_cache import (
     MatchResult,
     NodeView,
     PrefixCache,
+    hit_rate,
 )
-from radixkv.cache.tree import PackedTokens
+from radixkv.cache.tokens import PackedTokens, common_prefix_len
 from radixkv.cache.validation import check_size
 
 __all__ = [
@@ -30,4 +31,6 @@ __all__ = [
     "PackedTokens",
     "PrefixCache",
     "check_size",
+    "common_prefix_len",
+    "hit_rate",
 ]

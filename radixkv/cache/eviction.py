@@ -16,35 +16,27 @@ from typing import Any, Protocol
 from sortedcontainers import SortedList
 
 
-class TreeNode(Protocol):
-    """What the index reads of a tree node (the tree's nodes satisfy it)."""
+class EvictableNode(Protocol):
+    """What the index reads and writes of a tree node (the tree's nodes satisfy it)."""
 
     node_id: int
     tick: int
     evict_key: Any
 
 
-EvictionKey = Callable[[TreeNode], Any]
+EvictionKey = Callable[[EvictableNode], Any]
 
 
-_NODE_ID_BITS = 64  # node ids are a counter: they never reach 2**64
-
-
-def lru_key(node: TreeNode) -> int:
-    """Least recently used first; the older node (smaller id) first among equal ticks.
-
-    The pair (tick, node_id) packed into one int, ordered exactly like the tuple (node ids stay
-    below 2**64): a sorted set of ints compares faster than one of tuples, and the index is
-    touched on every acquire and release.
-    """
-    return node.tick << _NODE_ID_BITS | node.node_id
+def lru_key(node: EvictableNode) -> tuple[int, int]:
+    """Least recently used first; the older node (smaller id) first among equal ticks."""
+    return (node.tick, node.node_id)
 
 
 class EvictionIndex:
-    """Sorted set of evictable nodes; O(log n) add, remove and peek at the first.
+    """Sorted set of evictable nodes; O(log n) add, remove and pop of the first.
 
-    The keys alone are kept sorted and a dict maps each key to its node (sorting `(key, node)`
-    entries compared tuples on every step). Keys must be unique; LRU's include the node id.
+    The keys alone are kept sorted and a dict maps each key to its node, so the sorted list never
+    compares nodes. Keys must be unique; LRU's include the node id.
     Invariant: `node.evict_key is not None` iff the node is a member, and then it is the key the
     node is stored under.
     """
@@ -54,20 +46,16 @@ class EvictionIndex:
     def __init__(self, key: EvictionKey = lru_key) -> None:
         self.key = key
         self._keys: SortedList = SortedList()
-        self._nodes: dict[Any, TreeNode] = {}
+        self._nodes: dict[Any, EvictableNode] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def __bool__(self) -> bool:
-        return bool(self._nodes)
-
-    def __iter__(self) -> Iterator[TreeNode]:
+    def __iter__(self) -> Iterator[EvictableNode]:
         """Members in eviction order (first = next victim)."""
-        nodes = self._nodes
-        return (nodes[k] for k in self._keys)
+        return (self._nodes[k] for k in self._keys)
 
-    def add(self, node: TreeNode) -> None:
+    def add(self, node: EvictableNode) -> None:
         assert node.evict_key is None, f"node {node.node_id} is already evictable"
         k = self.key(node)
         assert k not in self._nodes, f"eviction key {k!r} of node {node.node_id} is not unique"
@@ -75,7 +63,7 @@ class EvictionIndex:
         self._keys.add(k)
         self._nodes[k] = node
 
-    def discard(self, node: TreeNode) -> None:
+    def discard(self, node: EvictableNode) -> None:
         """Remove `node` if it is a member."""
         k = node.evict_key
         if k is not None:
@@ -83,18 +71,16 @@ class EvictionIndex:
             del self._nodes[k]
             node.evict_key = None
 
-    def first(self) -> TreeNode:
+    def first(self) -> EvictableNode:
         """The next victim (the set must not be empty)."""
         return self._nodes[self._keys[0]]
 
-    def pop_first(self) -> TreeNode:
-        """Remove and return the next victim (the set must not be empty); cheaper than
-        `discard(first())`, which searches for the key it just read."""
+    def pop_first(self) -> EvictableNode:
+        """Remove and return the next victim (the set must not be empty)."""
         node = self._nodes.pop(self._keys.pop(0))
         node.evict_key = None
         return node
 
-    def items(self) -> list[tuple[Any, TreeNode]]:
+    def items(self) -> list[tuple[Any, EvictableNode]]:
         """(key, node) pairs in eviction order, for integrity checks and displays."""
-        nodes = self._nodes
-        return [(k, nodes[k]) for k in self._keys]
+        return [(k, self._nodes[k]) for k in self._keys]

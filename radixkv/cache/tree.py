@@ -17,206 +17,24 @@ both. The tree never looks at KV contents; the rule that makes a match correct i
 So for each block index a match uses the block of the *deepest* path node that touches the index
 within the matched range (a diverging branch's own copy of a split block wins over the parent's).
 
-Tokens are stored packed (`bytes`, native uint32): 4 bytes a token, compared with memcmp
-(`bytes.startswith`) a whole node at a time; only the node where a walk diverges looks for the first
-mismatch (bisection by memcmp, then one big-integer XOR). No per-token Python loop touches a
-prompt, and a node costs 4 bytes a token (numpy int32 arrays would cost the same plus ~100 bytes of
-header each, and a call per comparison).
+Namespaces: the tree has one root per namespace (None = the shared one). A path never crosses
+roots, so tokens cached under one namespace never match under another. All namespaces share the
+pool and one eviction order; a namespace root with no children and no lock is dropped.
+
+Tokens are stored packed (`bytes`, native uint32) and compared with memcmp (`bytes.startswith`) a
+whole node at a time; only the node where a walk diverges looks for the first mismatch.
 """
 
 from __future__ import annotations
 
-import struct
-import sys
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, overload
-
-import numpy as np
+from typing import Any
 
 from radixkv.cache.eviction import EvictionIndex, EvictionKey, lru_key
 from radixkv.cache.pool import BlockPool
-
-TOKEN_BYTES = 4
-MAX_TOKEN_ID = 2**32 - 1
-_TOKEN_DTYPE = np.dtype("=u4")
-_INT32_DTYPE = np.dtype("=i4")
-_SIGN_BYTE = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0  # byte holding bit 31 of a token
-assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
-_unpack_token = struct.Struct("=I").unpack_from
-_new_object = object.__new__
-
-
-def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
-    """Validate and pack token ids into native uint32 bytes (one C pass over the sequence).
-
-    Accepts any sequence of ints (bool counts as an int; numpy integer arrays take a vectorised
-    path; a `PackedTokens` is packed and valid already). Raises TypeError for a non-sequence or a
-    non-int element and ValueError for an id outside [0, 2**32 - 1], naming the first offending
-    position. Mutates nothing.
-    """
-    if type(tokens) is PackedTokens:
-        return tokens._packed
-    if isinstance(tokens, np.ndarray):
-        return _pack_ndarray(tokens, name)
-    return _as_uint32_array(tokens, name, "a token id").tobytes()
-
-
-class PackedTokens(Sequence[int]):
-    """Token ids validated once and packed the way the cache stores them (native uint32).
-
-    Immutable. Every `PrefixCache` call that takes tokens reads one as is: no validation, no copy.
-    A list of n ids costs ~n x 8 ns to validate on each call that takes it; a caller that hands
-    the same tokens to several calls (`match` the prompt, then `insert` prompt + reply; a chat,
-    turn after turn) pays that once per token with a PackedTokens. `+` appends (validating the
-    other operand only), a slice with step 1 is a PackedTokens, `tobytes()` gives the packed
-    bytes. Raises like `match` for ids that are not ints in [0, 2**32).
-    """
-
-    __slots__ = ("_packed",)
-
-    def __init__(self, tokens: Sequence[int] = ()) -> None:
-        self._packed: bytes = pack_tokens(tokens)
-
-    @staticmethod
-    def _of(packed: bytes) -> PackedTokens:
-        """Wrap bytes known to be packed token ids (from other PackedTokens): no validation."""
-        obj = _new_object(PackedTokens)
-        obj._packed = packed
-        return obj
-
-    def __len__(self) -> int:
-        return len(self._packed) // TOKEN_BYTES
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> PackedTokens: ...
-    def __getitem__(self, index: int | slice) -> int | PackedTokens:
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step == 1:
-                return PackedTokens._of(self._packed[4 * start : 4 * max(start, stop)])
-            return PackedTokens(self.tolist()[index])
-        try:
-            return memoryview(self._packed).cast("I")[index]
-        except IndexError:
-            raise IndexError("PackedTokens index out of range") from None
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(memoryview(self._packed).cast("I"))
-
-    def __add__(self, other: Sequence[int]) -> PackedTokens:
-        return PackedTokens._of(self._packed + pack_tokens(other, "other"))
-
-    def __radd__(self, other: Sequence[int]) -> PackedTokens:
-        return PackedTokens._of(pack_tokens(other, "other") + self._packed)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PackedTokens):
-            return self._packed == other._packed
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._packed)
-
-    def __repr__(self) -> str:
-        n = len(self)
-        head = ", ".join(map(str, self[:8]))
-        return f"PackedTokens([{head}{', ...' if n > 8 else ''}], len={n})"
-
-    def tobytes(self) -> bytes:
-        return self._packed
-
-    def tolist(self) -> list[int]:
-        return memoryview(self._packed).cast("I").tolist()
-
-
-def _pack_ndarray(tokens: np.ndarray, name: str) -> bytes:
-    if tokens.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
-    dtype = tokens.dtype
-    if dtype == _TOKEN_DTYPE:
-        return tokens.tobytes()  # every uint32 is a token id
-    if dtype == _INT32_DTYPE:
-        # The common array (tokenizers hand out int32): a non-negative int32 has the bytes of the
-        # same uint32, so the sign bits are the only check. They are read from the packed bytes
-        # (the top byte of every token must be < 0x80): a strided copy and a scan, both C loops
-        # over bytes already in cache, cheaper than numpy's reduction machinery (a few µs a call).
-        packed = tokens.tobytes()
-        if not packed[_SIGN_BYTE::TOKEN_BYTES].isascii():
-            _raise_bad_token_array(tokens, name)
-        return packed
-    if dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold ints, got dtype {dtype}")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
-        _raise_bad_token_array(tokens, name)
-    return tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
-
-
-def _raise_bad_token_array(tokens: np.ndarray, name: str) -> None:
-    bad = int(np.flatnonzero((tokens < 0) | (tokens > MAX_TOKEN_ID))[0])
-    raise ValueError(f"{name}[{bad}] = {int(tokens[bad])} is not a token id in [0, {MAX_TOKEN_ID}]")
-
-
-def _as_uint32_array(values: Sequence[int], name: str, what: str) -> array:
-    """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type, sign
-    and range are checked in one C pass that reads the list in place (struct.pack(*values) was
-    slower: it builds an argument tuple, touching every int object twice more)."""
-    if type(values) is not list and (
-        isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__len__")
-    ):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    try:
-        return array("I", values)
-    except (TypeError, OverflowError):
-        pass
-    for i, v in enumerate(values):  # slow path, only to name the culprit
-        if not hasattr(v, "__index__"):
-            raise TypeError(f"{name}[{i}] = {v!r} is not an int ({type(v).__name__})") from None
-        if not 0 <= int(v) <= MAX_TOKEN_ID:
-            raise ValueError(f"{name}[{i}] = {int(v)} is not {what} in [0, {MAX_TOKEN_ID}]")
-    raise TypeError(f"{name} could not be read as ints")  # pragma: no cover
-
-
-def block_id_array(block_ids: Sequence[int], name: str = "block_ids") -> array:
-    """Block ids validated as array('I') (values in [0, 2**32)), without making an int object per
-    id; TypeError or ValueError naming the culprit. The caller checks the upper bound."""
-    return _as_uint32_array(block_ids, name, "a block id")
-
-
-def block_id_list(block_ids: Sequence[int], name: str = "block_ids") -> list[int]:
-    """Block ids as plain ints in [0, 2**32) (numpy scalars in, Python ints out); TypeError or
-    ValueError naming the culprit. The caller checks the upper bound that applies."""
-    return block_id_array(block_ids, name).tolist()
-
-
-def unpack_tokens(packed: bytes) -> tuple[int, ...]:
-    return tuple(memoryview(packed).cast("I")) if packed else ()
-
-
-def _common_prefix_len(qb: bytes, pos: int, seg: bytes, k: int) -> int:
-    """Leading tokens that agree in qb[pos:pos+k] and seg[:k] (token units). The caller knows a
-    mismatch exists within the k tokens.
-
-    Bisects with memcmp (`bytes.startswith`) down to <= 64 tokens, then finds the first differing
-    byte in one step: the lowest set bit of the XOR of the two runs read as little-endian integers
-    (byte j of a run is bits 8j..8j+7, so bit // 32 is the token). O(k) C work, O(log k) Python
-    steps; numpy's per-call overhead was larger for the run lengths a walk meets.
-    """
-    q = TOKEN_BYTES * pos
-    lo, hi = 0, k  # tokens [0, lo) agree; the first mismatch lies in [lo, hi)
-    while hi - lo > 64:
-        mid = (lo + hi) >> 1
-        if qb.startswith(seg[4 * lo : 4 * mid], q + 4 * lo):
-            lo = mid
-        else:
-            hi = mid
-    x = int.from_bytes(qb[q + 4 * lo : q + 4 * hi], "little") ^ int.from_bytes(
-        seg[4 * lo : 4 * hi], "little"
-    )
-    return lo + (((x & -x).bit_length() - 1) >> 5)
+from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
 
 @dataclass(slots=True, eq=False)
@@ -231,7 +49,7 @@ class TreeNode:
     """
 
     node_id: int
-    parent: TreeNode | None
+    parent: TreeNode | None  # None for a namespace root
     start: int
     end: int
     tokens: bytes  # packed uint32, (end - start) tokens
@@ -241,10 +59,7 @@ class TreeNode:
     lock_ref: int = 0  # live lock handles on this node or a descendant
     tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
+    namespace: str | None = None  # the namespace of a root (None on every other node)
 
     @property
     def num_own_blocks(self) -> int:
@@ -252,7 +67,7 @@ class TreeNode:
 
     @property
     def first_token(self) -> int:
-        return int(_unpack_token(self.tokens)[0])
+        return memoryview(self.tokens).cast("I")[0]
 
     def __repr__(self) -> str:
         return (
@@ -261,13 +76,28 @@ class TreeNode:
         )
 
 
+@dataclass(slots=True)
+class InsertPlan:
+    """What `RadixTree.commit_insert` does, validated by `plan_insert` before anything changes."""
+
+    node: TreeNode  # deepest node of the cached prefix [0, p); split at p if p < node.end
+    num_cached: int  # p: tokens of the insert already on the tree
+    table: list[int]  # canonical block table of [0, n) once committed
+    new_ids: list[int]  # private blocks the new leaf adopts (indices p // B ..)
+    duplicates: list[int]  # private blocks holding what the tree has: freed at commit
+    kept: int | None  # the caller's private partial last block it keeps writing into
+    path_ids: tuple[int, ...] | None  # the path's blocks, where they differ from `table`
+    co_owned: int | None  # a path block the new leaf co-owns as its head (mid-block start)
+
+
 class RadixTree:
     """Structure, ownership and eviction order of the cached token paths.
 
     Invariants (recomputed by `check_integrity`):
-    * the root holds no tokens and no blocks; every other node has >= 1 token, `start` equal to its
+    * a root holds no tokens and no blocks; every other node has >= 1 token, `start` equal to its
       parent's `end`, is keyed in its parent's `children` by its first token, and holds exactly the
       block ids of the indices its segment touches;
+    * every root but the shared one (namespace None) has a child or a lock;
     * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths);
     * ticks are lazy: an acquire/insert stamps only the node it ends at; a node dropped by eviction
       hands its tick to its parent (max). So when a node becomes a leaf its tick is the last use of
@@ -276,105 +106,234 @@ class RadixTree:
       `head_shared` says whether a node's first block has an owner above it;
     * the eviction index holds exactly the unlocked non-root leaves;
     * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
-    * `num_nodes` (root excluded) and `num_cached_tokens` match the tree.
+    * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree.
 
-    `version` changes on every structural mutation (split, new leaf, eviction, trim): a match taken
-    at an older version may point at nodes that moved.
+    `version` changes on every structural mutation (split, new leaf, eviction, trim, a namespace
+    dropped): a match taken at an older version may point at nodes that moved.
     """
 
     def __init__(self, pool: BlockPool, eviction_key: EvictionKey = lru_key) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self._next_node_id = 1
-        self.root = TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
+        self.roots: dict[str | None, TreeNode] = {
+            None: TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
+        }
         self.index = EvictionIndex(eviction_key)
         self.version = 0
         self.num_nodes = 0
         self.num_cached_tokens = 0
         self.num_evictable_blocks = 0
 
+    @property
+    def root(self) -> TreeNode:
+        """The root of the shared namespace."""
+        return self.roots[None]
+
+    def open_root(self, namespace: str | None) -> TreeNode:
+        """The root of `namespace`, made if it has none (that changes no match: version kept)."""
+        root = self.roots.get(namespace)
+        if root is None:
+            root = TreeNode(
+                node_id=self._new_node_id(),
+                parent=None,
+                start=0,
+                end=0,
+                tokens=b"",
+                blocks=[],
+                namespace=namespace,
+            )
+            self.roots[namespace] = root
+        return root
+
     # ------------------------------------------------------------------ reading
-    def walk(self, qb: bytes, limit: int) -> tuple[int, TreeNode, list[int]]:
-        """Longest cached prefix of the packed tokens `qb`, at most `limit` tokens. Mutates nothing.
+    def walk(
+        self, qb: bytes, limit: int, namespace: str | None = None
+    ) -> tuple[int, TreeNode | None, list[int]]:
+        """Longest cached prefix of the packed tokens `qb` in `namespace`, at most `limit` tokens.
+        Mutates nothing.
 
         Returns `(m, node, blocks)`: m matched tokens; `node` the deepest node touched (the root
-        when m == 0; it may be matched only partly, up to m); `blocks` the block ids of indices
-        0 .. ceil(m/B)-1, each from the deepest path node touching that index within [0, m).
+        when m == 0, None if the namespace has no root; it may be matched only partly, up to m);
+        `blocks` the block ids of indices 0 .. ceil(m/B)-1, each from the deepest path node
+        touching that index within [0, m).
         """
-        return self.walk_from(self.root, 0, [], qb, limit)
+        root = self.roots.get(namespace)
+        if root is None:
+            return 0, None, []
+        return self.walk_from(root, 0, [], qb, limit)
 
     def walk_from(
         self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int
     ) -> tuple[int, TreeNode, list[int]]:
         """`walk(qb, limit)` for a caller that already knows tokens [0, pos) of `qb` lie on the
-        path to `node` (node.start < pos <= node.end, or the root and pos == 0) and holds their
+        path to `node` (node.start < pos <= node.end, or a root and pos == 0) and holds their
         `blocks` (indices 0 .. ceil(pos/B)-1, extended in place): same result, without reading
         the known prefix again. Mutates nothing in the tree."""
         B = self.block_size
-        startswith = qb.startswith
         if pos < node.end and pos < limit:
-            # Resume inside `node` (never the root: it ends at 0). Its blocks up to index
-            # (pos-1)//B are collected already.
-            start = node.start
-            k = min(node.end, limit) - pos
-            seg = node.tokens[4 * (pos - start) : 4 * (pos - start + k)]
-            matched = k if startswith(seg, 4 * pos) else _common_prefix_len(qb, pos, seg, k)
-            first = start // B
+            # Resume inside `node` (never a root: it ends at 0); blocks up to index (pos-1)//B
+            # are collected already.
+            matched = self._match_in(node, pos, qb, limit)
+            first = node.start // B
             blocks += node.blocks[(pos - 1) // B + 1 - first : (pos + matched - 1) // B + 1 - first]
             pos += matched
             if pos < node.end:  # diverged inside the node, or reached the limit there
                 return pos, node, blocks
-        if pos >= limit or not node.children:
-            return pos, node, blocks
         qv = memoryview(qb).cast("I")
-        while True:
+        while pos < limit:
             child = node.children.get(qv[pos])  # child.start == pos
             if child is None:
                 break
-            end = child.end
-            if end <= limit and startswith(child.tokens, 4 * pos):
-                # The whole node matches: the common step, kept to a few operations (a prompt's
-                # path is one step per turn of a conversation).
-                if pos % B:
-                    blocks[-1:] = child.blocks  # the deeper node's copy of the shared index wins
-                else:
-                    blocks += child.blocks
-                pos = end
-                node = child
-                if pos == limit:
-                    break
-                continue
-            # Diverges inside the node or reaches the limit there: the last step.
-            k = min(end, limit) - pos
-            seg = child.tokens
-            if k < end - pos and startswith(seg[: 4 * k], 4 * pos):
-                matched = k  # the limit falls inside the node, and all before it matches
-            else:
-                matched = _common_prefix_len(qb, pos, seg, k)  # a mismatch lies within k
-            cb = child.blocks[: (pos + matched - 1) // B - pos // B + 1]
+            matched = self._match_in(child, pos, qb, limit)
+            child_blocks = child.blocks[: (pos + matched - 1) // B - pos // B + 1]
             if pos % B:
-                blocks[-1:] = cb
+                blocks[-1:] = child_blocks  # the deeper node's copy of the shared index wins
             else:
-                blocks += cb
+                blocks += child_blocks
             pos += matched
             node = child
-            break
+            if pos < child.end:
+                break
         return pos, node, blocks
+
+    @staticmethod
+    def _match_in(node: TreeNode, pos: int, qb: bytes, limit: int) -> int:
+        """How many tokens of `node` from position `pos` on agree with `qb`, up to `limit`."""
+        k = min(node.end, limit) - pos
+        offset = TOKEN_BYTES * (pos - node.start)
+        seg = node.tokens[offset : offset + TOKEN_BYTES * k]
+        if qb.startswith(seg, TOKEN_BYTES * pos):
+            return k  # the common step: the whole segment agrees, one memcmp
+        qv = memoryview(qb).cast("I")[pos : pos + k]
+        return common_prefix_len(qv, memoryview(seg).cast("I"))
 
     def path_block_at(self, node: TreeNode, index: int, end: int, block_id: int) -> bool:
         """Whether a node on the path from the root to `node` (path cut at position `end`) owns
         `block_id` at block `index`. O(depth); used only off the hot path."""
-        B = self.block_size
-        lo = index * B
-        while node is not self.root:
-            assert node is not None
-            if node.end <= lo:
-                break  # this node and every ancestor end before the index
-            first = node.start // B
+        lo = index * self.block_size
+        while node.parent is not None and node.end > lo:
+            first = node.start // self.block_size
             if node.start < end and first <= index and node.blocks[index - first] == block_id:
                 return True
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
         return False
+
+    # ---------------------------------------------------------------- insertion
+    def plan_insert(
+        self,
+        walked: tuple[int, TreeNode, list[int]],
+        num_tokens: int,
+        ids: array,
+        block_ids: object,
+        private: set[int],
+    ) -> InsertPlan:
+        """Validate an insert of `num_tokens` tokens with block table `ids`, given the walk of its
+        tokens (`walked`: cached prefix p, its deepest node, the tree's blocks). Mutates nothing;
+        raises ValueError naming the first block id that is neither the tree's nor private.
+
+        Per block index i: covered by the tree (positions all < p), the caller's block must be the
+        tree's, a private duplicate (freed at commit; the partial last block when nothing is new
+        is kept, the caller writes on there) or a shallower path node's block at that index (the
+        caller's own earlier tail). New indices need private blocks, except the first when p is
+        mid-block: a path node's block there is co-owned.
+        """
+        p, node, canonical = walked
+        n, B = num_tokens, self.block_size
+        num_idx = len(ids)
+        covered = num_idx if p == n else p // B
+        del canonical[covered:]
+        new_ids = ids[covered:].tolist()
+        if type(block_ids) is list:
+            # A table built from the match holds the tree's own ints: compared by identity.
+            as_cached = block_ids[:covered] == canonical
+        else:
+            as_cached = ids[:covered] == array("I", canonical)
+        # The blocks of a tree path are distinct, so when the covered part is the tree's, only the
+        # new part can repeat an id.
+        if len(set(new_ids)) != len(new_ids) or (not as_cached and len(set(ids)) != num_idx):
+            raise ValueError(f"block_ids contains a repeated id: {ids.tolist()}")
+        plan = InsertPlan(node, p, canonical, new_ids, [], None, None, None)
+        if not as_cached:
+            self._plan_covered(plan, ids.tolist(), covered, n, private)
+        if new_ids and not private.issuperset(new_ids):
+            for j, b in enumerate(new_ids):
+                if b in private:
+                    continue
+                if j == 0 and p % B and self.path_block_at(node, covered, p, b):
+                    plan.co_owned = b
+                    continue
+                self.check_block_range(covered + j, b)
+                raise ValueError(
+                    f"block_ids[{covered + j}] = {b} is not held privately by the caller (never"
+                    " allocated, freed, or owned by the tree elsewhere); new tokens need private"
+                    " blocks"
+                )
+        return plan
+
+    def _plan_covered(
+        self, plan: InsertPlan, ids: list[int], covered: int, n: int, private: set[int]
+    ) -> None:
+        """The covered indices of a table that differs from the tree's (see `plan_insert`)."""
+        canonical = plan.table
+        partial_tail = len(ids) - 1 if plan.num_cached == n and n % self.block_size else -1
+        if partial_tail >= 0:
+            plan.path_ids = tuple(canonical)  # before the table keeps the caller's tail block
+        for i in range(covered):
+            b = ids[i]
+            if b == canonical[i]:
+                continue
+            if b in private:
+                if i == partial_tail:
+                    plan.kept = canonical[i] = b
+                else:
+                    plan.duplicates.append(b)
+            elif b < self.pool.num_blocks and self.path_block_at(plan.node, i, plan.num_cached, b):
+                if i == partial_tail:
+                    canonical[i] = b
+            else:
+                self.check_block_range(i, b)
+                raise ValueError(
+                    f"block_ids[{i}] = {b} is neither the cached block {canonical[i]} at block"
+                    f" index {i} nor a block the caller holds privately"
+                )
+
+    def commit_insert(
+        self, plan: InsertPlan, qb: bytes, old_node: TreeNode | None, tick: int
+    ) -> tuple[TreeNode, bool]:
+        """Apply a plan: split at p, lock the path (moving the lock of `old_node`, if given), add
+        the new leaf owning `plan.new_ids`. The caller frees `plan.duplicates` and gives up its
+        private claim on `plan.new_ids`. Returns (the locked node, whether the leaf's parent
+        dropped its partial tail for the leaf's copy)."""
+        node, p, B = plan.node, plan.num_cached, self.block_size
+        n = len(qb) // TOKEN_BYTES
+        if n == p:
+            self._lock_or_move(old_node, node, tick)
+            return node, False
+        if p < node.end:
+            node = self.split(node, p)
+        self._lock_or_move(old_node, node, tick)
+        superseded = False
+        if plan.co_owned is not None:
+            self.pool.add_owner(plan.co_owned)
+            head_shared = True
+        elif p % B and not node.children:
+            # The leaf's first block is the caller's copy of node's partial tail: node may take
+            # the copy over and free its own tail, which nothing could use any more.
+            superseded = head_shared = self.supersede_tail(node, plan.new_ids[0]) is not None
+        else:
+            head_shared = False
+        leaf = self.attach_leaf(
+            node, qb[TOKEN_BYTES * p :], plan.new_ids, head_shared=head_shared, tick=tick
+        )
+        plan.table += plan.new_ids
+        return leaf, superseded
+
+    def _lock_or_move(self, old: TreeNode | None, new: TreeNode, tick: int) -> None:
+        if old is None:
+            self.lock_path(new, tick)
+        else:
+            self.move_lock(old, new, tick)
 
     # ---------------------------------------------------------------- structure
     def split(self, node: TreeNode, p: int) -> TreeNode:
@@ -384,14 +343,15 @@ class RadixTree:
         prefix copies its lock_ref and tick. When p % B != 0 the block holding p is owned by both
         halves (ref count +1). Ownership counts are unchanged otherwise; bumps `version`.
         """
-        assert node.parent is not None and node.start < p < node.end, (node, p)
+        parent = node.parent
+        assert parent is not None and node.start < p < node.end, (node, p)
         B = self.block_size
         s = node.start
         cut = TOKEN_BYTES * (p - s)
         first = s // B
         prefix = TreeNode(
             node_id=self._new_node_id(),
-            parent=node.parent,
+            parent=parent,
             start=s,
             end=p,
             tokens=node.tokens[:cut],
@@ -400,17 +360,15 @@ class RadixTree:
             lock_ref=node.lock_ref,
             tick=node.tick,
         )
-        node.parent.children[node.first_token] = prefix
+        parent.children[node.first_token] = prefix
         node.tokens = node.tokens[cut:]
         node.start = p
         node.blocks = node.blocks[p // B - first :]
         node.parent = prefix
         prefix.children[node.first_token] = node
-        if p % B:
-            self.pool.incref(node.blocks[0])
-            node.head_shared = True
-        else:
-            node.head_shared = False
+        node.head_shared = p % B != 0
+        if node.head_shared:
+            self.pool.add_owner(node.blocks[0])
         self.num_nodes += 1
         self.version += 1
         return prefix
@@ -437,76 +395,64 @@ class RadixTree:
         """
         if node.end % self.block_size == 0 or node.children or node.lock_ref != 1:
             return None
-        blocks = node.blocks
-        old = blocks[-1]
-        refs = self.pool._refs
-        if refs[old] != 1 or old == block:
+        old = node.blocks[-1]
+        if old == block or self.pool.ref_count(old) != 1:
             return None
-        self.pool.incref(block)
-        blocks[-1] = block
-        self.pool.decref(old)
+        self.pool.add_owner(block)
+        node.blocks[-1] = block
+        self.pool.release([old])
         return old
 
     def attach_leaf(
-        self,
-        parent: TreeNode,
-        tokens: bytes,
-        blocks: list[int],
-        *,
-        head_shared: bool,
-        lock_ref: int,
-        tick: int,
+        self, parent: TreeNode, tokens: bytes, blocks: list[int], *, head_shared: bool, tick: int
     ) -> TreeNode:
-        """Add a leaf under `parent` (which must end where the leaf starts and have no child with
-        the same first token). The caller has already taken ownership of `blocks` for the leaf
-        (transferred or increfed). A locked leaf (lock_ref > 0) needs its path locked by the caller.
-        Bumps `version`."""
-        start = parent.end
-        end = start + len(tokens) // TOKEN_BYTES
-        # Fields positionally (node_id, parent, start, end, tokens, blocks, head_shared, children,
-        # lock_ref, tick): keywords make the dataclass constructor over twice as slow, once per
-        # insert.
+        """Add a locked leaf under `parent`, whose path the caller has locked; the parent ends
+        where the leaf starts and has no child with its first token. The caller has taken
+        ownership of `blocks` for the leaf (transferred or co-owned). Bumps `version`."""
         leaf = TreeNode(
-            self._new_node_id(), parent, start, end, tokens, blocks, head_shared, {}, lock_ref, tick
+            node_id=self._new_node_id(),
+            parent=parent,
+            start=parent.end,
+            end=parent.end + len(tokens) // TOKEN_BYTES,
+            tokens=tokens,
+            blocks=blocks,
+            head_shared=head_shared,
+            lock_ref=1,
+            tick=tick,
         )
-        first = _unpack_token(tokens)[0]
+        first = leaf.first_token
         assert first not in parent.children, f"parent {parent.node_id} already has child {first}"
-        assert parent.lock_ref >= lock_ref, "lock the parent path before attaching a locked leaf"
+        assert parent.lock_ref >= 1, "lock the parent path before attaching a locked leaf"
         parent.children[first] = leaf
-        self.index.discard(parent)  # no longer a leaf
-        if lock_ref == 0:
-            self.num_evictable_blocks += leaf.num_own_blocks
-            self.index.add(leaf)
         self.num_nodes += 1
-        self.num_cached_tokens += end - start
+        self.num_cached_tokens += leaf.end - leaf.start
         self.version += 1
         return leaf
 
     # ------------------------------------------------------------------ locking
     def lock_path(self, node: TreeNode, tick: int) -> None:
-        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (root included)."""
+        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (its root included)."""
         node.tick = tick
-        index = self.index
-        while node is not None:
-            if node.lock_ref == 0:
-                if node.evict_key is not None:
-                    index.discard(node)
-                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+        cursor: TreeNode | None = node
+        while cursor is not None:
+            if cursor.lock_ref == 0:
+                self.index.discard(cursor)
+                self.num_evictable_blocks -= cursor.num_own_blocks
+            cursor.lock_ref += 1
+            cursor = cursor.parent
 
-    def num_blocks_pinned_by_lock(self, node: TreeNode) -> int:
+    def num_blocks_pinned_by_lock(self, node: TreeNode | None) -> int:
         """Evictable blocks `lock_path(node)` would take out of `num_evictable_blocks`: the own
         blocks of the path's unlocked nodes. Read-only. The walk stops at the first locked node:
         every ancestor of a locked node is locked (locks cover whole paths)."""
         pinned = 0
         while node is not None and node.lock_ref == 0:
-            pinned += len(node.blocks) - node.head_shared
-            node = node.parent  # type: ignore[assignment]
+            pinned += node.num_own_blocks
+            node = node.parent
         return pinned
 
     def move_lock(self, old: TreeNode, new: TreeNode, tick: int) -> None:
-        """Move one lock from the path of `old` to the path of `new` and stamp `new`.
+        """Move one lock from the path of `old` to the path of `new` (same root) and stamp `new`.
 
         Same result as `lock_path(new)` then `unlock_path(old)`, but only the nodes below the two
         paths' lowest common ancestor change: a request whose lock moves down its own path as it
@@ -515,17 +461,14 @@ class RadixTree:
         knowing depths.
         """
         new.tick = tick
-        if old is new:  # a request re-inserting what it holds, or writing on past its node's end
-            return
-        root = self.root
         gain: list[TreeNode] = []
         lose: list[TreeNode] = []
         a, b = new, old
         while a is not b:
-            if b is root or (a is not root and a.start > b.start):
+            if b.parent is None or (a.parent is not None and a.start > b.start):
                 gain.append(a)
                 a = a.parent  # type: ignore[assignment]
-            elif a is root or b.start > a.start:
+            elif a.parent is None or b.start > a.start:
                 lose.append(b)
                 b = b.parent  # type: ignore[assignment]
             else:  # equal starts: two different nodes hanging below the same position
@@ -533,33 +476,37 @@ class RadixTree:
                 lose.append(b)
                 a = a.parent  # type: ignore[assignment]
                 b = b.parent  # type: ignore[assignment]
-        index = self.index
         for node in gain:
             if node.lock_ref == 0:
-                if node.evict_key is not None:
-                    index.discard(node)
-                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
+                self.index.discard(node)
+                self.num_evictable_blocks -= node.num_own_blocks
             node.lock_ref += 1
         for node in lose:
-            node.lock_ref -= 1
-            assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
-            if node.lock_ref == 0:
-                self.num_evictable_blocks += len(node.blocks) - node.head_shared
-                if not node.children:
-                    index.add(node)
+            self._unlock(node)
 
     def unlock_path(self, node: TreeNode) -> None:
         """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
-        the tick they already have."""
-        root = self.root
-        while node is not None:
-            node.lock_ref -= 1
-            assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
-            if node.lock_ref == 0:
-                self.num_evictable_blocks += len(node.blocks) - node.head_shared
-                if not node.children and node is not root:
-                    self.index.add(node)
-            node = node.parent  # type: ignore[assignment]
+        the tick they already have; a namespace root left empty is dropped."""
+        cursor: TreeNode | None = node
+        while cursor is not None:
+            self._unlock(cursor)
+            node = cursor
+            cursor = cursor.parent
+        self._drop_if_empty(node)
+
+    def _unlock(self, node: TreeNode) -> None:
+        node.lock_ref -= 1
+        assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+        if node.lock_ref == 0:
+            self.num_evictable_blocks += node.num_own_blocks
+            if not node.children and node.parent is not None:
+                self.index.add(node)
+
+    def _drop_if_empty(self, root: TreeNode) -> None:
+        """Forget a namespace root with nothing cached and no lock (the shared root stays)."""
+        if root.namespace is not None and not root.children and root.lock_ref == 0:
+            del self.roots[root.namespace]
+            self.version += 1
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> tuple[list[int], int]:
@@ -571,51 +518,60 @@ class RadixTree:
         subtree). O(log n) per leaf.
         Returns (freed block ids in the order freed, tail first; tokens removed from the tree).
         """
-        B = self.block_size
-        pool = self.pool
-        index = self.index
         freed: list[int] = []
         num_tokens = 0
-        while len(freed) < num_blocks and index:
-            leaf = index.first()
+        while len(freed) < num_blocks and self.index:
+            leaf = self.index.first()
             need = num_blocks - len(freed)
-            own = len(leaf.blocks) - leaf.head_shared
-            if own > need:
-                # Trim: drop the last `need` blocks; they are owned by this leaf alone.
-                new_end = (leaf.start // B + len(leaf.blocks) - need) * B
-                assert leaf.start < new_end < leaf.end
-                num_tokens += leaf.end - new_end
-                leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
-                leaf.end = new_end
-                tail = leaf.blocks[-need:]
-                del leaf.blocks[-need:]
-                tail.reverse()
-                released = pool.drop_refs(tail)
-                assert len(released) == need, f"trimmed blocks {tail} had other owners"
-                freed += released
-                self.num_evictable_blocks -= need
+            if leaf.num_own_blocks > need:
+                num_tokens += self._trim(leaf, need, freed)
             else:
-                index.pop_first()  # the leaf
-                parent = leaf.parent
-                assert parent is not None
-                del parent.children[_unpack_token(leaf.tokens)[0]]
-                leaf.parent = None
-                freed += pool.drop_refs(leaf.blocks[::-1])
-                self.num_evictable_blocks -= own
-                self.num_nodes -= 1
-                num_tokens += leaf.end - leaf.start
-                if leaf.tick > parent.tick:
-                    parent.tick = leaf.tick  # lazy recency: the subtree's last use
-                if parent.lock_ref == 0 and not parent.children and parent is not self.root:
-                    index.add(parent)
+                num_tokens += self._remove_leaf(leaf, freed)
             self.version += 1
         self.num_cached_tokens -= num_tokens
         return freed, num_tokens
 
+    def _trim(self, leaf: TreeNode, num_blocks: int, freed: list[int]) -> int:
+        """Drop the last `num_blocks` blocks of an evictable leaf (owned by it alone); returns the
+        tokens removed."""
+        B = self.block_size
+        new_end = (leaf.start // B + len(leaf.blocks) - num_blocks) * B
+        assert leaf.start < new_end < leaf.end
+        removed = leaf.end - new_end
+        leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
+        leaf.end = new_end
+        tail = leaf.blocks[-num_blocks:]
+        del leaf.blocks[-num_blocks:]
+        released = self.pool.release(tail)
+        assert len(released) == num_blocks, f"trimmed blocks {tail} had other owners"
+        freed += released
+        self.num_evictable_blocks -= num_blocks
+        return removed
+
+    def _remove_leaf(self, leaf: TreeNode, freed: list[int]) -> int:
+        """Remove an evictable leaf whole; its parent may become an evictable leaf (or, a root,
+        be dropped). Returns the tokens removed."""
+        self.index.pop_first()
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.first_token]
+        leaf.parent = None
+        freed += self.pool.release(leaf.blocks)
+        self.num_evictable_blocks -= leaf.num_own_blocks
+        self.num_nodes -= 1
+        parent.tick = max(parent.tick, leaf.tick)  # lazy recency: the subtree's last use
+        if parent.parent is None:
+            self._drop_if_empty(parent)
+        elif parent.lock_ref == 0 and not parent.children:
+            self.index.add(parent)
+        return leaf.end - leaf.start
+
     # ------------------------------------------------------------------ display
     def iter_nodes(self) -> Iterator[tuple[TreeNode, int]]:
-        """(node, depth) depth-first from the root, children in increasing first-token order."""
-        stack = [(self.root, 0)]
+        """(node, depth) depth-first from each root (the shared one first, then namespaces by
+        name), children in increasing first-token order."""
+        names = sorted(ns for ns in self.roots if ns is not None)
+        stack = [(self.roots[ns], 0) for ns in reversed([None, *names])]
         while stack:
             node, depth = stack.pop()
             yield node, depth
@@ -624,13 +580,11 @@ class RadixTree:
 
     def last_uses(self) -> dict[int, int]:
         """node id -> last use of the node or anything below it (the eager tick). O(nodes)."""
-        order = [node for node, _ in self.iter_nodes()]
         last: dict[int, int] = {}
-        for node in reversed(order):  # children before parents
-            t = node.tick
-            for child in node.children.values():
-                t = max(t, last[child.node_id])
-            last[node.node_id] = t
+        for node, _ in reversed(list(self.iter_nodes())):  # children before parents
+            last[node.node_id] = max(
+                [node.tick, *(last[c.node_id] for c in node.children.values())]
+            )
         return last
 
     # ------------------------------------------------------------------ checks
@@ -640,49 +594,59 @@ class RadixTree:
         `handles_on` maps node id -> live handles on that node; `clock` is the last tick handed out.
         Returns block id -> number of owning nodes, for the caller's ref-count check.
         """
+        order = self._check_structure()
+        self._check_locks(order, handles_on, clock)
+        owners = self._check_ownership(order)
+        self._check_index(order)
+        return owners
+
+    def _check_structure(self) -> list[TreeNode]:
+        """Shape, segments and counters; returns every node, roots included, parents first."""
         B = self.block_size
-        root = self.root
-
-        def fail(msg: str) -> None:
-            raise AssertionError(f"radix tree integrity: {msg}")
-
-        if root.parent is not None or root.tokens or root.blocks or root.start or root.end:
-            fail("root must hold nothing")
-        if root.evict_key is not None:
-            fail("root is in the eviction index")
         order: list[TreeNode] = []
-        depth_of: dict[int, int] = {0: 0}
-        stack = [root]
+        seen: set[int] = set()
+        stack: list[TreeNode] = []
+        for ns, root in self.roots.items():
+            if root.parent is not None or root.tokens or root.blocks or root.start or root.end:
+                _fail(f"root of namespace {ns!r} must hold nothing")
+            if root.namespace != ns or root.evict_key is not None:
+                _fail(f"root of namespace {ns!r} is mislabelled or in the eviction index")
+            if ns is not None and not root.children and root.lock_ref == 0:
+                _fail(f"namespace {ns!r} is empty and unlocked, yet kept")
+            stack.append(root)
         while stack:
             node = stack.pop()
+            if node.node_id in seen:
+                _fail(f"node id {node.node_id} appears twice")
+            seen.add(node.node_id)
             order.append(node)
             for key, child in node.children.items():
                 nid = child.node_id
-                if nid in depth_of:
-                    fail(f"node id {nid} appears twice")
-                depth_of[nid] = depth_of[node.node_id] + 1
-                if child.parent is not node:
-                    fail(f"node {nid} has a wrong parent pointer")
+                if child.parent is not node or child.namespace is not None:
+                    _fail(f"node {nid} has a wrong parent pointer or a namespace")
                 if child.start != node.end or child.end <= child.start:
-                    fail(f"node {nid} covers [{child.start},{child.end}) under end {node.end}")
+                    _fail(f"node {nid} covers [{child.start},{child.end}) under end {node.end}")
                 if len(child.tokens) != TOKEN_BYTES * (child.end - child.start):
-                    fail(f"node {nid} token segment length does not match [start, end)")
+                    _fail(f"node {nid} token segment length does not match [start, end)")
                 if key != child.first_token:
-                    fail(f"node {nid} keyed by {key} but starts with {child.first_token}")
+                    _fail(f"node {nid} keyed by {key} but starts with {child.first_token}")
                 expect = (child.end - 1) // B - child.start // B + 1
                 if len(child.blocks) != expect:
-                    fail(f"node {nid} holds {len(child.blocks)} block ids, needs {expect}")
-                for b in child.blocks:
-                    if not 0 <= b < self.pool.num_blocks:
-                        fail(f"node {nid} holds out-of-range block id {b}")
+                    _fail(f"node {nid} holds {len(child.blocks)} block ids, needs {expect}")
+                if not all(0 <= b < self.pool.num_blocks for b in child.blocks):
+                    _fail(f"node {nid} holds an out-of-range block id: {child.blocks}")
                 stack.append(child)
-        if len(order) - 1 != self.num_nodes:
-            fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - 1}")
+        if len(order) - len(self.roots) != self.num_nodes:
+            _fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - len(self.roots)}")
         tokens = sum(n.end - n.start for n in order)
         if tokens != self.num_cached_tokens:
-            fail(f"num_cached_tokens is {self.num_cached_tokens}, tree holds {tokens}")
+            _fail(f"num_cached_tokens is {self.num_cached_tokens}, tree holds {tokens}")
+        return order
 
-        # Locks: bottom-up sums of handles (reverse pre-order visits children before parents).
+    def _check_locks(
+        self, order: list[TreeNode], handles_on: Mapping[int, int], clock: int
+    ) -> None:
+        """lock_ref = handles in the subtree (reverse pre-order visits children first)."""
         subtree: dict[int, int] = {}
         for node in reversed(order):
             total = handles_on.get(node.node_id, 0) + sum(
@@ -690,60 +654,71 @@ class RadixTree:
             )
             subtree[node.node_id] = total
             if node.lock_ref != total:
-                fail(f"node {node.node_id} lock_ref {node.lock_ref} != {total} handles in subtree")
+                _fail(f"node {node.node_id} lock_ref {node.lock_ref} != {total} handles in subtree")
             if node.tick > clock:
-                fail(f"node {node.node_id} tick {node.tick} is ahead of the clock {clock}")
+                _fail(f"node {node.node_id} tick {node.tick} is ahead of the clock {clock}")
         unknown = set(handles_on) - set(subtree)
         if unknown:
-            fail(f"live handles point at detached nodes {sorted(unknown)}")
+            _fail(f"live handles point at detached nodes {sorted(unknown)}")
 
-        # Ownership. A node owns a block either as its top (shallowest) owner or, for its head block
-        # only, below an ancestor owning it at the same index (head_shared, recomputed here). Such
-        # chains must end at exactly one top owner per block, so all owners lie under it.
+    def _check_ownership(self, order: list[TreeNode]) -> dict[int, int]:
+        """A node owns a block either as its top (shallowest) owner or, for its head block only,
+        below an ancestor owning it at the same index (head_shared, recomputed here). Such chains
+        must end at exactly one top owner per block, so all owners lie under it."""
+        B = self.block_size
         owners: dict[int, int] = {}
         index_of: dict[int, int] = {}
         top_owner: dict[int, TreeNode] = {}
-        for node in order[1:]:
+        for node in order:
+            if node.parent is None:
+                continue
             first = node.start // B
-            head = self._ancestor_owns(node, first, node.blocks[0])
+            head = self.path_block_at(node.parent, first, node.start, node.blocks[0])
             if head != node.head_shared:
-                fail(f"node {node.node_id} head_shared={node.head_shared}, recomputed {head}")
+                _fail(f"node {node.node_id} head_shared={node.head_shared}, recomputed {head}")
             for j, b in enumerate(node.blocks):
                 owners[b] = owners.get(b, 0) + 1
                 if index_of.setdefault(b, first + j) != first + j:
-                    fail(f"block {b} is owned at block indices {index_of[b]} and {first + j}")
+                    _fail(f"block {b} is owned at block indices {index_of[b]} and {first + j}")
                 if j == 0 and head:
                     continue
                 top = top_owner.setdefault(b, node)
                 if top is not node:
-                    fail(f"block {b} has two unrelated owners, {top.node_id} and {node.node_id}")
+                    _fail(f"block {b} has two unrelated owners, {top.node_id} and {node.node_id}")
         evictable = sum(1 for top in top_owner.values() if top.lock_ref == 0)
         if evictable != self.num_evictable_blocks:
-            fail(f"num_evictable_blocks is {self.num_evictable_blocks}, recomputed {evictable}")
-        by_own = sum(n.num_own_blocks for n in order[1:] if n.lock_ref == 0)
+            _fail(f"num_evictable_blocks is {self.num_evictable_blocks}, recomputed {evictable}")
+        by_own = sum(n.num_own_blocks for n in order if n.lock_ref == 0 and n.parent is not None)
         if by_own != evictable:
-            fail(f"own-block sum {by_own} over unlocked nodes != evictable blocks {evictable}")
+            _fail(f"own-block sum {by_own} over unlocked nodes != evictable blocks {evictable}")
+        return owners
 
-        # Eviction index == unlocked non-root leaves, each under its current key.
-        expected = {n.node_id for n in order[1:] if n.lock_ref == 0 and not n.children}
+    def _check_index(self, order: list[TreeNode]) -> None:
+        """The eviction index holds the unlocked non-root leaves, each under its current key."""
+        expected = {
+            n.node_id for n in order if n.lock_ref == 0 and not n.children and n.parent is not None
+        }
         members = self.index.items()
         got = {n.node_id for _, n in members}
         if len(got) != len(members) or got != expected:
-            fail(f"eviction index {sorted(got)} != unlocked leaves {sorted(expected)}")
+            _fail(f"eviction index {sorted(got)} != unlocked leaves {sorted(expected)}")
         for key, n in members:
             if n.evict_key != key or key != self.index.key(n):
-                fail(f"node {n.node_id} is indexed under a stale key {key}")
+                _fail(f"node {n.node_id} is indexed under a stale key {key}")
         for n in order:
             if n.evict_key is not None and n.node_id not in expected:
-                fail(f"node {n.node_id} carries an eviction key but is not a member")
-        return owners
+                _fail(f"node {n.node_id} carries an eviction key but is not a member")
 
     # ---------------------------------------------------------------- internals
-    def _ancestor_owns(self, node: TreeNode, index: int, block_id: int) -> bool:
-        parent = node.parent
-        return parent is not None and self.path_block_at(parent, index, node.start, block_id)
+    def check_block_range(self, i: int, b: int) -> None:
+        if not 0 <= b < self.pool.num_blocks:
+            raise ValueError(f"block_ids[{i}] = {b} is out of range [0, {self.pool.num_blocks})")
 
     def _new_node_id(self) -> int:
         nid = self._next_node_id
         self._next_node_id = nid + 1
         return nid
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"radix tree integrity: {msg}")

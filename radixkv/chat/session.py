@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from radixkv.cache.token_lists import common_prefix_len
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.engine import LLM
 from radixkv.engine.outputs import RequestStats, StreamDelta
 from radixkv.scheduler.sampling_params import SamplingParams

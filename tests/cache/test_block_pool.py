@@ -31,7 +31,7 @@ def test_allocate_too_many_returns_none_and_changes_nothing(pool: BlockPool) -> 
 
 def test_blocks_freed_together_come_back_in_the_same_order(pool: BlockPool) -> None:
     ids = pool.allocate(5)
-    pool.free([3, 1, 4])
+    pool.release([3, 1, 4])
     assert pool.allocate(3) == [3, 1, 4]
     assert ids == [0, 1, 2, 3, 4]
     pool.check_integrity()
@@ -39,35 +39,35 @@ def test_blocks_freed_together_come_back_in_the_same_order(pool: BlockPool) -> N
 
 def test_block_returns_to_free_list_only_when_last_owner_goes(pool: BlockPool) -> None:
     (b,) = pool.allocate(1)
-    pool.incref(b)
-    pool.incref(b)
+    pool.add_owner(b)
+    pool.add_owner(b)
     assert pool.ref_count(b) == 3
-    assert pool.decref(b) is False
-    assert pool.decref(b) is False
+    assert pool.release([b]) == []
+    assert pool.release([b]) == []
     assert pool.num_free == 7
-    assert pool.decref(b) is True
+    assert pool.release([b]) == [b]
     assert pool.num_free == 8 and pool.is_free(b)
     pool.check_integrity()
 
 
 def test_double_free_and_incref_of_free_block_raise(pool: BlockPool) -> None:
     a, b = pool.allocate(2)
-    pool.free([a])
+    pool.release([a])
     with pytest.raises(ValueError, match="already free"):
-        pool.free([b, a])  # validated first: b must not be freed either
+        pool.release([b, a])  # validated first: b must not be freed either
     assert pool.ref_count(b) == 1
     with pytest.raises(ValueError, match="already free"):
-        pool.decref(a)
+        pool.release([a])
     with pytest.raises(ValueError, match="free block cannot gain an owner"):
-        pool.incref(a)
+        pool.add_owner(a)
     with pytest.raises(ValueError, match="repeated"):
-        pool.free([b, b])
+        pool.release([b, b])
     with pytest.raises(ValueError, match="out of range"):
-        pool.free([8])
+        pool.release([8])
     with pytest.raises(ValueError, match="out of range"):
-        pool.decref(-1)
+        pool.release([-1])
     with pytest.raises(TypeError, match="must be an int"):
-        pool.free([1.0])
+        pool.release([1.0])
     assert pool.ref_count(b) == 1
     pool.check_integrity()
 
@@ -97,7 +97,7 @@ def test_bad_allocate_counts_raise(pool: BlockPool) -> None:
 
 def test_stats_count_traffic(pool: BlockPool) -> None:
     ids = pool.allocate(4)
-    pool.free(ids[:3])
+    pool.release(ids[:3])
     s = pool.stats()
     assert (s.num_blocks, s.block_size, s.num_free_blocks, s.num_used_blocks) == (8, 16, 7, 1)
     assert (s.num_allocated_total, s.num_freed_total) == (4, 3)

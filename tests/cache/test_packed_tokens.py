@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from radixkv import PackedTokens
-from radixkv.cache.tree import pack_tokens
+from radixkv.cache.tokens import pack_tokens
 
 IDS = [5, 0, 2**32 - 1, 300, 7]
 

@@ -189,7 +189,7 @@ def test_stale_and_foreign_matches_are_rejected(make_cache) -> None:
     cache = make_cache(64, 16)
     other = PrefixCache(64, 16)
     m = cache.match([1, 2, 3])
-    assert other.match([1, 2, 3])._version == m._version
+    assert other.match([1, 2, 3]).matched.version == m.matched.version
     with pytest.raises(ValueError, match="not produced by this cache"):
         other.acquire(m)
     cache.release(cache.insert([1, 2, 3], cache.allocate(1)).handle)
@@ -296,7 +296,7 @@ def test_forged_handle_is_foreign(make_cache) -> None:
 
 @pytest.mark.parametrize("length", [1, 2, 5, 63, 64, 65, 200, 1500])
 def test_first_mismatch_is_found_at_every_position_and_byte(length: int) -> None:
-    from radixkv.cache.tree import _common_prefix_len, pack_tokens
+    from radixkv.cache.tokens import common_prefix_len, pack_tokens
 
     rng = np.random.default_rng(length)
     base = rng.integers(0, 2**32, length, dtype=np.uint64).tolist()
@@ -306,7 +306,8 @@ def test_first_mismatch_is_found_at_every_position_and_byte(length: int) -> None
             other = list(base)
             other[j] ^= flip
             q = pack_tokens([7, 7, *other])  # the query run starts at token 2
-            assert _common_prefix_len(q, 2, pack_tokens(base), length) == j
+            query_run = memoryview(q).cast("I")[2 : 2 + length]  # how the tree reads a node
+            assert common_prefix_len(query_run, memoryview(pack_tokens(base)).cast("I")) == j
 
 
 def test_long_prompts_match_token_exactly(make_cache) -> None:
@@ -322,7 +323,7 @@ def test_long_prompts_match_token_exactly(make_cache) -> None:
 
 @pytest.mark.parametrize("dtype", ["=i4", "=u4", "=i8", "=u8", ">i4", "=i2", "=u1"])
 def test_token_arrays_pack_like_lists(dtype: str) -> None:
-    from radixkv.cache.tree import pack_tokens
+    from radixkv.cache.tokens import pack_tokens
 
     info = np.iinfo(np.dtype(dtype))
     top = min(int(info.max), 2**32 - 1)
@@ -335,7 +336,7 @@ def test_token_arrays_pack_like_lists(dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["=i4", ">i4", "=i8"])
 @pytest.mark.parametrize("where", [0, 1, 2, 3, 4, 999])
 def test_negative_token_in_an_array_is_named(dtype: str, where: int) -> None:
-    from radixkv.cache.tree import pack_tokens
+    from radixkv.cache.tokens import pack_tokens
 
     tokens = np.arange(1000, dtype=dtype)
     tokens[where] = -(2**31) if where % 2 else -1  # every sign-bit pattern, any position

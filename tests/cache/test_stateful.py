@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 )
 
 from radixkv import LockHandle, MatchResult, PackedTokens, PrefixCache
-from radixkv.cache.tree import unpack_tokens
+from radixkv.cache.tokens import unpack_tokens
 
 VOCAB = 3  # tiny, so prefixes are shared and nodes split often
 MAX_LEN = 48

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from radixkv.cache.token_lists import common_prefix_len as _common_prefix_len
+from radixkv.cache.tokens import common_prefix_len as _common_prefix_len
 
 MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
 Harness = Any
