@@ -23,9 +23,19 @@ tokens as little-endian uint32. A cache namespace (a tenant's cache salt) seeds 
 `namespace_seed(name)` is mixed in as h_{-1}, so equal tokens in two namespaces never share a
 hash (the wire still shows `parent_block_hash=None` for a first block).
 
-The Python side of a subscription is `KVEventStream.subscribe(callback)`: the cache calls every
-callback synchronously, in event order, inside the cache operation that caused the event.
+The Python side of a subscription is `PrefixCache.events.subscribe(callback)`: the cache calls
+every callback synchronously, in event order, inside the cache operation that caused the event. A
+subscriber that joins a cache already holding blocks first gets `BlockStored` events for all of
+them (parents first), so that its index is complete from the start.
 `BlockHashIndex` is what a router keeps, rebuilt from events alone.
+
+Where the tree produces them (`BlockEvents`): a full block of a path is announced by the node in
+which it ENDS (block i by the node with start < (i+1)*B <= end). Tokens enter the tree only as new
+leaves (`stored`); they leave only when a leaf is trimmed or removed (`removed`), or all at once
+(`cleared`). A split cuts a node's list of hashes in two and changes no block's hash; block ids
+(copy-on-write copies, superseded tails, co-owned heads) never enter a hash, so re-owning a block
+announces nothing. Hashes are computed only while someone listens (lazily, for nodes made while
+no one did).
 """
 
 from __future__ import annotations
@@ -33,8 +43,9 @@ from __future__ import annotations
 import logging
 import sys
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -140,12 +151,15 @@ class KVEventStream:
     operation that caused the event, in subscription order. A callback that raises is logged and
     counted (`num_callback_errors`) and keeps its subscription: the cache operation around it
     always completes. The cache computes block hashes only while `active` (someone listens).
+    `snapshot`, if given, yields the events that describe the current content: a new subscriber
+    gets them before anything else.
     """
 
-    __slots__ = ("_callbacks", "num_callback_errors")
+    __slots__ = ("_callbacks", "_snapshot", "num_callback_errors")
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[], Iterable[KVEvent]] | None = None) -> None:
         self._callbacks: list[EventCallback] = []
+        self._snapshot = snapshot
         self.num_callback_errors = 0
 
     @property
@@ -155,25 +169,155 @@ class KVEventStream:
     def subscribe(self, callback: EventCallback) -> Subscription:
         """Deliver every later event to `callback(event)`. Raises TypeError if not callable.
 
-        A subscriber that joins a cache already holding blocks sees only what changes from now
-        on; a router resynchronises from `AllBlocksCleared` or a fresh replica.
+        A subscriber that joins a cache already holding blocks first gets the snapshot (a
+        `BlockStored` per node holding full blocks, parents first).
         """
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         self._callbacks.append(callback)
+        if self._snapshot is not None:
+            for event in self._snapshot():
+                self._deliver(callback, event)
         return Subscription(self, callback)
 
     def emit(self, event: KVEvent) -> None:
         """Deliver `event` to every subscriber (the cache's call)."""
         for callback in tuple(self._callbacks):
-            try:
-                callback(event)
-            except Exception:
-                self.num_callback_errors += 1
-                logger.exception("KV event subscriber %r failed on %r", callback, event)
+            self._deliver(callback, event)
+
+    def _deliver(self, callback: EventCallback, event: KVEvent) -> None:
+        try:
+            callback(event)
+        except Exception:
+            self.num_callback_errors += 1
+            logger.exception("KV event subscriber %r failed on %r", callback, event)
 
     def _remove(self, callback: EventCallback) -> None:
         self._callbacks.remove(callback)
+
+
+# ------------------------------------------------------------------------------ producer
+class HashedNode(Protocol):
+    """What `BlockEvents` reads and writes of a tree node (the tree's nodes satisfy it)."""
+
+    parent: HashedNode | None  # None for a namespace root
+    start: int
+    end: int
+    tokens: bytes  # packed native uint32, (end - start) tokens
+    namespace: str | None  # a root's namespace
+    block_hashes: list[int] | None  # hashes of the full blocks ending in the node, if computed
+
+
+class BlockEvents:
+    """The tree's side of KV events: chained hashes of the full blocks each node ends, and the
+    events as they enter and leave. Owned by one `RadixTree`, which calls `stored`, `removed`,
+    `split` and `cleared` at the only places where its paths change.
+
+    Invariant: a node whose `block_hashes` is not None has them right for its path, and so do its
+    ancestors; while `stream.active`, every attached node has them.
+    """
+
+    def __init__(self, block_size: int, nodes: Callable[[], Iterator[HashedNode]]) -> None:
+        self.block_size = block_size
+        self.stream = KVEventStream(snapshot=self._snapshot)
+        self._nodes = nodes  # the tree's attached nodes, parents first
+
+    def stored(self, leaf: HashedNode) -> None:
+        """`leaf` was attached: announce the full blocks ending in it (partial tails never)."""
+        if self.stream.active:
+            event = self._stored_event(leaf)
+            if event is not None:
+                self.stream.emit(event)
+
+    def removed(self, node: HashedNode, keep: int) -> None:
+        """`node` is about to lose its full blocks from its `keep`-th on (0: all, the node goes;
+        more: a trim back to a block boundary). Call before the node changes."""
+        hashes = self._hashes(node) if self.stream.active else node.block_hashes
+        if hashes is None:
+            return
+        gone = hashes[keep:]
+        del hashes[keep:]
+        if gone and self.stream.active:
+            self.stream.emit(BlockRemoved(tuple(reversed(gone))))
+
+    def split(self, prefix: HashedNode, suffix: HashedNode, p: int) -> None:
+        """`suffix` [s, e) is being split at p into `prefix` [s, p) and itself [p, e): blocks
+        ending at or before p now end in the prefix. Call before `suffix.start` changes."""
+        hashes = suffix.block_hashes
+        if hashes is not None:
+            k = p // self.block_size - suffix.start // self.block_size
+            prefix.block_hashes, suffix.block_hashes = hashes[:k], hashes[k:]
+
+    def cleared(self) -> None:
+        if self.stream.active:
+            self.stream.emit(AllBlocksCleared())
+
+    # ---------------------------------------------------------------- internals
+    def _snapshot(self) -> Iterator[KVEvent]:
+        for node in self._nodes():
+            event = self._stored_event(node)
+            if event is not None:
+                yield event
+
+    def _stored_event(self, node: HashedNode) -> BlockStored | None:
+        hashes = self._hashes(node)
+        if not hashes:
+            return None
+        B = self.block_size
+        first = node.start // B
+        tokens = self._path_bytes(node, first * B, (first + len(hashes)) * B)
+        parent = None if first == 0 else self._last_hash(node.parent)
+        return BlockStored(tuple(hashes), parent, unpack_native(tokens), B)
+
+    def _hashes(self, node: HashedNode) -> list[int]:
+        """`node.block_hashes`, computed (with those of its ancestors that lack them) if needed."""
+        pending = []
+        cursor: HashedNode | None = node
+        while cursor is not None and cursor.parent is not None and cursor.block_hashes is None:
+            pending.append(cursor)
+            cursor = cursor.parent
+        B = self.block_size
+        h = self._last_hash(cursor)
+        for n in reversed(pending):
+            first, last = n.start // B, n.end // B
+            if last > first:
+                tokens = self._path_bytes(n, first * B, last * B)
+                n.block_hashes = chain_hashes(h, token_bytes_le(tokens), B)
+                h = n.block_hashes[-1]
+            else:
+                n.block_hashes = []
+        assert node.block_hashes is not None
+        return node.block_hashes
+
+    @staticmethod
+    def _last_hash(node: HashedNode | None) -> int | None:
+        """Hash of the last full block on the path to `node` (whose hashes, and its ancestors',
+        are computed); the namespace seed (None: the shared one) when there is none."""
+        while node is not None and node.parent is not None:
+            if node.block_hashes:
+                return node.block_hashes[-1]
+            node = node.parent
+        namespace = None if node is None else node.namespace
+        return None if namespace is None else namespace_seed(namespace)
+
+    @staticmethod
+    def _path_bytes(node: HashedNode, lo: int, hi: int) -> bytes:
+        """Packed tokens of path positions [lo, hi) (hi <= node.end), read up the ancestors."""
+        parts = []
+        cursor: HashedNode | None = node
+        end = hi
+        while lo < end:
+            assert cursor is not None and cursor.parent is not None
+            a = max(lo, cursor.start)
+            parts.append(cursor.tokens[4 * (a - cursor.start) : 4 * (end - cursor.start)])
+            end = a
+            cursor = cursor.parent
+        return b"".join(reversed(parts))
+
+
+def unpack_native(packed: bytes) -> tuple[int, ...]:
+    """Packed native uint32 token ids as ints."""
+    return tuple(memoryview(packed).cast("I"))
 
 
 # ------------------------------------------------------------------------ reference consumer

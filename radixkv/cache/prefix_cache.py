@@ -50,6 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from radixkv.cache.events import KVEventStream
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
 from radixkv.cache.tree import RadixTree, TreeNode
@@ -221,6 +222,8 @@ class PrefixCache:
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
         self._tree = RadixTree(self._pool)
+        # KV events (radixkv.cache.events): `cache.events.subscribe(callback)`.
+        self.events: KVEventStream = self._tree.events.stream
         self._private: set[int] = set()
         self._live: dict[int, _Lock] = {}  # handle id -> what it locks
         self._next_handle_id = 1
@@ -472,6 +475,15 @@ class PrefixCache:
         ValueError for a count that is not an int >= 0.
         """
         return self._evict(check_size(num_blocks, "num_blocks", low=0))
+
+    def reset(self) -> bool:
+        """Drop everything cached, as if new (statistics kept; subscribers get
+        `AllBlocksCleared`). Returns False, changing nothing, while a handle is live: its request
+        still reads the blocks."""
+        if self._live:
+            return False
+        self._tree.clear()
+        return True
 
     def _evict(self, n: int) -> list[int]:
         freed, num_tokens = self._tree.evict(n)
