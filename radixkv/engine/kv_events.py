@@ -36,14 +36,21 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import count
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Subscription
+from radixkv.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventCallback,
+    KVEvent,
+    Subscription,
+)
 from radixkv.cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -232,22 +239,58 @@ class ZmqEventPublisher:
 
 
 class KVEventPublishing:
-    """A cache's events flowing to a `ZmqEventPublisher`; `close()` ends both."""
+    """A cache's events flowing to a subscriber (a `ZmqEventPublisher`, or any callback);
+    `close()` ends the subscription and closes the publisher, if there is one."""
 
-    def __init__(self, subscription: Subscription, publisher: ZmqEventPublisher) -> None:
+    def __init__(
+        self, subscription: Subscription, publisher: ZmqEventPublisher | None = None
+    ) -> None:
         self.subscription = subscription
         self.publisher = publisher
 
     def close(self) -> None:
         self.subscription.close()
-        self.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
 
-def publish_kv_events(cache: PrefixCache, endpoint: str, **options: Any) -> KVEventPublishing:
-    """Publish `cache`'s KV events at `endpoint` (e.g. `tcp://*:5557`) in vLLM's wire format.
+class _HasCache(Protocol):
+    cache: PrefixCache  # an engine (`LLM`)
 
-    The one call a server or engine needs; `options` go to `ZmqEventPublisher` (replay_endpoint,
-    topic, data_parallel_rank, medium, ...). Raises like `ZmqEventPublisher`.
+
+KVEventsTarget = str | Callable[[KVEvent], None]
+
+
+def check_kv_events(kv_events: object) -> None:
+    """The engine's `kv_events` option: None, a ZeroMQ address or a callable. Raises TypeError
+    for anything else and ValueError for a string that is not a ZeroMQ address."""
+    if kv_events is None or callable(kv_events):
+        return
+    if not isinstance(kv_events, str):
+        raise TypeError(
+            "kv_events must be None, a ZeroMQ address (e.g. 'tcp://*:5557') or a callable"
+            f" taking each event, got {type(kv_events).__name__}"
+        )
+    if "://" not in kv_events:
+        raise ValueError(f"kv_events must be a ZeroMQ address like tcp://*:5557, got {kv_events!r}")
+
+
+def publish_kv_events(
+    target: PrefixCache | _HasCache, kv_events: KVEventsTarget, **options: Any
+) -> KVEventPublishing:
+    """Send the KV events of `target` (an `LLM` or a `PrefixCache`) to `kv_events`: a ZeroMQ
+    address (e.g. `tcp://*:5557`, vLLM's wire format; `options` go to `ZmqEventPublisher`:
+    replay_endpoint, topic, data_parallel_rank, medium, ...) or a callable taking each event.
+
+    The one call a server needs for `--kv-events`. Events of what the cache already holds come
+    first. Raises like `check_kv_events` and `ZmqEventPublisher` (nothing started then).
     """
-    publisher = ZmqEventPublisher(endpoint, **options)
-    return KVEventPublishing(cache.events.subscribe(publisher), publisher)
+    if kv_events is None:
+        raise TypeError("kv_events must be a ZeroMQ address or a callable, got None")
+    check_kv_events(kv_events)
+    cache = target if isinstance(target, PrefixCache) else target.cache
+    if isinstance(kv_events, str):
+        publisher = ZmqEventPublisher(kv_events, **options)
+        return KVEventPublishing(cache.events.subscribe(publisher), publisher)
+    callback: EventCallback = kv_events
+    return KVEventPublishing(cache.events.subscribe(callback))

@@ -2,6 +2,9 @@
 
 The msgspec structs below mirror `vllm/distributed/kv_events.py` field for field (order, types,
 defaults and struct options): a router built on vLLM's definitions decodes what radixkv sends.
+They follow the vLLM releases whose batch is `array_like` (`[ts, events, data_parallel_rank]`)
+and whose events are tagged maps: the shape NVIDIA Dynamo's reader decodes (a 3-tuple batch,
+events as tagged maps or tagged arrays, hashes as u64 or i64).
 """
 
 from __future__ import annotations
@@ -13,7 +16,15 @@ import msgspec
 import pytest
 import zmq
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
+from radixkv.cache import PrefixCache
+from radixkv.cache.events import (
+    AllBlocksCleared,
+    BlockHashIndex,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    chain_hashes,
+)
 from radixkv.engine.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
 
 # ---- vLLM's definitions (vllm/distributed/kv_events.py), mirrored for decoding ----
@@ -192,3 +203,42 @@ def test_replay_serves_buffered_batches_then_end_marker() -> None:
     assert seqs == [1, 2, 3], "every buffered batch from sequence number 1 on, in order"
     events = [e for _, p in replies for e in DECODER.decode(p).events]
     assert events == vllm_events("GPU")[1:]
+
+
+def from_wire(event: KVCacheEvent) -> KVEvent:
+    """A decoded vLLM event as radixkv's (what a router's index applies)."""
+    if isinstance(event, VllmBlockStored):
+        hashes = tuple(int(h) for h in event.block_hashes)
+        parent = event.parent_block_hash
+        return BlockStored(hashes, parent, tuple(event.token_ids), event.block_size)  # type: ignore[arg-type]
+    if isinstance(event, VllmBlockRemoved):
+        return BlockRemoved(tuple(int(h) for h in event.block_hashes))  # type: ignore[arg-type]
+    return AllBlocksCleared()
+
+
+def test_a_real_caches_events_survive_the_wire() -> None:
+    """A workload with splits, trims and evictions: the index rebuilt from the decoded bytes equals
+    the one fed directly, batch after batch."""
+    cache = PrefixCache(12, 4)
+    events: list[KVEvent] = []
+    direct = BlockHashIndex()
+    cache.events.subscribe(events.append)
+    cache.events.subscribe(direct.apply)
+    wire = BlockHashIndex()
+    for k in range(12):
+        tokens = [1, 2, 3, 4, 5, 6, *range(100 * k, 100 * k + 3 + k % 5)]
+        m = cache.match(tokens)
+        handle = cache.acquire(m)
+        table = list(m.block_ids[: m.num_full_blocks])
+        new = cache.allocate(-(-len(tokens) // 4) - len(table))
+        assert new is not None
+        table += new
+        result = cache.insert(tokens, table, handle=handle)
+        cache.release(result.handle)
+        cache.free(result.owned_block_ids)
+        batch = DECODER.decode(encode_batch(events, ts=float(k), data_parallel_rank=0))
+        for event in batch.events:
+            wire.apply(from_wire(event))
+        events.clear()
+        assert wire.hashes == direct.hashes
+    assert cache.stats().num_evicted_blocks > 0
