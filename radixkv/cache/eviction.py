@@ -61,8 +61,7 @@ def tail_tokens(start: int, end: int, block_size: int) -> int:
 
 def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
     """The GDSF policy for blocks of `block_size` tokens: key `(priority, tick, node_id)` with
-    priority = `node.gdsf_base + tail_tokens` (see the module docstring). `priority(key)` reads it
-    back."""
+    priority = `node.gdsf_base + tail_tokens` (see the module docstring)."""
 
     def key(node: SegmentNode) -> tuple[int, int, int]:
         cost = tail_tokens(node.start, node.end, block_size)
@@ -71,9 +70,11 @@ def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
     return key
 
 
-def priority(key: tuple[int, int, int]) -> int:
-    """The GDSF priority inside a `gdsf_key` key."""
-    return key[0]
+# The orders a cache can be built with: name -> (block size -> key).
+EVICTION_ORDERS: dict[str, Callable[[int], EvictionKey]] = {
+    "gdsf": gdsf_key,
+    "lru": lambda block_size: lru_key,
+}
 
 
 class EvictionIndex:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from radixkv.cache.events import KVEventStream
+from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
 from radixkv.cache.tree import RadixTree, TreeNode
@@ -217,11 +218,15 @@ class PrefixCache:
     `allocate` returns None (nothing changed) when the blocks are not there.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, eviction: str = "gdsf") -> None:
+        """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed
+        block, aged; see `radixkv.cache.eviction`) or "lru". Raises ValueError for another."""
+        if eviction not in EVICTION_ORDERS:
+            raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
-        self._tree = RadixTree(self._pool)
+        self._tree = RadixTree(self._pool, EVICTION_ORDERS[eviction](self.block_size))
         # KV events (radixkv.cache.events): `cache.events.subscribe(callback)`.
         self.events: KVEventStream = self._tree.events.stream
         self._private: set[int] = set()

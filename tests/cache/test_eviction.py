@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixkv.cache import PrefixCache
 from radixkv.cache.eviction import EvictionIndex, gdsf_key, tail_tokens
 from radixkv.cache.tree import TreeNode
 
@@ -243,3 +244,17 @@ def test_gdsf_key_ties_on_tick_then_node_id() -> None:
     nodes[1].gdsf_base = 2
     index.add(nodes[1])
     assert [n.node_id for n in index] == [5, 9, 7, 3]
+
+
+def test_an_unknown_eviction_order_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"eviction must be one of \['gdsf', 'lru'\], got 'fifo'"):
+        PrefixCache(4, 2, eviction="fifo")
+
+
+def test_lru_order_on_request() -> None:
+    """The same leaves as the GDSF test above, in plain least-recently-used order."""
+    cache = PrefixCache(16, 4, eviction="lru")
+    p, q, r = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23]
+    assert [put(cache, s) for s in (p, q, r)] == [(0, 1), (2, 3), (4,)]
+    assert cache.evict(3) == [1, 0, 3]  # p whole (tail first), then q's tail block
+    cache.check_integrity()
