@@ -11,7 +11,13 @@ Each ZeroMQ message is three frames, as vLLM sends them:
 The payload is a `KVEventBatch` encoded the way vLLM's msgspec structs encode it:
 
     EventBatch      array_like: [ts, events, data_parallel_rank]
-    KVCacheEvent    tagged map, tag first: {"type": "BlockStored", field: value, ...}
+    KVCacheEvent    tagged, tag first, in one of two layouts (`event_layout`):
+                    "array" (default): ["BlockStored", value, value, ...], vLLM releases'
+                        `array_like` events, which llm-d's and AIBrix's readers decode; they
+                        stop at lora_name, the last field every vLLM version declares without
+                        a default, so older and newer struct definitions both decode them;
+                    "map": {"type": "BlockStored", field: value, ...}, the layout of later
+                        vLLM revisions. (NVIDIA Dynamo's reader takes either.)
     BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
                     lora_name  (then extra_keys, group_idx, ... which are left at their
                     defaults and so omitted: omit_defaults=True)
@@ -59,32 +65,55 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05  # how long the publisher thread waits for events before checking replays
 
 
-def wire_event(event: KVEvent, medium: str | None) -> dict[str, Any]:
-    """One event as vLLM's tagged msgspec struct encodes it (fields in declaration order)."""
+EVENT_LAYOUTS = ("array", "map")
+
+
+def wire_fields(event: KVEvent, medium: str | None) -> list[tuple[str, Any]]:
+    """One event as vLLM's tagged msgspec struct holds it: (field, value) in declaration order,
+    the tag first."""
     if isinstance(event, BlockStored):
-        return {
-            "type": "BlockStored",
-            "block_hashes": list(event.block_hashes),
-            "parent_block_hash": event.parent_block_hash,
-            "token_ids": list(event.token_ids),
-            "block_size": event.block_size,
-            "lora_id": None,
-            "medium": medium,
-            "lora_name": None,
-        }
+        return [
+            ("type", "BlockStored"),
+            ("block_hashes", list(event.block_hashes)),
+            ("parent_block_hash", event.parent_block_hash),
+            ("token_ids", list(event.token_ids)),
+            ("block_size", event.block_size),
+            ("lora_id", None),
+            ("medium", medium),
+            ("lora_name", None),
+        ]
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": medium}
+        return [
+            ("type", "BlockRemoved"),
+            ("block_hashes", list(event.block_hashes)),
+            ("medium", medium),
+        ]
     if isinstance(event, AllBlocksCleared):
-        return {"type": "AllBlocksCleared"}
+        return [("type", "AllBlocksCleared")]
     raise TypeError(f"not a KV event: {event!r}")
 
 
+def check_event_layout(event_layout: str) -> None:
+    if event_layout not in EVENT_LAYOUTS:
+        raise ValueError(f"event_layout must be one of {EVENT_LAYOUTS}, got {event_layout!r}")
+
+
 def encode_batch(
-    events: Sequence[KVEvent], *, ts: float, data_parallel_rank: int, medium: str | None = "GPU"
+    events: Sequence[KVEvent],
+    *,
+    ts: float,
+    data_parallel_rank: int,
+    medium: str | None = "GPU",
+    event_layout: str = "array",
 ) -> bytes:
-    """The msgpack payload of one `KVEventBatch`. Mutates nothing."""
-    batch = [float(ts), [wire_event(e, medium) for e in events], data_parallel_rank]
-    return msgpack.packb(batch, use_bin_type=True)
+    """The msgpack payload of one `KVEventBatch`, events in `event_layout` ("array" or "map").
+    Mutates nothing; raises ValueError for another layout, TypeError for a non-event."""
+    check_event_layout(event_layout)
+    wire: list[Any] = []
+    for event in events:
+        fields = wire_fields(event, medium)
+        wire.append([v for _, v in fields] if event_layout == "array" else dict(fields))
+    return msgpack.packb([float(ts), wire, data_parallel_rank], use_bin_type=True)
 
 
 def _binds(endpoint: str) -> bool:
@@ -114,6 +143,7 @@ class ZmqEventPublisher:
         topic: str = "",
         data_parallel_rank: int = 0,
         medium: str | None = "GPU",
+        event_layout: str = "array",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         close_timeout_s: float = 2.0,
@@ -127,7 +157,9 @@ class ZmqEventPublisher:
         self.endpoint = endpoint
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
+        check_event_layout(event_layout)
         self.medium = medium
+        self.event_layout = event_layout
         self.close_timeout_s = close_timeout_s
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -211,6 +243,7 @@ class ZmqEventPublisher:
                 ts=time.time(),
                 data_parallel_rank=self.data_parallel_rank,
                 medium=self.medium,
+                event_layout=self.event_layout,
             )
             seq = next(self._seq)
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))

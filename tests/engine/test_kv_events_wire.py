@@ -2,9 +2,9 @@
 
 The msgspec structs below mirror `vllm/distributed/kv_events.py` field for field (order, types,
 defaults and struct options): a router built on vLLM's definitions decodes what radixkv sends.
-They follow the vLLM releases whose batch is `array_like` (`[ts, events, data_parallel_rank]`)
-and whose events are tagged maps: the shape NVIDIA Dynamo's reader decodes (a 3-tuple batch,
-events as tagged maps or tagged arrays, hashes as u64 or i64).
+The batch is `array_like` (`[ts, events, data_parallel_rank]`); events come in both layouts vLLM
+has used: `array_like` tagged arrays (its releases; what llm-d's and AIBrix's readers decode) and
+tagged maps (later revisions). NVIDIA Dynamo's reader takes either.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgpack
 import msgspec
 import pytest
 import zmq
@@ -68,7 +69,29 @@ class KVEventBatch(EventBatch):
     events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
 
 
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+# The releases' layout: the same structs with `array_like=True` on the event base.
+class ArrayBlockStored(VllmBlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class ArrayBlockRemoved(VllmBlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class ArrayAllBlocksCleared(VllmAllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(EventBatch):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+
+
+STRUCTS = {
+    "array": (ArrayKVEventBatch, ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared),
+    "map": (KVEventBatch, VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared),
+}
+DECODERS = {layout: msgspec.msgpack.Decoder(type=t[0]) for layout, t in STRUCTS.items()}
+DECODER = DECODERS["array"]  # the publisher's default layout
 
 B = 4
 TOKENS = [7, 0, 2**31, 2**32 - 1, 128, 255, 65535, 65536]  # every msgpack int width
@@ -81,12 +104,13 @@ EVENTS = [
 ]
 
 
-def vllm_events(medium: str | None) -> list[KVCacheEvent]:
+def vllm_events(medium: str | None, layout: str = "array") -> list[KVCacheEvent]:
+    _, stored, removed, cleared = STRUCTS[layout]
     return [
-        VllmBlockStored(HASHES, None, TOKENS, B, None, medium, None),
-        VllmBlockStored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None),
-        VllmBlockRemoved([2**64 - 1, HASHES[1]], medium),
-        VllmAllBlocksCleared(),
+        stored(HASHES, None, TOKENS, B, None, medium, None),
+        stored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None),
+        removed([2**64 - 1, HASHES[1]], medium),
+        cleared(),
     ]
 
 
@@ -99,14 +123,35 @@ def test_hashes_are_unsigned_64_bit_and_chained() -> None:
 
 
 @pytest.mark.parametrize("medium", ["GPU", "CPU", None])
-def test_batch_decodes_with_vllm_structs_and_equals_their_encoding(medium: str | None) -> None:
-    payload = encode_batch(EVENTS, ts=1757500000.25, data_parallel_rank=3, medium=medium)
-    batch = DECODER.decode(payload)
+@pytest.mark.parametrize("layout", ["array", "map"])
+def test_batch_decodes_with_vllm_structs_and_equals_their_encoding(
+    medium: str | None, layout: str
+) -> None:
+    payload = encode_batch(
+        EVENTS, ts=1757500000.25, data_parallel_rank=3, medium=medium, event_layout=layout
+    )
+    batch = DECODERS[layout].decode(payload)
     assert batch.ts == 1757500000.25 and batch.data_parallel_rank == 3
-    assert batch.events == vllm_events(medium)
-    # Byte for byte what vLLM's publisher (msgspec's encoder over these structs) sends.
-    expected = KVEventBatch(ts=1757500000.25, events=vllm_events(medium), data_parallel_rank=3)
-    assert payload == msgspec.msgpack.encode(expected)
+    assert batch.events == vllm_events(medium, layout)
+    if layout == "map":
+        # Byte for byte what vLLM's publisher (msgspec's encoder over these structs) sends.
+        expected = KVEventBatch(
+            ts=1757500000.25, events=vllm_events(medium, layout), data_parallel_rank=3
+        )
+        assert payload == msgspec.msgpack.encode(expected)
+    else:
+        # Arrays stop at lora_name, the last field every vLLM version declares without a
+        # default: older structs (without the later fields) and newer ones (defaults filled in,
+        # as the decode above shows) both read them.
+        _, wire, _ = msgpack.unpackb(payload)
+        assert [len(e) for e in wire] == [8, 8, 3, 1]
+
+
+def test_an_unknown_layout_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="event_layout must be one of"):
+        encode_batch(EVENTS, ts=0.0, data_parallel_rank=0, event_layout="json")
+    with pytest.raises(ValueError, match="event_layout must be one of"):
+        ZmqEventPublisher("inproc://radixkv-never-bound", event_layout="json")
 
 
 def test_unknown_event_is_a_type_error() -> None:
