@@ -19,7 +19,11 @@ cached blocks whose owners are all unlocked (what `evict` can free) and in use =
 blocks of locked paths.
 
 Namespaces isolate tenants: `match` and `insert` take `namespace=` (None: the shared one); what is
-cached under one namespace never matches under another. They share the blocks and one LRU order.
+cached under one namespace never matches under another. They share the blocks and one eviction
+order (GDSF over the tokens a leaf's last block holds, by default; see `radixkv.cache.eviction`).
+
+KV events (`radixkv.cache.events`): `cache.events.subscribe(callback)` streams which full blocks
+enter and leave the cache, for cache-aware routers; `reset()` drops everything cached.
 
 The cache is deterministic: recency comes from a logical clock that advances once per `acquire`
 and per `insert` (the operations that touch a path); nothing reads the wall clock. It is not
@@ -357,7 +361,7 @@ class PrefixCache:
 
     # --------------------------------------------------------------- allocation
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Private blocks (evicting LRU leaves on demand); None, nothing changed, if it cannot fit.
+        """Private blocks (evicting leaves on demand); None, nothing changed, if it cannot fit.
 
         Evicts only as many blocks as the free list lacks. Raises TypeError/ValueError for a count
         that is not an int >= 0.
@@ -473,7 +477,8 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to num_blocks by evicting LRU unlocked leaves (tail first); returns freed ids.
+        """Free up to num_blocks by evicting unlocked leaves in eviction order (GDSF unless built
+        with eviction="lru"; tail first); returns freed ids.
 
         Fewer than asked (possibly none) means nothing else is evictable. A leaf with more blocks
         than still needed is trimmed from its tail (its head stays cached). Raises TypeError/

@@ -752,6 +752,8 @@ class RadixTree:
         for n in order:
             if n.evict_key is not None and n.node_id not in expected:
                 _fail(f"node {n.node_id} carries an eviction key but is not a member")
+            if n.gdsf_base > self.inflation:
+                _fail(f"node {n.node_id} GDSF base {n.gdsf_base} > inflation {self.inflation}")
 
     # ---------------------------------------------------------------- internals
     def check_block_range(self, i: int, b: int) -> None:
