@@ -39,7 +39,13 @@ class LongestPrefixMatchPolicy:
         if cache is None or len(waiting) < 2:
             return iter(waiting)
         scored = [
-            (-cache.match(r.all_token_ids, max_tokens=r.num_tokens - 1).num_cached_tokens, i, r)
+            (
+                -cache.match(
+                    r.all_token_ids, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
+                ).num_cached_tokens,
+                i,
+                r,
+            )
             for i, r in enumerate(waiting)
         ]
         scored.sort(key=lambda s: (s[0], s[1]))

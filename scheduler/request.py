@@ -16,7 +16,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from radixkv.cache.prefix_cache import LockHandle
+from radixkv.cache.prefix_cache import BlockTable
+from radixkv.cache.tokens import PackedTokens
 from radixkv.scheduler.sampling_params import SamplingParams
 
 
@@ -30,18 +31,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in _FINISH_REASONS
 
 
-_FINISHED = frozenset(
-    (
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_ERROR,
-    )
-)
-_FINISH_REASONS = {
+_FINISH_REASONS = {  # the finished statuses and the finish reason each reports
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -52,13 +45,14 @@ _FINISH_REASONS = {
 class Request:
     """A prompt, the tokens generated so far, and the scheduler's bookkeeping for it.
 
+    Tokens are kept as `PackedTokens`: validated once (a caller that hands PackedTokens, as the
+    engine does, is not checked again) and read by the cache as they are.
+
     Invariants while RUNNING (checked by `Scheduler.check_integrity`):
-    * `num_computed_tokens < len(all_token_ids)` and `block_table` covers at least
-      `ceil(num_computed_tokens / B)` blocks;
-    * `private_block_ids` is a subset of `block_table` (blocks from `allocate()` not yet adopted by
-      the tree); the other entries are tree blocks protected by `handle`.
-    While WAITING: no blocks, no handle, `num_computed_tokens == 0`. Once finished: no blocks, no
-    handle; the token fields keep their final values.
+    * `num_computed_tokens < len(all_token_ids)` and `table` (the cache's `BlockTable`) covers at
+      least `ceil(num_computed_tokens / B)` blocks.
+    While WAITING and once finished: no table, and `num_computed_tokens == 0` while waiting; the
+    token fields keep their final values.
     """
 
     def __init__(
@@ -67,6 +61,8 @@ class Request:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         eos_token_ids: Sequence[int] = (),
+        *,
+        cache_salt: str | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -74,29 +70,29 @@ class Request:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        for t in eos_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"eos token ids must be ints >= 0, got {t!r}")
         self.request_id = request_id
-        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        prompt = prompt_token_ids
+        self.prompt_token_ids = prompt if type(prompt) is PackedTokens else PackedTokens(prompt)
         self.params = params
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
-        for t in (*self.prompt_token_ids, *self.eos_token_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"token ids must be ints >= 0, got {t!r}")
+        # The cache namespace: requests share cached KV only with requests of the same salt.
+        self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output
+        self.all_token_ids: PackedTokens = self.prompt_token_ids  # prompt + output
         self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
         self.num_cached_tokens = 0  # cache hit at the first admission
         self.last_num_cached_tokens = 0  # cache hit at the latest admission (after preemption)
         self.num_preemptions = 0
-
-        # Scheduler-owned block bookkeeping (empty unless RUNNING).
-        self.block_table: list[int] = []  # physical block of each block index, in order
-        self.private_block_ids: set[int] = set()  # entries of block_table we must free()
-        self.handle: LockHandle | None = None  # lock on the tree path our shared blocks live on
         self.num_prefill_tokens = 0  # len(all_token_ids) at the latest admission
-        self.admit_seq: int | None = None  # admission order (preemption picks the latest)
+        self.table: BlockTable | None = None  # its blocks and lock while RUNNING
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,7 +121,7 @@ class Request:
             f"{self.request_id}: append while {self.status}"
         )
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        self.all_token_ids += (token_id,)
         if token_id in self.params.stop_token_ids or (
             not self.params.ignore_eos and token_id in self.eos_token_ids
         ):

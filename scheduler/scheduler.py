@@ -1,7 +1,9 @@
 """Continuous batching over the prefix cache: who runs this step, with which tokens and blocks.
 
-Layers: `Request` (tokens, progress) -> block table (tree blocks protected by the request's
-`LockHandle` + private blocks from `allocate()`) -> `PrefixCache` (radix tree over the block pool).
+Layers: `Request` (tokens, progress) -> its `BlockTable` (tree blocks its lock protects + private
+blocks, issued by the cache) -> `PrefixCache` (radix tree over the block pool). The scheduler uses
+the cache through a small protocol: `admit`, `grow`, `commit`, `close` on tables, the read-only
+`match` (ordering and deferral), `block_size`, `num_blocks`, `stats` and `check_integrity`.
 
 One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
  1. Decode rows: running requests with one token left to compute, oldest admission first. A token
@@ -66,7 +68,6 @@ class Scheduler:
         self._waiting: deque[Request] = deque()  # FCFS order; preempted requests at the front
         self._running: dict[str, Request] = {}  # in admission order
         self._requests: dict[str, Request] = {}  # every live (waiting or running) request
-        self._num_admissions = 0
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
 
@@ -120,10 +121,9 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens is longer than the model's "
                 f"context (max_model_len={max_len})"
             )
-        # NOTE: the last token of a finished sequence has no KV, hence the - 1.
-        max_kv_tokens = request.max_num_tokens(max_len) - 1
-        num_blocks = _cdiv(max_kv_tokens, self._block_size)
+        num_blocks = self._max_num_blocks(request)
         if num_blocks > self.cache.num_blocks:
+            max_kv_tokens = request.max_num_tokens(max_len) - 1
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens + up to "
                 f"{max_kv_tokens + 1 - num_prompt} generated tokens need {num_blocks} KV blocks of "
@@ -178,8 +178,10 @@ class Scheduler:
                     rows.append(row)
                     budget -= n
 
-        # 3. Admission. A step that had to preempt has no blocks to spare.
-        if not preempted:
+        # 3. Admission. A step that had to preempt has no blocks to spare, unless it preempted
+        # every running request: then nothing else could run and an idle cache admits anything
+        # that fits it alone (`_admit`).
+        if not preempted or not rows:
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
@@ -253,13 +255,11 @@ class Scheduler:
         needed. None if the request itself had to be preempted."""
         start = req.num_computed_tokens
         end = start + num_tokens
-        while True:
-            need = max(0, _cdiv(end, self._block_size) - len(req.block_table))
-            blocks = self.cache.allocate(need) if need else []
-            if blocks is not None:
-                break
-            # The most recently admitted request not yet in this step's batch; the requester is a
-            # candidate itself, so this always finds one.
+        assert req.table is not None
+        need = max(0, _cdiv(end, self._block_size) - len(req.table.blocks))
+        while need and not self.cache.grow(req.table, need):
+            # The most recently admitted request not yet in this step's batch (`_running` is in
+            # admission order); the requester is a candidate itself, so this always finds one.
             victim = next(
                 r for r in reversed(self._running.values()) if r.request_id not in scheduled
             )
@@ -267,9 +267,6 @@ class Scheduler:
             preempted.append(victim.request_id)
             if victim is req:
                 return None
-
-        req.block_table.extend(blocks)
-        req.private_block_ids.update(blocks)
         scheduled.add(req.request_id)
         return self._row(req, start, end)
 
@@ -287,42 +284,29 @@ class Scheduler:
         self._waiting.appendleft(req)
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
-        """Insert tokens [0, num_computed_tokens) and adopt the canonical table the tree returns.
-        `writes_on`: the request goes on writing after this (it is neither finishing nor
-        preempted)."""
+        """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on
+        writing after this (it is neither finishing nor preempted)."""
         n = req.num_computed_tokens
-        if n == 0:
+        table = req.table
+        if n == 0 or table is None:
             return
-        num_blocks = _cdiv(n, self._block_size)
-        table = req.block_table
-        old_tail = table[num_blocks - 1]
-        result = self.cache.insert(req.all_token_ids[:n], table[:num_blocks], handle=req.handle)
-        req.handle = result.handle
-        assert len(result.block_ids) == num_blocks, (result, n)
-        # Private blocks of the inserted range: the tree adopted some, freed our duplicates of
-        # what it had; it tells which are still ours. Blocks past the range are untouched.
-        req.private_block_ids.difference_update(table[:num_blocks])
-        req.private_block_ids.update(result.owned_block_ids)
-        table[:num_blocks] = result.block_ids
+        last = _cdiv(n, self._block_size) - 1
+        old_tail = table.blocks[last]
+        self.cache.commit(table, req.all_token_ids[:n])
         # NOTE: a request writes the rest of a partial tail block after inserting it. That is
         # safe only in the block it wrote itself (the tree vouches for the inserted slots alone;
         # another owner's block has later slots of its own), so the cache must hand it back: it
         # keeps a caller's private partial last block, and its own earlier tail, even where the
         # tree already holds those tokens in another block.
-        assert not writes_on or n % self._block_size == 0 or result.block_ids[-1] == old_tail, (
+        assert not writes_on or n % self._block_size == 0 or table.blocks[last] == old_tail, (
             f"{req}: insert replaced the partial tail block {old_tail} it writes on"
         )
 
     def _release(self, req: Request) -> None:
         """Unlock and free everything a request holds (after its insert, if any)."""
-        if req.handle is not None:
-            self.cache.release(req.handle)
-        if req.private_block_ids:
-            # Nothing cached lives in private blocks, so their order does not matter: table order.
-            self.cache.free([b for b in req.block_table if b in req.private_block_ids])
-        req.handle = None
-        req.block_table = []
-        req.private_block_ids = set()
+        if req.table is not None:
+            self.cache.close(req.table)
+        req.table = None
 
     # ------------------------------------------------------------------ admission
 
@@ -348,8 +332,8 @@ class Scheduler:
             return budget
         admitted: list[Request] = []
         num_deferred = 0
-        # (tokens, end): what each request admitted in this step writes, then inserts, this step.
-        in_batch: list[tuple[list[int], int]] = []
+        # (request, end): what each request admitted in this step writes, then inserts, this step.
+        in_batch: list[tuple[Request, int]] = []
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
         cache_view = self.cache if self._use_cache else None
         for req in self._policy.order(self._waiting, cache_view):
@@ -373,7 +357,7 @@ class Scheduler:
             rows.append(row)
             budget -= len(row.token_ids)
             if defer:
-                in_batch.append((req.all_token_ids, row.start_position + len(row.token_ids)))
+                in_batch.append((req, row.start_position + len(row.token_ids)))
         if admitted:
             # The admitted are a subsequence of the policy order (deferred requests stay where
             # they are); for FCFS without deferrals, a prefix of the queue.
@@ -384,9 +368,7 @@ class Scheduler:
                 self._waiting = deque(r for r in self._waiting if r.request_id not in gone)
         return budget
 
-    def _defer_for_in_batch_prefix(
-        self, req: Request, in_batch: list[tuple[list[int], int]]
-    ) -> bool:
+    def _defer_for_in_batch_prefix(self, req: Request, in_batch: list[tuple[Request, int]]) -> bool:
         """True if `req` should wait one step for a prefix that requests admitted earlier in this
         step compute: its longest common prefix with `tokens[:end]` of one of them exceeds its own
         cache hit now by at least `defer_shared_prefix_tokens`. Read-only.
@@ -407,12 +389,15 @@ class Scheduler:
             return False
         shared = 0
         for other, end in in_batch:
-            shared = max(shared, common_prefix_len(tokens, other, min(end, cap)))
+            if other.cache_salt == req.cache_salt:  # only its own namespace can serve it
+                shared = max(shared, common_prefix_len(tokens, other.all_token_ids, min(end, cap)))
             if shared == cap:
                 break
         if shared < threshold:  # cannot gain enough whatever is cached: skip the tree walk
             return False
-        num_hit = self.cache.match(tokens, max_tokens=cap).num_cached_tokens
+        num_hit = self.cache.match(
+            tokens, max_tokens=cap, namespace=req.cache_salt
+        ).num_cached_tokens
         if shared - num_hit < threshold:
             return False
         logger.debug("deferring %s: %d prefix tokens computed in this step", req, shared - num_hit)
@@ -425,50 +410,35 @@ class Scheduler:
         the blocks are not there, and then the cache is untouched: no query counted, no recency
         refreshed (the fit is checked read-only before anything is locked)."""
         tokens = req.all_token_ids
-        table: list[int] = []
-        num_partial_slots = 0
-        match = None
-        if self._use_cache:
-            # NOTE: the last token is always computed, so there are logits to sample from.
-            match = self.cache.match(tokens, max_tokens=len(tokens) - 1 if use_hit else 0)
-            table = list(match.block_ids)
-            num_partial_slots = match.num_partial_slots
-        num_hit = match.num_cached_tokens if match is not None else 0
-        num_new_blocks = _cdiv(len(tokens), self._block_size) - len(table) + bool(num_partial_slots)
-        # Exact and read-only: counts the evictable blocks that locking the match will pin.
-        if not self.cache.can_allocate(num_new_blocks, reserve=match):
+        # NOTE: the last token is always computed, so there are logits to sample from.
+        max_hit = (len(tokens) - 1 if use_hit else 0) if self._use_cache else None
+        table = self.cache.admit(tokens, max_hit=max_hit, namespace=req.cache_salt)
+        if table is None:
             return None
-        # Lock before allocating, or the allocation may evict the blocks we just matched.
-        handle = self.cache.acquire(match) if match is not None else None
-        blocks = self.cache.allocate(num_new_blocks) if num_new_blocks else []
-        assert blocks is not None, f"{req}: can_allocate(reserve=match) promised the blocks"
-        if num_partial_slots:
-            # Copy-on-write: never write into a tree block we got from a match.
-            copies.append(BlockCopy(table[-1], blocks[0], num_partial_slots))
-            table[-1] = blocks[0]
-        table.extend(blocks[1:] if num_partial_slots else blocks)
-
-        req.block_table = table
-        req.private_block_ids = set(blocks)
-        req.handle = handle
+        if table.copy is not None:
+            copies.append(BlockCopy(*table.copy))
+        num_hit = table.num_cached_tokens
+        req.table = table
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit
         req.last_num_cached_tokens = num_hit
         req.num_prefill_tokens = len(tokens)
         req.status = RequestStatus.RUNNING
-        req.admit_seq = self._num_admissions
-        self._num_admissions += 1
         self._running[req.request_id] = req
         num_tokens = min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget)
         return self._row(req, num_hit, num_hit + num_tokens)
+
+    def _max_num_blocks(self, req: Request) -> int:
+        """Blocks of the request's longest KV (the last token of a finished sequence has none)."""
+        return _cdiv(req.max_num_tokens(self.config.max_model_len) - 1, self._block_size)
 
     def _row(self, req: Request, start: int, end: int) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start:end]),
             start_position=start,
-            block_table=tuple(req.block_table[: _cdiv(end, self._block_size)]),
+            block_table=tuple(req.table.blocks[: _cdiv(end, self._block_size)]),
             sample=end == req.num_tokens,
         )
 
@@ -484,23 +454,20 @@ class Scheduler:
         assert set(waiting_ids) | set(self._running) == set(self._requests), "registry out of sync"
         assert len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs"
         for req in self._waiting:
-            assert req.status is RequestStatus.WAITING, req
-            assert not req.block_table and not req.private_block_ids and req.handle is None, req
+            assert req.status is RequestStatus.WAITING and req.table is None, req
             assert req.num_computed_tokens == 0, req
         private_owner: dict[int, str] = {}
-        admit_seqs = [r.admit_seq for r in self._running.values() if r.admit_seq is not None]
-        assert len(admit_seqs) == len(self._running), "running request never admitted"
-        assert admit_seqs == sorted(admit_seqs), f"running not in admission order: {admit_seqs}"
         for rid, req in self._running.items():
+            table = req.table
             assert req.request_id == rid and req.status is RequestStatus.RUNNING, req
-            assert 0 <= req.num_computed_tokens < req.num_tokens, req
-            assert len(req.block_table) >= _cdiv(req.num_computed_tokens, B), req
-            assert len(req.block_table) <= _cdiv(req.num_tokens, B), req
-            assert len(set(req.block_table)) == len(req.block_table), f"{req}: {req.block_table}"
-            assert all(0 <= b < self.cache.num_blocks for b in req.block_table), req.block_table
-            assert req.private_block_ids <= set(req.block_table), req
-            assert (req.handle is not None) == self._use_cache, req
-            for b in req.private_block_ids:
+            assert table is not None and 0 <= req.num_computed_tokens < req.num_tokens, req
+            blocks = table.blocks
+            assert _cdiv(req.num_computed_tokens, B) <= len(blocks) <= _cdiv(req.num_tokens, B), req
+            assert len(set(blocks)) == len(blocks), f"{req}: {blocks}"
+            assert all(0 <= b < self.cache.num_blocks for b in blocks), blocks
+            assert table.private <= set(blocks), req
+            assert (table.handle is not None) == self._use_cache, req
+            for b in table.private:
                 assert b not in private_owner, f"block {b} private to {private_owner[b]} and {rid}"
                 private_owner[b] = rid
         # NOTE: the scheduler is the only user of its cache: every private block and every lock

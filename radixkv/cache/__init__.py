@@ -9,6 +9,7 @@ prefix_cache.py  PrefixCache: the facade (argument checks, handles, stats, integ
 
 from radixkv.cache.pool import BlockPool, BlockPoolStats
 from radixkv.cache.prefix_cache import (
+    BlockTable,
     CacheStats,
     InsertResult,
     LockHandle,
@@ -23,6 +24,7 @@ from radixkv.cache.validation import check_size
 __all__ = [
     "BlockPool",
     "BlockPoolStats",
+    "BlockTable",
     "CacheStats",
     "InsertResult",
     "LockHandle",

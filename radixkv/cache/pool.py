@@ -99,9 +99,11 @@ class BlockPool:
         """
         refs = self._refs
         for b in block_ids:
-            if self.ref_count(b) == 0:
+            if type(b) is not int or not 0 <= b < self.num_blocks:
+                self._check_id(b)  # raises, naming the problem
+            if refs[b] == 0:
                 raise ValueError(f"block {b} is already free")
-        if len(set(block_ids)) != len(block_ids):
+        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block_ids contains a repeated id: {list(block_ids)}")
         freed = []
         for b in reversed(block_ids):

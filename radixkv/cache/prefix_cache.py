@@ -39,6 +39,10 @@ A request's life (B = block size, `m` = cached tokens):
     insert(written, table, handle=handle)     adopt the new blocks, free duplicates; new handle
     release(result.handle); free(result.owned_block_ids)
 
+A scheduler holds all of that in one `BlockTable` per request: `admit` (match, check the fit,
+acquire, allocate, copy-on-write), `grow` (blocks for decoding), `commit` (insert what was written,
+adopt the canonical table) and `close` (release and free).
+
 Tokens are any sequence of ints, validated on every call; a caller that hands the same tokens to
 several calls can validate them once with `PackedTokens`. Under `handle=`, insert does not walk
 the tree again over the prefix the handle locks.
@@ -58,15 +62,27 @@ from radixkv.cache.events import KVEventStream
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
-from radixkv.cache.tree import RadixTree, TreeNode
+from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode
 from radixkv.cache.validation import check_size
 
 logger = logging.getLogger(__name__)
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
+_COUNTERS = (
+    "num_queries",
+    "num_query_tokens",
+    "num_hit_tokens",
+    "num_evicted_blocks",
+    "num_evicted_tokens",
+    "num_leaked_handles",
+    "num_inserts",
+    "num_inserted_tokens",
+    "num_duplicate_blocks_freed",
+    "num_superseded_tails_freed",
+)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Matched:
     """What the cache matched, kept inside a MatchResult so that `acquire` can tell it from a
     result whose public fields were edited (e.g. with `dataclasses.replace`)."""
@@ -75,14 +91,14 @@ class _Matched:
     version: int  # the tree's version at match time
     node: TreeNode | None  # deepest node touched; None: the namespace has no root yet
     tokens: bytes  # the packed query
-    namespace: str | None
-    num_cached_tokens: int
-    block_ids: tuple[int, ...]
+    fields: tuple[object, ...]  # the MatchResult's public fields, as issued
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MatchResult:
-    """Read-only result of `PrefixCache.match`. Safe to use only until the cache next mutates."""
+    """Result of `PrefixCache.match`, to be read, not edited (`acquire` rejects an edited one).
+    Safe to use only until the cache next mutates. Not frozen: one is made per request, and a
+    frozen dataclass costs several times more to build (see RESULTS.md)."""
 
     num_query_tokens: int  # len(tokens) given to match()
     num_cached_tokens: int  # m: tokens [0, m) have KV in the cache
@@ -121,7 +137,7 @@ class _Lease:
         self.on_drop(self.handle_id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LockHandle:
     """A lock on a tree path. Release exactly once with `PrefixCache.release` (any copy will do).
 
@@ -150,13 +166,30 @@ class _Lock:
     lease: weakref.ref[_Lease]  # weak: the handles' copies alone keep it alive
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InsertResult:
     num_new_tokens: int  # tokens added to the tree by this call
     block_ids: tuple[int, ...]  # canonical table for tokens[0:n): use these from now on
     owned_block_ids: tuple[int, ...]  # blocks of block_ids still privately owned by the caller
     num_freed_duplicates: int  # caller's private duplicates returned to the free list
     handle: LockHandle  # new lock on the inserted path (the `handle` argument, if any, is released)
+
+
+@dataclass(slots=True, eq=False)
+class BlockTable:
+    """The blocks one request uses: issued by `PrefixCache.admit`, changed by `grow` and
+    `commit`, given back by `close` (the cache's methods are its only writers).
+
+    `blocks[i]` is the physical block of block index i. `private` are the entries the request
+    holds alone (allocated, not adopted by the tree); the others are tree blocks that `handle`
+    keeps locked (None: the table was admitted without the cache and holds private blocks only).
+    """
+
+    blocks: list[int]
+    private: set[int]
+    handle: LockHandle | None
+    num_cached_tokens: int  # the hit at admission: KV of tokens [0, m) is there already
+    copy: tuple[int, int, int] | None  # (source, target, slots): copy-on-write of a partial hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +270,8 @@ class PrefixCache:
         self._live: dict[int, _Lock] = {}  # handle id -> what it locks
         self._next_handle_id = 1
         self._clock = 0
-        self._counts: Counter[str] = Counter()  # the statistics of `stats()` that are counters
+        # The statistics of `stats()` that are counters, by their field names.
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         cache = weakref.ref(self)
 
         def on_handle_dropped(handle_id: int) -> None:
@@ -329,8 +363,8 @@ class PrefixCache:
         _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
         block_ids = tuple(blocks)
-        matched = _Matched(self._tree, self._tree.version, node, qb, namespace, m, block_ids)
-        return MatchResult(n, m, block_ids, m % self.block_size, namespace, matched)
+        fields = (n, m, block_ids, m % self.block_size, namespace)
+        return MatchResult(*fields, _Matched(self._tree, self._tree.version, node, qb, fields))
 
     def acquire(self, match: MatchResult) -> LockHandle:
         """Lock the matched path, refresh recency (new tick on every node of the path), count stats.
@@ -348,9 +382,9 @@ class PrefixCache:
         tick = self._tick()
         self._tree.lock_path(node, tick)
         m = match.num_cached_tokens
-        self._counts["queries"] += 1
-        self._counts["query_tokens"] += match.num_query_tokens
-        self._counts["hit_tokens"] += m
+        self._counts["num_queries"] += 1
+        self._counts["num_query_tokens"] += match.num_query_tokens
+        self._counts["num_hit_tokens"] += m
         return self._new_handle(node, matched.tokens, m, match.block_ids, match.namespace)
 
     def release(self, handle: LockHandle) -> None:
@@ -431,6 +465,42 @@ class PrefixCache:
         `handle`, if given, is released after the new lock is taken. Everything is validated
         (TypeError/ValueError) before anything changes.
         """
+        qb, plan, old, namespace = self._plan_insert(tokens, block_ids, handle, namespace)
+        n = len(qb) // 4
+        # Validated: commit.
+        tick = self._tick()
+        if handle is not None:
+            del self._live[handle.handle_id]  # its lock moves to the new handle below
+        target, superseded = self._tree.commit_insert(
+            plan, qb, None if old is None else old.node, tick
+        )
+        self._private.difference_update(plan.new_ids)
+        if plan.duplicates:
+            self._private.difference_update(plan.duplicates)
+            self._pool.release(plan.duplicates)
+        table = tuple(plan.table)
+        path = table if plan.path_ids is None else plan.path_ids
+        self._counts["num_inserts"] += 1
+        self._counts["num_inserted_tokens"] += n - plan.num_cached
+        self._counts["num_duplicate_blocks_freed"] += len(plan.duplicates)
+        self._counts["num_superseded_tails_freed"] += superseded
+        return InsertResult(
+            num_new_tokens=n - plan.num_cached,
+            block_ids=table,
+            owned_block_ids=() if plan.kept is None else (plan.kept,),
+            num_freed_duplicates=len(plan.duplicates),
+            handle=self._new_handle(target, qb, n, path, namespace),
+        )
+
+    def _plan_insert(
+        self,
+        tokens: Sequence[int],
+        block_ids: Sequence[int],
+        handle: LockHandle | None,
+        namespace: str | None,
+    ) -> tuple[bytes, InsertPlan, _Lock | None, str | None]:
+        """Every check of `insert`, nothing changed: (packed tokens, the tree's plan, the lock
+        of `handle`, the namespace inserted into). TypeError/ValueError as `insert` says."""
         qb = pack_tokens(tokens)
         n = len(qb) // 4
         ids = self._block_id_array(block_ids)
@@ -449,31 +519,66 @@ class PrefixCache:
         namespace = namespace if old is None else old.namespace
         walked = self._walk(qb, n, namespace) if old is None else self._walk_past_lock(old, qb, n)
         plan = self._tree.plan_insert(walked, n, ids, block_ids, self._private)
+        return qb, plan, old, namespace
 
-        # ---- validated: commit ----
-        tick = self._tick()
-        if handle is not None:
-            del self._live[handle.handle_id]  # its lock moves to the new handle below
-        target, superseded = self._tree.commit_insert(
-            plan, qb, None if old is None else old.node, tick
-        )
-        self._private.difference_update(plan.new_ids)
-        if plan.duplicates:
-            self._private.difference_update(plan.duplicates)
-            self._pool.release(plan.duplicates)
-        table = tuple(plan.table)
-        path = table if plan.path_ids is None else plan.path_ids
-        self._counts["inserts"] += 1
-        self._counts["inserted_tokens"] += n - plan.num_cached
-        self._counts["duplicates_freed"] += len(plan.duplicates)
-        self._counts["superseded_freed"] += superseded
-        return InsertResult(
-            num_new_tokens=n - plan.num_cached,
-            block_ids=table,
-            owned_block_ids=() if plan.kept is None else (plan.kept,),
-            num_freed_duplicates=len(plan.duplicates),
-            handle=self._new_handle(target, qb, n, path, namespace),
-        )
+    # ------------------------------------------------------------- block tables
+    def admit(
+        self, tokens: Sequence[int], *, max_hit: int | None, namespace: str | None = None
+    ) -> BlockTable | None:
+        """A block table covering `tokens`: the hit (at most `max_hit` tokens; None: no match
+        and no lock), a private copy of a partial hit block (`BlockTable.copy`, to be done
+        before the KV is written), private blocks for the rest. None if the blocks are not
+        there, and then the cache is untouched: no query counted, no recency refreshed (the fit
+        is checked read-only, `can_allocate(reserve=match)`, before anything is locked).
+        Raises like `match` for bad tokens or a bad namespace."""
+        match = None
+        if max_hit is not None:
+            match = self.match(tokens, max_tokens=max_hit, namespace=namespace)
+        blocks = [] if match is None else list(match.block_ids)
+        partial = 0 if match is None else match.num_partial_slots
+        num_new = -(-len(tokens) // self.block_size) - len(blocks) + bool(partial)
+        if not self.can_allocate(num_new, reserve=match):
+            return None
+        handle = None if match is None else self.acquire(match)  # lock before allocation evicts
+        new = self.allocate(num_new)
+        assert new is not None, "can_allocate(reserve=match) promised the blocks"
+        copy = None
+        if partial:  # never write into a tree block got from a match
+            copy = (blocks[-1], new[0], partial)
+            blocks[-1] = new[0]
+        blocks += new[1:] if partial else new
+        hit = 0 if match is None else match.num_cached_tokens
+        return BlockTable(blocks, set(new), handle, hit, copy)
+
+    def grow(self, table: BlockTable, num_blocks: int) -> bool:
+        """Append `num_blocks` private blocks to `table` (evicting on demand); False, nothing
+        changed, if they are not there."""
+        new = self.allocate(num_blocks)
+        if new is None:
+            return False
+        table.blocks += new
+        table.private.update(new)
+        return True
+
+    def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
+        """Insert `tokens` (their KV written in `table`'s blocks) under the table's lock, which
+        moves to the inserted path; the table takes the canonical blocks the tree returns and
+        keeps as private only what the tree did not adopt. Raises like `insert`."""
+        assert table.handle is not None, "a table admitted without the cache cannot commit"
+        k = -(-len(tokens) // self.block_size)
+        result = self.insert(tokens, table.blocks[:k], handle=table.handle)
+        table.handle = result.handle
+        table.private.difference_update(table.blocks[:k])
+        table.private.update(result.owned_block_ids)
+        table.blocks[:k] = result.block_ids
+
+    def close(self, table: BlockTable) -> None:
+        """Release the table's lock and free its private blocks; the table is left empty."""
+        if table.handle is not None:
+            self.release(table.handle)
+        if table.private:  # nothing cached lives in them: their order does not matter
+            self.free([b for b in table.blocks if b in table.private])
+        table.blocks, table.private, table.handle, table.copy = [], set(), None, None
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:
@@ -497,8 +602,8 @@ class PrefixCache:
 
     def _evict(self, n: int) -> list[int]:
         freed, num_tokens = self._tree.evict(n)
-        self._counts["evicted_blocks"] += len(freed)
-        self._counts["evicted_tokens"] += num_tokens
+        self._counts["num_evicted_blocks"] += len(freed)
+        self._counts["num_evicted_tokens"] += num_tokens
         return freed
 
     # ------------------------------------------------------------------ reports
@@ -511,21 +616,12 @@ class PrefixCache:
             num_evictable_blocks=tree.num_evictable_blocks,
             num_in_use_blocks=self.num_in_use_blocks,
             num_nodes=tree.num_nodes,
-            num_queries=c["queries"],
-            num_query_tokens=c["query_tokens"],
-            num_hit_tokens=c["hit_tokens"],
-            num_computed_tokens=c["query_tokens"] - c["hit_tokens"],
-            num_evicted_blocks=c["evicted_blocks"],
-            num_evicted_tokens=c["evicted_tokens"],
+            num_computed_tokens=c["num_query_tokens"] - c["num_hit_tokens"],
             num_private_blocks=len(self._private),
             num_cached_tokens=tree.num_cached_tokens,
             num_live_handles=len(self._live),
-            num_leaked_handles=c["leaked_handles"],
-            num_inserts=c["inserts"],
-            num_inserted_tokens=c["inserted_tokens"],
-            num_duplicate_blocks_freed=c["duplicates_freed"],
-            num_superseded_tails_freed=c["superseded_freed"],
             num_namespaces=len(tree.roots),
+            **c,
         )
 
     def nodes(self) -> Iterator[NodeView]:
@@ -617,13 +713,9 @@ class PrefixCache:
         matched = match.matched
         if not isinstance(matched, _Matched) or matched.tree is not self._tree:
             raise ValueError("match was not produced by this cache")
-        if (
-            matched.num_cached_tokens != match.num_cached_tokens
-            or matched.block_ids != match.block_ids
-            or len(matched.tokens) // 4 != match.num_query_tokens
-            or match.num_partial_slots != match.num_cached_tokens % self.block_size
-            or matched.namespace != match.namespace
-        ):
+        m = match
+        fields = (m.num_query_tokens, m.num_cached_tokens, m.block_ids, m.num_partial_slots)
+        if matched.fields != (*fields, m.namespace):
             raise ValueError("match was edited after match(): its fields differ from the cache's")
         # Same version => no structural change since the match: the node is still in the tree.
         if matched.version != self._tree.version:
@@ -676,7 +768,7 @@ class PrefixCache:
     def _report_if_leaked(self, handle_id: int) -> None:
         """Every copy of a handle is gone: report it if its lock is still held."""
         if handle_id in self._live:
-            self._counts["leaked_handles"] += 1
+            self._counts["num_leaked_handles"] += 1
             logger.warning(
                 "lock handle %d was dropped without release(); its path stays locked", handle_id
             )

@@ -192,13 +192,17 @@ class RadixTree:
             child = node.children.get(qv[pos])  # child.start == pos
             if child is None:
                 break
-            matched = self._match_in(child, pos, qb, limit)
-            child_blocks = child.blocks[: (pos + matched - 1) // B - pos // B + 1]
+            end = child.end
+            if end <= limit and qb.startswith(child.tokens, TOKEN_BYTES * pos):
+                child_blocks = child.blocks  # the common step: the whole node agrees, one memcmp
+            else:
+                end = pos + self._match_in(child, pos, qb, limit)
+                child_blocks = child.blocks[: (end - 1) // B - pos // B + 1]
             if pos % B:
                 blocks[-1:] = child_blocks  # the deeper node's copy of the shared index wins
             else:
                 blocks += child_blocks
-            pos += matched
+            pos = end
             node = child
             if pos < child.end:
                 break

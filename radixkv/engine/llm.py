@@ -152,10 +152,18 @@ class LLM:
 
     # ------------------------------------------------------------------ step API
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> str:
         """Validate (ValueError / TypeError, nothing queued) and queue one request; returns its id.
-        Its progress comes back from `step()` as RequestUpdates. No model work."""
-        (rid,) = self._submit(self._one_prompt(prompt), _normalize_params(params, 1), True)
+        Its progress comes back from `step()` as RequestUpdates. No model work. Requests share
+        cached KV only with requests of the same `cache_salt` (None: the shared namespace)."""
+        prompts, plist = self._one_prompt(prompt), _normalize_params(params, 1)
+        (rid,) = self._submit(prompts, plist, True, cache_salt)
         return rid
 
     def step(self) -> list[RequestUpdate]:
@@ -244,7 +252,11 @@ class LLM:
     # ------------------------------------------------------------------ the step loop
 
     def _submit(
-        self, prompts: list[PackedTokens], params: list[SamplingParams], external: bool
+        self,
+        prompts: list[PackedTokens],
+        params: list[SamplingParams],
+        external: bool,
+        cache_salt: str | None = None,
     ) -> list[str]:
         """Add every request or none (a rejected one rolls back those added before it)."""
         added: list[str] = []
@@ -258,7 +270,7 @@ class LLM:
                 )
                 self._num_submitted += 1
                 eos = () if p.ignore_eos else self.eos_token_ids
-                request = Request(rid, tokens, p, eos_token_ids=eos)
+                request = Request(rid, tokens, p, eos_token_ids=eos, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 added.append(rid)
                 gen = None if p.greedy else make_generator(seed, self.runner.device)

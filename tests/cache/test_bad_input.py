@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,11 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("match 2-D array", lambda w: w.cache.match(np.zeros((2, 2), int)), ValueError, "1-D"),
     ("match float array", lambda w: w.cache.match(np.ones(3)), TypeError, "dtype float64"),
     ("match negative array", lambda w: w.cache.match(np.array([3, -2])), ValueError, r"\[1\]"),
+    # sets and dicts have no defined order (F10)
+    ("match set tokens", lambda w: w.cache.match({1, 2}), TypeError, "got set"),
+    ("match dict tokens", lambda w: w.cache.match({1: 2}), TypeError, "got dict"),
+    ("match frozenset", lambda w: w.cache.match(frozenset([1])), TypeError, "got frozenset"),
+    ("match bad namespace", lambda w: w.cache.match([1], namespace=3), TypeError, "namespace"),
     ("match max_tokens < 0", lambda w: w.cache.match([1], max_tokens=-1), ValueError, ">= 0"),
     ("match max_tokens float", lambda w: w.cache.match([1], max_tokens=1.5), TypeError, "int"),
     # acquire
@@ -86,6 +92,20 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("acquire stale", lambda w: w.cache.acquire(w.stale), ValueError, "stale match"),
     ("acquire foreign", lambda w: w.cache.acquire(w.foreign_match), ValueError, "this cache"),
     ("acquire forged", lambda w: w.cache.acquire(MatchResult(1, 0, (), 0)), ValueError, "this"),
+    (
+        "acquire replaced fields",  # F9: a forged copy of a real match
+        lambda w: w.cache.acquire(
+            dataclasses.replace(w.cache.match(CACHED), num_cached_tokens=5, block_ids=(0, 1))
+        ),
+        ValueError,
+        "edited",
+    ),
+    (
+        "acquire replaced namespace",
+        lambda w: w.cache.acquire(dataclasses.replace(w.cache.match(CACHED), namespace="t")),
+        ValueError,
+        "edited",
+    ),
     # release
     ("release twice", lambda w: w.cache.release(w.released), ValueError, "not a live handle"),
     ("release foreign", lambda w: w.cache.release(w.foreign_handle), ValueError, "another cache"),
@@ -132,6 +152,7 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("free repeated", lambda w: w.cache.free([w.private[0]] * 2), ValueError, "repeated"),
     ("free float id", lambda w: w.cache.free([w.private[0], 1.5]), TypeError, r"\[1\] = 1.5"),
     ("free non-sequence", lambda w: w.cache.free(3), TypeError, "sequence of ints"),
+    ("free set", lambda w: w.cache.free(set(w.private)), TypeError, "got set"),
     # insert
     (
         "insert too few ids",
@@ -199,6 +220,8 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
         TypeError,
         r"block_ids\[0\] = 'x' is not an int",
     ),
+    ("insert set tokens", lambda w: w.cache.insert({5}, [w.private[0]]), TypeError, "got set"),
+    ("insert dict ids", lambda w: w.cache.insert([5], {w.private[0]: 0}), TypeError, "got dict"),
     (
         "insert released handle",
         lambda w: w.cache.insert([5, 6], [w.private[0]], handle=w.released),

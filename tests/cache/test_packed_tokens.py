@@ -83,3 +83,11 @@ def test_cache_calls_take_packed_tokens(make_cache) -> None:
     assert results[0] == results[1]
     (_, (m, result), _) = results[1]
     assert m.num_cached_tokens == 32 and result.num_new_tokens == 3
+
+
+def test_sets_and_dicts_are_rejected_their_order_is_undefined() -> None:
+    for bad in ({1, 2}, {1: 2}, frozenset([3])):
+        with pytest.raises(TypeError, match="sequence of ints"):
+            PackedTokens(bad)
+        with pytest.raises(TypeError, match="sequence of ints"):
+            PackedTokens([1]) + bad

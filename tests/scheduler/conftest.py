@@ -86,7 +86,7 @@ class KVSim:
         out: dict[tuple[int, int], set[str]] = {}
         for req in scheduler.running_requests:
             for p in range(req.num_computed_tokens):
-                out.setdefault((req.block_table[p // self.B], p % self.B), set()).add(
+                out.setdefault((req.table.blocks[p // self.B], p % self.B), set()).add(
                     req.request_id
                 )
         return out
@@ -176,6 +176,9 @@ class Harness:
         `in_flight` is called between the forward and the update (e.g. to abort a request)."""
         sched, cfg = self.scheduler, self.config
         out = sched.schedule()
+        # A step with requests pending always runs something: an engine treats an empty step
+        # as a fault (it could wait for ever).
+        assert out.rows or not sched.has_unfinished(), "scheduled nothing with requests pending"
         self.check_output(out)
         if self.check_sim:
             self.sim.step(out, sched)

@@ -23,6 +23,11 @@ MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
 Harness = Any
 
 
+def blocks_of(req: Request) -> list[int]:
+    """The request's block table ([] when it holds none)."""
+    return req.table.blocks if req.table is not None else []
+
+
 def seq(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
@@ -154,9 +159,9 @@ def test_waiting_request_leaves_the_cache_untouched(harness: MakeHarness, monkey
     monkeypatch.setattr(sched, "_try_admit", watched)
     quiet_steps = 0
     while b.status is RequestStatus.WAITING:
-        before, num_blocks = _cache_state(h.cache), len(a.block_table)
+        before, num_blocks = _cache_state(h.cache), len(blocks_of(a))
         h.step()
-        if len(a.block_table) == num_blocks and not a.is_finished:
+        if len(blocks_of(a)) == num_blocks and not a.is_finished:
             quiet_steps += 1  # a decoded within its blocks: nothing but b's attempt happened
             assert _cache_state(h.cache) == before
     assert True in failures, "the scenario must catch the over-promise of can_allocate(n)"
@@ -197,9 +202,9 @@ def test_concurrent_request_shares_after_first_chunk(harness: MakeHarness) -> No
     out = h.step()
     row2 = next(r for r in out.rows if r.request_id == "r2")
     assert row2.start_position == 8 and r2.num_cached_tokens == 8
-    assert row2.block_table[:2] == tuple(r1.block_table[:2])
+    assert row2.block_table[:2] == tuple(blocks_of(r1)[:2])
     # Both computed [8, 16); r1 inserted first, r2's duplicates were freed for r1's blocks.
-    assert r2.block_table[:4] == r1.block_table[:4]
+    assert blocks_of(r2)[:4] == blocks_of(r1)[:4]
     h.run()
     assert r1.output_token_ids == r2.output_token_ids == h.reference(r1)
     h.assert_no_leak()
@@ -213,8 +218,8 @@ def test_same_prompt_same_step_keeps_private_tails(harness: MakeHarness) -> None
     r1 = h.add("r1", seq(1, 37), max_tokens=6)
     r2 = h.add("r2", seq(1, 37), max_tokens=6)
     h.step()
-    assert r2.block_table[:2] == r1.block_table[:2]  # r2's duplicates were freed
-    assert r2.block_table[2] != r1.block_table[2] and r2.private_block_ids == {r2.block_table[2]}
+    assert blocks_of(r2)[:2] == blocks_of(r1)[:2]  # r2's duplicates were freed
+    assert blocks_of(r2)[2] != blocks_of(r1)[2] and r2.table.private == {blocks_of(r2)[2]}
     assert h.cache.stats().num_duplicate_blocks_freed == 2
     out = h.step()  # both decode position 37, each in its own block (checked by the sim)
     assert not out.copies
@@ -316,7 +321,7 @@ def test_abort_running_request_frees_everything(harness: MakeHarness, in_flight:
         assert h.scheduler.update_from_output(out, {}) == []
     else:
         assert h.scheduler.abort("a")
-    assert req.block_table == [] and req.handle is None and not req.private_block_ids
+    assert req.table is None  # no blocks, no lock, nothing private
     assert req.finish_reason == "abort" and h.scheduler.num_running == 0
     h.assert_no_leak()
     # What was inserted before the abort stays cached; nothing after it was inserted.
@@ -395,3 +400,24 @@ def test_update_checks_the_sampled_tokens() -> None:
         sched.update_from_output(SchedulerOutput(rows=out.rows), {"a": 4})
     assert sched.update_from_output(out, {"a": 4}) == []
     sched.check_integrity()
+
+
+def test_cache_salts_isolate_requests(harness: MakeHarness) -> None:
+    h = harness(num_blocks=32, block_size=4)
+    prompt = list(range(1, 14))
+    a = h.add("a", prompt, max_tokens=2)
+    h.run()
+    salted = [
+        Request("b", prompt, SamplingParams(max_tokens=2), cache_salt="t1"),
+        Request("c", prompt, SamplingParams(max_tokens=2), cache_salt="t1"),
+        Request("d", prompt, SamplingParams(max_tokens=2)),
+    ]
+    h.run(arrivals={0: salted[:1], 3: salted[1:]})
+    b, c, d = salted
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0  # another namespace: no hit
+    assert c.num_cached_tokens == d.num_cached_tokens == len(prompt) - 1  # same namespace: hit
+    for req in (a, *salted):
+        assert req.output_token_ids == h.reference(req)
+    h.assert_no_leak()
+    with pytest.raises(TypeError, match="cache_salt must be a str"):
+        Request("e", prompt, cache_salt=3)  # type: ignore[arg-type]

@@ -72,7 +72,7 @@ def test_request_stop_rules(
     assert req.status is status
     assert req.finish_reason == ("stop" if status is STOPPED else "length")
     assert len(req.output_token_ids) == num_out
-    assert req.all_token_ids == [1, 2, 3, *req.output_token_ids]
+    assert req.all_token_ids.tolist() == [1, 2, 3, *req.output_token_ids]
 
 
 def test_request_stops_at_max_model_len() -> None:
