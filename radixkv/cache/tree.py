@@ -604,6 +604,7 @@ class RadixTree:
             node.evict_key = None
         self.roots = {None: self.root}
         self.root.children = {}
+        self.root.gdsf_base = 0
         self.index = EvictionIndex(self.index.key)
         self.inflation = 0
         self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
