@@ -252,6 +252,22 @@ class BlockEvents:
         if self.stream.active:
             self.stream.emit(AllBlocksCleared())
 
+    def check_integrity(self, nodes: Iterable[HashedNode]) -> None:
+        """The class invariant over the tree's attached `nodes` (parents first): every hash list
+        there is the chain recomputed from the path's tokens, and while someone listens, every
+        node has one. Raises AssertionError naming the node's segment."""
+        B = self.block_size
+        for node in nodes:
+            hashes = node.block_hashes
+            if hashes is None:
+                assert not self.stream.active, f"[{node.start},{node.end}) unhashed while active"
+                continue
+            first, last = node.start // B, node.end // B
+            parent = None if node.parent is None else self._last_hash(node.parent)
+            tokens = self._path_bytes(node, first * B, max(first, last) * B)
+            expected = chain_hashes(parent, token_bytes_le(tokens), B)
+            assert hashes == expected, f"[{node.start},{node.end}) holds stale block hashes"
+
     # ---------------------------------------------------------------- internals
     def _snapshot(self) -> Iterator[KVEvent]:
         for node in self._nodes():

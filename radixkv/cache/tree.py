@@ -647,6 +647,7 @@ class RadixTree:
         self._check_locks(order, handles_on, clock)
         owners = self._check_ownership(order)
         self._check_index(order)
+        self.events.check_integrity(n for n in order if n.parent is not None)
         return owners
 
     def _check_structure(self) -> list[TreeNode]:

@@ -160,6 +160,7 @@ def test_full_blocks_are_announced_partial_tails_never() -> None:
     hb = chain(branch, 4)
     assert hb[0] == h[0] and hb[1] != h[1]
     assert events[1:] == [BlockStored((hb[1], hb[2]), h[0], tuple(branch[4:12]), 4)]
+    cache.check_integrity()  # each node's hashes are its path's chain, split or not
 
 
 def test_trims_and_removals_announce_exactly_the_blocks_that_leave() -> None:
