@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="requests waiting for admission before new ones get 503 (default 256)",
     )
+    parser.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events for cache-aware routers on this ZeroMQ endpoint, e.g. tcp://*:5557",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
 
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported here so that `radixkv serve --help` answers at once.
     import uvicorn
+    import zmq
 
     from radixkv.engine import ModelNotFoundError
     from radixkv.serve.app import ServeConfig, create_app
@@ -95,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.served_model_name or llm.model_name,
             max_queued_requests=args.max_queued_requests,
         )
-    except (ModelNotFoundError, ValueError, TypeError) as exc:
+    except (ModelNotFoundError, ValueError, TypeError, zmq.ZMQError) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(llm, config, on_shutdown=engine_services(args, llm))
+    app = create_app(llm, config, on_shutdown=engine_services(llm))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -124,11 +131,12 @@ def build_llm(args: argparse.Namespace) -> LLM:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         num_threads=args.num_threads,
+        kv_events=args.kv_events,
     )
 
 
-def engine_services(args: argparse.Namespace, llm: LLM) -> list[Callable[[], None]]:
-    """Start the optional services that subscribe to the engine (KV events, `--kv-events`:
-    not wired yet) and return how to close each; the server closes them after the engine
-    thread stops."""
-    return []
+def engine_services(llm: LLM) -> list[Callable[[], None]]:
+    """How to close the services that subscribe to the engine (the KV-event publisher of
+    `--kv-events`, started with the engine); the server closes them after the engine thread
+    stops, so the last events of a shutdown still go out."""
+    return [] if llm.kv_events is None else [llm.kv_events.close]

@@ -26,6 +26,7 @@ def test_serve_help_lists_the_engine_options(capsys) -> None:
         "--device",
         "--dtype",
         "--enforce-eager",
+        "--kv-events",
     ):
         assert option in out
 
@@ -57,3 +58,34 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
     assert (config.chunked_prefill_size, config.policy) == (32, "fcfs")
     assert config.enable_prefix_cache is False
     assert next(llm.model.parameters()).dtype == torch.float32
+
+
+def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -> None:
+    import msgpack
+    import zmq
+
+    from radixkv import SamplingParams
+    from radixkv.serve.cli import build_llm, build_parser, engine_services
+
+    endpoint = "inproc://radixkv-serve-kv-events"
+    argv = ["--model", str(tiny_model_dir("gqa")), "--block-size", "4", "--kv-events", endpoint]
+    llm = build_llm(build_parser().parse_args(argv))
+    services = engine_services(llm)
+    assert services == [llm.kv_events.close]
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    llm.generate([list(range(5, 25))], SamplingParams(max_tokens=2))
+    assert sub.poll(10_000), "a 20-token prompt stores full blocks: a batch must arrive"
+    _, _, payload = sub.recv_multipart()
+    assert {event[0] for event in msgpack.unpackb(payload)[1]} == {"BlockStored"}
+    sub.close(linger=0)
+    for close in services:
+        close()
+    assert not llm.cache.events.active
+
+
+def test_a_bad_kv_events_endpoint_exits_2(tiny_model_dir, capsys) -> None:
+    argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--kv-events", "localhost:5557"]
+    assert main(argv) == 2
+    assert "ZeroMQ address" in capsys.readouterr().err
