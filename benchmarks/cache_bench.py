@@ -43,7 +43,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -52,10 +53,12 @@ from radixkv.cache.prefix_cache import LockHandle, PrefixCache
 
 try:
     from benchmarks.flat_hash_cache import FlatHashCache, FlatMatch, token_bytes
+    from benchmarks.token_radix_cache import PageRadixCache
 except (
     ImportError
 ):  # run as a script (`python benchmarks/cache_bench.py`): benchmarks/ is on the path
     from flat_hash_cache import FlatHashCache, FlatMatch, token_bytes  # type: ignore[no-redef]
+    from token_radix_cache import PageRadixCache  # type: ignore[no-redef]
 
 VOCAB_SIZE = 32000
 TOKEN_DTYPE = np.int32
@@ -206,6 +209,27 @@ def no_sharing_trace(seed: int, num_requests: int = 256) -> Trace:
     return Trace("no-sharing", tuple(requests))
 
 
+def doc_qa_trace(
+    seed: int, num_documents: int = 24, num_requests: int = 320, system_len: int = 57
+) -> Trace:
+    """Questions about long documents: system prompt + one document + a question. Documents are
+    picked with Zipf-like popularity (the k-th most popular ~ 1/k), so a few stay hot while the
+    tail is asked about rarely: what to keep under pressure matters."""
+    rng = np.random.default_rng([seed, 6])
+    system = _rand_tokens(rng, system_len)
+    documents = [_rand_tokens(rng, int(rng.integers(1200, 2600))) for _ in range(num_documents)]
+    popularity = 1.0 / np.arange(1, num_documents + 1)
+    popularity /= popularity.sum()
+    requests = []
+    for _ in range(num_requests):
+        doc = documents[int(rng.choice(num_documents, p=popularity))]
+        question = _rand_tokens(rng, int(rng.integers(16, 96)))
+        reply = _rand_tokens(rng, int(rng.integers(16, 160)))
+        prompt = np.concatenate([system, doc, question])
+        requests.append(Request(np.concatenate([prompt, reply]), len(prompt), None))
+    return Trace("doc-qa", tuple(requests))
+
+
 def make_traces(seed: int, quick: bool) -> list[Trace]:
     if quick:
         return [
@@ -213,8 +237,15 @@ def make_traces(seed: int, quick: bool) -> list[Trace]:
             few_shot_trace(seed, num_requests=48),
             branching_trace(seed, num_problems=4, num_branches=8),
             no_sharing_trace(seed, num_requests=32),
+            doc_qa_trace(seed, num_documents=6, num_requests=40),
         ]
-    return [chat_trace(seed), few_shot_trace(seed), branching_trace(seed), no_sharing_trace(seed)]
+    return [
+        chat_trace(seed),
+        few_shot_trace(seed),
+        branching_trace(seed),
+        no_sharing_trace(seed),
+        doc_qa_trace(seed),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,6 +261,8 @@ class Ticket:
     block_table: list[int]  # one block per block index of request.written
     handle: LockHandle | None = None  # radixkv
     block_hashes: tuple[int, ...] = ()  # flat
+    locked_node: Any = None  # page radix: the node its hit locks
+    num_private_pages: int = 0  # page radix
 
 
 class CacheAdapter(Protocol):
@@ -240,14 +273,27 @@ class CacheAdapter(Protocol):
     def admit(self, request: Request) -> Ticket | None: ...
     def finish(self, ticket: Ticket) -> None: ...
     def num_evicted_blocks(self) -> int: ...
+    def num_evicted_tokens(self) -> int: ...
     def check_idle(self) -> None: ...
 
 
-class RadixAdapter:
+class _EvictionCounts:
+    """Eviction totals read from a cache whose `stats()` counts evicted blocks and tokens."""
+
+    cache: Any
+
+    def num_evicted_blocks(self) -> int:
+        return self.cache.stats().num_evicted_blocks
+
+    def num_evicted_tokens(self) -> int:
+        return self.cache.stats().num_evicted_tokens
+
+
+class RadixAdapter(_EvictionCounts):
     name = "radixkv"
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size)
+    def __init__(self, num_blocks: int, block_size: int, eviction: str = "gdsf") -> None:
+        self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size, eviction=eviction)
         self.block_size = block_size
         self.aborted_query_tokens = 0
         self.aborted_hit_tokens = 0
@@ -280,9 +326,6 @@ class RadixAdapter:
         if result.owned_block_ids:
             cache.free(result.owned_block_ids)
 
-    def num_evicted_blocks(self) -> int:
-        return self.cache.stats().num_evicted_blocks
-
     def check_idle(self) -> None:
         self.cache.check_integrity()
         stats = self.cache.stats()
@@ -290,7 +333,7 @@ class RadixAdapter:
         assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_blocks, stats
 
 
-class FlatAdapter:
+class FlatAdapter(_EvictionCounts):
     name = "flat"
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -325,18 +368,64 @@ class FlatAdapter:
         )
         self.cache.release(ticket.block_table)
 
-    def num_evicted_blocks(self) -> int:
-        return self.cache.stats().num_evicted_blocks
+    def num_evicted_tokens(self) -> int:
+        return self.cache.stats().num_evicted_blocks * self.block_size  # full blocks only
 
     def check_idle(self) -> None:
         self.cache.check_integrity()
         assert self.cache.num_free_blocks == self.cache.num_blocks, "blocks still referenced"
 
 
+class PageRadixAdapter(_EvictionCounts):
+    """SGLang RadixCache semantics (`PageRadixCache`): page = block ("page") or page = 1 token
+    ("token": the same memory, `num_blocks * B` token slots, stored token by token)."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, token_granular: bool) -> None:
+        self.name = "token" if token_granular else "page"
+        page_size = 1 if token_granular else block_size
+        self.cache = PageRadixCache(num_blocks * block_size // page_size, page_size)
+        self.page_size = page_size
+        self.aborted_query_tokens = 0
+        self.aborted_hit_tokens = 0
+
+    def admit(self, request: Request) -> Ticket | None:
+        cache = self.cache
+        # NOTE: the last prompt token is always computed (its logits sample the first reply token).
+        m = cache.match(request.prompt.tobytes(), request.num_prompt_tokens - 1)
+        num_written = len(request.tokens) - 1
+        num_private = -(-(num_written - m.num_cached_tokens) // self.page_size)
+        node = cache.acquire(m)
+        if not cache.allocate(num_private):
+            cache.unlock(node)
+            self.aborted_query_tokens += m.num_query_tokens
+            self.aborted_hit_tokens += m.num_cached_tokens
+            return None
+        return Ticket(
+            request, m.num_cached_tokens, [], locked_node=node, num_private_pages=num_private
+        )
+
+    def finish(self, ticket: Ticket) -> None:
+        written = ticket.request.written.tobytes()
+        node = self.cache.insert(written, ticket.num_private_pages, ticket.locked_node)
+        self.cache.unlock(node)
+
+    def check_idle(self) -> None:
+        self.cache.check_integrity()
+        assert self.cache.num_private_pages == 0, "pages still held by requests"
+        assert self.cache.root.lock_ref == 1, "a lock was not released"
+
+
 ADAPTERS: dict[str, Callable[[int, int], CacheAdapter]] = {
     "radixkv": RadixAdapter,
+    "radixkv-lru": partial(RadixAdapter, eviction="lru"),  # the order GDSF replaced
     "flat": FlatAdapter,
+    "page": partial(PageRadixAdapter, token_granular=False),
+    "token": partial(PageRadixAdapter, token_granular=True),
 }
+# Block-granular baselines: a hit and what they cache are whole blocks (radixkv must beat them).
+BLOCK_BASELINES = ("flat", "page")
+TOKEN_BASELINE = "token"  # same memory, stored token by token: the bound radixkv closes on
+SCALING_CACHES = ("radixkv", "flat")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +443,7 @@ class RunResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_evicted_blocks: int
+    num_evicted_tokens: int
     num_stalls: int  # requests that found no room at first and waited for in-flight ones
     total_ns: int  # time in cache calls
     request_ns: np.ndarray  # [num_requests] time in cache calls per request
@@ -449,6 +539,7 @@ def run_trace(
         num_prompt_tokens=int(prompt_lens.sum()),
         num_cached_tokens=num_cached,
         num_evicted_blocks=adapter.num_evicted_blocks(),
+        num_evicted_tokens=adapter.num_evicted_tokens(),
         num_stalls=num_stalls,
         total_ns=int(request_ns.sum()),
         request_ns=request_ns,
@@ -697,7 +788,7 @@ def run_scaling(
     """Fill one cache per (cache kind, size), then time them in interleaved rounds, so that every
     size of every cache is measured at several moments of the run (the machine is shared and its
     speed drifts); each row reports its fastest round."""
-    benches = [ScalingBench(name, size, seed=seed) for name in ADAPTERS for size in sizes]
+    benches = [ScalingBench(name, size, seed=seed) for name in SCALING_CACHES for size in sizes]
     for _ in range(rounds):
         for bench in benches:
             bench.time_round(num_ops)
@@ -712,41 +803,102 @@ def _fmt_int(n: float) -> str:
     return f"{int(n):,}"
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "inf"
+_SHORT = {"radixkv": "rkv", "radixkv-lru": "lru", "flat": "flat", "page": "page", "token": "tok"}
 
 
-def format_results(results: Sequence[RunResult]) -> str:
+def _grouped(results: Sequence[RunResult]) -> tuple[list[str], dict[tuple, dict[str, RunResult]]]:
+    """The cache names present (in ADAPTERS order) and results by (trace, B, capacity)."""
     by_key: dict[tuple[str, int, float], dict[str, RunResult]] = {}
     for r in results:
         by_key.setdefault((r.trace, r.block_size, r.capacity_fraction), {})[r.cache] = r
+    names = [n for n in ADAPTERS if any(r.cache == n for r in results)]
+    return names, by_key
+
+
+def format_results(results: Sequence[RunResult]) -> str:
+    """One row per (trace, block size, capacity); per metric one column per cache."""
+    names, by_key = _grouped(results)
+    metrics: list[tuple[str, int, Callable[[RunResult], str]]] = [
+        ("hit%", 6, lambda r: f"{r.hit_rate:.1%}"),
+        ("evicted tokens", 9, lambda r: _fmt_int(r.num_evicted_tokens)),
+        ("stalls", 4, lambda r: str(r.num_stalls)),
+        ("req/s", 7, lambda r: _fmt_int(r.requests_per_s)),
+        ("p50 µs", 6, lambda r: f"{r.percentile_us(50):.1f}"),
+        ("p99 µs", 6, lambda r: f"{r.percentile_us(99):.1f}"),
+    ]
+    lead = f"{'trace':<10} {'B':>3} {'cap':>4} {'blocks':>7}"
+    header1 = " " * len(lead)
+    header2 = lead
+    for title, width, _ in metrics:
+        group = " ".join(f"{_SHORT.get(n, n):>{width}}" for n in names)
+        header1 += f" | {title:^{len(group)}}"
+        header2 += f" | {group}"
+    lines = [header1, header2, "-" * len(header2)]
+    for (trace, block_size, fraction), row in by_key.items():
+        first = row[names[0]]
+        line = f"{trace:<10} {block_size:>3} {fraction:>4.0%} {first.num_blocks:>7}"
+        for _, width, cell in metrics:
+            line += " | " + " ".join(f"{cell(row[n]) if n in row else '-':>{width}}" for n in names)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _times(a: int, b: int) -> str:
+    """a as a multiple of b: `-` when both are 0, `inf` when only b is."""
+    if b:
+        return f"{a / b:.2f}"
+    return "inf" if a else "-"
+
+
+GAP_GOAL = 0.5  # share of the gap to the token-granular baseline to close at 25 % capacity
+EVICTED_GOAL = 1.5  # evicted tokens at most this multiple of each block-granular baseline's
+
+
+def format_goals(results: Sequence[RunResult], cache: str = "radixkv") -> str:
+    """`cache` against the goals of fewer tokens lost at large blocks, per cell:
+    * hit rate >= the best block-granular baseline's (BLOCK_BASELINES) at the same block size;
+    * share of the gap between that baseline and the token-granular one that it closes (goal at
+      25 % capacity: >= GAP_GOAL; `-` where there is no gap);
+    * evicted tokens as a multiple of the block-granular baselines' (most and fewest; goal
+      <= EVICTED_GOAL against each; `inf` where a baseline evicted nothing and it did).
+    A `!` marks a missed goal; the last line counts the misses."""
+    names, by_key = _grouped(results)
+    if cache not in names or TOKEN_BASELINE not in names:
+        return f"(goals need the {cache} and token caches)"
     header = (
-        f"{'trace':<10} {'B':>3} {'cap':>4} {'blocks':>7} |"
-        f" {'hit% rkv':>8} {'flat':>6} |"
-        f" {'computed rkv':>12} {'flat':>9} {'ratio':>5} |"
-        f" {'evicted rkv':>11} {'flat':>7} |"
-        f" {'stalls rkv':>10} {'flat':>4} |"
-        f" {'req/s rkv':>9} {'flat':>7} {'ratio':>5} |"
-        f" {'p50 µs rkv':>10} {'flat':>6} |"
-        f" {'p99 µs rkv':>10} {'flat':>6} |"
-        f" {'p50 1-2k rkv':>12} {'flat':>6}"
+        f"{'trace':<10} {'B':>3} {'cap':>4} | {'hit%':>6} {'best blk':>8} {'token':>6}"
+        f" {'>= blk':>6} {'gap closed':>10} | {'evicted x blk (max, min)':>24}"
     )
     lines = [header, "-" * len(header)]
-    for (trace, block_size, fraction), pair in by_key.items():
-        rk, fl = pair["radixkv"], pair["flat"]
+    misses = {"hit": 0, "gap": 0, "evicted": 0}
+    for (trace, block_size, fraction), row in by_key.items():
+        rk, tok = row[cache], row[TOKEN_BASELINE]
+        blocks = [row[n] for n in BLOCK_BASELINES if n in row]
+        best = max(r.num_cached_tokens for r in blocks)
+        hit_ok = rk.num_cached_tokens >= best
+        gap = tok.num_cached_tokens - best
+        closed = "-"
+        if gap > 0:
+            share = (rk.num_cached_tokens - best) / gap
+            gap_ok = fraction > 0.25 or share >= GAP_GOAL
+            closed = f"{share:.0%}{'' if gap_ok else '!'}"
+            misses["gap"] += not gap_ok
+        evicted = sorted(r.num_evicted_tokens for r in blocks)
+        ev_ok = all(rk.num_evicted_tokens <= EVICTED_GOAL * e for e in evicted)
+        ratios = ", ".join(_times(rk.num_evicted_tokens, e) for e in evicted)
+        misses["hit"] += not hit_ok
+        misses["evicted"] += not ev_ok
         lines.append(
-            f"{trace:<10} {block_size:>3} {fraction:>4.0%} {rk.num_blocks:>7} |"
-            f" {rk.hit_rate:>8.1%} {fl.hit_rate:>6.1%} |"
-            f" {_fmt_int(rk.num_computed_tokens):>12} {_fmt_int(fl.num_computed_tokens):>9}"
-            f" {_ratio(rk.num_computed_tokens, fl.num_computed_tokens):>5} |"
-            f" {_fmt_int(rk.num_evicted_blocks):>11} {_fmt_int(fl.num_evicted_blocks):>7} |"
-            f" {rk.num_stalls:>10} {fl.num_stalls:>4} |"
-            f" {_fmt_int(rk.requests_per_s):>9} {_fmt_int(fl.requests_per_s):>7}"
-            f" {_ratio(rk.requests_per_s, fl.requests_per_s):>5} |"
-            f" {rk.percentile_us(50):>10.1f} {fl.percentile_us(50):>6.1f} |"
-            f" {rk.percentile_us(99):>10.1f} {fl.percentile_us(99):>6.1f} |"
-            f" {rk.percentile_us(50, 1000, 2000):>12.1f} {fl.percentile_us(50, 1000, 2000):>6.1f}"
+            f"{trace:<10} {block_size:>3} {fraction:>4.0%} |"
+            f" {rk.hit_rate:>6.1%} {best / rk.num_prompt_tokens:>8.1%} {tok.hit_rate:>6.1%}"
+            f" {'yes' if hit_ok else 'NO!':>6} {closed:>10} |"
+            f" {ratios + ('' if ev_ok else ' !'):>24}"
         )
+    lines.append(
+        f"missed goals ({len(by_key)} cells): hit < best block baseline in {misses['hit']},"
+        f" gap closed < {GAP_GOAL:.0%} at 25 % in {misses['gap']},"
+        f" evicted tokens > {EVICTED_GOAL}x in {misses['evicted']}"
+    )
     return "\n".join(lines)
 
 
@@ -815,7 +967,7 @@ def calibration_us() -> tuple[float, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small traces and scaling sizes")
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--capacities", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=8, help="requests in flight")
@@ -826,6 +978,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="rounds over the whole grid / scaling table; each request's fastest counts",
     )
     parser.add_argument("--traces", nargs="+", default=None, help="subset of trace names")
+    parser.add_argument(
+        "--caches", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS), help="caches to run"
+    )
     parser.add_argument(
         "--scaling-sizes",
         type=int,
@@ -868,7 +1023,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         best: dict[tuple[int, str], RunResult] = {}
         for _ in range(args.repeat):
             for k, (trace, block_size, fraction, num_blocks) in enumerate(configs):
-                for cache_name in ADAPTERS:
+                for cache_name in args.caches:
                     run = run_trace(
                         trace,
                         cache_name,
@@ -884,6 +1039,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" per request the fastest of {args.repeat} identical runs)"
         )
         print(format_results(list(best.values())))
+        for name in ("radixkv", "radixkv-lru"):
+            if name in args.caches:
+                print(f"\n## Goals: {name} vs the best block-granular and token-granular caches")
+                print(format_goals(list(best.values()), name))
 
     sizes = args.scaling_sizes
     if sizes is None:

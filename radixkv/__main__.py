@@ -1,4 +1,4 @@
-"""The `radixkv` command (`python -m radixkv`): `radixkv chat` (the default)."""
+"""The `radixkv` command (`python -m radixkv`): `radixkv chat` (the default) and `radixkv serve`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from radixkv.serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
     from radixkv.chat.cli import main as chat_main
 
     return chat_main(argv)

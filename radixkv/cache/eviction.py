@@ -1,11 +1,24 @@
 """The set of evictable tree nodes (unlocked leaves), ordered by an eviction policy's sort key.
 
-A policy is a tiny function from a node to a sort key; the smallest key is evicted first. The
-default, `lru_key`, orders by `(last_access_tick, node_id)`: ticks come from the cache's logical
-clock and the node id breaks ties, so the order is fully deterministic. A node's key is computed
-when it joins the set and stored on the node (`evict_key`). A key must not change while the node is
-a member, which holds for LRU: a node's tick only changes when it is locked, and a locked node is
-never a member.
+A policy is a tiny function from a node to a sort key; the smallest key is evicted first. Keys
+are computed when a node joins the set and stored on the node (`evict_key`); a key must not change
+while the node is a member (the tree re-keys a member whose segment it changes).
+
+Two policies, both fully deterministic (logical clock, node id last):
+
+* `lru_key`: `(last_access_tick, node_id)`, least recently used first.
+* `gdsf_key(B)`, the tree's default: Greedy-Dual-Size-Frequency with the cost of a block in
+  tokens. Evicting a leaf frees its LAST block first (a trim), and what is lost with it is the
+  tokens of that block the leaf holds, `tail_tokens`: B for a full block, 1..B-1 for a partial
+  tail. The priority is `inflation at the leaf's last use + tail_tokens`; the tree raises its
+  inflation to the priority of every victim (GDSF's L). So a leaf whose last block is nearly
+  empty goes before an equally recent full one, and every leaf ages: one left unused while about
+  a block's worth of priority was evicted goes before a fresh one whatever its tail. Why this
+  order: it frees a block for the fewest hit tokens lost (the tokens a block holds are the prefill
+  a later hit saves), weighted by recency, and it has no parameter: scaling every cost by the same
+  factor scales the inflation alike and leaves the order unchanged (measured; see
+  benchmarks/RESULTS.md for the comparison with LRU and with tick-scaled blends).
+  Ties: older tick, then smaller node id.
 """
 
 from __future__ import annotations
@@ -27,9 +40,43 @@ class EvictableNode(Protocol):
 EvictionKey = Callable[[EvictableNode], Any]
 
 
+class SegmentNode(EvictableNode, Protocol):
+    """A node whose segment and GDSF base `gdsf_key` reads."""
+
+    start: int
+    end: int
+    gdsf_base: int
+
+
 def lru_key(node: EvictableNode) -> tuple[int, int]:
     """Least recently used first; the older node (smaller id) first among equal ticks."""
     return (node.tick, node.node_id)
+
+
+def tail_tokens(start: int, end: int, block_size: int) -> int:
+    """Tokens of the segment [start, end) (end > start) in its last block: what evicting that
+    block loses."""
+    return end - max(start, (end - 1) // block_size * block_size)
+
+
+def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
+    """The GDSF policy for blocks of `block_size` tokens: key `(priority, tick, node_id)` with
+    priority = `node.gdsf_base + tail_tokens` (see the module docstring)."""
+
+    def key(node: SegmentNode) -> tuple[int, int, int]:
+        # tail_tokens inlined: this runs on every release of a leaf (see benchmarks/RESULTS.md)
+        end, start = node.end, node.start
+        last = (end - 1) // block_size * block_size
+        return (node.gdsf_base + end - (start if start > last else last), node.tick, node.node_id)
+
+    return key
+
+
+# The orders a cache can be built with: name -> (block size -> key).
+EVICTION_ORDERS: dict[str, Callable[[int], EvictionKey]] = {
+    "gdsf": gdsf_key,
+    "lru": lambda block_size: lru_key,
+}
 
 
 class EvictionIndex:

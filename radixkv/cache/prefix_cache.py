@@ -19,7 +19,11 @@ cached blocks whose owners are all unlocked (what `evict` can free) and in use =
 blocks of locked paths.
 
 Namespaces isolate tenants: `match` and `insert` take `namespace=` (None: the shared one); what is
-cached under one namespace never matches under another. They share the blocks and one LRU order.
+cached under one namespace never matches under another. They share the blocks and one eviction
+order (GDSF over the tokens a leaf's last block holds, by default; see `radixkv.cache.eviction`).
+
+KV events (`radixkv.cache.events`): `cache.events.subscribe(callback)` streams which full blocks
+enter and leave the cache, for cache-aware routers; `reset()` drops everything cached.
 
 The cache is deterministic: recency comes from a logical clock that advances once per `acquire`
 and per `insert` (the operations that touch a path); nothing reads the wall clock. It is not
@@ -54,6 +58,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from radixkv.cache.events import KVEventStream
+from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
 from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode
@@ -248,11 +254,17 @@ class PrefixCache:
     `allocate` returns None (nothing changed) when the blocks are not there.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, eviction: str = "gdsf") -> None:
+        """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed
+        block, aged; see `radixkv.cache.eviction`) or "lru". Raises ValueError for another."""
+        if eviction not in EVICTION_ORDERS:
+            raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
-        self._tree = RadixTree(self._pool)
+        self._tree = RadixTree(self._pool, EVICTION_ORDERS[eviction](self.block_size))
+        # KV events (radixkv.cache.events): `cache.events.subscribe(callback)`.
+        self.events: KVEventStream = self._tree.events.stream
         self._private: set[int] = set()
         self._live: dict[int, _Lock] = {}  # handle id -> what it locks
         self._next_handle_id = 1
@@ -382,7 +394,7 @@ class PrefixCache:
 
     # --------------------------------------------------------------- allocation
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Private blocks (evicting LRU leaves on demand); None, nothing changed, if it cannot fit.
+        """Private blocks (evicting leaves on demand); None, nothing changed, if it cannot fit.
 
         Evicts only as many blocks as the free list lacks. Raises TypeError/ValueError for a count
         that is not an int >= 0.
@@ -574,13 +586,23 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to num_blocks by evicting LRU unlocked leaves (tail first); returns freed ids.
+        """Free up to num_blocks by evicting unlocked leaves in eviction order (GDSF unless built
+        with eviction="lru"; tail first); returns freed ids.
 
         Fewer than asked (possibly none) means nothing else is evictable. A leaf with more blocks
         than still needed is trimmed from its tail (its head stays cached). Raises TypeError/
         ValueError for a count that is not an int >= 0.
         """
         return self._evict(check_size(num_blocks, "num_blocks", low=0))
+
+    def reset(self) -> bool:
+        """Drop everything cached, as if new (statistics kept; subscribers get
+        `AllBlocksCleared`). Returns False, changing nothing, while a handle is live: its request
+        still reads the blocks."""
+        if self._live:
+            return False
+        self._tree.clear()
+        return True
 
     def _evict(self, n: int) -> list[int]:
         freed, num_tokens = self._tree.evict(n)

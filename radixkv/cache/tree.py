@@ -32,7 +32,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.cache.eviction import EvictionIndex, EvictionKey, lru_key
+from radixkv.cache.events import BlockEvents
+from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_key, tail_tokens
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
@@ -60,6 +61,8 @@ class TreeNode:
     tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
     namespace: str | None = None  # the namespace of a root (None on every other node)
+    gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
+    block_hashes: list[int] | None = None  # chained hashes of the full blocks ending here (events)
 
     @property
     def num_own_blocks(self) -> int:
@@ -104,7 +107,8 @@ class RadixTree:
       anything in its subtree, exactly as if every use had stamped the whole path, at O(1) a use;
     * all owners of a block own it at the same block index and lie under its shallowest owner;
       `head_shared` says whether a node's first block has an owner above it;
-    * the eviction index holds exactly the unlocked non-root leaves;
+    * the eviction index holds exactly the unlocked non-root leaves, each under its current key;
+      `gdsf_base` is lazy like ticks (a node's is the largest of its subtree's last uses);
     * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
     * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree.
 
@@ -112,14 +116,17 @@ class RadixTree:
     dropped): a match taken at an older version may point at nodes that moved.
     """
 
-    def __init__(self, pool: BlockPool, eviction_key: EvictionKey = lru_key) -> None:
+    def __init__(self, pool: BlockPool, eviction_key: EvictionKey | None = None) -> None:
+        """`eviction_key`: the eviction order (`radixkv.cache.eviction`); None = GDSF."""
         self.pool = pool
         self.block_size = pool.block_size
         self._next_node_id = 1
         self.roots: dict[str | None, TreeNode] = {
             None: TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
         }
-        self.index = EvictionIndex(eviction_key)
+        self.index = EvictionIndex(eviction_key or gdsf_key(self.block_size))
+        self.inflation = 0  # GDSF's L: the largest priority evicted so far
+        self.events = BlockEvents(self.block_size, self._iter_attached)
         self.version = 0
         self.num_nodes = 0
         self.num_cached_tokens = 0
@@ -363,7 +370,12 @@ class RadixTree:
             head_shared=node.head_shared,
             lock_ref=node.lock_ref,
             tick=node.tick,
+            gdsf_base=node.gdsf_base,
         )
+        self.events.split(prefix, node, p)
+        member = node.evict_key is not None
+        if member:  # the suffix's key reads its start: re-keyed below
+            self.index.discard(node)
         parent.children[node.first_token] = prefix
         node.tokens = node.tokens[cut:]
         node.start = p
@@ -373,6 +385,8 @@ class RadixTree:
         node.head_shared = p % B != 0
         if node.head_shared:
             self.pool.add_owner(node.blocks[0])
+        if member:
+            self.index.add(node)
         self.num_nodes += 1
         self.version += 1
         return prefix
@@ -423,6 +437,7 @@ class RadixTree:
             head_shared=head_shared,
             lock_ref=1,
             tick=tick,
+            gdsf_base=self.inflation,
         )
         first = leaf.first_token
         assert first not in parent.children, f"parent {parent.node_id} already has child {first}"
@@ -431,12 +446,14 @@ class RadixTree:
         self.num_nodes += 1
         self.num_cached_tokens += leaf.end - leaf.start
         self.version += 1
+        self.events.stored(leaf)
         return leaf
 
     # ------------------------------------------------------------------ locking
     def lock_path(self, node: TreeNode, tick: int) -> None:
         """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (its root included)."""
         node.tick = tick
+        node.gdsf_base = self.inflation
         self._lock_up(node, None)
 
     def num_blocks_pinned_by_lock(self, node: TreeNode | None) -> int:
@@ -459,6 +476,7 @@ class RadixTree:
         knowing depths.
         """
         new.tick = tick
+        new.gdsf_base = self.inflation
         a, b = new, old
         while a is not b:  # up to the lowest common ancestor
             if b.parent is None or (a.parent is not None and a.start > b.start):
@@ -522,6 +540,8 @@ class RadixTree:
         num_tokens = 0
         while len(freed) < num_blocks and self.index:
             leaf = self.index.first()
+            cost = leaf.gdsf_base + tail_tokens(leaf.start, leaf.end, self.block_size)
+            self.inflation = max(self.inflation, cost)
             need = num_blocks - len(freed)
             if leaf.num_own_blocks > need:
                 num_tokens += self._trim(leaf, need, freed)
@@ -532,11 +552,13 @@ class RadixTree:
         return freed, num_tokens
 
     def _trim(self, leaf: TreeNode, num_blocks: int, freed: list[int]) -> int:
-        """Drop the last `num_blocks` blocks of an evictable leaf (owned by it alone); returns the
-        tokens removed."""
+        """Drop the last `num_blocks` blocks of an evictable leaf (owned by it alone) and re-key it
+        (its key reads its end); returns the tokens removed."""
         B = self.block_size
         new_end = (leaf.start // B + len(leaf.blocks) - num_blocks) * B
         assert leaf.start < new_end < leaf.end
+        self.events.removed(leaf, new_end // B - leaf.start // B)
+        self.index.discard(leaf)
         removed = leaf.end - new_end
         leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
         leaf.end = new_end
@@ -546,12 +568,14 @@ class RadixTree:
         assert len(released) == num_blocks, f"trimmed blocks {tail} had other owners"
         freed += released
         self.num_evictable_blocks -= num_blocks
+        self.index.add(leaf)
         return removed
 
     def _remove_leaf(self, leaf: TreeNode, freed: list[int]) -> int:
         """Remove an evictable leaf whole; its parent may become an evictable leaf (or, a root,
         be dropped). Returns the tokens removed."""
         self.index.pop_first()
+        self.events.removed(leaf, 0)
         parent = leaf.parent
         assert parent is not None
         del parent.children[leaf.first_token]
@@ -560,11 +584,32 @@ class RadixTree:
         self.num_evictable_blocks -= leaf.num_own_blocks
         self.num_nodes -= 1
         parent.tick = max(parent.tick, leaf.tick)  # lazy recency: the subtree's last use
+        parent.gdsf_base = max(parent.gdsf_base, leaf.gdsf_base)
         if parent.parent is None:
             self._drop_if_empty(parent)
         elif parent.lock_ref == 0 and not parent.children:
             self.index.add(parent)
         return leaf.end - leaf.start
+
+    def clear(self) -> None:
+        """Drop every cached path (no node may be locked): all blocks go back to the pool, the
+        inflation restarts, subscribers get one `AllBlocksCleared`. Bumps `version`."""
+        assert all(root.lock_ref == 0 for root in self.roots.values()), "clear with live locks"
+        for node in self._iter_attached():
+            self.pool.release(node.blocks)
+            node.evict_key = None
+        self.roots = {None: self.root}
+        self.root.children = {}
+        self.root.gdsf_base = 0
+        self.index = EvictionIndex(self.index.key)
+        self.inflation = 0
+        self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
+        self.version += 1
+        self.events.cleared()
+
+    def _iter_attached(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        return (node for node, _ in self.iter_nodes() if node.parent is not None)
 
     # ------------------------------------------------------------------ display
     def iter_nodes(self) -> Iterator[tuple[TreeNode, int]]:
@@ -598,6 +643,7 @@ class RadixTree:
         self._check_locks(order, handles_on, clock)
         owners = self._check_ownership(order)
         self._check_index(order)
+        self.events.check_integrity(n for n in order if n.parent is not None)
         return owners
 
     def _check_structure(self) -> list[TreeNode]:
@@ -708,6 +754,8 @@ class RadixTree:
         for n in order:
             if n.evict_key is not None and n.node_id not in expected:
                 _fail(f"node {n.node_id} carries an eviction key but is not a member")
+            if n.gdsf_base > self.inflation:
+                _fail(f"node {n.node_id} GDSF base {n.gdsf_base} > inflation {self.inflation}")
 
     # ---------------------------------------------------------------- internals
     def check_block_range(self, i: int, b: int) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache, check_size
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.kv_events import KVEventsTarget, check_kv_events, publish_kv_events
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
 from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
@@ -75,6 +76,9 @@ class LLM:
     `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
     `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
+    `kv_events`: None, or where the prefix cache's KV events go (`radixkv.engine.kv_events`): a
+    ZeroMQ address such as "tcp://*:5557" (vLLM's wire format, for cache-aware routers) or a
+    callable taking each event; `self.kv_events.close()` stops them.
 
     Raises ModelLoadError (a ValueError; its subclass ModelNotFoundError when nothing is found)
     for any model that cannot be loaded: a missing folder or id, corrupt or truncated weights,
@@ -105,8 +109,10 @@ class LLM:
         num_threads: int | None = None,
         progress: Progress | None = None,
         enforce_eager: bool = False,
+        kv_events: KVEventsTarget | None = None,
     ) -> None:
         block_size = check_size(block_size, "block_size", low=1)
+        check_kv_events(kv_events)
         self.seed = check_seed(seed)
         if num_threads is not None:
             num_threads = check_size(num_threads, "num_threads", low=1)
@@ -142,6 +148,7 @@ class LLM:
         )
         self.cache = PrefixCache(n_blocks, block_size)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
+        self.kv_events = None if kv_events is None else publish_kv_events(self.cache, kv_events)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0

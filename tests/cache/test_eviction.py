@@ -1,10 +1,12 @@
-"""Eviction: exact LRU order (logical clock), locks, parents, trimming, ties, shortfalls."""
+"""Eviction: exact order (GDSF over tail tokens and recency, logical clock), locks, parents,
+trimming, ties, shortfalls."""
 
 from __future__ import annotations
 
 import pytest
 
-from radixkv.cache.eviction import EvictionIndex
+from radixkv.cache import PrefixCache
+from radixkv.cache.eviction import EvictionIndex, gdsf_key, tail_tokens
 from radixkv.cache.tree import TreeNode
 
 
@@ -200,3 +202,59 @@ def test_evict_zero_and_empty_cache(make_cache) -> None:
     put(cache, A)
     assert cache.evict(0) == []
     assert cache.num_evictable_blocks == 2
+
+
+def test_gdsf_order_fewest_tokens_per_block_first_and_everything_ages(make_cache) -> None:
+    """Priority = inflation at last use + tokens in the leaf's last block; the inflation rises to
+    every victim's priority. Pool blocks are handed out in order, so ids name the leaves."""
+    cache = make_cache(16, 4)
+    p, q, r = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23]
+    assert [put(cache, s) for s in (p, q, r)] == [(0, 1), (2, 3), (4,)]
+    # Priorities (inflation 0): p 2 (2 tokens in its last block), q 4, r 3.
+    assert cache.evict(1) == [1]  # p's partial tail: 2 tokens for a block; inflation -> 2
+    assert cache.match(p).num_cached_tokens == 4  # p re-keyed: 0 + 4
+    assert cache.evict(1) == [4]  # r (3) before the older full blocks of p and q (4)
+    assert cache.evict(1) == [0]  # p and q tie at 4: the older (p) first; inflation -> 4
+    s = [31, 32, 33, 34, 35]
+    put(cache, s)  # used now: 4 + 1 = 5, above q's 4 although its tail holds one token
+    assert cache.evict(2) == [3, 2]  # q, tail block first
+    assert cache.match(s).num_cached_tokens == 5
+    cache.evict(1)
+    assert cache.match(s).num_cached_tokens == 4
+    stats = cache.stats()
+    assert (stats.num_evicted_blocks, stats.num_evicted_tokens) == (6, 2 + 3 + 4 + 8 + 1)
+
+
+def test_gdsf_key_ties_on_tick_then_node_id() -> None:
+    key = gdsf_key(4)
+    nodes = [
+        TreeNode(node_id=i, parent=None, start=0, end=end, tokens=b"", blocks=[], tick=tick)
+        for i, end, tick in ((7, 8, 5), (3, 8, 5), (5, 7, 1), (9, 8, 1))
+    ]
+    assert [tail_tokens(n.start, n.end, 4) for n in nodes] == [4, 4, 3, 4]
+    index = EvictionIndex(key)
+    for n in nodes:
+        index.add(n)
+    assert [n.node_id for n in index] == [5, 9, 3, 7]
+    nodes[0].gdsf_base = 1  # a later use: it is re-added with the inflation of that moment
+    index.discard(nodes[0])
+    index.add(nodes[0])
+    assert [n.node_id for n in index] == [5, 9, 3, 7]
+    index.discard(nodes[1])
+    nodes[1].gdsf_base = 2
+    index.add(nodes[1])
+    assert [n.node_id for n in index] == [5, 9, 7, 3]
+
+
+def test_an_unknown_eviction_order_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"eviction must be one of \['gdsf', 'lru'\], got 'fifo'"):
+        PrefixCache(4, 2, eviction="fifo")
+
+
+def test_lru_order_on_request() -> None:
+    """The same leaves as the GDSF test above, in plain least-recently-used order."""
+    cache = PrefixCache(16, 4, eviction="lru")
+    p, q, r = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23]
+    assert [put(cache, s) for s in (p, q, r)] == [(0, 1), (2, 3), (4,)]
+    assert cache.evict(3) == [1, 0, 3]  # p whole (tail first), then q's tail block
+    cache.check_integrity()

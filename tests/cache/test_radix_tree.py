@@ -109,13 +109,15 @@ def test_co_owned_block_is_freed_only_when_both_owners_are_gone(make_cache, serv
     cache = make_cache(64, 16)
     serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])
     serve(cache, [*SYSTEM, 5, 6, 7])
-    # LRU leaf = the old suffix [37,43): it owns only the shared block 2, so dropping it frees
-    # nothing; then the new branch [37,40) frees block 3.
+    # Eviction order (GDSF): the new branch [37,40) holds 3 tokens of its last block, the old
+    # suffix [37,43) 6: the branch goes first and frees its own block 3; block 2 keeps 2 owners.
     assert cache.evict(1) == [3]
-    assert refs(cache, 2) == [1]
-    assert shape(cache) == [(0, None, 0, 0, ()), (2, 0, 0, 37, (0, 1, 2))]
-    assert cache.evict(1) == [2]  # now the prefix is the last owner: its tail is trimmed
-    assert cache.stats().num_evicted_tokens == 6 + 3 + 5
+    assert refs(cache, 2) == [2]
+    # The old suffix owns only the shared block 2: dropping it frees nothing; the prefix, now its
+    # last owner and a leaf, is trimmed back to a block boundary.
+    assert cache.evict(1) == [2]
+    assert shape(cache) == [(0, None, 0, 0, ()), (2, 0, 0, 32, (0, 1))]
+    assert cache.stats().num_evicted_tokens == 3 + 6 + 5
 
 
 def test_concurrent_duplicates_are_freed_and_the_partial_tail_kept(make_cache) -> None:

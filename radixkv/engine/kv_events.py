@@ -1,0 +1,329 @@
+"""KV events on the wire: a ZeroMQ publisher in vLLM's KV-events format.
+
+Cache-aware routers (llm-d's KV-cache manager, NVIDIA Dynamo's KV router) subscribe to vLLM
+replicas over ZeroMQ and decode msgpack `KVEventBatch`es (`vllm/distributed/kv_events.py`).
+radixkv speaks the same format, so those routers consume a radixkv replica unmodified.
+
+Each ZeroMQ message is three frames, as vLLM sends them:
+
+    topic (utf-8, "" by default) | sequence number (8 bytes, big-endian) | payload
+
+The payload is a `KVEventBatch` encoded the way vLLM's msgspec structs encode it:
+
+    EventBatch      array_like: [ts, events, data_parallel_rank]
+    KVCacheEvent    tagged, tag first, in one of two layouts (`event_layout`):
+                    "array" (default): ["BlockStored", value, value, ...], vLLM releases'
+                        `array_like` events, which llm-d's and AIBrix's readers decode; they
+                        stop at lora_name, the last field every vLLM version declares without
+                        a default, so older and newer struct definitions both decode them;
+                    "map": {"type": "BlockStored", field: value, ...}, the layout of later
+                        vLLM revisions. (NVIDIA Dynamo's reader takes either.)
+    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                    lora_name  (then extra_keys, group_idx, ... which are left at their
+                    defaults and so omitted: omit_defaults=True)
+    BlockRemoved    block_hashes, medium
+    AllBlocksCleared  (no fields)
+
+Block hashes are sent as unsigned 64-bit ints (vLLM's integer form of `ExternalBlockHash`).
+`ts` is the wall-clock time of publication (seconds since the epoch, float64).
+
+With `replay_endpoint`, a ROUTER socket serves missed batches as vLLM's does: a request
+`[start sequence (8 bytes, big-endian)]` is answered with one `[seq, payload]` message per
+buffered batch from `start` on, then `[-1 (8 bytes, signed), b""]`.
+
+Events are handed over by the cache synchronously (`__call__`, a cheap queue put); a background
+thread groups everything queued since its last send into one batch, encodes and sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import count
+from typing import Any, Protocol
+
+import msgpack
+import zmq
+
+from radixkv.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventCallback,
+    KVEvent,
+    Subscription,
+)
+from radixkv.cache.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_POLL_S = 0.05  # how long the publisher thread waits for events before checking replays
+
+
+EVENT_LAYOUTS = ("array", "map")
+
+
+def wire_fields(event: KVEvent, medium: str | None) -> list[tuple[str, Any]]:
+    """One event as vLLM's tagged msgspec struct holds it: (field, value) in declaration order,
+    the tag first."""
+    if isinstance(event, BlockStored):
+        return [
+            ("type", "BlockStored"),
+            ("block_hashes", list(event.block_hashes)),
+            ("parent_block_hash", event.parent_block_hash),
+            ("token_ids", list(event.token_ids)),
+            ("block_size", event.block_size),
+            ("lora_id", None),
+            ("medium", medium),
+            ("lora_name", None),
+        ]
+    if isinstance(event, BlockRemoved):
+        return [
+            ("type", "BlockRemoved"),
+            ("block_hashes", list(event.block_hashes)),
+            ("medium", medium),
+        ]
+    if isinstance(event, AllBlocksCleared):
+        return [("type", "AllBlocksCleared")]
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def check_event_layout(event_layout: str) -> None:
+    if event_layout not in EVENT_LAYOUTS:
+        raise ValueError(f"event_layout must be one of {EVENT_LAYOUTS}, got {event_layout!r}")
+
+
+def encode_batch(
+    events: Sequence[KVEvent],
+    *,
+    ts: float,
+    data_parallel_rank: int,
+    medium: str | None = "GPU",
+    event_layout: str = "array",
+) -> bytes:
+    """The msgpack payload of one `KVEventBatch`, events in `event_layout` ("array" or "map").
+    Mutates nothing; raises ValueError for another layout, TypeError for a non-event."""
+    check_event_layout(event_layout)
+    wire: list[Any] = []
+    for event in events:
+        fields = wire_fields(event, medium)
+        wire.append([v for _, v in fields] if event_layout == "array" else dict(fields))
+    return msgpack.packb([float(ts), wire, data_parallel_rank], use_bin_type=True)
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's convention: bind a wildcard, IPv6 or local endpoint; connect to anything else."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+class ZmqEventPublisher:
+    """Publishes KV events as vLLM `KVEventBatch`es on a ZeroMQ PUB socket.
+
+    Use it as a subscriber callback (`cache.events.subscribe(publisher)`, or `publish_kv_events`).
+    `close()` flushes what is queued (up to `close_timeout_s`), stops the thread and closes the
+    sockets; events handed over after `close()` are dropped. Raises ValueError for an endpoint
+    that is not a ZeroMQ address and zmq.ZMQError when it cannot bind/connect (nothing started).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        medium: str | None = "GPU",
+        event_layout: str = "array",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        close_timeout_s: float = 2.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+            if value is not None and (not isinstance(value, str) or "://" not in value):
+                raise ValueError(
+                    f"{name} must be a ZeroMQ address like tcp://*:5557, got {value!r}"
+                )
+        self.endpoint = endpoint
+        self.topic = topic.encode("utf-8")
+        self.data_parallel_rank = data_parallel_rank
+        check_event_layout(event_layout)
+        self.medium = medium
+        self.event_layout = event_layout
+        self.close_timeout_s = close_timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            if _binds(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+        except Exception:
+            self._close_sockets()
+            raise
+        self._queue: queue.SimpleQueue[KVEvent | None] = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = count()
+        self._closed = False
+        self.num_batches_sent = 0
+        self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def last_endpoint(self) -> str:
+        """The bound address (with the port ZeroMQ chose for `tcp://...:*`)."""
+        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def __call__(self, event: KVEvent) -> None:
+        """Queue one event for the next batch (called by the cache, any thread)."""
+        if not self._closed:
+            self._queue.put(event)
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, close the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=self.close_timeout_s)
+        if self._thread.is_alive():
+            logger.warning("KV event publisher did not drain within %.1f s", self.close_timeout_s)
+        else:
+            self._close_sockets()
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                first = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            events: list[KVEvent] = []
+            item: KVEvent | None = first
+            while True:
+                if item is None:
+                    stop = True
+                else:
+                    events.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if events:
+                self._send(events)
+
+    def _send(self, events: list[KVEvent]) -> None:
+        try:
+            payload = encode_batch(
+                events,
+                ts=time.time(),
+                data_parallel_rank=self.data_parallel_rank,
+                medium=self.medium,
+                event_layout=self.event_layout,
+            )
+            seq = next(self._seq)
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+            self.num_batches_sent += 1
+        except Exception:
+            logger.exception("KV event publisher failed to send %d events", len(events))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("invalid KV event replay request: %d frames", len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+class KVEventPublishing:
+    """A cache's events flowing to a subscriber (a `ZmqEventPublisher`, or any callback);
+    `close()` ends the subscription and closes the publisher, if there is one."""
+
+    def __init__(
+        self, subscription: Subscription, publisher: ZmqEventPublisher | None = None
+    ) -> None:
+        self.subscription = subscription
+        self.publisher = publisher
+
+    def close(self) -> None:
+        self.subscription.close()
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+class _HasCache(Protocol):
+    cache: PrefixCache  # an engine (`LLM`)
+
+
+KVEventsTarget = str | Callable[[KVEvent], None]
+
+
+def check_kv_events(kv_events: object) -> None:
+    """The engine's `kv_events` option: None, a ZeroMQ address or a callable. Raises TypeError
+    for anything else and ValueError for a string that is not a ZeroMQ address."""
+    if kv_events is None or callable(kv_events):
+        return
+    if not isinstance(kv_events, str):
+        raise TypeError(
+            "kv_events must be None, a ZeroMQ address (e.g. 'tcp://*:5557') or a callable"
+            f" taking each event, got {type(kv_events).__name__}"
+        )
+    if "://" not in kv_events:
+        raise ValueError(f"kv_events must be a ZeroMQ address like tcp://*:5557, got {kv_events!r}")
+
+
+def publish_kv_events(
+    target: PrefixCache | _HasCache, kv_events: KVEventsTarget, **options: Any
+) -> KVEventPublishing:
+    """Send the KV events of `target` (an `LLM` or a `PrefixCache`) to `kv_events`: a ZeroMQ
+    address (e.g. `tcp://*:5557`, vLLM's wire format; `options` go to `ZmqEventPublisher`:
+    replay_endpoint, topic, data_parallel_rank, medium, ...) or a callable taking each event.
+
+    The one call a server needs for `--kv-events`. Events of what the cache already holds come
+    first. Raises like `check_kv_events` and `ZmqEventPublisher` (nothing started then).
+    """
+    if kv_events is None:
+        raise TypeError("kv_events must be a ZeroMQ address or a callable, got None")
+    check_kv_events(kv_events)
+    cache = target if isinstance(target, PrefixCache) else target.cache
+    if isinstance(kv_events, str):
+        publisher = ZmqEventPublisher(kv_events, **options)
+        return KVEventPublishing(cache.events.subscribe(publisher), publisher)
+    callback: EventCallback = kv_events
+    return KVEventPublishing(cache.events.subscribe(callback))

@@ -1,0 +1,142 @@
+"""`radixkv serve`: the OpenAI-compatible HTTP server.
+
+radixkv serve                          the embedded default model on 127.0.0.1:8000
+radixkv serve --model PATH_OR_ID --host 0.0.0.0 --port 8080 --max-num-seqs 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine import LLM
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixkv serve",
+        description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) "
+        "over the prefix-cached engine.",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the `model` clients send (default: its name)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--cache-mb", type=int, default=None, help="KV cache size in MiB")
+    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=16, help="requests running at once (default 16)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)"
+    )
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, default=512, help="prompt tokens per request per step"
+    )
+    parser.add_argument(
+        "--policy",
+        default="lpm",
+        choices=["lpm", "fcfs"],
+        help="waiting order: longest cached prefix first (default) or arrival",
+    )
+    parser.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
+    parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="model dtype (default: the engine's)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA-graph decode (GPU only)"
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="CPU torch threads (default: half the cores)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests waiting for admission before new ones get 503 (default 256)",
+    )
+    parser.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events for cache-aware routers on this ZeroMQ endpoint, e.g. tcp://*:5557",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (the arguments after `serve`), load the model and serve until interrupted.
+    Returns the exit code: 0 after a clean shutdown, 2 for bad arguments or a missing model."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Imported here so that `radixkv serve --help` answers at once.
+    import uvicorn
+    import zmq
+
+    from radixkv.engine import ModelNotFoundError
+    from radixkv.serve.app import ServeConfig, create_app
+
+    try:
+        llm = build_llm(args)
+        config = ServeConfig(
+            model_name=args.served_model_name or llm.model_name,
+            max_queued_requests=args.max_queued_requests,
+        )
+    except (ModelNotFoundError, ValueError, TypeError, zmq.ZMQError) as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(llm, config, on_shutdown=engine_services(llm))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    """The engine the parsed options describe. Raises what `LLM` raises."""
+    import torch
+
+    from radixkv.engine import LLM
+
+    return LLM(
+        args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=None if args.cache_mb is None else args.cache_mb * 2**20,
+        enable_prefix_cache=not args.no_prefix_cache,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        policy=args.policy,
+        device=args.device,
+        dtype=None if args.dtype is None else getattr(torch, args.dtype),
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        kv_events=args.kv_events,
+    )
+
+
+def engine_services(llm: LLM) -> list[Callable[[], None]]:
+    """How to close the services that subscribe to the engine (the KV-event publisher of
+    `--kv-events`, started with the engine); the server closes them after the engine thread
+    stops, so the last events of a shutdown still go out."""
+    return [] if llm.kv_events is None else [llm.kv_events.close]

@@ -1,0 +1,40 @@
+"""The serving benchmark runs end to end in its small configuration (a real `radixkv serve`
+process on 127.0.0.1, the tiny test model). No timing assertions: only that every request of the
+workload completed and the report prints."""
+
+from __future__ import annotations
+
+from benchmarks import serve_bench
+
+
+def test_serve_bench_tiny_runs(tiny_model_dir, capsys) -> None:
+    assert serve_bench.main(["--tiny", "--model", str(tiny_model_dir("gqa"))]) == 0
+    out = capsys.readouterr().out
+    assert "2 clients x 2 turns" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 1 | radixkv |"))
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[3] == "4"  # requests: every turn of every client
+    assert cells[8] != "n/a ms"  # the server overhead came from /metrics
+
+
+def test_report_pairs_the_servers_of_each_round() -> None:
+    def row(number: int, server: str, ttft_s: float, tok_s: float) -> dict:
+        return {
+            "round": number,
+            "server": server,
+            "requests": 4,
+            "ttft_p50_s": ttft_s,
+            "ttft_p99_s": ttft_s,
+            "output_tok_s": tok_s,
+            "hit_rate": None,
+            "overhead_p50_ms": 1.0 if server == "radixkv" else None,
+            "admission_p50_ms": None,
+            "wall_s": 1.0,
+        }
+
+    text = serve_bench.report(
+        [row(1, "radixkv", 0.2, 30.0), row(1, "transformers", 0.8, 10.0), row(2, "radixkv", 1, 1)]
+    )
+    ratios = [line for line in text.splitlines() if line.startswith("round ")]
+    assert len(ratios) == 1  # round 2 has no transformers row to compare with
+    assert "TTFT p50 x0.25" in ratios[0] and "output tok/s x3.00" in ratios[0]

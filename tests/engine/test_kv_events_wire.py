@@ -1,0 +1,289 @@
+"""KV events on the wire: the bytes decode with vLLM's own struct definitions, over real ZeroMQ.
+
+The msgspec structs below mirror `vllm/distributed/kv_events.py` field for field (order, types,
+defaults and struct options): a router built on vLLM's definitions decodes what radixkv sends.
+The batch is `array_like` (`[ts, events, data_parallel_rank]`); events come in both layouts vLLM
+has used: `array_like` tagged arrays (its releases; what llm-d's and AIBrix's readers decode) and
+tagged maps (later revisions). NVIDIA Dynamo's reader takes either.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+
+from radixkv.cache import PrefixCache
+from radixkv.cache.events import (
+    AllBlocksCleared,
+    BlockHashIndex,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    chain_hashes,
+)
+from radixkv.engine.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
+
+# ---- vLLM's definitions (vllm/distributed/kv_events.py), mirrored for decoding ----
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class VllmBlockStored(KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VllmBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VllmAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+# The releases' layout: the same structs with `array_like=True` on the event base.
+class ArrayBlockStored(VllmBlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class ArrayBlockRemoved(VllmBlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class ArrayAllBlocksCleared(VllmAllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(EventBatch):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+
+
+STRUCTS = {
+    "array": (ArrayKVEventBatch, ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared),
+    "map": (KVEventBatch, VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared),
+}
+DECODERS = {layout: msgspec.msgpack.Decoder(type=t[0]) for layout, t in STRUCTS.items()}
+DECODER = DECODERS["array"]  # the publisher's default layout
+
+B = 4
+TOKENS = [7, 0, 2**31, 2**32 - 1, 128, 255, 65535, 65536]  # every msgpack int width
+HASHES = chain_hashes(None, b"".join(t.to_bytes(4, "little") for t in TOKENS), B)
+EVENTS = [
+    BlockStored(tuple(HASHES), None, tuple(TOKENS), B),
+    BlockStored((2**64 - 1,), HASHES[1], (1, 2, 3, 4), B),
+    BlockRemoved((2**64 - 1, HASHES[1])),
+    AllBlocksCleared(),
+]
+
+
+def vllm_events(medium: str | None, layout: str = "array") -> list[KVCacheEvent]:
+    _, stored, removed, cleared = STRUCTS[layout]
+    return [
+        stored(HASHES, None, TOKENS, B, None, medium, None),
+        stored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None),
+        removed([2**64 - 1, HASHES[1]], medium),
+        cleared(),
+    ]
+
+
+def test_hashes_are_unsigned_64_bit_and_chained() -> None:
+    assert all(0 <= h < 2**64 for h in HASHES)
+    assert HASHES[0] != HASHES[1]
+    # The second hash covers the first block through its parent: a change there changes it.
+    other = chain_hashes(None, b"".join(t.to_bytes(4, "little") for t in [8, *TOKENS[1:]]), B)
+    assert other[1] != HASHES[1] and other[0] != HASHES[0]
+
+
+@pytest.mark.parametrize("medium", ["GPU", "CPU", None])
+@pytest.mark.parametrize("layout", ["array", "map"])
+def test_batch_decodes_with_vllm_structs_and_equals_their_encoding(
+    medium: str | None, layout: str
+) -> None:
+    payload = encode_batch(
+        EVENTS, ts=1757500000.25, data_parallel_rank=3, medium=medium, event_layout=layout
+    )
+    batch = DECODERS[layout].decode(payload)
+    assert batch.ts == 1757500000.25 and batch.data_parallel_rank == 3
+    assert batch.events == vllm_events(medium, layout)
+    if layout == "map":
+        # Byte for byte what vLLM's publisher (msgspec's encoder over these structs) sends.
+        expected = KVEventBatch(
+            ts=1757500000.25, events=vllm_events(medium, layout), data_parallel_rank=3
+        )
+        assert payload == msgspec.msgpack.encode(expected)
+    else:
+        # Arrays stop at lora_name, the last field every vLLM version declares without a
+        # default: older structs (without the later fields) and newer ones (defaults filled in,
+        # as the decode above shows) both read them.
+        _, wire, _ = msgpack.unpackb(payload)
+        assert [len(e) for e in wire] == [8, 8, 3, 1]
+
+
+def test_an_unknown_layout_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="event_layout must be one of"):
+        encode_batch(EVENTS, ts=0.0, data_parallel_rank=0, event_layout="json")
+    with pytest.raises(ValueError, match="event_layout must be one of"):
+        ZmqEventPublisher("inproc://radixkv-never-bound", event_layout="json")
+
+
+def test_unknown_event_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="not a KV event"):
+        encode_batch(["BlockStored"], ts=0.0, data_parallel_rank=0)  # type: ignore[list-item]
+
+
+def test_bad_endpoint_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="endpoint must be a ZeroMQ address"):
+        ZmqEventPublisher("localhost:5557")
+
+
+def recv_batches(sub: zmq.Socket, num_events: int, timeout_s: float = 10.0) -> list[list[bytes]]:
+    """Multipart messages until `num_events` events have arrived (or the timeout)."""
+    messages: list[list[bytes]] = []
+    got = 0
+    deadline = time.monotonic() + timeout_s
+    while got < num_events and time.monotonic() < deadline:
+        if sub.poll(100):
+            frames = sub.recv_multipart()
+            messages.append(frames)
+            got += len(DECODER.decode(frames[2]).events)
+    return messages
+
+
+def subscriber(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    return sub
+
+
+def wait_for_subscription(publisher: ZmqEventPublisher, sub: zmq.Socket) -> None:
+    """PUB drops messages until a SUB has joined: send probes until one arrives, then drain."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        publisher(AllBlocksCleared())
+        if sub.poll(100):
+            break
+    else:
+        pytest.fail("the subscriber never received a probe")
+    time.sleep(0.2)
+    while sub.poll(100):
+        sub.recv_multipart()
+
+
+def test_pub_sub_over_tcp_frames_and_payloads() -> None:
+    ctx = zmq.Context()
+    with ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv", context=ctx) as publisher:
+        sub = subscriber(ctx, publisher.last_endpoint, b"kv")
+        wait_for_subscription(publisher, sub)
+        for event in EVENTS:
+            publisher(event)
+        messages = recv_batches(sub, len(EVENTS))
+        sub.close(linger=0)
+    ctx.term()
+    assert messages, "no batch arrived"
+    topics = {m[0] for m in messages}
+    assert topics == {b"kv"} and all(len(m) == 3 for m in messages)
+    seqs = [int.from_bytes(m[1], "big") for m in messages]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers must be dense"
+    events = [e for m in messages for e in DECODER.decode(m[2]).events]
+    assert events == vllm_events("GPU")
+    assert all(DECODER.decode(m[2]).data_parallel_rank == 0 for m in messages)
+
+
+def test_replay_serves_buffered_batches_then_end_marker() -> None:
+    ctx = zmq.Context()
+    replay_endpoint = "inproc://radixkv-replay-test"
+    with ZmqEventPublisher(
+        "inproc://radixkv-pub-test", replay_endpoint=replay_endpoint, context=ctx
+    ) as publisher:
+        for k, event in enumerate(EVENTS):  # one batch each: wait for each to be sent
+            publisher(event)
+            deadline = time.monotonic() + 10
+            while publisher.num_batches_sent == k and time.monotonic() < deadline:
+                time.sleep(0.005)
+        assert publisher.num_batches_sent == len(EVENTS)
+        dealer = ctx.socket(zmq.DEALER)  # several answers to one request: not a REQ socket
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart((b"", (1).to_bytes(8, "big")))  # from sequence number 1 on
+        replies = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                break
+            replies.append((int.from_bytes(seq, "big"), payload))
+        dealer.close(linger=0)
+    ctx.term()
+    seqs = [s for s, _ in replies]
+    assert seqs == [1, 2, 3], "every buffered batch from sequence number 1 on, in order"
+    events = [e for _, p in replies for e in DECODER.decode(p).events]
+    assert events == vllm_events("GPU")[1:]
+
+
+def from_wire(event: KVCacheEvent) -> KVEvent:
+    """A decoded vLLM event as radixkv's (what a router's index applies)."""
+    if isinstance(event, VllmBlockStored):
+        hashes = tuple(int(h) for h in event.block_hashes)
+        parent = event.parent_block_hash
+        return BlockStored(hashes, parent, tuple(event.token_ids), event.block_size)  # type: ignore[arg-type]
+    if isinstance(event, VllmBlockRemoved):
+        return BlockRemoved(tuple(int(h) for h in event.block_hashes))  # type: ignore[arg-type]
+    return AllBlocksCleared()
+
+
+def test_a_real_caches_events_survive_the_wire() -> None:
+    """A workload with splits, trims and evictions: the index rebuilt from the decoded bytes equals
+    the one fed directly, batch after batch."""
+    cache = PrefixCache(12, 4)
+    events: list[KVEvent] = []
+    direct = BlockHashIndex()
+    cache.events.subscribe(events.append)
+    cache.events.subscribe(direct.apply)
+    wire = BlockHashIndex()
+    for k in range(12):
+        tokens = [1, 2, 3, 4, 5, 6, *range(100 * k, 100 * k + 3 + k % 5)]
+        m = cache.match(tokens)
+        handle = cache.acquire(m)
+        table = list(m.block_ids[: m.num_full_blocks])
+        new = cache.allocate(-(-len(tokens) // 4) - len(table))
+        assert new is not None
+        table += new
+        result = cache.insert(tokens, table, handle=handle)
+        cache.release(result.handle)
+        cache.free(result.owned_block_ids)
+        batch = DECODER.decode(encode_batch(events, ts=float(k), data_parallel_rank=0))
+        for event in batch.events:
+            wire.apply(from_wire(event))
+        events.clear()
+        assert wire.hashes == direct.hashes
+    assert cache.stats().num_evicted_blocks > 0

@@ -1,0 +1,94 @@
+"""A live `radixkv serve` app on 127.0.0.1 (ephemeral port) over the tiny GQA test model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # see the PLATFORM notes on OpenMP spin-waiting
+
+
+class LiveServer:
+    """uvicorn serving `create_app(llm, config)` in a thread; `close()` shuts it down."""
+
+    def __init__(self, llm: Any, on_shutdown: Any = (), **config: Any) -> None:
+        import uvicorn
+
+        from radixkv.serve.app import ServeConfig, create_app
+
+        self.llm = llm
+        self.app = create_app(
+            llm, ServeConfig(model_name="tiny", **config), on_shutdown=on_shutdown
+        )
+        self.server_state = self.app.state.server
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    def client(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", **kwargs)
+
+    def async_client(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", **kwargs)
+
+    def on_engine(self, fn: Callable[[Any], Any], timeout: float = 30) -> Any:
+        """fn(llm) run on the engine thread between steps."""
+        return self.server_state.engine.call(fn).result(timeout)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def make_server(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., LiveServer]]:
+    """(engine kwargs, server kwargs) -> a started LiveServer on a fresh tiny-model LLM.
+
+    Server kwargs: `on_shutdown` for `create_app`, the rest for `ServeConfig`."""
+    from radixkv.engine import LLM
+
+    servers: list[LiveServer] = []
+
+    def make(engine: dict[str, Any] | None = None, **config: Any) -> LiveServer:
+        llm = LLM(str(tiny_model_dir("gqa")), **{"num_blocks": 256, **(engine or {})})
+        server = LiveServer(llm, **config)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def server(make_server: Callable[..., LiveServer]) -> LiveServer:
+    return make_server()
+
+
+@pytest.fixture(scope="session")
+def reference_llm(tiny_model_dir: Callable[[str], Path]) -> Any:
+    """The same model without a server or prefix cache, for 'the same request run alone'."""
+    from radixkv.engine import LLM
+
+    return LLM(str(tiny_model_dir("gqa")), enable_prefix_cache=False, num_blocks=256)

@@ -1,0 +1,53 @@
+"""Shared helpers of the server tests: rendering chats, reading /metrics, waiting."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+USER_WORDS = [f"w{i}" for i in range(10, 250)]
+
+
+def user_message(seed: int, n: int = 6) -> str:
+    """A deterministic user message of `n` ordinary words of the tiny tokenizer."""
+    return " ".join(USER_WORDS[(seed * 7919 + i * 31) % len(USER_WORDS)] for i in range(n))
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def run_alone(llm: Any, prompt_ids: list[int], max_tokens: int) -> Any:
+    """The greedy RequestOutput of one request run by itself."""
+    from radixkv.scheduler.sampling_params import SamplingParams
+
+    (out,) = llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
+    return out
+
+
+def read_metrics(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        time.sleep(0.02)

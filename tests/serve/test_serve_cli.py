@@ -1,0 +1,91 @@
+"""The `radixkv serve` command line: dispatch from `radixkv`, help, and bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.__main__ import main
+
+
+def test_serve_help_lists_the_engine_options(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--model",
+        "--host",
+        "--port",
+        "--block-size",
+        "--max-num-seqs",
+        "--no-prefix-cache",
+        "--seed",
+        "--max-queued-requests",
+        "--chunked-prefill-size",
+        "--policy",
+        "--device",
+        "--dtype",
+        "--enforce-eager",
+        "--kv-events",
+    ):
+        assert option in out
+
+
+def test_a_missing_model_exits_2_with_one_line(tmp_path, capsys) -> None:
+    assert main(["serve", "--model", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixkv serve:") and "no-such-model" in err
+
+
+def test_a_bad_queue_limit_exits_2(tiny_model_dir, capsys) -> None:
+    argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--max-queued-requests", "0"]
+    assert main(argv) == 2
+    assert "max_queued_requests" in capsys.readouterr().err
+
+
+def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
+    import torch
+
+    from radixkv.serve.cli import build_llm, build_parser
+
+    argv = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "48", "--block-size", "8"]
+    argv += ["--max-num-seqs", "3", "--max-num-batched-tokens", "96", "--chunked-prefill-size"]
+    argv += ["32", "--policy", "fcfs", "--no-prefix-cache", "--dtype", "float32", "--seed", "7"]
+    llm = build_llm(build_parser().parse_args(argv))
+    config = llm.scheduler.config
+    assert (llm.cache.num_blocks, llm.cache.block_size, llm.seed) == (48, 8, 7)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 96)
+    assert (config.chunked_prefill_size, config.policy) == (32, "fcfs")
+    assert config.enable_prefix_cache is False
+    assert next(llm.model.parameters()).dtype == torch.float32
+
+
+def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -> None:
+    import msgpack
+    import zmq
+
+    from radixkv import SamplingParams
+    from radixkv.serve.cli import build_llm, build_parser, engine_services
+
+    endpoint = "inproc://radixkv-serve-kv-events"
+    argv = ["--model", str(tiny_model_dir("gqa")), "--block-size", "4", "--kv-events", endpoint]
+    llm = build_llm(build_parser().parse_args(argv))
+    services = engine_services(llm)
+    assert services == [llm.kv_events.close]
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    llm.generate([list(range(5, 25))], SamplingParams(max_tokens=2))
+    assert sub.poll(10_000), "a 20-token prompt stores full blocks: a batch must arrive"
+    _, _, payload = sub.recv_multipart()
+    assert {event[0] for event in msgpack.unpackb(payload)[1]} == {"BlockStored"}
+    sub.close(linger=0)
+    for close in services:
+        close()
+    assert not llm.cache.events.active
+
+
+def test_a_bad_kv_events_endpoint_exits_2(tiny_model_dir, capsys) -> None:
+    argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--kv-events", "localhost:5557"]
+    assert main(argv) == 2
+    assert "ZeroMQ address" in capsys.readouterr().err
