@@ -38,3 +38,18 @@ def test_readme_snippet_runs(index, tiny_model_dir, capsys):
         cache = namespace["cache"]
         assert cache.stats().num_in_use_blocks == 0  # type: ignore[attr-defined]
         assert cache.match(list(range(100, 140))).num_cached_tokens == 40  # type: ignore[attr-defined]
+
+
+def test_readme_kv_events_snippet_runs(tiny_model_dir):
+    text = README.read_text()
+    section = text[text.index("## KV events") :]
+    (code,) = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ", 1)], re.DOTALL)
+    assert code.count("LLM(kv_events=") == 1
+    code = code.replace("LLM(kv_events=", f"LLM({str(tiny_model_dir('gqa'))!r}, kv_events=")
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README.md KV-events snippet", "exec"), namespace)
+    llm, index = namespace["llm"], namespace["index"]
+    tokens = llm.encode(namespace["prompt"])  # type: ignore[attr-defined]
+    full_blocks = llm.cache.match(tokens).num_cached_tokens // 16  # type: ignore[attr-defined]
+    assert full_blocks >= 1, "the prompt fills at least one block"
+    assert index.longest_prefix_blocks(tokens, block_size=16) == full_blocks  # type: ignore[attr-defined]
