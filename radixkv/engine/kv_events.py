@@ -37,6 +37,7 @@ thread groups everything queued since its last send into one batch, encodes and 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import threading
@@ -44,10 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import count
-from typing import Any, Protocol
-
-import msgpack
-import zmq
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radixkv.cache.events import (
     AllBlocksCleared,
@@ -58,6 +56,9 @@ from radixkv.cache.events import (
     Subscription,
 )
 from radixkv.cache.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    import zmq
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +110,24 @@ def encode_batch(
     """The msgpack payload of one `KVEventBatch`, events in `event_layout` ("array" or "map").
     Mutates nothing; raises ValueError for another layout, TypeError for a non-event."""
     check_event_layout(event_layout)
+    msgpack = _wire_module("msgpack")
     wire: list[Any] = []
     for event in events:
         fields = wire_fields(event, medium)
         wire.append([v for _, v in fields] if event_layout == "array" else dict(fields))
     return msgpack.packb([float(ts), wire, data_parallel_rank], use_bin_type=True)
+
+
+def _wire_module(name: str) -> Any:
+    """`zmq` or `msgpack`, imported on first use: they are the `kv-events` extra, which an engine
+    that publishes no events (or only to Python callbacks) does not need. Raises ImportError
+    naming the extra."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(
+            f"KV events over ZeroMQ need {name}: pip install 'radixkv[kv-events]'"
+        ) from exc
 
 
 def _binds(endpoint: str) -> bool:
@@ -161,6 +175,8 @@ class ZmqEventPublisher:
         self.medium = medium
         self.event_layout = event_layout
         self.close_timeout_s = close_timeout_s
+        _wire_module("msgpack")  # fail here, not in the publisher thread
+        zmq = self._zmq = _wire_module("zmq")
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -187,7 +203,7 @@ class ZmqEventPublisher:
     @property
     def last_endpoint(self) -> str:
         """The bound address (with the port ZeroMQ chose for `tcp://...:*`)."""
-        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self._pub.getsockopt_string(self._zmq.LAST_ENDPOINT)
 
     def __call__(self, event: KVEvent) -> None:
         """Queue one event for the next batch (called by the cache, any thread)."""

@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported here so that `radixkv serve --help` answers at once.
     import uvicorn
-    import zmq
 
     from radixkv.engine import ModelNotFoundError
     from radixkv.serve.app import ServeConfig, create_app
@@ -102,12 +101,21 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.served_model_name or llm.model_name,
             max_queued_requests=args.max_queued_requests,
         )
-    except (ModelNotFoundError, ValueError, TypeError, zmq.ZMQError) as exc:
+    except (ModelNotFoundError, ValueError, TypeError, ImportError, _zmq_error()) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _zmq_error() -> type[Exception]:
+    """zmq.ZMQError (a `--kv-events` endpoint that cannot bind), or a stand-in without pyzmq."""
+    try:
+        import zmq
+    except ImportError:
+        return ValueError
+    return zmq.ZMQError
 
 
 def build_llm(args: argparse.Namespace) -> LLM:

@@ -74,3 +74,21 @@ def test_bad_kv_events_is_refused_before_the_model_loads(value, error, match) ->
 def test_publish_refuses_none() -> None:
     with pytest.raises(TypeError, match="got None"):
         publish_kv_events(PrefixCache(4, 2), None)  # type: ignore[arg-type]
+
+
+def test_the_wire_modules_load_only_for_the_wire(monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, radixkv.engine, radixkv.serve.cli; print('zmq' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", "the engine imports without the kv-events extra"
+    monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
+    with pytest.raises(ImportError, match=r"pip install 'radixkv\[kv-events\]'"):
+        publish_kv_events(PrefixCache(4, 2), "inproc://radixkv-no-zmq")
+    received: list[object] = []
+    cache = PrefixCache(4, 2)
+    publishing = publish_kv_events(cache, received.append)  # Python callbacks need no extra
+    cache.insert([1, 2, 3], cache.allocate(2))
+    publishing.close()
+    assert received, "a full block was announced to the callback"
