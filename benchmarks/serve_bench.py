@@ -12,8 +12,10 @@ server: time to first token p50 / p99 (client side: request sent -> first conten
 tokens/s (all completion tokens / wall time of the whole run), prompt cache hit rate (from
 `usage.prompt_tokens_details.cached_tokens`, where the server reports it) and, for radixkv, from
 its /metrics histograms: the server overhead p50 (HTTP request in -> parsed, templated, tokenized
-and handed to the engine thread) and the admission p50 (HTTP request in -> queued in the engine by
-`add_request`, which also waits for the step in flight to end).
+and handed to the engine thread), the admission p50 (HTTP request in -> queued in the engine by
+`add_request`, which also waits for the step in flight to end) and the receive p50 (headers in ->
+body in). A request is in when the server has its headers and its body: the openai client (httpx)
+writes the two separately, and under load its own event loop may take milliseconds between them.
 
 `transformers serve` sends usage on its last chunk but no `prompt_tokens_details`: its hit rate is
 n/a (it does not report cached tokens).
@@ -125,6 +127,14 @@ async def run_clients(base_url: str, model: str, args: argparse.Namespace) -> tu
     return [turn for conv in convs for turn in conv], wall
 
 
+# Report key -> radixkv's /metrics histogram (radixkv_<name>_seconds) whose p50 it shows.
+SERVER_HISTOGRAMS = {
+    "overhead": "server_overhead",
+    "admission": "admission",
+    "receive": "request_receive",
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -201,17 +211,17 @@ def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> d
         asyncio.run(_warm_up(base_url, model))
         say(f"{name}: {args.clients} clients x {args.turns} turns")
         turns, wall = asyncio.run(run_clients(base_url, model, args))
-        overhead = admission = None
+        server_p50s: dict[str, float | None] = {}
         if name == "radixkv":
-            overhead = histogram_p50(base_url, "radixkv_server_overhead_seconds")
-            admission = histogram_p50(base_url, "radixkv_admission_seconds")
+            for key, metric in SERVER_HISTOGRAMS.items():
+                server_p50s[key] = histogram_p50(base_url, f"radixkv_{metric}_seconds")
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return summarize(name, turns, wall, overhead, admission)
+    return summarize(name, turns, wall, server_p50s)
 
 
 def _served_model(base_url: str) -> str:
@@ -232,7 +242,7 @@ async def _warm_up(base_url: str, model: str) -> None:
 
 
 def summarize(
-    name: str, turns: list[Turn], wall: float, overhead: float | None, admission: float | None
+    name: str, turns: list[Turn], wall: float, server_p50s: dict[str, float | None]
 ) -> dict:
     ttfts = sorted(t.ttft_s for t in turns)
     p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
@@ -247,8 +257,10 @@ def summarize(
         "output_tok_s": sum(t.num_output_tokens for t in turns) / wall,
         "output_tokens": sum(t.num_output_tokens for t in turns),
         "hit_rate": hit,
-        "overhead_p50_ms": None if overhead is None else overhead * 1e3,
-        "admission_p50_ms": None if admission is None else admission * 1e3,
+        **{
+            f"{key}_p50_ms": None if server_p50s.get(key) is None else server_p50s[key] * 1e3
+            for key in SERVER_HISTOGRAMS
+        },
         "wall_s": wall,
     }
 
@@ -262,15 +274,16 @@ def report(rows: list[dict]) -> str:
     radixkv's ratios to transformers serve next to the goals."""
     lines = [
         "| round | server | requests | TTFT p50 | TTFT p99 | output tok/s | hit rate "
-        "| overhead p50 | admission p50 | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| overhead p50 | admission p50 | receive p50 | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['round']} | {r['server']} | {r['requests']} | {r['ttft_p50_s'] * 1e3:.0f} ms "
             f"| {r['ttft_p99_s'] * 1e3:.0f} ms | {r['output_tok_s']:.1f} "
             f"| {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['overhead_p50_ms'], '.2f')} ms "
-            f"| {_fmt(r['admission_p50_ms'], '.2f')} ms | {r['wall_s']:.1f} s |"
+            f"| {_fmt(r['admission_p50_ms'], '.2f')} ms "
+            f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms | {r['wall_s']:.1f} s |"
         )
     by_round: dict[int, dict[str, dict]] = {}
     for r in rows:

@@ -168,9 +168,15 @@ class OpenAIServer:
     # ------------------------------------------------------------------ running a request
 
     async def submit(
-        self, prompt_ids: list[int], params: SamplingParams, body: SamplingFields, t_arrival: float
+        self, prompt_ids: list[int], params: SamplingParams, body: SamplingFields, arrival: _Arrival
     ) -> RequestStream:
-        self.metrics.overhead.observe(time.perf_counter() - t_arrival)
+        """Hand the request to the engine thread; returns once the engine has queued it.
+
+        Records the body's receive time, the server overhead (request in -> handed to the engine
+        thread) and the admission time (request in -> queued in the engine). Raises APIError: 503
+        when the waiting queue is full, 400 when the engine rejects the request."""
+        self.metrics.receive.observe(arrival.received - arrival.headers)
+        self.metrics.overhead.observe(time.perf_counter() - arrival.received)
         queued = self.engine.num_queued
         if queued >= self.config.max_queued_requests:
             raise APIError(
@@ -181,11 +187,11 @@ class OpenAIServer:
             )
         try:
             stream = await self.engine.submit(
-                prompt_ids, params, cache_salt=body.cache_salt, t_arrival=t_arrival
+                prompt_ids, params, cache_salt=body.cache_salt, t_arrival=arrival.headers
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from exc
-        self.metrics.admission.observe(time.perf_counter() - t_arrival)
+        self.metrics.admission.observe(time.perf_counter() - arrival.received)
         return stream
 
     async def pieces(self, stream: RequestStream, stops: Sequence[str]) -> AsyncIterator[_Piece]:
@@ -279,19 +285,40 @@ async def _collect(pieces: AsyncIterator[_Piece], request: Request) -> tuple[str
 
 
 class _StampArrival:
-    """ASGI middleware: notes when a request's headers arrived, before its body is parsed."""
+    """ASGI middleware: notes when a request's headers arrived (before its body is read) and when
+    the app received its whole body: the request is in. The gap between the two is the client's
+    (a client may send the body in a later write than the headers), not the server's."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope["radixkv.t_arrival"] = time.perf_counter()
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["radixkv.t_arrival"] = time.perf_counter()
+
+        async def receive_stamped() -> Any:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                scope.setdefault("radixkv.t_received", time.perf_counter())
+            return message
+
+        await self.app(scope, receive_stamped, send)
 
 
-def _arrival_time(request: Request) -> float:
-    return float(request.scope.get("radixkv.t_arrival", time.perf_counter()))
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    """When a request's headers came in, and when its whole body had (perf_counter seconds)."""
+
+    headers: float
+    received: float
+
+    @classmethod
+    def of(cls, request: Request) -> _Arrival:
+        now = time.perf_counter()
+        headers = float(request.scope.get("radixkv.t_arrival", now))
+        return cls(headers, float(request.scope.get("radixkv.t_received", max(headers, now))))
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -376,17 +403,17 @@ def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
 def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        t_arrival = _arrival_time(request)
+        arrival = _Arrival.of(request)
         prompt = server.chat_prompt(body)
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
         params = server.sampling_params(body, len(prompt), requested, prompt_param="messages")
-        return await _respond(server, request, body, prompt, params, t_arrival, chat=True)
+        return await _respond(server, request, body, prompt, params, arrival, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        t_arrival = _arrival_time(request)
+        arrival = _Arrival.of(request)
         prompt = server.completion_prompt(body)
         params = server.sampling_params(
             body,
@@ -395,7 +422,7 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
             prompt_param="prompt",
             default=DEFAULT_COMPLETION_MAX_TOKENS,
         )
-        return await _respond(server, request, body, prompt, params, t_arrival, chat=False)
+        return await _respond(server, request, body, prompt, params, arrival, chat=False)
 
 
 async def _respond(
@@ -404,13 +431,13 @@ async def _respond(
     body: SamplingFields,
     prompt: list[int],
     params: SamplingParams,
-    t_arrival: float,
+    arrival: _Arrival,
     *,
     chat: bool,
 ) -> Response:
     """Run the request; answer with server-sent events or one JSON body in `chat` or completion
     format. A client that disconnects before the end gets nothing (its request is aborted)."""
-    stream = await server.submit(prompt, params, body, t_arrival)
+    stream = await server.submit(prompt, params, body, arrival)
     pieces = server.pieces(stream, body.stop_strings())
     model = server.config.model_name
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"

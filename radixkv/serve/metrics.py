@@ -55,15 +55,23 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.receive = Histogram(
+            "radixkv_request_receive_seconds",
+            "HTTP headers in -> whole request body in (the client's sending time)",
+            buckets=_FINE_BUCKETS,
+            registry=self.registry,
+        )
         self.overhead = Histogram(
             "radixkv_server_overhead_seconds",
-            "HTTP request in -> handed to the engine thread (parse, chat template, tokenize)",
+            "HTTP request (headers and body) in -> handed to the engine thread (parse, chat "
+            "template, tokenize)",
             buckets=_FINE_BUCKETS,
             registry=self.registry,
         )
         self.admission = Histogram(
             "radixkv_admission_seconds",
-            "HTTP request in -> queued in the engine (waits for the current step to end)",
+            "HTTP request (headers and body) in -> queued in the engine (waits for the current "
+            "step to end)",
             buckets=_FINE_BUCKETS,
             registry=self.registry,
         )

@@ -15,6 +15,7 @@ def test_serve_bench_tiny_runs(tiny_model_dir, capsys) -> None:
     cells = [c.strip() for c in row.split("|")]
     assert cells[3] == "4"  # requests: every turn of every client
     assert cells[8] != "n/a ms"  # the server overhead came from /metrics
+    assert cells[10] != "n/a ms"  # and so did the receive time
 
 
 def test_report_pairs_the_servers_of_each_round() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 import urllib.request
 from contextlib import contextmanager
 
@@ -321,6 +323,39 @@ def test_metrics_count_requests_tokens_and_latencies(server) -> None:
     assert 0.0 <= metric(after, "radixkv_cache_hit_rate") <= 1.0
     for name in ("queue_depth", "evicted_blocks_total", "preemptions_total", "running_requests"):
         assert metric(after, f"radixkv_{name}") >= 0
+
+
+def test_overhead_counts_from_the_whole_request_not_a_late_body(server) -> None:
+    """A client that sends its body 0.3 s after its headers: the wait shows as receive time, and
+    the server overhead and admission start once the body is in."""
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2}
+    ).encode()
+    port = int(server.base_url.rsplit(":", 1)[1])
+    before = read_metrics(server.base_url)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        time.sleep(0.3)
+        sock.sendall(body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200")
+    after = read_metrics(server.base_url)
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert delta("radixkv_request_receive_seconds_count") == 1
+    assert delta("radixkv_request_receive_seconds_sum") >= 0.3
+    for name in ("server_overhead", "admission"):
+        assert delta(f"radixkv_{name}_seconds_count") == 1
+        assert delta(f"radixkv_{name}_seconds_sum") < 0.3
 
 
 def test_a_full_queue_answers_503_with_retry_after(make_server) -> None:
