@@ -119,13 +119,16 @@ class MatchResult:
 class _Lease:
     """The record every copy of one LockHandle shares (`copy`, `deepcopy` and
     `dataclasses.replace` keep it): when the last copy is garbage-collected while its lock is
-    still held, the issuing cache reports a leak, once."""
+    still held (its id still in the issuing cache's `live` table), `on_leak` reports it, once."""
 
-    __slots__ = ("handle_id", "on_drop")
+    __slots__ = ("handle_id", "live", "on_leak")
 
-    def __init__(self, handle_id: int, on_drop: Callable[[int], None]) -> None:
+    def __init__(
+        self, handle_id: int, live: dict[int, _Lock], on_leak: Callable[[int], None]
+    ) -> None:
         self.handle_id = handle_id
-        self.on_drop = on_drop
+        self.live = live
+        self.on_leak = on_leak
 
     def __copy__(self) -> _Lease:
         return self
@@ -134,7 +137,8 @@ class _Lease:
         return self
 
     def __del__(self) -> None:
-        self.on_drop(self.handle_id)
+        if self.handle_id in self.live:  # released, the common case: no call
+            self.on_leak(self.handle_id)
 
 
 @dataclass(slots=True)
@@ -273,12 +277,12 @@ class PrefixCache:
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         cache = weakref.ref(self)
 
-        def on_handle_dropped(handle_id: int) -> None:
+        def on_leak(handle_id: int) -> None:
             live = cache()
             if live is not None:
-                live._report_if_leaked(handle_id)
+                live._report_leak(handle_id)
 
-        self._on_handle_dropped = on_handle_dropped
+        self._on_leak = on_leak
 
     def __repr__(self) -> str:
         return (
@@ -359,7 +363,8 @@ class PrefixCache:
         qb = pack_tokens(tokens)
         n = len(qb) // 4
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
-        _check_namespace(namespace)
+        if namespace is not None:
+            _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
         block_ids = tuple(blocks)
         fields = (n, m, block_ids, m % self.block_size, namespace)
@@ -378,7 +383,8 @@ class PrefixCache:
         node = matched.node
         if node is None:
             node = self._tree.open_root(match.namespace)
-        tick = self._tick()
+        self._clock += 1
+        tick = self._clock
         self._tree.lock_path(node, tick)
         m = match.num_cached_tokens
         self._counts["num_queries"] += 1
@@ -467,7 +473,8 @@ class PrefixCache:
         qb, plan, old, namespace = self._plan_insert(tokens, block_ids, handle, namespace)
         n = len(qb) // 4
         # Validated: commit.
-        tick = self._tick()
+        self._clock += 1
+        tick = self._clock
         if handle is not None:
             del self._live[handle.handle_id]  # its lock moves to the new handle below
         target, superseded = self._tree.commit_insert(
@@ -509,7 +516,8 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size"
                 f" {self.block_size} need exactly ceil({n}/{self.block_size}) = {num_idx}"
             )
-        _check_namespace(namespace)
+        if namespace is not None:
+            _check_namespace(namespace)
         old = None if handle is None else self._live_lock(handle)
         if old is not None and namespace not in (None, old.namespace):
             raise ValueError(
@@ -692,10 +700,6 @@ class PrefixCache:
             raise AssertionError(f"handle {hid}: locks a node outside namespace {lock.namespace}")
 
     # ---------------------------------------------------------------- internals
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _new_handle(
         self,
         node: TreeNode,
@@ -706,7 +710,7 @@ class PrefixCache:
     ) -> LockHandle:
         hid = self._next_handle_id
         self._next_handle_id = hid + 1
-        lease = _Lease(hid, self._on_handle_dropped)
+        lease = _Lease(hid, self._live, self._on_leak)
         self._live[hid] = _Lock(node, tokens, num_tokens, block_ids, namespace)
         return LockHandle(hid, num_tokens, lease)
 
@@ -718,8 +722,13 @@ class PrefixCache:
         if not isinstance(matched, _Matched) or matched.tree is not self._tree:
             raise ValueError("match was not produced by this cache")
         m = match
-        fields = (m.num_query_tokens, m.num_cached_tokens, m.block_ids, m.num_partial_slots)
-        if matched.fields != (*fields, m.namespace):
+        if matched.fields != (
+            m.num_query_tokens,
+            m.num_cached_tokens,
+            m.block_ids,
+            m.num_partial_slots,
+            m.namespace,
+        ):
             raise ValueError("match was edited after match(): its fields differ from the cache's")
         # Same version => no structural change since the match: the node is still in the tree.
         if matched.version != self._tree.version:
@@ -738,7 +747,7 @@ class PrefixCache:
         if (
             lock is None
             or lease is None
-            or lease.on_drop is not self._on_handle_dropped
+            or lease.live is not self._live
             or lease.handle_id != handle.handle_id
         ):
             raise ValueError(
@@ -775,21 +784,20 @@ class PrefixCache:
                 self._tree.check_block_range(i, int(b))
             raise  # pragma: no cover
 
-    def _report_if_leaked(self, handle_id: int) -> None:
-        """Every copy of a handle is gone: report it if its lock is still held."""
-        if handle_id in self._live:
-            self._counts["num_leaked_handles"] += 1
-            logger.warning(
-                "lock handle %d was dropped without release(); its path stays locked", handle_id
-            )
-            warnings.warn(
-                f"LockHandle {handle_id} was garbage-collected without PrefixCache.release();"
-                " its path stays locked",
-                ResourceWarning,
-                stacklevel=2,
-            )
+    def _report_leak(self, handle_id: int) -> None:
+        """Every copy of a handle is gone while its lock is still held."""
+        self._counts["num_leaked_handles"] += 1
+        logger.warning(
+            "lock handle %d was dropped without release(); its path stays locked", handle_id
+        )
+        warnings.warn(
+            f"LockHandle {handle_id} was garbage-collected without PrefixCache.release();"
+            " its path stays locked",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
 
 def _check_namespace(namespace: object) -> None:
-    if namespace is not None and not isinstance(namespace, str):
+    if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")

@@ -27,6 +27,8 @@ whole node at a time; only the node where a walk diverges looks for the first mi
 
 from __future__ import annotations
 
+import itertools
+import struct
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -70,7 +72,7 @@ class TreeNode:
 
     @property
     def first_token(self) -> int:
-        return memoryview(self.tokens).cast("I")[0]
+        return struct.unpack_from("=I", self.tokens)[0]
 
     def __repr__(self) -> str:
         return (
@@ -120,7 +122,7 @@ class RadixTree:
         """`eviction_key`: the eviction order (`radixkv.cache.eviction`); None = GDSF."""
         self.pool = pool
         self.block_size = pool.block_size
-        self._next_node_id = 1
+        self._node_ids = itertools.count(1)  # 0 is the shared root's
         self.roots: dict[str | None, TreeNode] = {
             None: TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
         }
@@ -142,7 +144,7 @@ class RadixTree:
         root = self.roots.get(namespace)
         if root is None:
             root = TreeNode(
-                node_id=self._new_node_id(),
+                node_id=next(self._node_ids),
                 parent=None,
                 start=0,
                 end=0,
@@ -318,12 +320,14 @@ class RadixTree:
         dropped its partial tail for the leaf's copy)."""
         node, p, B = plan.node, plan.num_cached, self.block_size
         n = len(qb) // TOKEN_BYTES
-        if n == p:
-            self._lock_or_move(old_node, node, tick)
-            return node, False
-        if p < node.end:
+        if p < node.end and p < n:
             node = self.split(node, p)
-        self._lock_or_move(old_node, node, tick)
+        if old_node is None:
+            self.lock_path(node, tick)
+        else:
+            self.move_lock(old_node, node, tick)
+        if n == p:
+            return node, False
         superseded = False
         if plan.co_owned is not None:
             self.pool.add_owner(plan.co_owned)
@@ -340,12 +344,6 @@ class RadixTree:
         plan.table += plan.new_ids
         return leaf, superseded
 
-    def _lock_or_move(self, old: TreeNode | None, new: TreeNode, tick: int) -> None:
-        if old is None:
-            self.lock_path(new, tick)
-        else:
-            self.move_lock(old, new, tick)
-
     # ---------------------------------------------------------------- structure
     def split(self, node: TreeNode, p: int) -> TreeNode:
         """Split `node` [s, e) at absolute position s < p < e; returns the NEW prefix node [s, p).
@@ -361,7 +359,7 @@ class RadixTree:
         cut = TOKEN_BYTES * (p - s)
         first = s // B
         prefix = TreeNode(
-            node_id=self._new_node_id(),
+            node_id=next(self._node_ids),
             parent=parent,
             start=s,
             end=p,
@@ -427,18 +425,10 @@ class RadixTree:
         """Add a locked leaf under `parent`, whose path the caller has locked; the parent ends
         where the leaf starts and has no child with its first token. The caller has taken
         ownership of `blocks` for the leaf (transferred or co-owned). Bumps `version`."""
-        leaf = TreeNode(
-            node_id=self._new_node_id(),
-            parent=parent,
-            start=parent.end,
-            end=parent.end + len(tokens) // TOKEN_BYTES,
-            tokens=tokens,
-            blocks=blocks,
-            head_shared=head_shared,
-            lock_ref=1,
-            tick=tick,
-            gdsf_base=self.inflation,
-        )
+        start = parent.end
+        end = start + len(tokens) // TOKEN_BYTES
+        leaf = TreeNode(next(self._node_ids), parent, start, end, tokens, blocks, head_shared)
+        leaf.lock_ref, leaf.tick, leaf.gdsf_base = 1, tick, self.inflation
         first = leaf.first_token
         assert first not in parent.children, f"parent {parent.node_id} already has child {first}"
         assert parent.lock_ref >= 1, "lock the parent path before attaching a locked leaf"
@@ -462,7 +452,7 @@ class RadixTree:
         every ancestor of a locked node is locked (locks cover whole paths)."""
         pinned = 0
         while node is not None and node.lock_ref == 0:
-            pinned += node.num_own_blocks
+            pinned += len(node.blocks) - node.head_shared
             node = node.parent
         return pinned
 
@@ -501,7 +491,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 if node.evict_key is not None:  # an unlocked leaf: a member of the index
                     self.index.discard(node)
-                self.num_evictable_blocks -= node.num_own_blocks
+                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
             node.lock_ref += 1
             node = node.parent
 
@@ -514,7 +504,7 @@ class RadixTree:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
             if node.lock_ref == 0:
-                self.num_evictable_blocks += node.num_own_blocks
+                self.num_evictable_blocks += len(node.blocks) - node.head_shared
                 if not node.children and node.parent is not None:
                     self.index.add(node)
             last, node = node, node.parent  # type: ignore[assignment]
@@ -761,11 +751,6 @@ class RadixTree:
     def check_block_range(self, i: int, b: int) -> None:
         if not 0 <= b < self.pool.num_blocks:
             raise ValueError(f"block_ids[{i}] = {b} is out of range [0, {self.pool.num_blocks})")
-
-    def _new_node_id(self) -> int:
-        nid = self._next_node_id
-        self._next_node_id = nid + 1
-        return nid
 
 
 def _fail(msg: str) -> None:
