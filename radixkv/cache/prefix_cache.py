@@ -490,12 +490,12 @@ class PrefixCache:
         self._counts["num_inserted_tokens"] += n - plan.num_cached
         self._counts["num_duplicate_blocks_freed"] += len(plan.duplicates)
         self._counts["num_superseded_tails_freed"] += superseded
-        return InsertResult(
-            num_new_tokens=n - plan.num_cached,
-            block_ids=table,
-            owned_block_ids=() if plan.kept is None else (plan.kept,),
-            num_freed_duplicates=len(plan.duplicates),
-            handle=self._new_handle(target, qb, n, path, namespace),
+        return InsertResult(  # positional: keywords cost twice as much here
+            n - plan.num_cached,
+            table,
+            () if plan.kept is None else (plan.kept,),
+            len(plan.duplicates),
+            self._new_handle(target, qb, n, path, namespace),
         )
 
     def _plan_insert(

@@ -482,7 +482,9 @@ class RadixTree:
     def unlock_path(self, node: TreeNode) -> None:
         """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
         the tick they already have; a namespace root left empty is dropped."""
-        self._drop_if_empty(self._unlock_up(node, None))
+        root = self._unlock_up(node, None)
+        if root.namespace is not None:
+            self._drop_if_empty(root)
 
     def _lock_up(self, node: TreeNode | None, stop: TreeNode | None) -> None:
         """lock_ref += 1 on `node` and its ancestors below `stop`; a node that was unlocked leaves
