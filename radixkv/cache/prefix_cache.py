@@ -183,16 +183,23 @@ class BlockTable:
     """The blocks one request uses: issued by `PrefixCache.admit`, changed by `grow` and
     `commit`, given back by `close` (the cache's methods are its only writers).
 
-    `blocks[i]` is the physical block of block index i. `private` are the entries the request
-    holds alone (allocated, not adopted by the tree); the others are tree blocks that `handle`
-    keeps locked (None: the table was admitted without the cache and holds private blocks only).
+    `blocks[i]` is the physical block of block index i. It is a tuple, replaced whole on every
+    change, so whoever holds it (a scheduler step's rows) keeps what it was given without a copy.
+    The entries that are not private are tree blocks that `handle` keeps locked (None: the table
+    was admitted without the cache and holds private blocks only).
     """
 
-    blocks: list[int]
-    private: set[int]
+    blocks: tuple[int, ...]
     handle: LockHandle | None
     num_cached_tokens: int  # the hit at admission: KV of tokens [0, m) is there already
     copy: tuple[int, int, int] | None  # (source, target, slots): copy-on-write of a partial hit
+    # The issuing cache's record of every private block (its one home), read-only here.
+    is_private: Callable[[int], bool] = field(repr=False)
+
+    @property
+    def private(self) -> set[int]:
+        """The entries the request holds alone (allocated, not adopted by the tree)."""
+        return {b for b in self.blocks if self.is_private(b)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +436,10 @@ class PrefixCache:
                 f"block_ids {foreign} are not held privately by the caller (never allocated,"
                 " already freed, or adopted by the tree)"
             )
+        self._free_private(ids)
+
+    def _free_private(self, ids: list[int]) -> None:
+        """Give private blocks back to the pool (checked by the caller)."""
         self._private.difference_update(ids)
         self._pool.release(ids)
 
@@ -560,7 +571,7 @@ class PrefixCache:
             blocks[-1] = new[0]
         blocks += new[1:] if partial else new
         hit = 0 if match is None else match.num_cached_tokens
-        return BlockTable(blocks, set(new), handle, hit, copy)
+        return BlockTable(tuple(blocks), handle, hit, copy, self._private.__contains__)
 
     def grow(self, table: BlockTable, num_blocks: int) -> bool:
         """Append `num_blocks` private blocks to `table` (evicting on demand); False, nothing
@@ -568,29 +579,26 @@ class PrefixCache:
         new = self.allocate(num_blocks)
         if new is None:
             return False
-        table.blocks += new
-        table.private.update(new)
+        table.blocks += tuple(new)
         return True
 
     def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
         """Insert `tokens` (their KV written in `table`'s blocks) under the table's lock, which
-        moves to the inserted path; the table takes the canonical blocks the tree returns and
-        keeps as private only what the tree did not adopt. Raises like `insert`."""
+        moves to the inserted path; the table takes the canonical blocks the tree returns (what
+        the tree did not adopt stays private). Raises like `insert`."""
         assert table.handle is not None, "a table admitted without the cache cannot commit"
         k = -(-len(tokens) // self.block_size)
         result = self.insert(tokens, table.blocks[:k], handle=table.handle)
         table.handle = result.handle
-        table.private.difference_update(table.blocks[:k])
-        table.private.update(result.owned_block_ids)
-        table.blocks[:k] = result.block_ids
+        table.blocks = result.block_ids + table.blocks[k:]
 
     def close(self, table: BlockTable) -> None:
         """Release the table's lock and free its private blocks; the table is left empty."""
         if table.handle is not None:
             self.release(table.handle)
-        if table.private:  # nothing cached lives in them: their order does not matter
-            self.free([b for b in table.blocks if b in table.private])
-        table.blocks, table.private, table.handle, table.copy = [], set(), None, None
+        # Nothing cached lives in them: their order does not matter.
+        self._free_private([b for b in table.blocks if b in self._private])
+        table.blocks, table.handle, table.copy = (), None, None
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:

@@ -257,9 +257,11 @@ class RadixTree:
         covered = num_idx if p == n else p // B
         del canonical[covered:]
         new_ids = ids[covered:].tolist()
+        # A table built from the match holds the tree's own ints: compared by identity.
         if type(block_ids) is list:
-            # A table built from the match holds the tree's own ints: compared by identity.
             as_cached = block_ids[:covered] == canonical
+        elif type(block_ids) is tuple:
+            as_cached = block_ids[:covered] == tuple(canonical)
         else:
             as_cached = ids[:covered] == array("I", canonical)
         # The blocks of a tree path are distinct, so when the covered part is the tree's, only the
