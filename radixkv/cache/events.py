@@ -376,10 +376,6 @@ class BlockHashIndex:
         else:
             raise TypeError(f"not a KV event: {event!r}")
 
-    def apply_all(self, events: Iterable[KVEvent]) -> None:
-        for event in events:
-            self.apply(event)
-
     def _store(self, event: BlockStored) -> None:
         B = event.block_size
         if len(event.token_ids) != B * len(event.block_hashes):

@@ -412,14 +412,14 @@ class PrefixCache:
         Evicts only as many blocks as the free list lacks. Raises TypeError/ValueError for a count
         that is not an int >= 0.
         """
-        n = check_size(num_blocks, "num_blocks", low=0)
-        short = n - self._pool.num_free
-        if short > 0:
+        ids = self._pool.allocate(num_blocks)  # checks the count
+        if ids is None:
+            short = num_blocks - self._pool.num_free
             if short > self._tree.num_evictable_blocks:
                 return None
             self._evict(short)
-        ids = self._pool.allocate(n)
-        assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
+            ids = self._pool.allocate(num_blocks)
+            assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
         self._private.update(ids)
         return ids
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.cache.events import BlockEvents
-from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_key, tail_tokens
+from radixkv.cache.eviction import EvictionIndex, EvictionKey, tail_tokens
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
@@ -118,15 +118,15 @@ class RadixTree:
     dropped): a match taken at an older version may point at nodes that moved.
     """
 
-    def __init__(self, pool: BlockPool, eviction_key: EvictionKey | None = None) -> None:
-        """`eviction_key`: the eviction order (`radixkv.cache.eviction`); None = GDSF."""
+    def __init__(self, pool: BlockPool, eviction_key: EvictionKey) -> None:
+        """`eviction_key`: the eviction order (`radixkv.cache.eviction`)."""
         self.pool = pool
         self.block_size = pool.block_size
         self._node_ids = itertools.count(1)  # 0 is the shared root's
         self.roots: dict[str | None, TreeNode] = {
             None: TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
         }
-        self.index = EvictionIndex(eviction_key or gdsf_key(self.block_size))
+        self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
         self.events = BlockEvents(self.block_size, self._iter_attached)
         self.version = 0
@@ -442,11 +442,19 @@ class RadixTree:
         return leaf
 
     # ------------------------------------------------------------------ locking
-    def lock_path(self, node: TreeNode, tick: int) -> None:
-        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (its root included)."""
+    def lock_path(self, node: TreeNode, tick: int, stop: TreeNode | None = None) -> None:
+        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor below `stop` (None: its
+        root included). A node that was unlocked leaves the eviction index and its own blocks stop
+        being evictable."""
         node.tick = tick
         node.gdsf_base = self.inflation
-        self._lock_up(node, None)
+        while node is not stop:
+            if node.lock_ref == 0:
+                if node.evict_key is not None:  # an unlocked leaf: a member of the index
+                    self.index.discard(node)
+                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
 
     def num_blocks_pinned_by_lock(self, node: TreeNode | None) -> int:
         """Evictable blocks `lock_path(node)` would take out of `num_evictable_blocks`: the own
@@ -467,8 +475,6 @@ class RadixTree:
         `start` than their descendants (the root aside), which finds the common ancestor without
         knowing depths.
         """
-        new.tick = tick
-        new.gdsf_base = self.inflation
         a, b = new, old
         while a is not b:  # up to the lowest common ancestor
             if b.parent is None or (a.parent is not None and a.start > b.start):
@@ -478,41 +484,24 @@ class RadixTree:
             else:  # equal starts: two different nodes hanging below the same position
                 a = a.parent  # type: ignore[assignment]
                 b = b.parent  # type: ignore[assignment]
-        self._lock_up(new, a)
-        self._unlock_up(old, a)
+        self.lock_path(new, tick, a)
+        self.unlock_path(old, a)
 
-    def unlock_path(self, node: TreeNode) -> None:
-        """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
-        the tick they already have; a namespace root left empty is dropped."""
-        root = self._unlock_up(node, None)
-        if root.namespace is not None:
-            self._drop_if_empty(root)
-
-    def _lock_up(self, node: TreeNode | None, stop: TreeNode | None) -> None:
-        """lock_ref += 1 on `node` and its ancestors below `stop`; a node that was unlocked leaves
-        the eviction index and its own blocks stop being evictable."""
-        while node is not stop:
-            if node.lock_ref == 0:
-                if node.evict_key is not None:  # an unlocked leaf: a member of the index
-                    self.index.discard(node)
-                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
-            node.lock_ref += 1
-            node = node.parent
-
-    def _unlock_up(self, node: TreeNode, stop: TreeNode | None) -> TreeNode:
-        """lock_ref -= 1 on `node` and its ancestors below `stop`; a node left unlocked has its own
-        blocks evictable and, a leaf, joins the index with the tick it has. Returns the last node
-        unlocked."""
-        last = node
+    def unlock_path(self, node: TreeNode, stop: TreeNode | None = None) -> None:
+        """lock_ref -= 1 on `node` and every ancestor below `stop` (None: its root included); a
+        node left unlocked has its own blocks evictable and, a leaf, joins the eviction index with
+        the tick it already has; a namespace root left empty is dropped."""
         while node is not stop:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+            parent = node.parent
             if node.lock_ref == 0:
                 self.num_evictable_blocks += len(node.blocks) - node.head_shared
-                if not node.children and node.parent is not None:
+                if parent is not None and not node.children:
                     self.index.add(node)
-            last, node = node, node.parent  # type: ignore[assignment]
-        return last
+                elif parent is None and node.namespace is not None:
+                    self._drop_if_empty(node)
+            node = parent  # type: ignore[assignment]
 
     def _drop_if_empty(self, root: TreeNode) -> None:
         """Forget a namespace root with nothing cached and no lock (the shared root stays)."""
