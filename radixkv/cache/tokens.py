@@ -145,14 +145,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = No
 def uint32_array(values: Sequence[int], name: str, what: str) -> array:
     """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type,
     sign and range are checked in one C pass. TypeError/ValueError naming the culprit."""
-    if (
-        type(values) is not list
-        and type(values) is not tuple
-        and (
-            isinstance(values, (str, bytes, bytearray, memoryview, Set, Mapping))
-            or not hasattr(values, "__len__")
-            or not hasattr(values, "__getitem__")
-        )
+    if type(values) not in (list, tuple) and (
+        isinstance(values, (str, bytes, bytearray, memoryview, Set, Mapping))
+        or not hasattr(values, "__len__")
+        or not hasattr(values, "__getitem__")
     ):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     try:
