@@ -91,10 +91,11 @@ def run(
     requests: Sequence[tuple[int, Sequence[int], Sequence[int], list[int], list[int]]],
     tokens: str,
     block_size: int,
+    eviction: str = "gdsf",
 ) -> np.ndarray:
     """One pass over the requests on a fresh cache: ns per call, [num_requests, len(CALLS)]."""
     num_blocks = sum(-(-len(written) // block_size) + 1 for _, _, written, _, _ in requests)
-    cache = PrefixCache(num_blocks=num_blocks, block_size=block_size)
+    cache = PrefixCache(num_blocks=num_blocks, block_size=block_size, eviction=eviction)
     clock = time.perf_counter_ns
     ns = np.zeros((len(requests), len(CALLS)), dtype=np.int64)
     packed_history: dict[int, PackedTokens] = {}
@@ -130,10 +131,14 @@ def run(
 def compare(rev: str, args: argparse.Namespace) -> int:
     """Run this script here and in an export of `rev`, alternately; print the two medians."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    own = [a for a in sys.argv[1:] if not a.startswith("--against") and a != rev]
-    own = [a for i, a in enumerate(own) if not (i and own[i - 1] == "--rounds")]
-    own = [a for a in own if not a.startswith("--rounds")]
+    theirs = [
+        *("--tokens", args.tokens, "--conversations", str(args.conversations)),
+        *("--turns", str(args.turns), "--block-size", str(args.block_size)),
+        *("--repeat", str(args.repeat)),
+    ]
+    ours = [*theirs, "--eviction", args.eviction]  # the revision runs its own order
     medians: dict[str, list[float]] = {"before": [], "after": []}
+    per_call: dict[str, dict[float, str]] = {"before": {}, "after": {}}  # median -> its calls
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "archive", rev], cwd=root, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
@@ -145,7 +150,7 @@ def compare(rev: str, args: argparse.Namespace) -> int:
                 env = {**os.environ, "PYTHONPATH": src}
                 script = os.path.join(src, "benchmarks", "request_cost.py")
                 out = subprocess.run(
-                    [sys.executable, script, *own],
+                    [sys.executable, script, *(ours if side == "after" else theirs)],
                     cwd=src,
                     env=env,
                     capture_output=True,
@@ -155,9 +160,13 @@ def compare(rev: str, args: argparse.Namespace) -> int:
                 found = re.search(r"1k-2k-token prompts: ([0-9.]+)", out)
                 assert found, out
                 medians[side].append(float(found.group(1)))
+                calls = re.search(r"per call: (.*)", out)
+                per_call[side][medians[side][-1]] = calls.group(1) if calls else ""
     before, after = min(medians["before"]), min(medians["after"])
     print(f"{rev} (before): median µs per request {before:.1f}  (runs {medians['before']})")
+    print(f"  per call, fastest run: {per_call['before'][before]}")
     print(f"this tree (after): median µs per request {after:.1f}  (runs {medians['after']})")
+    print(f"  per call, fastest run: {per_call['after'][after]}")
     print(f"after / before: {after / before:.3f}")
     return 0
 
@@ -169,6 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=7, help="each request's fastest run counts")
+    parser.add_argument(
+        "--eviction",
+        choices=("gdsf", "lru"),
+        default="gdsf",
+        help="this tree's eviction order; with --against, the revision keeps its own (LRU before"
+        " GDSF came in: lru compares like with like)",
+    )
     parser.add_argument("--against", metavar="REV", help="compare with a git revision")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side with --against")
     args = parser.parse_args(argv)
@@ -180,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     best: np.ndarray | None = None
     for _ in range(args.repeat):
         gc.collect()
-        ns = run(requests, args.tokens, args.block_size)
+        ns = run(requests, args.tokens, args.block_size, args.eviction)
         # Per request, its fastest whole run (so its calls' times add up to its total).
         faster = ns.sum(1) < best.sum(1) if best is not None else True
         best = np.where(np.reshape(faster, (-1, 1)), ns, best if best is not None else ns)

@@ -54,7 +54,7 @@ class Scheduler:
     Invariants (recomputed by `check_integrity`):
     * every live request is either in the waiting queue (no block table) or running;
     * at most `max_num_seqs` running; each running request's table covers its written tokens, its
-      private blocks are entries of its table and no block is private to two requests;
+      blocks are distinct and no block is private to two requests;
     * the scheduler is its cache's only user: every private block and lock handle of the cache
       belongs to a running request, so with nothing running nothing is in use (no leak).
     """
@@ -441,7 +441,8 @@ class Scheduler:
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start:end]),
             start_position=start,
-            block_table=tuple(req.table.blocks[: _cdiv(end, self._block_size)]),
+            # The table's own tuple (no copy) when the row covers all of it, as decodes do.
+            block_table=req.table.blocks[: _cdiv(end, self._block_size)],
             sample=end == req.num_tokens,
         )
 
@@ -468,7 +469,6 @@ class Scheduler:
             assert _cdiv(req.num_computed_tokens, B) <= len(blocks) <= _cdiv(req.num_tokens, B), req
             assert len(set(blocks)) == len(blocks), f"{req}: {blocks}"
             assert all(0 <= b < self.cache.num_blocks for b in blocks), blocks
-            assert table.private <= set(blocks), req
             assert (table.handle is not None) == self._use_cache, req
             for b in table.private:
                 assert b not in private_owner, f"block {b} private to {private_owner[b]} and {rid}"

@@ -50,6 +50,8 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
+from radixkv.cache.tokens import unpack_tokens
+
 logger = logging.getLogger(__name__)
 
 _xxh64 = xxhash.xxh64_intdigest
@@ -283,7 +285,7 @@ class BlockEvents:
         first = node.start // B
         tokens = self._path_bytes(node, first * B, (first + len(hashes)) * B)
         parent = None if first == 0 else self._last_hash(node.parent)
-        return BlockStored(tuple(hashes), parent, unpack_native(tokens), B)
+        return BlockStored(tuple(hashes), parent, tuple(unpack_tokens(tokens)), B)
 
     def _hashes(self, node: HashedNode) -> list[int]:
         """`node.block_hashes`, computed (with those of its ancestors that lack them) if needed."""
@@ -331,11 +333,6 @@ class BlockEvents:
         return b"".join(reversed(parts))
 
 
-def unpack_native(packed: bytes) -> tuple[int, ...]:
-    """Packed native uint32 token ids as ints."""
-    return tuple(memoryview(packed).cast("I"))
-
-
 # ------------------------------------------------------------------------ reference consumer
 class BlockHashIndex:
     """What a router knows of one replica: the set of full-block hashes, from events alone.
@@ -375,10 +372,6 @@ class BlockHashIndex:
             self.tokens.clear()
         else:
             raise TypeError(f"not a KV event: {event!r}")
-
-    def apply_all(self, events: Iterable[KVEvent]) -> None:
-        for event in events:
-            self.apply(event)
 
     def _store(self, event: BlockStored) -> None:
         B = event.block_size

@@ -64,10 +64,8 @@ def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
     priority = `node.gdsf_base + tail_tokens` (see the module docstring)."""
 
     def key(node: SegmentNode) -> tuple[int, int, int]:
-        # tail_tokens inlined: this runs on every release of a leaf (see benchmarks/RESULTS.md)
-        end, start = node.end, node.start
-        last = (end - 1) // block_size * block_size
-        return (node.gdsf_base + end - (start if start > last else last), node.tick, node.node_id)
+        cost = tail_tokens(node.start, node.end, block_size)
+        return (node.gdsf_base + cost, node.tick, node.node_id)
 
     return key
 

@@ -59,7 +59,8 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         """Current number of owners of `block_id` (0 = free). TypeError/ValueError for a bad id."""
-        self._check_id(block_id)
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)
         return self._refs[block_id]
 
     def is_free(self, block_id: int) -> bool:
@@ -85,7 +86,7 @@ class BlockPool:
 
     def add_owner(self, block_id: int) -> None:
         """One more owner of a used block. ValueError if the block is free (allocate it instead)."""
-        if self.ref_count(block_id) == 0:
+        if not self.ref_count(block_id):
             raise ValueError(f"block {block_id} is free: a free block cannot gain an owner")
         self._refs[block_id] += 1
 
@@ -97,10 +98,11 @@ class BlockPool:
         Validates everything first: TypeError/ValueError (nothing changed) if an id is not an int
         in range, is repeated, or is already free.
         """
-        refs = self._refs
+        refs, n = self._refs, self.num_blocks
         for b in block_ids:
-            self._check_id(b)
-            if refs[b] == 0:
+            if type(b) is not int or not 0 <= b < n:
+                self._check_id(b)
+            if not refs[b]:
                 raise ValueError(f"block {b} is already free")
         if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block_ids contains a repeated id: {list(block_ids)}")
@@ -143,8 +145,6 @@ class BlockPool:
                 raise AssertionError(f"block {b} ref count {r} != {owners.get(b, 0)} owners")
 
     def _check_id(self, block_id: object) -> None:
-        if type(block_id) is int and 0 <= block_id < self.num_blocks:
-            return
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
         if not 0 <= block_id < self.num_blocks:

@@ -119,13 +119,16 @@ class MatchResult:
 class _Lease:
     """The record every copy of one LockHandle shares (`copy`, `deepcopy` and
     `dataclasses.replace` keep it): when the last copy is garbage-collected while its lock is
-    still held, the issuing cache reports a leak, once."""
+    still held (its id still in the issuing cache's `live` table), `on_leak` reports it, once."""
 
-    __slots__ = ("handle_id", "on_drop")
+    __slots__ = ("handle_id", "live", "on_leak")
 
-    def __init__(self, handle_id: int, on_drop: Callable[[int], None]) -> None:
+    def __init__(
+        self, handle_id: int, live: dict[int, _Lock], on_leak: Callable[[int], None]
+    ) -> None:
         self.handle_id = handle_id
-        self.on_drop = on_drop
+        self.live = live
+        self.on_leak = on_leak
 
     def __copy__(self) -> _Lease:
         return self
@@ -134,7 +137,8 @@ class _Lease:
         return self
 
     def __del__(self) -> None:
-        self.on_drop(self.handle_id)
+        if self.handle_id in self.live:  # released, the common case: no call
+            self.on_leak(self.handle_id)
 
 
 @dataclass(slots=True)
@@ -179,16 +183,23 @@ class BlockTable:
     """The blocks one request uses: issued by `PrefixCache.admit`, changed by `grow` and
     `commit`, given back by `close` (the cache's methods are its only writers).
 
-    `blocks[i]` is the physical block of block index i. `private` are the entries the request
-    holds alone (allocated, not adopted by the tree); the others are tree blocks that `handle`
-    keeps locked (None: the table was admitted without the cache and holds private blocks only).
+    `blocks[i]` is the physical block of block index i. It is a tuple, replaced whole on every
+    change, so whoever holds it (a scheduler step's rows) keeps what it was given without a copy.
+    The entries that are not private are tree blocks that `handle` keeps locked (None: the table
+    was admitted without the cache and holds private blocks only).
     """
 
-    blocks: list[int]
-    private: set[int]
+    blocks: tuple[int, ...]
     handle: LockHandle | None
     num_cached_tokens: int  # the hit at admission: KV of tokens [0, m) is there already
     copy: tuple[int, int, int] | None  # (source, target, slots): copy-on-write of a partial hit
+    # The issuing cache's record of every private block (its one home), read-only here.
+    is_private: Callable[[int], bool] = field(repr=False)
+
+    @property
+    def private(self) -> set[int]:
+        """The entries the request holds alone (allocated, not adopted by the tree)."""
+        return {b for b in self.blocks if self.is_private(b)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,12 +284,12 @@ class PrefixCache:
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         cache = weakref.ref(self)
 
-        def on_handle_dropped(handle_id: int) -> None:
+        def on_leak(handle_id: int) -> None:
             live = cache()
             if live is not None:
-                live._report_if_leaked(handle_id)
+                live._report_leak(handle_id)
 
-        self._on_handle_dropped = on_handle_dropped
+        self._on_leak = on_leak
 
     def __repr__(self) -> str:
         return (
@@ -359,7 +370,8 @@ class PrefixCache:
         qb = pack_tokens(tokens)
         n = len(qb) // 4
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
-        _check_namespace(namespace)
+        if namespace is not None:
+            _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
         block_ids = tuple(blocks)
         fields = (n, m, block_ids, m % self.block_size, namespace)
@@ -378,7 +390,8 @@ class PrefixCache:
         node = matched.node
         if node is None:
             node = self._tree.open_root(match.namespace)
-        tick = self._tick()
+        self._clock += 1
+        tick = self._clock
         self._tree.lock_path(node, tick)
         m = match.num_cached_tokens
         self._counts["num_queries"] += 1
@@ -399,14 +412,14 @@ class PrefixCache:
         Evicts only as many blocks as the free list lacks. Raises TypeError/ValueError for a count
         that is not an int >= 0.
         """
-        n = check_size(num_blocks, "num_blocks", low=0)
-        short = n - self._pool.num_free
-        if short > 0:
+        ids = self._pool.allocate(num_blocks)  # checks the count
+        if ids is None:
+            short = num_blocks - self._pool.num_free
             if short > self._tree.num_evictable_blocks:
                 return None
             self._evict(short)
-        ids = self._pool.allocate(n)
-        assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
+            ids = self._pool.allocate(num_blocks)
+            assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
         self._private.update(ids)
         return ids
 
@@ -423,6 +436,10 @@ class PrefixCache:
                 f"block_ids {foreign} are not held privately by the caller (never allocated,"
                 " already freed, or adopted by the tree)"
             )
+        self._free_private(ids)
+
+    def _free_private(self, ids: list[int]) -> None:
+        """Give private blocks back to the pool (checked by the caller)."""
         self._private.difference_update(ids)
         self._pool.release(ids)
 
@@ -467,7 +484,8 @@ class PrefixCache:
         qb, plan, old, namespace = self._plan_insert(tokens, block_ids, handle, namespace)
         n = len(qb) // 4
         # Validated: commit.
-        tick = self._tick()
+        self._clock += 1
+        tick = self._clock
         if handle is not None:
             del self._live[handle.handle_id]  # its lock moves to the new handle below
         target, superseded = self._tree.commit_insert(
@@ -483,12 +501,12 @@ class PrefixCache:
         self._counts["num_inserted_tokens"] += n - plan.num_cached
         self._counts["num_duplicate_blocks_freed"] += len(plan.duplicates)
         self._counts["num_superseded_tails_freed"] += superseded
-        return InsertResult(
-            num_new_tokens=n - plan.num_cached,
-            block_ids=table,
-            owned_block_ids=() if plan.kept is None else (plan.kept,),
-            num_freed_duplicates=len(plan.duplicates),
-            handle=self._new_handle(target, qb, n, path, namespace),
+        return InsertResult(  # positional: keywords cost twice as much here
+            n - plan.num_cached,
+            table,
+            () if plan.kept is None else (plan.kept,),
+            len(plan.duplicates),
+            self._new_handle(target, qb, n, path, namespace),
         )
 
     def _plan_insert(
@@ -509,7 +527,8 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size"
                 f" {self.block_size} need exactly ceil({n}/{self.block_size}) = {num_idx}"
             )
-        _check_namespace(namespace)
+        if namespace is not None:
+            _check_namespace(namespace)
         old = None if handle is None else self._live_lock(handle)
         if old is not None and namespace not in (None, old.namespace):
             raise ValueError(
@@ -552,7 +571,7 @@ class PrefixCache:
             blocks[-1] = new[0]
         blocks += new[1:] if partial else new
         hit = 0 if match is None else match.num_cached_tokens
-        return BlockTable(blocks, set(new), handle, hit, copy)
+        return BlockTable(tuple(blocks), handle, hit, copy, self._private.__contains__)
 
     def grow(self, table: BlockTable, num_blocks: int) -> bool:
         """Append `num_blocks` private blocks to `table` (evicting on demand); False, nothing
@@ -560,29 +579,26 @@ class PrefixCache:
         new = self.allocate(num_blocks)
         if new is None:
             return False
-        table.blocks += new
-        table.private.update(new)
+        table.blocks += tuple(new)
         return True
 
     def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
         """Insert `tokens` (their KV written in `table`'s blocks) under the table's lock, which
-        moves to the inserted path; the table takes the canonical blocks the tree returns and
-        keeps as private only what the tree did not adopt. Raises like `insert`."""
+        moves to the inserted path; the table takes the canonical blocks the tree returns (what
+        the tree did not adopt stays private). Raises like `insert`."""
         assert table.handle is not None, "a table admitted without the cache cannot commit"
         k = -(-len(tokens) // self.block_size)
         result = self.insert(tokens, table.blocks[:k], handle=table.handle)
         table.handle = result.handle
-        table.private.difference_update(table.blocks[:k])
-        table.private.update(result.owned_block_ids)
-        table.blocks[:k] = result.block_ids
+        table.blocks = result.block_ids + table.blocks[k:]
 
     def close(self, table: BlockTable) -> None:
         """Release the table's lock and free its private blocks; the table is left empty."""
         if table.handle is not None:
             self.release(table.handle)
-        if table.private:  # nothing cached lives in them: their order does not matter
-            self.free([b for b in table.blocks if b in table.private])
-        table.blocks, table.private, table.handle, table.copy = [], set(), None, None
+        # Nothing cached lives in them: their order does not matter.
+        self._free_private([b for b in table.blocks if b in self._private])
+        table.blocks, table.handle, table.copy = (), None, None
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> list[int]:
@@ -692,10 +708,6 @@ class PrefixCache:
             raise AssertionError(f"handle {hid}: locks a node outside namespace {lock.namespace}")
 
     # ---------------------------------------------------------------- internals
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _new_handle(
         self,
         node: TreeNode,
@@ -706,7 +718,7 @@ class PrefixCache:
     ) -> LockHandle:
         hid = self._next_handle_id
         self._next_handle_id = hid + 1
-        lease = _Lease(hid, self._on_handle_dropped)
+        lease = _Lease(hid, self._live, self._on_leak)
         self._live[hid] = _Lock(node, tokens, num_tokens, block_ids, namespace)
         return LockHandle(hid, num_tokens, lease)
 
@@ -718,8 +730,13 @@ class PrefixCache:
         if not isinstance(matched, _Matched) or matched.tree is not self._tree:
             raise ValueError("match was not produced by this cache")
         m = match
-        fields = (m.num_query_tokens, m.num_cached_tokens, m.block_ids, m.num_partial_slots)
-        if matched.fields != (*fields, m.namespace):
+        if matched.fields != (
+            m.num_query_tokens,
+            m.num_cached_tokens,
+            m.block_ids,
+            m.num_partial_slots,
+            m.namespace,
+        ):
             raise ValueError("match was edited after match(): its fields differ from the cache's")
         # Same version => no structural change since the match: the node is still in the tree.
         if matched.version != self._tree.version:
@@ -738,7 +755,7 @@ class PrefixCache:
         if (
             lock is None
             or lease is None
-            or lease.on_drop is not self._on_handle_dropped
+            or lease.live is not self._live
             or lease.handle_id != handle.handle_id
         ):
             raise ValueError(
@@ -775,21 +792,20 @@ class PrefixCache:
                 self._tree.check_block_range(i, int(b))
             raise  # pragma: no cover
 
-    def _report_if_leaked(self, handle_id: int) -> None:
-        """Every copy of a handle is gone: report it if its lock is still held."""
-        if handle_id in self._live:
-            self._counts["num_leaked_handles"] += 1
-            logger.warning(
-                "lock handle %d was dropped without release(); its path stays locked", handle_id
-            )
-            warnings.warn(
-                f"LockHandle {handle_id} was garbage-collected without PrefixCache.release();"
-                " its path stays locked",
-                ResourceWarning,
-                stacklevel=2,
-            )
+    def _report_leak(self, handle_id: int) -> None:
+        """Every copy of a handle is gone while its lock is still held."""
+        self._counts["num_leaked_handles"] += 1
+        logger.warning(
+            "lock handle %d was dropped without release(); its path stays locked", handle_id
+        )
+        warnings.warn(
+            f"LockHandle {handle_id} was garbage-collected without PrefixCache.release();"
+            " its path stays locked",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
 
 def _check_namespace(namespace: object) -> None:
-    if namespace is not None and not isinstance(namespace, str):
+    if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")

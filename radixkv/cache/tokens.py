@@ -20,6 +20,7 @@ _TOKEN_DTYPE = np.dtype("=u4")
 _INT32_DTYPE = np.dtype("=i4")
 _SIGN_BYTE = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0  # the byte holding bit 31
 assert array("I").itemsize == TOKEN_BYTES, "radixkv needs a 4-byte C unsigned int"
+_NO_TOKENS: tuple[int, ...] = ()
 
 
 def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
@@ -53,8 +54,9 @@ class PackedTokens(Sequence[int]):
 
     __slots__ = ("_packed",)
 
-    def __init__(self, tokens: Sequence[int] = ()) -> None:
-        self._packed: bytes = pack_tokens(tokens)
+    def __init__(self, tokens: Sequence[int] = _NO_TOKENS) -> None:
+        # The default has nothing to check: `frombytes` and `+` build on it.
+        self._packed: bytes = b"" if tokens is _NO_TOKENS else pack_tokens(tokens)
 
     @classmethod
     def frombytes(cls, packed: bytes) -> PackedTokens:
@@ -143,7 +145,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = No
 def uint32_array(values: Sequence[int], name: str, what: str) -> array:
     """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type,
     sign and range are checked in one C pass. TypeError/ValueError naming the culprit."""
-    if type(values) is not list and (
+    if type(values) not in (list, tuple) and (
         isinstance(values, (str, bytes, bytearray, memoryview, Set, Mapping))
         or not hasattr(values, "__len__")
         or not hasattr(values, "__getitem__")

@@ -27,13 +27,15 @@ whole node at a time; only the node where a walk diverges looks for the first mi
 
 from __future__ import annotations
 
+import itertools
+import struct
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.cache.events import BlockEvents
-from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_key, tail_tokens
+from radixkv.cache.eviction import EvictionIndex, EvictionKey, tail_tokens
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
@@ -70,7 +72,7 @@ class TreeNode:
 
     @property
     def first_token(self) -> int:
-        return memoryview(self.tokens).cast("I")[0]
+        return struct.unpack_from("=I", self.tokens)[0]
 
     def __repr__(self) -> str:
         return (
@@ -116,15 +118,15 @@ class RadixTree:
     dropped): a match taken at an older version may point at nodes that moved.
     """
 
-    def __init__(self, pool: BlockPool, eviction_key: EvictionKey | None = None) -> None:
-        """`eviction_key`: the eviction order (`radixkv.cache.eviction`); None = GDSF."""
+    def __init__(self, pool: BlockPool, eviction_key: EvictionKey) -> None:
+        """`eviction_key`: the eviction order (`radixkv.cache.eviction`)."""
         self.pool = pool
         self.block_size = pool.block_size
-        self._next_node_id = 1
+        self._node_ids = itertools.count(1)  # 0 is the shared root's
         self.roots: dict[str | None, TreeNode] = {
             None: TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
         }
-        self.index = EvictionIndex(eviction_key or gdsf_key(self.block_size))
+        self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
         self.events = BlockEvents(self.block_size, self._iter_attached)
         self.version = 0
@@ -142,7 +144,7 @@ class RadixTree:
         root = self.roots.get(namespace)
         if root is None:
             root = TreeNode(
-                node_id=self._new_node_id(),
+                node_id=next(self._node_ids),
                 parent=None,
                 start=0,
                 end=0,
@@ -255,9 +257,11 @@ class RadixTree:
         covered = num_idx if p == n else p // B
         del canonical[covered:]
         new_ids = ids[covered:].tolist()
+        # A table built from the match holds the tree's own ints: compared by identity.
         if type(block_ids) is list:
-            # A table built from the match holds the tree's own ints: compared by identity.
             as_cached = block_ids[:covered] == canonical
+        elif type(block_ids) is tuple:
+            as_cached = block_ids[:covered] == tuple(canonical)
         else:
             as_cached = ids[:covered] == array("I", canonical)
         # The blocks of a tree path are distinct, so when the covered part is the tree's, only the
@@ -318,12 +322,14 @@ class RadixTree:
         dropped its partial tail for the leaf's copy)."""
         node, p, B = plan.node, plan.num_cached, self.block_size
         n = len(qb) // TOKEN_BYTES
-        if n == p:
-            self._lock_or_move(old_node, node, tick)
-            return node, False
-        if p < node.end:
+        if p < node.end and p < n:
             node = self.split(node, p)
-        self._lock_or_move(old_node, node, tick)
+        if old_node is None:
+            self.lock_path(node, tick)
+        else:
+            self.move_lock(old_node, node, tick)
+        if n == p:
+            return node, False
         superseded = False
         if plan.co_owned is not None:
             self.pool.add_owner(plan.co_owned)
@@ -340,12 +346,6 @@ class RadixTree:
         plan.table += plan.new_ids
         return leaf, superseded
 
-    def _lock_or_move(self, old: TreeNode | None, new: TreeNode, tick: int) -> None:
-        if old is None:
-            self.lock_path(new, tick)
-        else:
-            self.move_lock(old, new, tick)
-
     # ---------------------------------------------------------------- structure
     def split(self, node: TreeNode, p: int) -> TreeNode:
         """Split `node` [s, e) at absolute position s < p < e; returns the NEW prefix node [s, p).
@@ -361,7 +361,7 @@ class RadixTree:
         cut = TOKEN_BYTES * (p - s)
         first = s // B
         prefix = TreeNode(
-            node_id=self._new_node_id(),
+            node_id=next(self._node_ids),
             parent=parent,
             start=s,
             end=p,
@@ -427,18 +427,10 @@ class RadixTree:
         """Add a locked leaf under `parent`, whose path the caller has locked; the parent ends
         where the leaf starts and has no child with its first token. The caller has taken
         ownership of `blocks` for the leaf (transferred or co-owned). Bumps `version`."""
-        leaf = TreeNode(
-            node_id=self._new_node_id(),
-            parent=parent,
-            start=parent.end,
-            end=parent.end + len(tokens) // TOKEN_BYTES,
-            tokens=tokens,
-            blocks=blocks,
-            head_shared=head_shared,
-            lock_ref=1,
-            tick=tick,
-            gdsf_base=self.inflation,
-        )
+        start = parent.end
+        end = start + len(tokens) // TOKEN_BYTES
+        leaf = TreeNode(next(self._node_ids), parent, start, end, tokens, blocks, head_shared)
+        leaf.lock_ref, leaf.tick, leaf.gdsf_base = 1, tick, self.inflation
         first = leaf.first_token
         assert first not in parent.children, f"parent {parent.node_id} already has child {first}"
         assert parent.lock_ref >= 1, "lock the parent path before attaching a locked leaf"
@@ -450,11 +442,19 @@ class RadixTree:
         return leaf
 
     # ------------------------------------------------------------------ locking
-    def lock_path(self, node: TreeNode, tick: int) -> None:
-        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor (its root included)."""
+    def lock_path(self, node: TreeNode, tick: int, stop: TreeNode | None = None) -> None:
+        """Stamp `node` with `tick`; lock_ref += 1 on it and every ancestor below `stop` (None: its
+        root included). A node that was unlocked leaves the eviction index and its own blocks stop
+        being evictable."""
         node.tick = tick
         node.gdsf_base = self.inflation
-        self._lock_up(node, None)
+        while node is not stop:
+            if node.lock_ref == 0:
+                if node.evict_key is not None:  # an unlocked leaf: a member of the index
+                    self.index.discard(node)
+                self.num_evictable_blocks -= len(node.blocks) - node.head_shared
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
 
     def num_blocks_pinned_by_lock(self, node: TreeNode | None) -> int:
         """Evictable blocks `lock_path(node)` would take out of `num_evictable_blocks`: the own
@@ -462,7 +462,7 @@ class RadixTree:
         every ancestor of a locked node is locked (locks cover whole paths)."""
         pinned = 0
         while node is not None and node.lock_ref == 0:
-            pinned += node.num_own_blocks
+            pinned += len(node.blocks) - node.head_shared
             node = node.parent
         return pinned
 
@@ -475,8 +475,6 @@ class RadixTree:
         `start` than their descendants (the root aside), which finds the common ancestor without
         knowing depths.
         """
-        new.tick = tick
-        new.gdsf_base = self.inflation
         a, b = new, old
         while a is not b:  # up to the lowest common ancestor
             if b.parent is None or (a.parent is not None and a.start > b.start):
@@ -486,39 +484,24 @@ class RadixTree:
             else:  # equal starts: two different nodes hanging below the same position
                 a = a.parent  # type: ignore[assignment]
                 b = b.parent  # type: ignore[assignment]
-        self._lock_up(new, a)
-        self._unlock_up(old, a)
+        self.lock_path(new, tick, a)
+        self.unlock_path(old, a)
 
-    def unlock_path(self, node: TreeNode) -> None:
-        """lock_ref -= 1 on `node` and every ancestor; unlocked leaves join the eviction index with
-        the tick they already have; a namespace root left empty is dropped."""
-        self._drop_if_empty(self._unlock_up(node, None))
-
-    def _lock_up(self, node: TreeNode | None, stop: TreeNode | None) -> None:
-        """lock_ref += 1 on `node` and its ancestors below `stop`; a node that was unlocked leaves
-        the eviction index and its own blocks stop being evictable."""
-        while node is not stop:
-            if node.lock_ref == 0:
-                if node.evict_key is not None:  # an unlocked leaf: a member of the index
-                    self.index.discard(node)
-                self.num_evictable_blocks -= node.num_own_blocks
-            node.lock_ref += 1
-            node = node.parent
-
-    def _unlock_up(self, node: TreeNode, stop: TreeNode | None) -> TreeNode:
-        """lock_ref -= 1 on `node` and its ancestors below `stop`; a node left unlocked has its own
-        blocks evictable and, a leaf, joins the index with the tick it has. Returns the last node
-        unlocked."""
-        last = node
+    def unlock_path(self, node: TreeNode, stop: TreeNode | None = None) -> None:
+        """lock_ref -= 1 on `node` and every ancestor below `stop` (None: its root included); a
+        node left unlocked has its own blocks evictable and, a leaf, joins the eviction index with
+        the tick it already has; a namespace root left empty is dropped."""
         while node is not stop:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, f"node {node.node_id} unlocked more often than locked"
+            parent = node.parent
             if node.lock_ref == 0:
-                self.num_evictable_blocks += node.num_own_blocks
-                if not node.children and node.parent is not None:
+                self.num_evictable_blocks += len(node.blocks) - node.head_shared
+                if parent is not None and not node.children:
                     self.index.add(node)
-            last, node = node, node.parent  # type: ignore[assignment]
-        return last
+                elif parent is None and node.namespace is not None:
+                    self._drop_if_empty(node)
+            node = parent  # type: ignore[assignment]
 
     def _drop_if_empty(self, root: TreeNode) -> None:
         """Forget a namespace root with nothing cached and no lock (the shared root stays)."""
@@ -761,11 +744,6 @@ class RadixTree:
     def check_block_range(self, i: int, b: int) -> None:
         if not 0 <= b < self.pool.num_blocks:
             raise ValueError(f"block_ids[{i}] = {b} is out of range [0, {self.pool.num_blocks})")
-
-    def _new_node_id(self) -> int:
-        nid = self._next_node_id
-        self._next_node_id = nid + 1
-        return nid
 
 
 def _fail(msg: str) -> None:

@@ -18,7 +18,7 @@ def test_admit_copies_a_partial_hit_and_close_returns_everything(make_cache) -> 
     cache.commit(first, PROMPT)
     assert first.private == set()  # the tree adopted every block
     cache.close(first)
-    assert first.blocks == [] and first.handle is None
+    assert first.blocks == () and first.handle is None
     s = cache.stats()
     assert s.num_in_use_blocks == 0 and s.num_live_handles == 0 and s.num_private_blocks == 0
 

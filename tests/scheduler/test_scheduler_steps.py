@@ -23,9 +23,9 @@ MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
 Harness = Any
 
 
-def blocks_of(req: Request) -> list[int]:
-    """The request's block table ([] when it holds none)."""
-    return req.table.blocks if req.table is not None else []
+def blocks_of(req: Request) -> tuple[int, ...]:
+    """The request's block table (() when it holds none)."""
+    return req.table.blocks if req.table is not None else ()
 
 
 def seq(start: int, n: int) -> list[int]:
@@ -190,6 +190,39 @@ def test_cow_of_partial_matched_block(harness: MakeHarness) -> None:
     assert row.block_table[2] != src and row.block_table[:2] == h.cache.match(shared).block_ids[:2]
     h.run()
     assert req.output_token_ids == h.reference(req)
+    h.assert_no_leak()
+
+
+def test_rows_take_the_table_as_it_is_and_it_stays_as_scheduled(harness: MakeHarness) -> None:
+    """A row's block table is the request's table itself (no copy per step) when it covers all of
+    it, and it cannot change under the step: the cache replaces a table whole (grow, commit), so
+    an output keeps the blocks its step wrote while the request moves on."""
+    h = harness(num_blocks=64, block_size=4, chunked_prefill_size=8)
+    tables: dict[str, tuple[int, ...]] = {}
+
+    def record() -> None:  # after the forward, before update_from_output
+        tables.update((r.request_id, r.table.blocks) for r in h.scheduler.running_requests)
+
+    req = h.add("a", seq(1, 6), max_tokens=6)
+    rows = []
+    for _ in range(5):  # the prefill, then decodes at positions 6 .. 9 (a new block at 8)
+        (row,) = h.step(in_flight=record).rows
+        assert row.block_table is tables["a"]
+        rows.append((row, tuple(row.block_table)))
+    assert [len(snapshot) for _, snapshot in rows] == [2, 2, 2, 3, 3]
+    assert all(row.block_table == snapshot for row, snapshot in rows)
+    assert blocks_of(req) is not rows[0][0].block_table  # committed and grown since
+    # Two requests compute [8, 16) of one prompt in the same step; the update swaps the second's
+    # duplicates for the first's blocks, and its row still names the blocks it wrote.
+    prompt = seq(100, 40)
+    r1 = h.add("r1", prompt, max_tokens=3)
+    h.step()
+    r2 = h.add("r2", prompt, max_tokens=3)
+    out = h.step(in_flight=record)
+    row2 = next(r for r in out.rows if r.request_id == "r2")
+    assert row2.block_table == tables["r2"][:4]
+    assert blocks_of(r2)[2:4] == blocks_of(r1)[2:4] != row2.block_table[2:4]
+    h.run()
     h.assert_no_leak()
 
 
