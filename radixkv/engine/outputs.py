@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from radixkv.cache import hit_rate
+
 
 @dataclass(frozen=True, slots=True)
 class RequestStats:
@@ -17,7 +19,7 @@ class RequestStats:
 
     @property
     def cache_hit_rate(self) -> float:
-        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+        return hit_rate(self.num_cached_tokens, self.num_prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)

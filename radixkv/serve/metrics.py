@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from radixkv.cache import hit_rate
 from radixkv.engine.outputs import RequestOutput
 from radixkv.serve.engine_loop import EngineSnapshot
 
@@ -90,8 +91,7 @@ class ServerMetrics:
         self._num_cached_tokens += stats.num_cached_tokens
 
     def hit_rate(self) -> float:
-        total = self._num_prompt_tokens
-        return self._num_cached_tokens / total if total else 0.0
+        return hit_rate(self._num_cached_tokens, self._num_prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
