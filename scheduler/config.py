@@ -32,6 +32,12 @@ class SchedulerConfig:
     # so a short overlap (below the threshold) is recomputed instead. 0 disables; no effect with
     # the prefix cache off.
     defer_shared_prefix_tokens: int = 32
+    # Prefill first (SGLang's default order): a step that admits waiting requests runs their
+    # prefill and the running requests' prefill chunks, and no decode rows; a step that admits
+    # nothing decodes as usual. New requests get their first token a step or more sooner, running
+    # ones wait that step. Decodes are never held back for long: every admission adds a running
+    # request, so admission stops at `max_num_seqs` or when the pool is full, and then they run.
+    prefill_first: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -42,9 +48,8 @@ class SchedulerConfig:
         ):
             check_size(getattr(self, name), name, low=1)
         check_size(self.defer_shared_prefix_tokens, "defer_shared_prefix_tokens", low=0)
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise TypeError(
-                f"enable_prefix_cache must be a bool, got {type(self.enable_prefix_cache).__name__}"
-            )
+        for name in ("enable_prefix_cache", "prefill_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")

@@ -168,13 +168,25 @@ class Scheduler:
         preempted: list[str] = []
         scheduled: set[str] = set()
 
+        # Prefill first: admission before anything else, and a step that admits runs no decodes.
+        admit_first = self.config.prefill_first and bool(self._waiting)
+        decode = True
+        if admit_first:
+            budget = self._admit(budget, rows, copies)
+            scheduled.update(row.request_id for row in rows)
+            decode = not rows
+
         # 1. Decodes (and one-token prefill remainders), then 2. prefill chunks of running requests.
-        for decode_pass in (True, False):
+        for decode_pass in (True, False) if decode else (False,):
             for req in list(self._running.values()):
                 if budget == 0:
                     break
                 remaining = req.num_tokens_to_compute
-                if req.status is not RequestStatus.RUNNING or (remaining == 1) != decode_pass:
+                if (
+                    req.status is not RequestStatus.RUNNING
+                    or (remaining == 1) != decode_pass
+                    or req.request_id in scheduled
+                ):
                     continue
                 n = min(remaining, self.config.chunked_prefill_size, budget)
                 row = self._schedule_running(req, n, scheduled, preempted)
@@ -182,10 +194,10 @@ class Scheduler:
                     rows.append(row)
                     budget -= n
 
-        # 3. Admission. A step that had to preempt has no blocks to spare, unless it preempted
-        # every running request: then nothing else could run and an idle cache admits anything
-        # that fits it alone (`_admit`).
-        if not preempted or not rows:
+        # 3. Admission (unless tried first). A step that had to preempt has no blocks to spare,
+        # unless it preempted every running request: then nothing else could run and an idle
+        # cache admits anything that fits it alone (`_admit`).
+        if (not admit_first or preempted) and (not preempted or not rows):
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(

@@ -22,6 +22,8 @@ VARIANTS = {
     # preemption by recompute.
     "eviction": dict(block_size=4, num_blocks=24, max_num_seqs=4),
     "chunked": dict(block_size=4, num_blocks=512, chunked_prefill_size=5, max_num_batched_tokens=8),
+    # Requests admitted while others decode (4 seats for 6): steps that prefill and do not decode.
+    "prefill-first": dict(block_size=4, num_blocks=512, max_num_seqs=4, prefill_first=True),
 }
 
 

@@ -55,6 +55,7 @@ def scenarios(draw: st.DrawFn, *, bursts: bool = False) -> dict[str, Any]:
             "max_model_len": draw(st.integers(40 if bursts else 4, 64)),
             # Prompts here are at most 36 tokens: small thresholds, or deferral would never run.
             "defer_shared_prefix_tokens": draw(st.sampled_from([1, 2, 4, 8] if bursts else [0, 3])),
+            "prefill_first": draw(st.booleans()),
         },
         "prefixes": prefixes,
         "requests": requests,

@@ -86,6 +86,25 @@ def test_decodes_get_the_budget_before_prefill(harness: MakeHarness) -> None:
     h.assert_no_leak()
 
 
+def test_prefill_first_admits_before_decoding_and_decodes_when_nothing_fits(
+    harness: MakeHarness,
+) -> None:
+    h = harness(num_blocks=6, block_size=4, max_num_batched_tokens=64, prefill_first=True)
+    a = h.add("a", seq(1, 5), max_tokens=6, ignore_eos=True)
+    h.step()  # a: whole prompt
+    b = h.add("b", seq(50, 6), max_tokens=6, ignore_eos=True)
+    out = h.step()  # b admitted: this step runs its prefill and no decode
+    assert [(r.request_id, len(r.token_ids)) for r in out.rows] == [("b", 6)]
+    out = h.step()  # nothing waits: both decode
+    assert [(r.request_id, len(r.token_ids)) for r in out.rows] == [("a", 1), ("b", 1)]
+    c = h.add("c", seq(90, 12), max_tokens=2, ignore_eos=True)  # 3 blocks: only 1 is free
+    out = h.step()  # c does not fit: the running requests decode, the step is not empty
+    assert [r.request_id for r in out.rows] == ["a", "b"]
+    h.run()
+    assert [r.output_token_ids for r in (a, b, c)] == [h.reference(r) for r in (a, b, c)]
+    h.assert_no_leak()
+
+
 # ---------------------------------------------------------------- admission and policies
 
 

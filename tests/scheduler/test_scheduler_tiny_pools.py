@@ -46,6 +46,7 @@ def tiny_pool_runs(draw: st.DrawFn) -> dict[str, Any]:
         "chunked_prefill_size": draw(st.integers(1, 24)),
         "max_num_seqs": draw(st.integers(1, 4)),
         "policy": draw(st.sampled_from(["fcfs", "lpm"])),
+        "prefill_first": draw(st.booleans()),
         "prefixes": prefixes,
         "requests": requests,
     }
@@ -72,6 +73,7 @@ def test_every_request_completes_in_the_smallest_pool_that_fits(
         max_num_seqs=run["max_num_seqs"],
         policy=run["policy"],
         max_model_len=max_len,
+        prefill_first=run["prefill_first"],
     )
     h.run(max_steps=5_000, arrivals=reqs)
     for req in everyone:

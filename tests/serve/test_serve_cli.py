@@ -27,6 +27,7 @@ def test_serve_help_lists_the_engine_options(capsys) -> None:
         "--dtype",
         "--enforce-eager",
         "--kv-events",
+        "--prefill-first",
     ):
         assert option in out
 
@@ -57,6 +58,13 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 96)
     assert (config.chunked_prefill_size, config.policy) == (32, "fcfs")
     assert config.enable_prefix_cache is False
+    assert config.prefill_first is True  # the server's default: first tokens sooner
+    assert (
+        build_llm(
+            build_parser().parse_args([*argv, "--no-prefill-first"])
+        ).scheduler.config.prefill_first
+        is False
+    )
     assert next(llm.model.parameters()).dtype == torch.float32
 
 
