@@ -40,7 +40,7 @@ Progress = Callable[[str], None]
 # chat uses a model's sampling settings: the Python API stays greedy unless told otherwise.
 _DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 # Measured on a 2-core CPU machine (see the README); shown while the conversion runs.
-CONVERSION_TIME = "about 20 s"
+CONVERSION_TIME = "about 18 s"
 
 
 class ModelLoadError(ValueError):
