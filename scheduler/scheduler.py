@@ -16,6 +16,8 @@ One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
     prompt prefix a request admitted earlier in the step is computing (in-batch prefix caching,
     `defer_shared_prefix_tokens`) is deferred to the next step, where it finds that prefix cached;
     a deferral is not a failure to fit, so admission goes on with the next request (`_admit`).
+With `prefill_first`, admission comes first; a step that admits runs steps 2 and 3 only, a step
+that admits nothing runs 1 and 2 as above.
 
 Admission allocates the blocks for the whole uncached part of the sequence at once, not per chunk:
 admission is a reservation, so an admitted prefill never stalls half-way or preempts others for its
