@@ -28,13 +28,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixkv.engine.step_inputs import InputStager, StepLayout, pack_step
+from radixkv.engine.step_inputs import (
+    InputStager,
+    StepLayout,
+    bucket_layout,
+    pack_step,
+    step_metadata,
+)
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
-_METADATA_FIELDS = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
 
 # forward(input_ids [1, T], position_ids [1, T], metadata) -> logits [1, T, vocab]
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -80,7 +85,7 @@ class DecodeGraphs:
     """Decode forwards captured per bucket, over one static input buffer and one memory pool.
 
     Invariants: `static` holds the inputs of the last replay (or the pad rows of the capture);
-    each bucket's graph reads the leading `StepLayout(bucket, bucket, max_blocks).total` entries.
+    each bucket's graph reads the leading `bucket_layout(bucket, max_blocks).total` entries.
     """
 
     def __init__(
@@ -98,7 +103,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.block_size = block_size
         self.stager = stager
-        largest = StepLayout(self.buckets[-1], self.buckets[-1], max_blocks)
+        largest = bucket_layout(self.buckets[-1], max_blocks)
         self.static = torch.zeros(largest.total, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Captured] = {}
         self.num_replays = 0  # decode steps computed by a graph (a statistic)
@@ -143,20 +148,12 @@ class DecodeGraphs:
         pool = None
         # Largest first: the smaller graphs then fit in the memory the largest one reserved.
         for bucket in reversed(self.buckets):
-            layout = StepLayout(bucket, bucket, self.max_blocks)
+            layout = bucket_layout(bucket, self.max_blocks)
             host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
             views, host_views = layout.split(self.static), layout.split(host)
-            metadata = AttentionMetadata(
-                views["block_tables"],
-                views["seq_lens"],
-                views["cu_seqlens_q"],
-                kv_cache_shape,
-                slot_mapping=views["slot_mapping"],
-                device=device,
-                host_tensors=tuple(host_views[n] for n in _METADATA_FIELDS),
-            )
+            metadata = step_metadata(views, host_views, kv_cache_shape, device)
             ids, positions = views["input_ids"][None], views["positions"][None]
             # Warm-up off the capture stream: compiles the Triton kernels, runs lazy inits.
             side = torch.cuda.Stream(device)

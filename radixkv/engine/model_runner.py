@@ -34,7 +34,13 @@ from radixkv import kernels
 from radixkv.cache import check_size
 from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.cuda_graphs import DecodeGraphs, decode_buckets, graph_max_blocks
-from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step
+from radixkv.engine.step_inputs import (
+    InputStager,
+    StepLayout,
+    layout_for,
+    pack_step,
+    step_metadata,
+)
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import SchedulerOutput
 
@@ -239,21 +245,8 @@ class ModelRunner:
         assert ids_host.min() >= 0 and ids_host.max() < self.vocab_size, "token id out of range"
         dev = layout.split(self.stager.to_device(host))
         hv = layout.split(host)
-        meta = AttentionMetadata(
-            block_tables=dev["block_tables"],
-            seq_lens=dev["seq_lens"],
-            cu_seqlens_q=dev["cu_seqlens_q"],
-            kv_cache_shape=tuple(self.k_cache.shape[1:]),
-            slot_mapping=dev["slot_mapping"],
-            device=self.device,
-            validate=self.validate_steps,
-            host_tensors=(
-                hv["block_tables"],
-                hv["seq_lens"],
-                hv["cu_seqlens_q"],
-                hv["slot_mapping"],
-            ),
-        )
+        kv_cache_shape = tuple(self.k_cache.shape[1:])
+        meta = step_metadata(dev, hv, kv_cache_shape, self.device, validate=self.validate_steps)
         return StepTensors(
             dev["input_ids"].unsqueeze(0),
             dev["positions"].unsqueeze(0),

@@ -23,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
@@ -73,26 +74,48 @@ class StepLayout:
         return views
 
 
-def layout_for(
-    rows: Sequence[ScheduledRequest],
+def layout_for(rows: Sequence[ScheduledRequest], *, num_copies: int = 0) -> StepLayout:
+    """The eager layout of `rows`: exact sizes, the sampled rows' indices kept."""
+    return StepLayout(
+        num_tokens=sum(len(r.token_ids) for r in rows),
+        num_reqs=len(rows),
+        max_blocks=max(len(r.block_table) for r in rows),
+        num_sampled=sum(r.sample for r in rows),
+        num_copies=num_copies,
+    )
+
+
+def bucket_layout(bucket: int, max_blocks: int) -> StepLayout:
+    """The layout of a CUDA-graph decode bucket: `bucket` one-token rows (pad rows included)
+    whose logits are all kept (no sample_idx), over `max_blocks` block-table columns."""
+    return StepLayout(bucket, bucket, max_blocks)
+
+
+def step_metadata(
+    dev: dict[str, torch.Tensor],
+    host: dict[str, torch.Tensor],
+    kv_cache_shape: tuple[int, ...],
+    device: torch.device,
     *,
-    num_copies: int = 0,
-    pad_to: int | None = None,
-    max_blocks: int | None = None,
-) -> StepLayout:
-    """The layout of `rows`: eager (exact sizes, sampled rows' indices kept) or, with `pad_to`, a
-    decode bucket of `pad_to` one-token rows whose logits are all kept (no sample_idx) over
-    `max_blocks` block-table columns."""
-    if pad_to is None:
-        return StepLayout(
-            num_tokens=sum(len(r.token_ids) for r in rows),
-            num_reqs=len(rows),
-            max_blocks=max(len(r.block_table) for r in rows),
-            num_sampled=sum(r.sample for r in rows),
-            num_copies=num_copies,
-        )
-    assert max_blocks is not None, "a padded layout needs max_blocks"
-    return StepLayout(pad_to, pad_to, max_blocks, num_copies=num_copies)
+    validate: bool = True,
+) -> AttentionMetadata:
+    """The attention metadata of a step from its device views `dev` and host views `host` (both
+    `StepLayout.split`s): the values are read from the host copies, so nothing syncs."""
+    return AttentionMetadata(
+        dev["block_tables"],
+        dev["seq_lens"],
+        dev["cu_seqlens_q"],
+        kv_cache_shape,
+        slot_mapping=dev["slot_mapping"],
+        device=device,
+        validate=validate,
+        host_tensors=(
+            host["block_tables"],
+            host["seq_lens"],
+            host["cu_seqlens_q"],
+            host["slot_mapping"],
+        ),
+    )
 
 
 def pack_step(

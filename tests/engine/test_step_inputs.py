@@ -22,6 +22,7 @@ from radixkv.engine.step_inputs import (
     PAD_SLOT,
     InputStager,
     StepLayout,
+    bucket_layout,
     layout_for,
     pack_step,
 )
@@ -101,7 +102,7 @@ def test_eager_layout_packs_rows_exactly():
 
 def test_padded_layout_fills_pad_rows_that_write_nowhere():
     rows = [decode_row("a", 20, 5, [9, 1]), decode_row("b", 21, 0, [6])]
-    layout = layout_for(rows, pad_to=4, max_blocks=3)
+    layout = bucket_layout(4, 3)
     assert layout == StepLayout(4, 4, 3)
     v = packed(rows, layout)
     assert v["input_ids"].tolist() == [20, 21, 0, 0]
@@ -143,7 +144,7 @@ def test_pad_rows_change_no_slot_and_no_real_row_output():
         return k, out
 
     k_eager, out_eager = run(layout_for(rows))
-    k_padded, out_padded = run(layout_for(rows, pad_to=8, max_blocks=4))
+    k_padded, out_padded = run(bucket_layout(8, 4))
     torch.testing.assert_close(k_padded, k_eager, rtol=0, atol=0)
     torch.testing.assert_close(out_padded[: len(rows)], out_eager, rtol=0, atol=0)
     assert torch.isfinite(out_padded).all()
@@ -165,7 +166,7 @@ def test_padded_packing_matches_eager_on_real_rows(data, extra):
     ]
     eager = packed(rows, layout_for(rows))
     max_blocks = max(len(r.block_table) for r in rows) + 2
-    pad = packed(rows, layout_for(rows, pad_to=len(rows) + extra, max_blocks=max_blocks))
+    pad = packed(rows, bucket_layout(len(rows) + extra, max_blocks))
     n = len(rows)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
         assert pad[name][:n].tolist() == eager[name].tolist()
