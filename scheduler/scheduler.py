@@ -73,6 +73,7 @@ class Scheduler:
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
         self._scheduling = False  # inside schedule(): still set after a fault there
+        self.num_preemptions = 0  # since start, every request
 
     # ------------------------------------------------------------------ queries
 
@@ -305,6 +306,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._waiting.appendleft(req)
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
@@ -312,7 +314,8 @@ class Scheduler:
         writing after this (it is neither finishing nor preempted)."""
         n = req.num_computed_tokens
         table = req.table
-        if n == 0 or table is None:
+        assert table is not None, f"{req}: a running request holds its table"
+        if n == 0:
             return
         last = _cdiv(n, self._block_size) - 1
         old_tail = table.blocks[last]

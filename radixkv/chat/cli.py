@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
+    from radixkv.engine.outputs import RequestStats
     from radixkv.scheduler.sampling_params import SamplingParams
 
 HELP_COMMANDS = "/tree  /stats  /reset  /quit"
@@ -224,14 +225,13 @@ def _reply(session: ChatSession, message: str, out: TextIO, err: TextIO) -> None
         )
 
 
-def status_line(stats: object) -> str:
+def status_line(stats: RequestStats) -> str:
     """One line per reply: prompt and cached tokens, hit %, time to first token, decode speed."""
-    prompt = stats.num_prompt_tokens  # type: ignore[attr-defined]
-    cached = stats.num_cached_tokens  # type: ignore[attr-defined]
-    hit = 100.0 * cached / prompt if prompt else 0.0
-    ttft_ms = 1000.0 * stats.ttft_s  # type: ignore[attr-defined]
-    speed = stats.decode_tokens_per_s  # type: ignore[attr-defined]
-    reply = stats.num_output_tokens  # type: ignore[attr-defined]
+    prompt, cached = stats.num_prompt_tokens, stats.num_cached_tokens
+    hit = 100.0 * stats.cache_hit_rate
+    ttft_ms = 1000.0 * stats.ttft_s
+    speed = stats.decode_tokens_per_s
+    reply = stats.num_output_tokens
     return (
         f"  [prompt {prompt} tok · cached {cached} ({hit:.1f}%) · ttft {ttft_ms:.0f} ms"
         f" · reply {reply} tok · decode {speed:.1f} tok/s]"

@@ -96,11 +96,7 @@ class ChatSession:
             ) from None
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
         messages = [*head, *turns, {"role": "user", "content": message}]
-        text = self.llm.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        # The template already holds the special tokens (BOS, turn markers): add none.
-        return list(self.llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.llm.encode_chat(messages)
 
     def _fit(self, message: str, params: SamplingParams) -> tuple[list[int], int]:
         """The prompt for `message` and how many of the oldest turns it drops so that a reply of

@@ -267,6 +267,18 @@ class LLM:
             )
         return list(self.tokenizer.encode(text))
 
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt of a chat: `messages` through the tokenizer's chat template, with the
+        assistant's turn opened. Raises ValueError for a model without a tokenizer or chat
+        template, and what the template raises for messages it does not accept."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        # The template already holds the special tokens (BOS, turn markers): add none.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""

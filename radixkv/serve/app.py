@@ -87,14 +87,10 @@ class OpenAIServer:
             raise bad_request(f"model {self.config.model_name!r} has no chat template", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            return self.llm.encode_chat(messages)
         except Exception as exc:  # a template may raise on roles or order it does not accept
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
-        # The template already holds the special tokens (BOS, turn markers): add none.
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         prompt: Any = body.prompt

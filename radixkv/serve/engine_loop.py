@@ -46,7 +46,6 @@ class RequestStream:
     """The asyncio side of one live request: its updates in step order, and timing."""
 
     request_id: str
-    num_prompt_tokens: int
     t_arrival: float  # time.perf_counter() when the HTTP request came in
     updates: asyncio.Queue[RequestUpdate | BaseException] = field(default_factory=asyncio.Queue)
     t_first_token: float | None = None
@@ -72,8 +71,6 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._must_step = False  # engine thread: an abort was made; its output comes with a step
-        self._preemptions_seen: dict[str, int] = {}  # engine thread: per live request
-        self._num_preemptions = 0
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -130,7 +127,7 @@ class EngineLoop:
             if added.cancelled():
                 self.abort(rid)
                 return
-            stream = RequestStream(rid, len(ids), arrival)
+            stream = RequestStream(rid, arrival)
             self._streams[rid] = stream
             stream_box.append(stream)
             added.set_result(rid)
@@ -251,13 +248,6 @@ class EngineLoop:
     def _publish(self) -> None:
         """Replace `snapshot` with the engine's current counters."""
         scheduler = self.llm.scheduler
-        # Preemptions are counted per request: add what each live request gained since last time.
-        live: dict[str, int] = {}
-        for req in (*scheduler.running_requests, *scheduler.waiting_requests):
-            before = self._preemptions_seen.get(req.request_id, 0)
-            self._num_preemptions += max(0, req.num_preemptions - before)
-            live[req.request_id] = req.num_preemptions
-        self._preemptions_seen = live
         stats = self.llm.cache.stats()
         self.snapshot = EngineSnapshot(
             num_waiting=self.llm.num_waiting_requests,
@@ -266,5 +256,5 @@ class EngineLoop:
             num_evictable_blocks=stats.num_evictable_blocks,
             num_in_use_blocks=stats.num_in_use_blocks,
             num_evicted_blocks=stats.num_evicted_blocks,
-            num_preemptions=self._num_preemptions,
+            num_preemptions=scheduler.num_preemptions,
         )
