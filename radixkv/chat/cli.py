@@ -27,6 +27,8 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TextIO
 
+from radixkv.chat.options import add_engine_options, engine_kwargs
+
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
     from radixkv.engine.outputs import RequestStats
@@ -41,20 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
     chat = sub.add_parser("chat", help="multi-turn chat (the default command)")
-    chat.add_argument(
-        "--model",
-        default=None,
-        help="local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)",
-    )
+    # Listed for `radixkv --help` only: `radixkv serve` is dispatched before this parser runs.
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (see radixkv serve --help)")
+    add_engine_options(chat)
     chat.add_argument("--system", default="You are a helpful assistant.", help="system prompt")
     chat.add_argument(
         "--script", default=None, metavar="FILE", help="read user messages from FILE, one per line"
     )
-    chat.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    size = chat.add_mutually_exclusive_group()
-    size.add_argument("--cache-mb", type=int, default=None, help="KV cache size in MiB")
-    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
-    chat.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     chat.add_argument(
         "--max-tokens", type=int, default=256, help="reply length limit (default 256)"
     )
@@ -64,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--top-p", type=float, default=None, help=f"nucleus mass ({model_default})")
     chat.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default})")
-    chat.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -131,15 +125,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     hf_logging.set_verbosity_error()
     try:
         with _Progress(err) as progress:
-            llm = LLM(
-                args.model,
-                block_size=args.block_size,
-                num_blocks=args.num_blocks,
-                kv_cache_bytes=None if args.cache_mb is None else args.cache_mb * 2**20,
-                enable_prefix_cache=not args.no_prefix_cache,
-                seed=args.seed,
-                progress=progress,
-            )
+            llm = LLM(args.model, **engine_kwargs(args), progress=progress)
         params = chat_sampling(args, llm.model.generation_config)
         session = ChatSession(llm, system=args.system, params=params)
     except (ModelLoadError, ValueError, TypeError) as exc:

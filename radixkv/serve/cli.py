@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from radixkv.chat.options import add_engine_options, engine_kwargs
+
 if TYPE_CHECKING:
     from radixkv.engine import LLM
 
@@ -23,20 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) "
         "over the prefix-cached engine.",
     )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)",
-    )
+    add_engine_options(parser)
     parser.add_argument(
         "--served-model-name", default=None, help="the `model` clients send (default: its name)"
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--cache-mb", type=int, default=None, help="KV cache size in MiB")
-    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
     parser.add_argument(
         "--max-num-seqs", type=int, default=16, help="requests running at once (default 16)"
     )
@@ -52,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["lpm", "fcfs"],
         help="waiting order: longest cached prefix first (default) or arrival",
     )
-    parser.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
     parser.add_argument(
         "--dtype",
@@ -66,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-threads", type=int, default=None, help="CPU torch threads (default: half the cores)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     parser.add_argument(
         "--max-queued-requests",
         type=int,
@@ -133,10 +125,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
     return LLM(
         args.model,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_bytes=None if args.cache_mb is None else args.cache_mb * 2**20,
-        enable_prefix_cache=not args.no_prefix_cache,
+        **engine_kwargs(args),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -144,7 +133,6 @@ def build_llm(args: argparse.Namespace) -> LLM:
         device=args.device,
         dtype=None if args.dtype is None else getattr(torch, args.dtype),
         enforce_eager=args.enforce_eager,
-        seed=args.seed,
         num_threads=args.num_threads,
         kv_events=args.kv_events,
         prefill_first=args.prefill_first,

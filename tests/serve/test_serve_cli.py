@@ -97,3 +97,21 @@ def test_a_bad_kv_events_endpoint_exits_2(tiny_model_dir, capsys) -> None:
     argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--kv-events", "localhost:5557"]
     assert main(argv) == 2
     assert "ZeroMQ address" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["chat", "--help"], ["serve", "--help"]])
+def test_help_answers_without_loading_torch(argv: list[str], tmp_path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom radixkv.__main__ import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'help imported torch'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    expected = ("chat", "serve") if argv == ["--help"] else ("--model", "--block-size", "--seed")
+    assert all(word in result.stdout for word in expected), result.stdout
