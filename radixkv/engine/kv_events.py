@@ -45,16 +45,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import count
 from typing import TYPE_CHECKING, Any, Protocol
 
-from radixkv.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    Subscription,
-)
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Subscription
 from radixkv.cache.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -161,12 +156,14 @@ class ZmqEventPublisher:
         check_address("endpoint", endpoint)
         if replay_endpoint is not None:
             check_address("replay_endpoint", replay_endpoint)
-        self.endpoint = endpoint
-        self.topic = topic.encode("utf-8")
-        self.data_parallel_rank = data_parallel_rank
         check_event_layout(event_layout)
-        self.medium = medium
-        self.event_layout = event_layout
+        self.topic = topic.encode("utf-8")
+        self._encode = partial(
+            encode_batch,
+            data_parallel_rank=data_parallel_rank,
+            medium=medium,
+            event_layout=event_layout,
+        )
         self.close_timeout_s = close_timeout_s
         _wire_module("msgpack")  # fail here, not in the publisher thread
         zmq = self._zmq = _wire_module("zmq")
@@ -240,13 +237,7 @@ class ZmqEventPublisher:
 
     def _send(self, events: list[KVEvent]) -> None:
         try:
-            payload = encode_batch(
-                events,
-                ts=time.time(),
-                data_parallel_rank=self.data_parallel_rank,
-                medium=self.medium,
-                event_layout=self.event_layout,
-            )
+            payload = self._encode(events, ts=time.time())
             seq = next(self._seq)
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
