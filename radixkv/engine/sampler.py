@@ -68,5 +68,4 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     drop[:, 0] = False  # even a top_p that rounds to 0 in fp32
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    probs = torch.zeros_like(sorted_probs)
-    return probs.scatter_(1, order, sorted_probs)
+    return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
