@@ -14,6 +14,13 @@ from typing import Any
 _REPLACEMENT = "\ufffd"
 
 
+def decode(tokenizer: Any | None, token_ids: Sequence[int]) -> str:
+    """The text of `token_ids` without special tokens; "" without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """Feed generated token ids with `push`; it returns the newly completed text.
 
@@ -28,15 +35,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context for spacing rules
         self._read_offset = 0  # tokens before this have been emitted as text
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
     def push(self, new_ids: Sequence[int]) -> str:
         self.token_ids.extend(new_ids)
-        if self.tokenizer is None or not new_ids:
+        if not new_ids:
             return ""
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        window_text = self._decode(self.token_ids[self._prefix_offset :])
+        window = self.token_ids[self._prefix_offset :]
+        prefix_text = decode(self.tokenizer, window[: self._read_offset - self._prefix_offset])
+        window_text = decode(self.tokenizer, window)
         if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT):
             return ""  # nothing new, or a character still incomplete: wait for more tokens
         delta = window_text[len(prefix_text) :]
@@ -47,9 +52,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The rest of the full decode (e.g. a dangling incomplete character at the end)."""
-        if self.tokenizer is None:
-            return ""
-        full = self._decode(self.token_ids)
+        full = decode(self.tokenizer, self.token_ids)
         # Should the windowed decode ever disagree with the full one, never re-emit text.
         rest = full[len(self.emitted) :] if full.startswith(self.emitted) else ""
         self.emitted += rest

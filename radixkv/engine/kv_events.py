@@ -44,17 +44,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from itertools import count
 from typing import TYPE_CHECKING, Any, Protocol
 
-from radixkv.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventCallback,
-    KVEvent,
-    Subscription,
-)
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Subscription
 from radixkv.cache.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -69,34 +64,36 @@ _POLL_S = 0.05  # how long the publisher thread waits for events before checking
 EVENT_LAYOUTS = ("array", "map")
 
 
-def wire_fields(event: KVEvent, medium: str | None) -> list[tuple[str, Any]]:
-    """One event as vLLM's tagged msgspec struct holds it: (field, value) in declaration order,
-    the tag first."""
+def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
+    """One event as vLLM's tagged msgspec struct holds it: field -> value in declaration order,
+    the tag first. Raises TypeError for a non-event."""
     if isinstance(event, BlockStored):
-        return [
-            ("type", "BlockStored"),
-            ("block_hashes", list(event.block_hashes)),
-            ("parent_block_hash", event.parent_block_hash),
-            ("token_ids", list(event.token_ids)),
-            ("block_size", event.block_size),
-            ("lora_id", None),
-            ("medium", medium),
-            ("lora_name", None),
-        ]
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        }
     if isinstance(event, BlockRemoved):
-        return [
-            ("type", "BlockRemoved"),
-            ("block_hashes", list(event.block_hashes)),
-            ("medium", medium),
-        ]
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": medium}
     if isinstance(event, AllBlocksCleared):
-        return [("type", "AllBlocksCleared")]
+        return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
 
 
 def check_event_layout(event_layout: str) -> None:
     if event_layout not in EVENT_LAYOUTS:
         raise ValueError(f"event_layout must be one of {EVENT_LAYOUTS}, got {event_layout!r}")
+
+
+def check_address(name: str, value: object) -> None:
+    """Raises ValueError unless `value` is a ZeroMQ address (a string with a scheme)."""
+    if not isinstance(value, str) or "://" not in value:
+        raise ValueError(f"{name} must be a ZeroMQ address like tcp://*:5557, got {value!r}")
 
 
 def encode_batch(
@@ -111,10 +108,8 @@ def encode_batch(
     Mutates nothing; raises ValueError for another layout, TypeError for a non-event."""
     check_event_layout(event_layout)
     msgpack = _wire_module("msgpack")
-    wire: list[Any] = []
-    for event in events:
-        fields = wire_fields(event, medium)
-        wire.append([v for _, v in fields] if event_layout == "array" else dict(fields))
+    fields = [wire_fields(event, medium) for event in events]
+    wire = [list(f.values()) for f in fields] if event_layout == "array" else fields
     return msgpack.packb([float(ts), wire, data_parallel_rank], use_bin_type=True)
 
 
@@ -132,12 +127,7 @@ def _wire_module(name: str) -> Any:
 
 def _binds(endpoint: str) -> bool:
     """vLLM's convention: bind a wildcard, IPv6 or local endpoint; connect to anything else."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:
@@ -163,17 +153,17 @@ class ZmqEventPublisher:
         close_timeout_s: float = 2.0,
         context: zmq.Context | None = None,
     ) -> None:
-        for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
-            if value is not None and (not isinstance(value, str) or "://" not in value):
-                raise ValueError(
-                    f"{name} must be a ZeroMQ address like tcp://*:5557, got {value!r}"
-                )
-        self.endpoint = endpoint
-        self.topic = topic.encode("utf-8")
-        self.data_parallel_rank = data_parallel_rank
+        check_address("endpoint", endpoint)
+        if replay_endpoint is not None:
+            check_address("replay_endpoint", replay_endpoint)
         check_event_layout(event_layout)
-        self.medium = medium
-        self.event_layout = event_layout
+        self.topic = topic.encode("utf-8")
+        self._encode = partial(
+            encode_batch,
+            data_parallel_rank=data_parallel_rank,
+            medium=medium,
+            event_layout=event_layout,
+        )
         self.close_timeout_s = close_timeout_s
         _wire_module("msgpack")  # fail here, not in the publisher thread
         zmq = self._zmq = _wire_module("zmq")
@@ -235,32 +225,19 @@ class ZmqEventPublisher:
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
             try:
-                first = self._queue.get(timeout=_POLL_S)
+                items = [self._queue.get(timeout=_POLL_S)]
             except queue.Empty:
                 continue
-            events: list[KVEvent] = []
-            item: KVEvent | None = first
-            while True:
-                if item is None:
-                    stop = True
-                else:
-                    events.append(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
+            while not self._queue.empty():  # this thread is the only consumer
+                items.append(self._queue.get_nowait())
+            stop = None in items  # close() queued its marker: send what came before, then stop
+            events = [item for item in items if item is not None]
             if events:
                 self._send(events)
 
     def _send(self, events: list[KVEvent]) -> None:
         try:
-            payload = encode_batch(
-                events,
-                ts=time.time(),
-                data_parallel_rank=self.data_parallel_rank,
-                medium=self.medium,
-                event_layout=self.event_layout,
-            )
+            payload = self._encode(events, ts=time.time())
             seq = next(self._seq)
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
@@ -287,15 +264,13 @@ class ZmqEventPublisher:
             self._replay.close(linger=0)
 
 
+@dataclass(frozen=True, slots=True)
 class KVEventPublishing:
     """A cache's events flowing to a subscriber (a `ZmqEventPublisher`, or any callback);
     `close()` ends the subscription and closes the publisher, if there is one."""
 
-    def __init__(
-        self, subscription: Subscription, publisher: ZmqEventPublisher | None = None
-    ) -> None:
-        self.subscription = subscription
-        self.publisher = publisher
+    subscription: Subscription
+    publisher: ZmqEventPublisher | None = None
 
     def close(self) -> None:
         self.subscription.close()
@@ -320,8 +295,7 @@ def check_kv_events(kv_events: object) -> None:
             "kv_events must be None, a ZeroMQ address (e.g. 'tcp://*:5557') or a callable"
             f" taking each event, got {type(kv_events).__name__}"
         )
-    if "://" not in kv_events:
-        raise ValueError(f"kv_events must be a ZeroMQ address like tcp://*:5557, got {kv_events!r}")
+    check_address("kv_events", kv_events)
 
 
 def publish_kv_events(
@@ -341,5 +315,4 @@ def publish_kv_events(
     if isinstance(kv_events, str):
         publisher = ZmqEventPublisher(kv_events, **options)
         return KVEventPublishing(cache.events.subscribe(publisher), publisher)
-    callback: EventCallback = kv_events
-    return KVEventPublishing(cache.events.subscribe(callback))
+    return KVEventPublishing(cache.events.subscribe(kv_events))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from radixkv.cache import PackedTokens, PrefixCache, check_size
-from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
 from radixkv.engine.kv_events import KVEventsTarget, check_kv_events, publish_kv_events
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
@@ -280,9 +280,7 @@ class LLM:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return decode(self.tokenizer, token_ids)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -442,15 +440,10 @@ def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
 def _max_model_len(cfg: Any) -> int:
     n = int(getattr(cfg, "max_position_embeddings", None) or 8192)
     window = getattr(cfg, "sliding_window", None)
-    if (
-        window
-        and getattr(cfg, "use_sliding_window", True)
-        and not getattr(cfg, "layer_types", None)
-    ):
-        # The paged attention is full causal attention: it equals a sliding-window model's
-        # attention only while the whole context fits in the window (Mistral-style configs).
-        n = min(n, int(window))
-    return n
+    # The paged attention is full causal attention: it equals a sliding-window model's
+    # attention only while the whole context fits in the window (Mistral-style configs).
+    uniform = getattr(cfg, "use_sliding_window", True) and not getattr(cfg, "layer_types", None)
+    return min(n, int(window)) if window and uniform else n
 
 
 def _set_cpu_threads(num_threads: int | None) -> None:

@@ -31,7 +31,7 @@ def pack_prompts(
         )
     elif not prompts:
         raise ValueError("prompts must not be empty")
-    elif _is_int(prompts[0]):
+    elif isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool):
         prompts = [prompts]
     return [_pack(i, p, encode, vocab_size, max_model_len) for i, p in enumerate(prompts)]
 
@@ -82,7 +82,3 @@ def params_list(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
     return list(params)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -15,9 +15,7 @@ from radixkv.scheduler.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def sample(
@@ -27,10 +25,7 @@ def sample(
 ) -> list[int]:
     """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
     takes the argmax and needs no generator; every other row needs one."""
-    num_rows = logits.shape[0]
-    assert len(params) == num_rows == len(generators), "one SamplingParams and generator per row"
-    if num_rows == 0:
-        return []
+    assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -73,5 +68,4 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     drop[:, 0] = False  # even a top_p that rounds to 0 in fp32
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    probs = torch.zeros_like(sorted_probs)
-    return probs.scatter_(1, order, sorted_probs)
+    return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
