@@ -225,16 +225,21 @@ class LLM:
     # ------------------------------------------------------------------ generate / stream
 
     def generate(
-        self, prompts: PromptInput, params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: PromptInput,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one or many prompts (strings or token-id lists), in input order.
+        """Generate for one or many prompts (strings or token-id lists), in input order, sharing
+        cached KV only with requests of the same `cache_salt` (as `add_request`).
 
         Raises ValueError / TypeError, with nothing admitted, for an empty prompt, token ids outside
         the vocabulary, a prompt that can never fit, or params of the wrong type or count. Raises
         the exception of a step that failed one of its requests (the others are aborted).
         """
         packed = pack_prompts(prompts, self.encode, self.vocab_size, self.max_model_len)
-        ids = self._submit(packed, params_list(params, len(packed)), None)
+        ids = self._submit(packed, params_list(params, len(packed)), None, cache_salt)
         try:
             records = [self._tracked[rid] for rid in ids]
             while any(t.output is None for t in records):
@@ -248,15 +253,22 @@ class LLM:
                 self._discard(rid)
 
     def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> Iterator[StreamDelta]:
         """Generate for one prompt, yielding text deltas as tokens arrive; the last delta carries
         the finished RequestOutput (`delta.output`). Closing or dropping the iterator, started or
         not, aborts the request. Iterating raises the exception of a step that failed it.
+        `cache_salt` as in `add_request`.
 
         Validation errors are raised by this call, before iteration starts."""
         pending: deque[RequestUpdate] = deque()
-        (rid,) = self._submit(self._pack_one(prompt), params_list(params, 1), pending.append)
+        (rid,) = self._submit(
+            self._pack_one(prompt), params_list(params, 1), pending.append, cache_salt
+        )
         return DeltaStream(self._deltas(pending), lambda: self._release(rid))
 
     def encode(self, text: str) -> list[int]:
@@ -289,7 +301,7 @@ class LLM:
         prompts: list[PackedTokens],
         params: list[SamplingParams],
         sink: Callable[[RequestUpdate], None] | None,
-        cache_salt: str | None = None,
+        cache_salt: str | None,
     ) -> list[str]:
         """Queue every request or none: one the scheduler refuses rolls back those before it."""
         added: list[str] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from tiny_llama import random_prompts
 
 from radixkv import LLM, RequestUpdate, SamplingParams
@@ -35,6 +36,26 @@ def test_different_salts_share_nothing_and_equal_salts_share(tiny_model_dir) -> 
     shared = run_one(llm, prompt, params).output  # no salt: shares with the earlier no-salt run
     assert shared.stats.num_cached_tokens == len(prompt) - 1
     llm.cache.check_integrity()
+
+
+def test_generate_and_stream_take_a_salt(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=64)
+    prompt = random_prompts(9, 1, min_len=18, max_len=18)[0]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    (first,) = llm.generate([prompt], params, cache_salt="alice")
+    (other,) = llm.generate([prompt], params, cache_salt="bob")
+    assert first.stats.num_cached_tokens == other.stats.num_cached_tokens == 0
+    last = list(llm.stream(prompt, params, cache_salt="alice"))[-1].output
+    assert last is not None and last.stats.num_cached_tokens == len(prompt) - 1
+    assert last.token_ids == other.token_ids == first.token_ids
+    for bad in (b"alice", 7):  # refused with nothing queued, through either door
+        with pytest.raises(TypeError, match="cache_salt"):
+            llm.generate([prompt], params, cache_salt=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="cache_salt"):
+            llm.stream(prompt, params, cache_salt=bad)  # type: ignore[arg-type]
+    assert not llm.has_unfinished_requests()
+    assert llm.cache.stats().num_in_use_blocks == 0
+    llm.check_integrity()
 
 
 def test_a_partial_hit_in_a_pool_that_fits_the_request_alone_completes(tiny_model_dir) -> None:
