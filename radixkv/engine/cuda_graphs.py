@@ -120,10 +120,8 @@ class DecodeGraphs:
     def _capture_all(self, forward: DecodeForward, kv_cache_shape: tuple[int, ...]) -> None:
         device = self.static.device
         logger.info(
-            "capturing CUDA graphs of the decode forward for %d batch sizes (1..%d), "
-            "%d block-table columns",
-            len(self.buckets),
-            self.buckets[-1],
+            "capturing CUDA graphs of the decode forward: batch sizes %s, %d block-table columns",
+            self.buckets,
             self.max_blocks,
         )
         t0 = time.perf_counter()
