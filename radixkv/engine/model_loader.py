@@ -106,8 +106,7 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
             if not (target / "config.json").is_file():
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     say(f"converted in {time.perf_counter() - t0:.1f} s")
     return target
 
