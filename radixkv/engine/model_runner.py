@@ -141,14 +141,13 @@ class ModelRunner:
         # through a masked product in a reference kernel (and pad rows of a graph read block 0).
         self.k_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
-        self.kv_cache_shape = shape[1:]  # one layer's, as the kernels' metadata takes it
+        self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
         model.set_attn_implementation(register_attention())
-        mib = num_blocks * spec.bytes_per_block / 2**20
         logger.info(
-            "KV cache: %d x %d-token blocks (%.1f MiB) on %s",
+            "KV cache: %d blocks x %d tokens (%.1f MiB) on %s",
             num_blocks,
             block_size,
-            mib,
+            num_blocks * spec.bytes_per_block / 2**20,
             self.device,
         )
         self.stager = InputStager(self.device)
