@@ -90,7 +90,8 @@ class DecodeGraphs:
         self.stager = stager
         largest = bucket_layout(self.buckets[-1], self.max_blocks)
         self.static = torch.zeros(largest.total, dtype=torch.int32, device=stager.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # and its logits
+        # bucket -> (its graph, the logits buffer the graph writes)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # decode steps computed by a graph (a statistic)
         self._capture_all(forward, kv_cache_shape)
 
