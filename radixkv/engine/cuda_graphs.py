@@ -23,26 +23,19 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from radixkv.engine.step_inputs import (
-    InputStager,
-    StepLayout,
-    bucket_layout,
-    pack_step,
-    step_metadata,
-)
+from radixkv.engine.step_inputs import InputStager, bucket_layout, pack_step, split_step
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
 
-# forward(input_ids [1, T], position_ids [1, T], metadata) -> logits [1, T, vocab]
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# forward(views of a split step buffer, its metadata) -> logits [1, T, vocab]
+DecodeForward = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -74,46 +67,39 @@ def is_decode_step(rows: Sequence[ScheduledRequest]) -> bool:
     return all(len(r.token_ids) == 1 and r.sample for r in rows)
 
 
-@dataclass(frozen=True, slots=True)
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    layout: StepLayout
-    logits: torch.Tensor  # [1, bucket, vocab]: the graph's output, overwritten by each replay
-
-
 class DecodeGraphs:
-    """Decode forwards captured per bucket, over one static input buffer and one memory pool.
+    """Decode forwards captured per bucket (`decode_buckets(max_num_seqs)`), over one static input
+    buffer of `graph_max_blocks` block-table columns and one memory pool.
 
     Invariants: `static` holds the inputs of the last replay (or the pad rows of the capture);
-    each bucket's graph reads the leading `bucket_layout(bucket, max_blocks).total` entries.
+    each bucket's graph reads the leading `bucket_layout(bucket, max_blocks).total` entries and
+    writes its logits [1, bucket, vocab] into its own output, overwritten by each replay.
     """
 
     def __init__(
         self,
         forward: DecodeForward,
-        *,
-        buckets: Sequence[int],
-        max_blocks: int,
-        block_size: int,
-        kv_cache_shape: tuple[int, int, int, int],
-        device: torch.device,
         stager: InputStager,
+        kv_cache_shape: tuple[int, ...],
+        max_num_seqs: int,
+        max_model_len: int,
     ) -> None:
-        self.buckets = tuple(buckets)
-        self.max_blocks = max_blocks
-        self.block_size = block_size
+        self.buckets = decode_buckets(max_num_seqs)
+        num_blocks, self.block_size = kv_cache_shape[:2]
+        self.max_blocks = graph_max_blocks(max_model_len, self.block_size, num_blocks)
         self.stager = stager
-        largest = bucket_layout(self.buckets[-1], max_blocks)
-        self.static = torch.zeros(largest.total, dtype=torch.int32, device=device)
-        self._graphs: dict[int, _Captured] = {}
+        largest = bucket_layout(self.buckets[-1], self.max_blocks)
+        self.static = torch.zeros(largest.total, dtype=torch.int32, device=stager.device)
+        # bucket -> (its graph, the logits buffer the graph writes)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # decode steps computed by a graph (a statistic)
-        self._capture_all(forward, kv_cache_shape, device)
+        self._capture_all(forward, kv_cache_shape)
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
         """Whether a replay computes this step: decode rows only, a bucket for their number,
         block tables within `max_blocks`."""
         return (
-            choose_bucket(len(rows), self.buckets) is not None
+            len(rows) <= self.buckets[-1]
             and is_decode_step(rows)
             and max(len(r.block_table) for r in rows) <= self.max_blocks
         )
@@ -123,25 +109,20 @@ class DecodeGraphs:
         [len(rows), vocab], a view valid until the next replay."""
         bucket = choose_bucket(len(rows), self.buckets)
         assert bucket is not None, f"no bucket for {len(rows)} rows"
-        captured = self._graphs[bucket]
-        host = self.stager.host(captured.layout.total)
-        pack_step(rows, (), self.block_size, captured.layout, host.numpy())
+        graph, logits = self._graphs[bucket]
+        layout = bucket_layout(bucket, self.max_blocks)
+        host = self.stager.host(layout.total)
+        pack_step(rows, (), self.block_size, layout, host.numpy())
         self.stager.to_device(host, out=self.static)
-        captured.graph.replay()
+        graph.replay()
         self.num_replays += 1
-        return captured.logits[0, : len(rows)]
+        return logits[0, : len(rows)]
 
-    def _capture_all(
-        self,
-        forward: DecodeForward,
-        kv_cache_shape: tuple[int, int, int, int],
-        device: torch.device,
-    ) -> None:
+    def _capture_all(self, forward: DecodeForward, kv_cache_shape: tuple[int, ...]) -> None:
+        device = self.static.device
         logger.info(
-            "capturing CUDA graphs of the decode forward for %d batch sizes (1..%d), "
-            "%d block-table columns",
-            len(self.buckets),
-            self.buckets[-1],
+            "capturing CUDA graphs of the decode forward: batch sizes %s, %d block-table columns",
+            self.buckets,
             self.max_blocks,
         )
         t0 = time.perf_counter()
@@ -152,20 +133,18 @@ class DecodeGraphs:
             host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
-            views, host_views = layout.split(self.static), layout.split(host)
-            metadata = step_metadata(views, host_views, kv_cache_shape, device)
-            ids, positions = views["input_ids"][None], views["positions"][None]
+            views, metadata = split_step(layout, host, self.static, kv_cache_shape)
             # Warm-up off the capture stream: compiles the Triton kernels, runs lazy inits.
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                forward(ids, positions, metadata)
+                forward(views, metadata)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(ids, positions, metadata)
+                logits = forward(views, metadata)
             pool = graph.pool()
-            self._graphs[bucket] = _Captured(graph, layout, logits)
+            self._graphs[bucket] = (graph, logits)
             logger.debug("captured decode graph for batch %d", bucket)
         torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0

@@ -60,15 +60,11 @@ class LoadedModel:
     name: str  # what the user asked for, or the default model's name
 
 
-def model_cache_root() -> Path:
-    """`$XDG_CACHE_HOME/radixkv/models` (default `~/.cache/radixkv/models`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "radixkv" / "models"
-
-
 def default_model_dir() -> Path:
-    """Where the converted default model lives (it may not exist yet)."""
-    return model_cache_root() / DEFAULT_MODEL_NAME
+    """Where the converted default model lives (it may not exist yet):
+    `$XDG_CACHE_HOME/radixkv/models/` (default `~/.cache/radixkv/models/`) + its name."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "radixkv" / "models" / DEFAULT_MODEL_NAME
 
 
 def find_default_gguf() -> Path:
@@ -110,25 +106,21 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
             if not (target / "config.json").is_file():
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     say(f"converted in {time.perf_counter() - t0:.1f} s")
     return target
 
 
-def remove_stale_conversions(folder: Path) -> list[Path]:
-    """Remove the hidden temporary folders in `folder` whose converting process is gone (a
-    SIGKILL skips every cleanup); a live process's folder is left alone. Returns what it removed."""
-    removed = []
+def remove_stale_conversions(folder: Path) -> None:
+    """Remove the hidden temporary folders in `folder` (if it exists) whose converting process is
+    gone (a SIGKILL skips every cleanup); a live process's folder is left alone."""
     head = f".{DEFAULT_MODEL_NAME}."
-    for path in folder.glob(f"{head}*") if folder.is_dir() else ():
+    for path in folder.glob(f"{head}*"):
         pid_text = path.name[len(head) :].removeprefix("tmp-").split("-", 1)[0]
         if pid_text.isdigit() and _process_alive(int(pid_text)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         logger.info("removed %s, left by an interrupted conversion", path)
-        removed.append(path)
-    return removed
 
 
 def _process_alive(pid: int) -> bool:
@@ -162,10 +154,8 @@ def _convert_gguf(gguf: Path, out_dir: Path, say: Progress) -> None:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
     say("writing safetensors")
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)  # with its generation_config.json
     tokenizer.save_pretrained(out_dir)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out_dir)
 
 
 def load_model(
@@ -194,20 +184,16 @@ def load_model(
             if getattr(gen, key, None) is None:
                 setattr(gen, key, value)
         return LoadedModel(loaded.model, loaded.tokenizer, DEFAULT_MODEL_NAME)
-    if isinstance(model, (str, os.PathLike)):
-        source = os.fspath(model)
-        if not source.strip():
-            raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
-        name = source
-    else:
+    if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
             f"model must be None, a path, a Hugging Face id or a PreTrainedModel, "
             f"got {type(model).__name__}"
         )
+    source = os.fspath(model)
+    if not source.strip():
+        raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
     net = _load_causal_lm(source, device, dtype)
-    if tokenizer is None:
-        tokenizer = _load_tokenizer(source)
-    return LoadedModel(net, tokenizer, name)
+    return LoadedModel(net, tokenizer if tokenizer is not None else _load_tokenizer(source), source)
 
 
 def _default_device() -> torch.device:
@@ -219,7 +205,6 @@ def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None
     is broken."""
     from transformers import AutoModelForCausalLM
 
-    is_local = os.path.isdir(source)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else "auto"
     try:
@@ -228,16 +213,15 @@ def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None
             source, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
         )
     except (OSError, ValueError) as exc:
-        hint = (
-            "the folder has no loadable config.json / weights"
-            if is_local
-            else "no such local folder, and it is not a Hugging Face id available "
-            + (
-                "offline (HF_HUB_OFFLINE is set; allow downloads with HF_HUB_OFFLINE=0)"
-                if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-                else "online"
+        if os.path.isdir(source):
+            hint = "the folder has no loadable config.json / weights"
+        elif os.environ.get("HF_HUB_OFFLINE", "") in ("", "0"):
+            hint = "no such local folder, and it is not a Hugging Face id available online"
+        else:
+            hint = (
+                "no such local folder, and it is not a Hugging Face id available offline "
+                "(HF_HUB_OFFLINE is set; allow downloads with HF_HUB_OFFLINE=0)"
             )
-        )
         raise ModelNotFoundError(f"cannot load model {source!r}: {hint} ({exc})") from exc
     except Exception as exc:
         # e.g. safetensors' SafetensorError for a corrupt or truncated file: whatever a broken

@@ -25,24 +25,19 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from radixkv import kernels
 from radixkv.cache import check_size
 from radixkv.engine.attention import PagedKVCache, register_attention
-from radixkv.engine.cuda_graphs import DecodeGraphs, decode_buckets, graph_max_blocks
-from radixkv.engine.step_inputs import (
-    InputStager,
-    StepLayout,
-    layout_for,
-    pack_step,
-    step_metadata,
-)
+from radixkv.engine.cuda_graphs import DecodeGraphs
+from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step, split_step
 from radixkv.kernels import AttentionMetadata
-from radixkv.scheduler.output import SchedulerOutput
+from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +58,7 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """K + V of one block over all layers."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @classmethod
@@ -87,7 +82,6 @@ def plan_num_blocks(
     *,
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
-    gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
 ) -> int:
     """Number of KV blocks: `num_blocks` if given, else what `kv_cache_bytes` holds, else (CUDA) a
     fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises TypeError for a
@@ -97,7 +91,7 @@ def plan_num_blocks(
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
-            kv_cache_bytes = int(free * gpu_memory_fraction)
+            kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
         else:
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     n = check_size(kv_cache_bytes, "kv_cache_bytes", low=0) // spec.bytes_per_block
@@ -106,16 +100,6 @@ def plan_num_blocks(
             f"kv_cache_bytes={kv_cache_bytes} holds no KV block ({spec.bytes_per_block} bytes each)"
         )
     return n
-
-
-class StepTensors(NamedTuple):
-    """One eager step's inputs on the device (int32; views of the step's one copied buffer)."""
-
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    metadata: AttentionMetadata
-    sample_idx: torch.Tensor  # [num_sampled]: indices into the T tokens of the sampled rows' last
-    copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # copy-on-write src, dst, num_slots
 
 
 class ModelRunner:
@@ -146,26 +130,24 @@ class ModelRunner:
         self.model = model
         param = next(model.parameters())
         self.device = param.device
-        self.dtype = param.dtype
-        self.spec = KVCacheSpec.from_model(model, block_size, self.dtype)
+        spec = KVCacheSpec.from_model(model, block_size, param.dtype)
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         if validate_steps is None:
             validate_steps = os.environ.get("RADIXKV_VALIDATE_STEPS", "0") not in ("", "0")
         self.validate_steps = validate_steps
-        shape = (self.spec.num_layers, num_blocks, block_size, self.spec.num_kv_heads)
-        shape += (self.spec.head_dim,)
+        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         # Zeroed, not empty: slots past a request's length are masked, but NaN garbage could leak
         # through a masked product in a reference kernel (and pad rows of a graph read block 0).
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
+        self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
         model.set_attn_implementation(register_attention())
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB) on %s",
             num_blocks,
             block_size,
-            num_blocks * self.spec.bytes_per_block / 2**20,
+            num_blocks * spec.bytes_per_block / 2**20,
             self.device,
         )
         self.stager = InputStager(self.device)
@@ -173,7 +155,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             if max_model_len is None:  # no sequence can outgrow the pool
                 max_model_len = num_blocks * block_size
-            self.decode_graphs = self._capture(max_num_seqs, max_model_len)
+            with torch.inference_mode():
+                self.decode_graphs = DecodeGraphs(
+                    self._forward, self.stager, self.kv_cache_shape, max_num_seqs, max_model_len
+                )
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
@@ -182,79 +167,53 @@ class ModelRunner:
         assert not step.is_empty, "execute() needs at least one scheduled row"
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(step.rows):
-            if step.copies:
-                self._run_copies(step)
+            if step.copies:  # the copies alone, before the replay
+                layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
+                self._copy_blocks(layout.split(self._stage((), step.copies, layout)[1]))
             # A copy: the graph overwrites its output buffer on the next replay.
             return graphs.run(step.rows).to(torch.float32, copy=True)
-        inputs = self.build_inputs(step)
+        views, meta = self.build_inputs(step)
         if step.copies:
-            kernels.copy_blocks(self.k_cache, self.v_cache, *inputs.copies)
+            self._copy_blocks(views)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
-        logits = self._forward(
-            inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_idx
-        )
-        return logits[0].float()
+        return self._forward(views, meta, views["sample_idx"])[0].float()
 
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_to_keep: torch.Tensor | int = 0,
+        self, views: dict[str, torch.Tensor], meta: AttentionMetadata, keep: torch.Tensor | int = 0
     ) -> torch.Tensor:
-        """The model over one packed row: logits [1, num_kept, vocab] (0: every token's)."""
+        """The model over one packed step (`views`: its split buffer): logits [1, num_kept, vocab]
+        of the tokens `keep` indexes (0: every token's)."""
         cache = PagedKVCache(self.k_cache, self.v_cache, meta)
         out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
+            input_ids=views["input_ids"][None],
+            position_ids=views["positions"][None],
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=logits_to_keep,
+            logits_to_keep=keep,
             radixkv_cache=cache,
         )
         return out.logits
 
-    def _capture(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
-        with torch.inference_mode():
-            return DecodeGraphs(
-                self._forward,
-                buckets=decode_buckets(max_num_seqs),
-                max_blocks=graph_max_blocks(max_model_len, self.block_size, self.num_blocks),
-                block_size=self.block_size,
-                kv_cache_shape=tuple(self.k_cache.shape[1:]),
-                device=self.device,
-                stager=self.stager,
-            )
-
-    def _run_copies(self, step: SchedulerOutput) -> None:
-        """The step's copy-on-write block copies alone (before a graph replay)."""
-        layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
-        host = self.stager.host(layout.total)
-        pack_step((), step.copies, self.block_size, layout, host.numpy())
-        dev = layout.split(self.stager.to_device(host))
-        kernels.copy_blocks(self.k_cache, self.v_cache, *_copy_views(dev))
-
-    def build_inputs(self, step: SchedulerOutput) -> StepTensors:
-        """Pack the step (see `step_inputs.pack_step`) on the host and copy it to the device in
-        one go (non-blocking on CUDA). Mutates only the staging buffer."""
-        layout = layout_for(step.rows, num_copies=len(step.copies))
-        host = self.stager.host(layout.total)
-        pack_step(step.rows, step.copies, self.block_size, layout, host.numpy())
-        ids_host = host.numpy()[: layout.num_tokens]
-        # Checked on the host: an out-of-range id would index out of the embedding on device.
-        assert ids_host.min() >= 0 and ids_host.max() < self.vocab_size, "token id out of range"
-        dev = layout.split(self.stager.to_device(host))
-        hv = layout.split(host)
-        kv_cache_shape = tuple(self.k_cache.shape[1:])
-        meta = step_metadata(dev, hv, kv_cache_shape, self.device, validate=self.validate_steps)
-        return StepTensors(
-            dev["input_ids"].unsqueeze(0),
-            dev["positions"].unsqueeze(0),
-            meta,
-            dev["sample_idx"],
-            _copy_views(dev),
+    def _copy_blocks(self, views: dict[str, torch.Tensor]) -> None:
+        """The copy-on-write block copies of a split step buffer, in every layer's K and V."""
+        kernels.copy_blocks(
+            self.k_cache, self.v_cache, views["copy_src"], views["copy_dst"], views["copy_slots"]
         )
 
+    def _stage(
+        self, rows: Sequence[ScheduledRequest], copies: Sequence[BlockCopy], layout: StepLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack a step (see `step_inputs.pack_step`) on the host and copy it to the device in one
+        go (non-blocking on CUDA): (host, device) buffers. Mutates only the staging buffer."""
+        host = self.stager.host(layout.total)
+        pack_step(rows, copies, self.block_size, layout, host.numpy())
+        return host, self.stager.to_device(host)
 
-def _copy_views(views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return views["copy_src"], views["copy_dst"], views["copy_slots"]
+    def build_inputs(
+        self, step: SchedulerOutput
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+        """An eager step's inputs on the device: the views of its one copied buffer (int32, see
+        `step_inputs`) and its attention metadata."""
+        layout = layout_for(step.rows, num_copies=len(step.copies))
+        host, dev = self._stage(step.rows, step.copies, layout)
+        return split_step(layout, host, dev, self.kv_cache_shape, validate=self.validate_steps)

@@ -6,8 +6,9 @@
 `StepLayout` names the regions, `pack_step` fills them on the host from the scheduler's rows (and,
 for a CUDA-graph bucket, pad rows up to the bucket), `InputStager` owns the host buffer: pinned and
 reused on CUDA (copied with `non_blocking=True`), a fresh array on the CPU (the tensors are views of
-it, nothing is copied). int32 throughout: the kernels take int32 block tables and lengths, and the
-embedding, rotary positions and logits index accept int32 ids.
+it, nothing is copied), and `split_step` builds the step's attention metadata over the copy.
+int32 throughout: the kernels take int32 block tables and lengths, and the embedding, rotary
+positions and logits index accept int32 ids.
 
 A pad row is a decode row that writes nothing and reads something harmless: token 0 at position 0,
 slot -1 (`store_kv` skips it), seq_len 1 over block 0 of its (zeroed) block-table row; its output
@@ -30,6 +31,8 @@ ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 PAD_TOKEN_ID = 0
 PAD_SLOT = -1  # store_kv skips negative slots
+# What AttentionMetadata reads from the host (its `host_tensors`), in its order.
+_METADATA_REGIONS = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,31 +94,27 @@ def bucket_layout(bucket: int, max_blocks: int) -> StepLayout:
     return StepLayout(bucket, bucket, max_blocks)
 
 
-def step_metadata(
-    dev: dict[str, torch.Tensor],
-    host: dict[str, torch.Tensor],
+def split_step(
+    layout: StepLayout,
+    host: torch.Tensor,
+    dev: torch.Tensor,
     kv_cache_shape: tuple[int, ...],
-    device: torch.device,
     *,
     validate: bool = True,
-) -> AttentionMetadata:
-    """The attention metadata of a step from its device views `dev` and host views `host` (both
-    `StepLayout.split`s): the values are read from the host copies, so nothing syncs."""
-    return AttentionMetadata(
-        dev["block_tables"],
-        dev["seq_lens"],
-        dev["cu_seqlens_q"],
+) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+    """The device views of a packed step (`layout.split(dev)`) and its attention metadata over
+    them; the metadata's values are read from the host copy `host` of `dev`, so nothing syncs."""
+    views, on_host = layout.split(dev), layout.split(host)
+    meta = AttentionMetadata(
+        views["block_tables"],
+        views["seq_lens"],
+        views["cu_seqlens_q"],
         kv_cache_shape,
-        slot_mapping=dev["slot_mapping"],
-        device=device,
+        slot_mapping=views["slot_mapping"],
         validate=validate,
-        host_tensors=(
-            host["block_tables"],
-            host["seq_lens"],
-            host["cu_seqlens_q"],
-            host["slot_mapping"],
-        ),
+        host_tensors=tuple(on_host[name] for name in _METADATA_REGIONS),
     )
+    return views, meta
 
 
 def pack_step(
@@ -164,11 +163,9 @@ def pack_step(
     v["cu_seqlens_q"][len(rows) :] = np.arange(t, t + num_pad + 1, dtype=np.int32)
     assert len(copies) == layout.num_copies, f"{len(copies)} copies != layout's"
     for j, c in enumerate(copies):
-        v["copy_src"][j], v["copy_dst"][j], v["copy_slots"][j] = (
-            c.src_block,
-            c.dst_block,
-            c.num_slots,
-        )
+        v["copy_src"][j] = c.src_block
+        v["copy_dst"][j] = c.dst_block
+        v["copy_slots"][j] = c.num_slots
 
 
 class InputStager:
