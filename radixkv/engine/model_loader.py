@@ -167,11 +167,12 @@ def load_model(
     progress: Progress | None = None,
 ) -> LoadedModel:
     """Load `model` (see module docstring) onto `device` in `dtype` (default: fp32 on CPU, the
-    checkpoint's dtype on CUDA). Raises ModelNotFoundError when nothing can be loaded, and its
-    base ModelLoadError when the model folder is broken."""
+    checkpoint's dtype on CUDA). Raises ValueError for a device this machine does not have,
+    ModelNotFoundError when nothing can be loaded, and its base ModelLoadError when the model
+    folder is broken."""
     from transformers import PreTrainedModel
 
-    device = torch.device(device) if device is not None else _default_device()
+    device = _check_device(device) if device is not None else _default_device()
     if isinstance(model, PreTrainedModel):
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         net = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
@@ -194,6 +195,20 @@ def load_model(
         raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
     net = _load_causal_lm(source, device, dtype)
     return LoadedModel(net, tokenizer if tokenizer is not None else _load_tokenizer(source), source)
+
+
+def _check_device(device: object) -> torch.device:
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}"
+        ) from exc
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device is {str(dev)!r}, but this machine has {torch.cuda.device_count()} CUDA devices"
+        )
+    return dev
 
 
 def _default_device() -> torch.device:

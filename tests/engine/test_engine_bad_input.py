@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_llama import VOCAB_SIZE, random_prompts
 
 from radixkv import LLM, ModelNotFoundError, SamplingParams
@@ -143,6 +144,8 @@ def test_unknown_model_path(tmp_path):
         (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
         (dict(num_blocks=0), ValueError, "num_blocks"),
         (dict(kv_cache_bytes=10), ValueError, "holds no KV block"),
+        (dict(device="gpu0"), ValueError, "device must be a torch device"),
+        (dict(device=f"cuda:{torch.cuda.device_count()}"), ValueError, "CUDA devices"),
     ],
 )
 def test_bad_engine_arguments(tiny_model_dir, kwargs, error, match):

@@ -44,6 +44,12 @@ def test_a_bad_queue_limit_exits_2(tiny_model_dir, capsys) -> None:
     assert "max_queued_requests" in capsys.readouterr().err
 
 
+def test_a_device_this_machine_lacks_exits_2_with_one_line(tiny_model_dir, capsys) -> None:
+    assert main(["serve", "--model", str(tiny_model_dir("gqa")), "--device", "gpu0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixkv serve:") and "device" in err and len(err.splitlines()) == 1
+
+
 def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
     import torch
 
