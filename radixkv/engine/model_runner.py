@@ -23,6 +23,7 @@ variable); the scheduler builds them, and the public kernel API still checks wha
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Sequence
@@ -143,6 +144,10 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
         model.set_attn_implementation(register_attention())
+        # transformers renamed the forward's cache argument (`past_key_values` -> `cache`, the old
+        # name goes in 5.40): pass the one this version declares.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB) on %s",
             num_blocks,
@@ -187,7 +192,7 @@ class ModelRunner:
         out = self.model(
             input_ids=views["input_ids"][None],
             position_ids=views["positions"][None],
-            past_key_values=cache,
+            **{self._cache_arg: cache},
             use_cache=True,
             logits_to_keep=keep,
             radixkv_cache=cache,

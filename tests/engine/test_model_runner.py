@@ -93,6 +93,16 @@ def test_only_unsampled_rows_return_no_logits(models):
     assert logits.shape == (0, model.config.vocab_size)
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_the_forward_uses_no_deprecated_argument(models):
+    """transformers deprecates `past_key_values` in favour of `cache`: a step warns about
+    neither (the runner passes the name this version declares)."""
+    model, _ = models
+    runner = ModelRunner(model, block_size=4, num_blocks=8)
+    logits = runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3]),)))
+    assert logits.shape == (1, model.config.vocab_size)
+
+
 def test_copy_on_write_of_a_partial_block(models):
     """c shares a's first 6 tokens: block 5 (full) is shared, the 2 valid slots of block 9 are
     copied into c's private block 11 before the forward."""
