@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         # Library deprecation notices are for developers; in a chat they split a reply.
         warnings.filterwarnings("ignore", category=FutureWarning)
-        # The engine logs every failed step; a Ctrl-C is the user's, answered by the chat itself.
-        logging.getLogger("radixkv.engine.llm").addFilter(_not_an_interrupt)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         _tolerate_undecodable_bytes()
         return run_chat(args)
@@ -82,11 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         lead = "\n" if sys.stderr.isatty() else ""  # end the line the ^C or a progress line is on
         print(f"{lead}radixkv: interrupted", file=sys.stderr, flush=True)
         return 130
-
-
-def _not_an_interrupt(record: logging.LogRecord) -> bool:
-    args = record.args if isinstance(record.args, tuple) else ()
-    return not any(isinstance(a, KeyboardInterrupt) for a in args)
 
 
 def _tolerate_undecodable_bytes() -> None:

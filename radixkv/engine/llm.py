@@ -332,10 +332,11 @@ class LLM:
         try:
             self._step(step_ids)
         except BaseException as exc:
-            logger.error("step failed, failing its requests: %r", exc)
             self._fail(step_ids, exc)
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception):  # an interrupt is the caller's to report
+                logger.info("step interrupted, its requests failed: %r", exc)
                 raise
+            logger.error("step failed, failing its requests: %r", exc)
         finally:
             self._stepping = False
             while self._orphans:
