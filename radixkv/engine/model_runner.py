@@ -221,4 +221,8 @@ class ModelRunner:
         `step_inputs`) and its attention metadata."""
         layout = layout_for(step.rows, num_copies=len(step.copies))
         host, dev = self._stage(step.rows, step.copies, layout)
+        ids = host.numpy()[: layout.num_tokens]
+        # On the host: an id past the embedding would be a device-side assert on CUDA, which
+        # leaves the whole process unable to run another step.
+        assert ids.min() >= 0 and ids.max() < self.vocab_size, "token id out of range"
         return split_step(layout, host, dev, self.kv_cache_shape, validate=self.validate_steps)
