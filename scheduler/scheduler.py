@@ -111,9 +111,7 @@ class Scheduler:
             raise TypeError(f"expected a Request, got {type(request).__name__}")
         rid = request.request_id
         if rid in self._requests:
-            raise ValueError(
-                f"request {rid!r}: a request with this id is already queued or running"
-            )
+            raise ValueError(f"request {rid!r}: this id is already queued or running")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid!r}: only a new request can be added ({request.status})")
         num_prompt = request.num_prompt_tokens
@@ -161,9 +159,7 @@ class Scheduler:
         Each non-empty output must be passed to `update_from_output` before the next call.
         """
         if self._in_flight is not None:
-            raise RuntimeError(
-                "schedule() called again before update_from_output() of the last step"
-            )
+            raise RuntimeError("schedule() called again before update_from_output()")
         self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
@@ -197,10 +193,7 @@ class Scheduler:
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
-            rows=tuple(rows),
-            copies=tuple(copies),
-            preempted_ids=tuple(preempted),
-            finished_ids=tuple(self._aborted_ids),
+            tuple(rows), tuple(copies), tuple(preempted), tuple(self._aborted_ids)
         )
         self._aborted_ids.clear()
         if rows:
