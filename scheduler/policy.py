@@ -7,7 +7,7 @@ request that does not fit, so a policy decides who goes first, never who is skip
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable
 
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.scheduler.request import Request
@@ -16,7 +16,7 @@ from radixkv.scheduler.request import Request
 class FcfsPolicy:
     """First come, first served: the queue order itself. The base of every policy."""
 
-    def order(self, waiting: Sequence[Request], cache: PrefixCache | None) -> Sequence[Request]:
+    def order(self, waiting: Collection[Request], cache: PrefixCache | None) -> Iterable[Request]:
         """Admission order of `waiting`. `cache` is None when prefix caching is off. Must not
         change the cache."""
         return waiting
@@ -29,7 +29,7 @@ class LongestPrefixMatchPolicy(FcfsPolicy):
     computed), so scoring neither splits nodes, refreshes recency nor pins anything.
     """
 
-    def order(self, waiting: Sequence[Request], cache: PrefixCache | None) -> Sequence[Request]:
+    def order(self, waiting: Collection[Request], cache: PrefixCache | None) -> Iterable[Request]:
         if cache is None or len(waiting) < 2:
             return waiting
 

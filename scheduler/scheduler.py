@@ -33,7 +33,6 @@ release the lock, free what is still private).
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
@@ -67,9 +66,10 @@ class Scheduler:
         self._block_size = cache.block_size
         self._use_cache = self.config.enable_prefix_cache
         self._policy = make_policy(self.config.policy)
-        self._waiting: deque[Request] = deque()  # FCFS order; preempted requests at the front
-        self._running: dict[str, Request] = {}  # in admission order
-        self._requests: dict[str, Request] = {}  # every live (waiting or running) request
+        # Every live request, by id: waiting in FCFS order (preempted ones put back at the front),
+        # running in admission order.
+        self._waiting: dict[str, Request] = {}
+        self._running: dict[str, Request] = {}
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
         self._scheduling = False  # inside schedule(): still set after a fault there
@@ -86,7 +86,7 @@ class Scheduler:
         return len(self._running)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._waiting or self._running)
 
     @property
     def running_requests(self) -> tuple[Request, ...]:
@@ -96,11 +96,11 @@ class Scheduler:
     @property
     def waiting_requests(self) -> tuple[Request, ...]:
         """Waiting requests in FCFS order (the policy may admit them in another order)."""
-        return tuple(self._waiting)
+        return tuple(self._waiting.values())
 
     def get_request(self, request_id: str) -> Request | None:
         """The live (waiting or running) request with this id, else None."""
-        return self._requests.get(request_id)
+        return self._running.get(request_id) or self._waiting.get(request_id)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -110,7 +110,7 @@ class Scheduler:
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
         rid = request.request_id
-        if rid in self._requests:
+        if self.get_request(rid) is not None:
             raise ValueError(f"request {rid!r}: this id is already queued or running")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid!r}: only a new request can be added ({request.status})")
@@ -132,20 +132,17 @@ class Scheduler:
                 f"{max_kv_tokens + 1 - num_prompt} generated tokens need {num_blocks} KV blocks of "
                 f"{self._block_size} tokens, but the whole cache has {self.cache.num_blocks}"
             )
-        self._waiting.append(request)
-        self._requests[rid] = request
+        self._waiting[rid] = request
 
     def abort(self, request_id: str) -> bool:
         """Finish a waiting or running request as aborted and free everything it holds (its written
         KV is not inserted). False if no live request has this id (e.g. it just finished)."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
         # Found by where it is, not by its status: after a fault inside a step, a request can be
         # finished but still running, or admitted but still waiting, or half-admitted.
-        self._running.pop(request_id, None)
-        if req in self._waiting:
-            self._waiting.remove(req)  # O(len(waiting)): aborts are rare, not the hot path
+        running = self._running.pop(request_id, None)
+        req = self._waiting.pop(request_id, None) or running
+        if req is None:
+            return False
         self._release(req)
         req.set_finished(RequestStatus.FINISHED_ABORTED)
         self._aborted_ids.append(request_id)
@@ -240,7 +237,6 @@ class Scheduler:
                 self._insert_written(req, writes_on=not req.is_finished)
             if req.is_finished:
                 del self._running[req.request_id]
-                del self._requests[req.request_id]
                 self._release(req)
                 finished.append(req)
         return finished
@@ -281,7 +277,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(req)
+        self._waiting = {req.request_id: req, **self._waiting}  # O(waiting): preemption is rare
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
         """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on
@@ -335,7 +331,8 @@ class Scheduler:
         admitted: list[tuple[Request, int]] = []
         num_deferred = 0
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
-        for req in self._policy.order(self._waiting, self.cache if self._use_cache else None):
+        waiting = self._waiting.values()
+        for req in self._policy.order(waiting, self.cache if self._use_cache else None):
             if budget == 0 or len(self._running) + num_deferred >= max_seqs:
                 break
             if defer and admitted and self._defer_for_in_batch_prefix(req, admitted):
@@ -355,8 +352,8 @@ class Scheduler:
             admitted.append((req, row.start_position + len(row.token_ids)))
             rows.append(row)
             budget -= len(row.token_ids)
-        if admitted:  # deferred requests keep their place in the queue
-            self._waiting = deque(r for r in self._waiting if r.request_id not in self._running)
+        for req, _ in admitted:  # deferred requests keep their place in the queue
+            del self._waiting[req.request_id]
         return budget
 
     def _defer_for_in_batch_prefix(self, req: Request, in_batch: list[tuple[Request, int]]) -> bool:
@@ -432,13 +429,12 @@ class Scheduler:
         """Recompute the scheduler's invariants (see the class docstring), then the cache's."""
         self.cache.check_integrity()
         B, use_cache = self._block_size, self._use_cache
-        waiting = {r.request_id for r in self._waiting}
-        assert len(waiting) == len(self._waiting), f"duplicate in waiting: {self._waiting}"
-        assert not waiting & self._running.keys(), "request both waiting and running"
-        assert waiting | self._running.keys() == self._requests.keys(), "registry out of sync"
+        assert not self._waiting.keys() & self._running.keys(), "request both waiting and running"
         assert len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs"
-        for req in self._waiting:
-            assert req.status is RequestStatus.WAITING and req.table is None, req
+        for rid, req in self._waiting.items():
+            assert (
+                req.request_id == rid and req.status is RequestStatus.WAITING and req.table is None
+            ), req
             assert req.num_computed_tokens == 0, req
         private: list[int] = []  # every running request's private blocks
         for rid, req in self._running.items():
@@ -471,10 +467,10 @@ class Scheduler:
         output, self._in_flight = self._in_flight, None
         if self._scheduling:
             self._scheduling = False
-            ids = list(self._requests)
+            ids = list({**self._running, **self._waiting})
         else:
             ids = [row.request_id for row in output.rows] if output is not None else []
-        failed = [self._requests[rid] for rid in ids if rid in self._requests]
+        failed = [req for rid in ids if (req := self.get_request(rid)) is not None]
         for req in failed:
             self.abort(req.request_id)
             req.set_finished(RequestStatus.FINISHED_ERROR)
