@@ -118,14 +118,10 @@ class Request:
         assert self.status is RequestStatus.RUNNING, f"{self}: append while not running"
         self.output_token_ids.append(token_id)
         self.all_token_ids += (token_id,)
-        if token_id in self.params.stop_token_ids or (
-            not self.params.ignore_eos and token_id in self.eos_token_ids
-        ):
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
             self.set_finished(RequestStatus.FINISHED_STOPPED)
-        elif (
-            len(self.output_token_ids) >= self.params.max_tokens
-            or len(self.all_token_ids) >= max_model_len
-        ):
+        elif self.num_tokens >= self.max_num_tokens(max_model_len):
             self.set_finished(RequestStatus.FINISHED_LENGTH)
 
     def set_finished(self, status: RequestStatus) -> None:

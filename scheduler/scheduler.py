@@ -248,10 +248,8 @@ class Scheduler:
     ) -> ScheduledRequest | None:
         """Row for the next `num_tokens` of a running request, preempting others for blocks if
         needed. None if the request itself had to be preempted."""
-        start = req.num_computed_tokens
-        end = start + num_tokens
         assert req.table is not None
-        need = _cdiv(end, self._block_size) - len(req.table.blocks)
+        need = _cdiv(req.num_computed_tokens + num_tokens, self._block_size) - len(req.table.blocks)
         while need > 0 and not self.cache.grow(req.table, need):
             # The most recently admitted request not yet in this step's batch (`_running` is in
             # admission order); the requester is a candidate itself, so this always finds one.
@@ -263,7 +261,7 @@ class Scheduler:
             preempted.append(victim.request_id)
             if victim is req:
                 return None
-        return self._row(req, start, end)
+        return self._row(req, num_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: insert what it wrote (so its restart is mostly a cache hit), drop
@@ -410,10 +408,12 @@ class Scheduler:
         req.num_prefill_tokens = len(tokens)
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req
-        num_tokens = min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget)
-        return self._row(req, num_hit, num_hit + num_tokens)
+        return self._row(req, min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget))
 
-    def _row(self, req: Request, start: int, end: int) -> ScheduledRequest:
+    def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
+        """The row computing the request's next `num_tokens` (its table covers them)."""
+        start = req.num_computed_tokens
+        end = start + num_tokens
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start:end]),
@@ -432,10 +432,8 @@ class Scheduler:
         assert not self._waiting.keys() & self._running.keys(), "request both waiting and running"
         assert len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs"
         for rid, req in self._waiting.items():
-            assert (
-                req.request_id == rid and req.status is RequestStatus.WAITING and req.table is None
-            ), req
-            assert req.num_computed_tokens == 0, req
+            assert req.request_id == rid and req.status is RequestStatus.WAITING, req
+            assert req.table is None and req.num_computed_tokens == 0, req
         private: list[int] = []  # every running request's private blocks
         for rid, req in self._running.items():
             table = req.table
