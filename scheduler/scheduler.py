@@ -217,8 +217,7 @@ class Scheduler:
         for rid, t in sampled.items():
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(
-                    f"request {rid!r}: sampled token must be an int in [0, {MAX_TOKEN_ID}],"
-                    f" got {t!r}"
+                    f"{rid!r}: sampled token must be an int in [0, {MAX_TOKEN_ID}], got {t!r}"
                 )
         if output.rows:
             self._in_flight = None
@@ -280,11 +279,8 @@ class Scheduler:
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
         """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on
         writing after this (it is neither finishing nor preempted)."""
-        n = req.num_computed_tokens
-        table = req.table
-        assert table is not None, f"{req}: a running request holds its table"
-        if n == 0:
-            return
+        n, table = req.num_computed_tokens, req.table
+        assert table is not None and n > 0, f"{req}: a running request has a table and wrote KV"
         last = _cdiv(n, self._block_size) - 1
         old_tail = table.blocks[last]
         self.cache.commit(table, req.all_token_ids[:n])
@@ -293,9 +289,8 @@ class Scheduler:
         # another owner's block has later slots of its own), so the cache must hand it back: it
         # keeps a caller's private partial last block, and its own earlier tail, even where the
         # tree already holds those tokens in another block.
-        assert not writes_on or n % self._block_size == 0 or table.blocks[last] == old_tail, (
-            f"{req}: insert replaced the partial tail block {old_tail} it writes on"
-        )
+        tail_kept = n % self._block_size == 0 or table.blocks[last] == old_tail
+        assert tail_kept or not writes_on, f"{req}: insert replaced the tail block {old_tail}"
 
     def _release(self, req: Request) -> None:
         """Unlock and free everything a request holds (after its insert, if any)."""
