@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from radixkv.cache.validation import check_size
 from radixkv.scheduler.policy import POLICIES
+
+# The fields that must be >= 1.
+_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill_size", "max_model_len")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +42,11 @@ class SchedulerConfig:
     prefill_first: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # checked by declared type (annotations are strings here)
-            value = getattr(self, f.name)
-            if f.type == "bool" and not isinstance(value, bool):
-                raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
-            if f.type == "int":  # a count >= 1, or the threshold that 0 disables
-                check_size(value, f.name, low=0 if f.name == "defer_shared_prefix_tokens" else 1)
+        for name in _COUNTS:
+            check_size(getattr(self, name), name, low=1)
+        check_size(self.defer_shared_prefix_tokens, "defer_shared_prefix_tokens", low=0)
+        for name in ("enable_prefix_cache", "prefill_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")
