@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixkv.cache.validation import check_size
+from radixkv.scheduler.policy import POLICIES
 
-POLICIES = ("fcfs", "lpm")
+# The fields that must be >= 1.
+_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill_size", "max_model_len")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +42,11 @@ class SchedulerConfig:
     prefill_first: bool = False
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "chunked_prefill_size",
-            "max_model_len",
-        ):
+        for name in _COUNTS:
             check_size(getattr(self, name), name, low=1)
         check_size(self.defer_shared_prefix_tokens, "defer_shared_prefix_tokens", low=0)
         for name in ("enable_prefix_cache", "prefill_first"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+            raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")

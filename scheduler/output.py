@@ -10,7 +10,7 @@ Token regions of a scheduled row (B = block size):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class SchedulerOutput:
     rows: tuple[ScheduledRequest, ...]  # in packing order
     copies: tuple[BlockCopy, ...] = ()  # block copies to perform before the forward
     preempted_ids: tuple[str, ...] = ()  # requests moved back to waiting this step
-    finished_ids: tuple[str, ...] = field(default=())  # requests finished by abort/rejection
+    finished_ids: tuple[str, ...] = ()  # requests finished by abort/rejection
 
     @property
     def num_batched_tokens(self) -> int:

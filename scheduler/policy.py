@@ -7,54 +7,44 @@ request that does not fit, so a policy decides who goes first, never who is skip
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Collection, Iterable
 
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.scheduler.request import Request
 
 
-class SchedulingPolicy(Protocol):
-    def order(self, waiting: Sequence[Request], cache: PrefixCache | None) -> Iterable[Request]:
-        """Admission order of `waiting`. `cache` is None when prefix caching is off.
-        Must not change the cache."""
-        ...
-
-
 class FcfsPolicy:
-    """First come, first served: the queue order itself."""
+    """First come, first served: the queue order itself. The base of every policy."""
 
-    def order(self, waiting: Sequence[Request], cache: PrefixCache | None) -> Iterable[Request]:
-        return iter(waiting)
+    def order(self, waiting: Collection[Request], cache: PrefixCache | None) -> Iterable[Request]:
+        """Admission order of `waiting`. `cache` is None when prefix caching is off. Must not
+        change the cache."""
+        return waiting
 
 
-class LongestPrefixMatchPolicy:
-    """Longest cached prefix first (SGLang's "lpm"); ties keep queue order.
+class LongestPrefixMatchPolicy(FcfsPolicy):
+    """Longest cached prefix first (SGLang's "lpm"); ties keep queue order (`sorted` is stable).
 
     Scored with the cache's read-only `match` (capped like admission: the last token is always
     computed), so scoring neither splits nodes, refreshes recency nor pins anything.
     """
 
-    def order(self, waiting: Sequence[Request], cache: PrefixCache | None) -> Iterable[Request]:
+    def order(self, waiting: Collection[Request], cache: PrefixCache | None) -> Iterable[Request]:
         if cache is None or len(waiting) < 2:
-            return iter(waiting)
-        scored = [
-            (
-                -cache.match(
-                    r.all_token_ids, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
-                ).num_cached_tokens,
-                i,
-                r,
-            )
-            for i, r in enumerate(waiting)
-        ]
-        scored.sort(key=lambda s: (s[0], s[1]))
-        return [r for _, _, r in scored]
+            return waiting
+
+        def num_cached_tokens(r: Request) -> int:
+            return cache.match(
+                r.all_token_ids, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
+            ).num_cached_tokens
+
+        return sorted(waiting, key=num_cached_tokens, reverse=True)
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    if name == "fcfs":
-        return FcfsPolicy()
-    if name == "lpm":
-        return LongestPrefixMatchPolicy()
-    raise ValueError(f"unknown scheduling policy {name!r}")
+POLICIES = {"fcfs": FcfsPolicy, "lpm": LongestPrefixMatchPolicy}
+
+
+def make_policy(name: str) -> FcfsPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}")
+    return POLICIES[name]()

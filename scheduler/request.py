@@ -66,8 +66,7 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -76,8 +75,7 @@ class Request:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"eos token ids must be ints >= 0, got {t!r}")
         self.request_id = request_id
-        prompt = prompt_token_ids
-        self.prompt_token_ids = prompt if type(prompt) is PackedTokens else PackedTokens(prompt)
+        self.prompt_token_ids = PackedTokens(prompt_token_ids)  # no copy, no check of PackedTokens
         self.params = params
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         # The cache namespace: requests share cached KV only with requests of the same salt.
@@ -117,19 +115,13 @@ class Request:
 
     def append_output_token(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and finish the request if it stops generation."""
-        assert self.status is RequestStatus.RUNNING, (
-            f"{self.request_id}: append while {self.status}"
-        )
+        assert self.status is RequestStatus.RUNNING, f"{self}: append while not running"
         self.output_token_ids.append(token_id)
         self.all_token_ids += (token_id,)
-        if token_id in self.params.stop_token_ids or (
-            not self.params.ignore_eos and token_id in self.eos_token_ids
-        ):
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
             self.set_finished(RequestStatus.FINISHED_STOPPED)
-        elif (
-            len(self.output_token_ids) >= self.params.max_tokens
-            or len(self.all_token_ids) >= max_model_len
-        ):
+        elif self.num_tokens >= self.max_num_tokens(max_model_len):
             self.set_finished(RequestStatus.FINISHED_LENGTH)
 
     def set_finished(self, status: RequestStatus) -> None:

@@ -38,8 +38,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, inf), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
             check_size(t, "stop_token_ids[i]", low=0)
 

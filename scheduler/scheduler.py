@@ -33,7 +33,6 @@ release the lock, free what is still private).
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
@@ -67,9 +66,10 @@ class Scheduler:
         self._block_size = cache.block_size
         self._use_cache = self.config.enable_prefix_cache
         self._policy = make_policy(self.config.policy)
-        self._waiting: deque[Request] = deque()  # FCFS order; preempted requests at the front
-        self._running: dict[str, Request] = {}  # in admission order
-        self._requests: dict[str, Request] = {}  # every live (waiting or running) request
+        # Every live request, by id: waiting in FCFS order (preempted ones put back at the front),
+        # running in admission order.
+        self._waiting: dict[str, Request] = {}
+        self._running: dict[str, Request] = {}
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
         self._scheduling = False  # inside schedule(): still set after a fault there
@@ -86,7 +86,7 @@ class Scheduler:
         return len(self._running)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._waiting or self._running)
 
     @property
     def running_requests(self) -> tuple[Request, ...]:
@@ -96,11 +96,11 @@ class Scheduler:
     @property
     def waiting_requests(self) -> tuple[Request, ...]:
         """Waiting requests in FCFS order (the policy may admit them in another order)."""
-        return tuple(self._waiting)
+        return tuple(self._waiting.values())
 
     def get_request(self, request_id: str) -> Request | None:
         """The live (waiting or running) request with this id, else None."""
-        return self._requests.get(request_id)
+        return self._running.get(request_id) or self._waiting.get(request_id)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -110,10 +110,8 @@ class Scheduler:
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
         rid = request.request_id
-        if rid in self._requests:
-            raise ValueError(
-                f"request {rid!r}: a request with this id is already queued or running"
-            )
+        if self.get_request(rid) is not None:
+            raise ValueError(f"request {rid!r}: this id is already queued or running")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid!r}: only a new request can be added ({request.status})")
         num_prompt = request.num_prompt_tokens
@@ -134,20 +132,17 @@ class Scheduler:
                 f"{max_kv_tokens + 1 - num_prompt} generated tokens need {num_blocks} KV blocks of "
                 f"{self._block_size} tokens, but the whole cache has {self.cache.num_blocks}"
             )
-        self._waiting.append(request)
-        self._requests[rid] = request
+        self._waiting[rid] = request
 
     def abort(self, request_id: str) -> bool:
         """Finish a waiting or running request as aborted and free everything it holds (its written
         KV is not inserted). False if no live request has this id (e.g. it just finished)."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
         # Found by where it is, not by its status: after a fault inside a step, a request can be
         # finished but still running, or admitted but still waiting, or half-admitted.
-        self._running.pop(request_id, None)
-        if req in self._waiting:
-            self._waiting.remove(req)  # O(len(waiting)): aborts are rare, not the hot path
+        running = self._running.pop(request_id, None)
+        req = self._waiting.pop(request_id, None) or running
+        if req is None:
+            return False
         self._release(req)
         req.set_finished(RequestStatus.FINISHED_ABORTED)
         self._aborted_ids.append(request_id)
@@ -161,38 +156,29 @@ class Scheduler:
         Each non-empty output must be passed to `update_from_output` before the next call.
         """
         if self._in_flight is not None:
-            raise RuntimeError(
-                "schedule() called again before update_from_output() of the last step"
-            )
+            raise RuntimeError("schedule() called again before update_from_output()")
         self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
         copies: list[BlockCopy] = []
         preempted: list[str] = []
-        scheduled: set[str] = set()
+        running = list(self._running.values())  # in admission order
 
         # Prefill first: admission before anything else, and a step that admits runs no decodes.
         admit_first = self.config.prefill_first and bool(self._waiting)
-        decode = True
         if admit_first:
             budget = self._admit(budget, rows, copies)
-            scheduled.update(row.request_id for row in rows)
-            decode = not rows
+            if rows:
+                running = [r for r in running if r.num_tokens_to_compute > 1]
 
-        # 1. Decodes (and one-token prefill remainders), then 2. prefill chunks of running requests.
-        for decode_pass in (True, False) if decode else (False,):
-            for req in list(self._running.values()):
-                if budget == 0:
-                    break
-                remaining = req.num_tokens_to_compute
-                if (
-                    req.status is not RequestStatus.RUNNING
-                    or (remaining == 1) != decode_pass
-                    or req.request_id in scheduled
-                ):
-                    continue
-                n = min(remaining, self.config.chunked_prefill_size, budget)
-                row = self._schedule_running(req, n, scheduled, preempted)
+        # 1. Decodes (and one-token prefill remainders), then 2. prefill chunks of running requests;
+        # sorted() is stable, so each kind stays in admission order.
+        for req in sorted(running, key=lambda r: r.num_tokens_to_compute > 1):
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+                n = min(req.num_tokens_to_compute, self.config.chunked_prefill_size, budget)
+                row = self._schedule_running(req, n, rows, preempted)
                 if row is not None:
                     rows.append(row)
                     budget -= n
@@ -200,14 +186,11 @@ class Scheduler:
         # 3. Admission (unless tried first). A step that had to preempt has no blocks to spare,
         # unless it preempted every running request: then nothing else could run and an idle
         # cache admits anything that fits it alone (`_admit`).
-        if (not admit_first or preempted) and (not preempted or not rows):
+        if (not rows) if preempted else (not admit_first):
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
-            rows=tuple(rows),
-            copies=tuple(copies),
-            preempted_ids=tuple(preempted),
-            finished_ids=tuple(self._aborted_ids),
+            tuple(rows), tuple(copies), tuple(preempted), tuple(self._aborted_ids)
         )
         self._aborted_ids.clear()
         if rows:
@@ -223,12 +206,7 @@ class Scheduler:
 
         Rows of requests aborted since `schedule()` are ignored (their sampled token too).
         """
-        if output.is_empty:
-            if sampled:
-                raise ValueError("tokens sampled for an empty step")
-            return []
-        pending = self._in_flight
-        if pending is None or output is not pending:
+        if output.rows and output is not self._in_flight:
             raise ValueError("output is not the pending result of the last schedule()")
         sampling = {r.request_id for r in output.rows if r.sample}
         if set(sampled) != sampling:
@@ -236,17 +214,13 @@ class Scheduler:
                 f"sampled tokens must be given exactly for the rows with sample=True: missing "
                 f"{sorted(sampling - set(sampled))}, unexpected {sorted(set(sampled) - sampling)}"
             )
-        for rid, token in sampled.items():
-            if (
-                isinstance(token, bool)
-                or not isinstance(token, int)
-                or not 0 <= token <= MAX_TOKEN_ID
-            ):
+        for rid, t in sampled.items():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(
-                    f"request {rid!r}: sampled token must be an int in [0, {MAX_TOKEN_ID}],"
-                    f" got {token!r}"
+                    f"{rid!r}: sampled token must be an int in [0, {MAX_TOKEN_ID}], got {t!r}"
                 )
-        self._in_flight = None
+        if output.rows:
+            self._in_flight = None
 
         finished: list[Request] = []
         for row in output.rows:
@@ -262,7 +236,6 @@ class Scheduler:
                 self._insert_written(req, writes_on=not req.is_finished)
             if req.is_finished:
                 del self._running[req.request_id]
-                del self._requests[req.request_id]
                 self._release(req)
                 finished.append(req)
         return finished
@@ -270,30 +243,24 @@ class Scheduler:
     # ------------------------------------------------------------------ running requests
 
     def _schedule_running(
-        self,
-        req: Request,
-        num_tokens: int,
-        scheduled: set[str],
-        preempted: list[str],
+        self, req: Request, num_tokens: int, rows: list[ScheduledRequest], preempted: list[str]
     ) -> ScheduledRequest | None:
         """Row for the next `num_tokens` of a running request, preempting others for blocks if
         needed. None if the request itself had to be preempted."""
-        start = req.num_computed_tokens
-        end = start + num_tokens
         assert req.table is not None
-        need = max(0, _cdiv(end, self._block_size) - len(req.table.blocks))
-        while need and not self.cache.grow(req.table, need):
+        need = _cdiv(req.num_computed_tokens + num_tokens, self._block_size) - len(req.table.blocks)
+        while need > 0 and not self.cache.grow(req.table, need):
             # The most recently admitted request not yet in this step's batch (`_running` is in
             # admission order); the requester is a candidate itself, so this always finds one.
+            in_batch = {row.request_id for row in rows}
             victim = next(
-                r for r in reversed(self._running.values()) if r.request_id not in scheduled
+                r for r in reversed(self._running.values()) if r.request_id not in in_batch
             )
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is req:
                 return None
-        scheduled.add(req.request_id)
-        return self._row(req, start, end)
+        return self._row(req, num_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: insert what it wrote (so its restart is mostly a cache hit), drop
@@ -307,16 +274,13 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(req)
+        self._waiting = {req.request_id: req, **self._waiting}  # O(waiting): preemption is rare
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
         """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on
         writing after this (it is neither finishing nor preempted)."""
-        n = req.num_computed_tokens
-        table = req.table
-        assert table is not None, f"{req}: a running request holds its table"
-        if n == 0:
-            return
+        n, table = req.num_computed_tokens, req.table
+        assert table is not None and n > 0, f"{req}: a running request has a table and wrote KV"
         last = _cdiv(n, self._block_size) - 1
         old_tail = table.blocks[last]
         self.cache.commit(table, req.all_token_ids[:n])
@@ -325,9 +289,8 @@ class Scheduler:
         # another owner's block has later slots of its own), so the cache must hand it back: it
         # keeps a caller's private partial last block, and its own earlier tail, even where the
         # tree already holds those tokens in another block.
-        assert not writes_on or n % self._block_size == 0 or table.blocks[last] == old_tail, (
-            f"{req}: insert replaced the partial tail block {old_tail} it writes on"
-        )
+        tail_kept = n % self._block_size == 0 or table.blocks[last] == old_tail
+        assert tail_kept or not writes_on, f"{req}: insert replaced the tail block {old_tail}"
 
     def _release(self, req: Request) -> None:
         """Unlock and free everything a request holds (after its insert, if any)."""
@@ -356,13 +319,13 @@ class Scheduler:
         """
         max_seqs = self.config.max_num_seqs
         if not self._waiting or budget == 0 or len(self._running) >= max_seqs:
-            return budget
+            return budget  # nothing can be admitted: spare the policy its scoring
         # (request, end): what each request admitted in this step writes, then inserts, this step.
         admitted: list[tuple[Request, int]] = []
         num_deferred = 0
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
-        cache_view = self.cache if self._use_cache else None
-        for req in self._policy.order(self._waiting, cache_view):
+        waiting = self._waiting.values()
+        for req in self._policy.order(waiting, self.cache if self._use_cache else None):
             if budget == 0 or len(self._running) + num_deferred >= max_seqs:
                 break
             if defer and admitted and self._defer_for_in_batch_prefix(req, admitted):
@@ -382,14 +345,8 @@ class Scheduler:
             admitted.append((req, row.start_position + len(row.token_ids)))
             rows.append(row)
             budget -= len(row.token_ids)
-        if admitted:
-            # The admitted are a subsequence of the policy order (deferred requests stay where
-            # they are); for FCFS without deferrals, a prefix of the queue.
-            gone = {r.request_id for r, _ in admitted}
-            while self._waiting and self._waiting[0].request_id in gone:
-                gone.discard(self._waiting.popleft().request_id)
-            if gone:
-                self._waiting = deque(r for r in self._waiting if r.request_id not in gone)
+        for req, _ in admitted:  # deferred requests keep their place in the queue
+            del self._waiting[req.request_id]
         return budget
 
     def _defer_for_in_batch_prefix(self, req: Request, in_batch: list[tuple[Request, int]]) -> bool:
@@ -409,22 +366,18 @@ class Scheduler:
         # that much of a shared prefix can ever be gained by waiting.
         cap = len(tokens) - 1
         threshold = self.config.defer_shared_prefix_tokens
-        if cap < threshold:
-            return False
-        shared = 0
-        for other, end in in_batch:
-            if other.cache_salt == req.cache_salt:  # only its own namespace can serve it
-                shared = max(shared, common_prefix_len(tokens, other.all_token_ids, min(end, cap)))
-            if shared == cap:
-                break
+        shared = max(  # only requests of its own namespace can serve it
+            common_prefix_len(tokens, other.all_token_ids, min(end, cap))
+            if other.cache_salt == req.cache_salt
+            else 0
+            for other, end in in_batch
+        )
         if shared < threshold:  # cannot gain enough whatever is cached: skip the tree walk
             return False
-        num_hit = self.cache.match(
-            tokens, max_tokens=cap, namespace=req.cache_salt
-        ).num_cached_tokens
-        if shared - num_hit < threshold:
+        hit = self.cache.match(tokens, max_tokens=cap, namespace=req.cache_salt).num_cached_tokens
+        if shared - hit < threshold:
             return False
-        logger.debug("deferring %s: %d prefix tokens computed in this step", req, shared - num_hit)
+        logger.debug("deferring %s: %d prefix tokens computed in this step", req, shared - hit)
         return True
 
     def _try_admit(
@@ -450,10 +403,12 @@ class Scheduler:
         req.num_prefill_tokens = len(tokens)
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req
-        num_tokens = min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget)
-        return self._row(req, num_hit, num_hit + num_tokens)
+        return self._row(req, min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget))
 
-    def _row(self, req: Request, start: int, end: int) -> ScheduledRequest:
+    def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
+        """The row computing the request's next `num_tokens` (its table covers them)."""
+        start = req.num_computed_tokens
+        end = start + num_tokens
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start:end]),
@@ -468,16 +423,13 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Recompute the scheduler's invariants (see the class docstring), then the cache's."""
         self.cache.check_integrity()
-        B = self._block_size
-        waiting_ids = [r.request_id for r in self._waiting]
-        assert len(set(waiting_ids)) == len(waiting_ids), f"duplicate in waiting: {waiting_ids}"
-        assert not set(waiting_ids) & set(self._running), "request both waiting and running"
-        assert set(waiting_ids) | set(self._running) == set(self._requests), "registry out of sync"
+        B, use_cache = self._block_size, self._use_cache
+        assert not self._waiting.keys() & self._running.keys(), "request both waiting and running"
         assert len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs"
-        for req in self._waiting:
-            assert req.status is RequestStatus.WAITING and req.table is None, req
-            assert req.num_computed_tokens == 0, req
-        private_owner: dict[int, str] = {}
+        for rid, req in self._waiting.items():
+            assert req.request_id == rid and req.status is RequestStatus.WAITING, req
+            assert req.table is None and req.num_computed_tokens == 0, req
+        private: list[int] = []  # every running request's private blocks
         for rid, req in self._running.items():
             table = req.table
             assert req.request_id == rid and req.status is RequestStatus.RUNNING, req
@@ -486,21 +438,18 @@ class Scheduler:
             assert _cdiv(req.num_computed_tokens, B) <= len(blocks) <= _cdiv(req.num_tokens, B), req
             assert len(set(blocks)) == len(blocks), f"{req}: {blocks}"
             assert all(0 <= b < self.cache.num_blocks for b in blocks), blocks
-            assert (table.handle is not None) == self._use_cache, req
-            for b in table.private:
-                assert b not in private_owner, f"block {b} private to {private_owner[b]} and {rid}"
-                private_owner[b] = rid
+            assert (table.handle is not None) == use_cache, req
+            private += table.private
+        assert len(set(private)) == len(private), f"a block private to two requests: {private}"
         # NOTE: the scheduler is the only user of its cache: every private block and every lock
         # handle of the cache belongs to a running request.
         stats = self.cache.stats()
-        assert stats.num_private_blocks == len(private_owner), (len(private_owner), stats)
-        assert stats.num_live_handles == (len(self._running) if self._use_cache else 0), stats
-        assert len(private_owner) <= stats.num_in_use_blocks, (len(private_owner), stats)
-        if not self._running:
-            assert stats.num_in_use_blocks == 0, f"blocks in use with nothing running: {stats}"
-        if not self._use_cache:
-            assert stats.num_in_use_blocks == len(private_owner), stats
-            assert stats.num_free_blocks == stats.num_blocks - len(private_owner), stats
+        in_use = stats.num_in_use_blocks
+        assert stats.num_private_blocks == len(private), (len(private), stats)
+        assert stats.num_live_handles == (len(self._running) if use_cache else 0), stats
+        assert len(private) <= in_use and (self._running or in_use == 0), (len(private), stats)
+        if not use_cache:
+            assert in_use == len(private) == stats.num_blocks - stats.num_free_blocks, stats
 
     def fail_step(self) -> list[Request]:
         """After a fault in a step: finish the requests it touched with FINISHED_ERROR and return
@@ -511,13 +460,11 @@ class Scheduler:
         output, self._in_flight = self._in_flight, None
         if self._scheduling:
             self._scheduling = False
-            ids = list(self._requests)
+            ids = list({**self._running, **self._waiting})
         else:
             ids = [row.request_id for row in output.rows] if output is not None else []
-        failed = []
-        for rid in ids:
-            req = self._requests.get(rid)
-            if req is not None and self.abort(rid):
-                req.set_finished(RequestStatus.FINISHED_ERROR)
-                failed.append(req)
+        failed = [req for rid in ids if (req := self.get_request(rid)) is not None]
+        for req in failed:
+            self.abort(req.request_id)
+            req.set_finished(RequestStatus.FINISHED_ERROR)
         return failed
