@@ -116,19 +116,16 @@ class MatchResult:
         return len(self.block_ids) - (1 if self.last_block_partial else 0)
 
 
+@dataclass(slots=True, eq=False)
 class _Lease:
     """The record every copy of one LockHandle shares (`copy`, `deepcopy` and
     `dataclasses.replace` keep it): when the last copy is garbage-collected while its lock is
-    still held (its id still in the issuing cache's `live` table), `on_leak` reports it, once."""
+    still held (its id still in the issuing cache's `live` table), the cache, if still alive,
+    reports it, once."""
 
-    __slots__ = ("handle_id", "live", "on_leak")
-
-    def __init__(
-        self, handle_id: int, live: dict[int, _Lock], on_leak: Callable[[int], None]
-    ) -> None:
-        self.handle_id = handle_id
-        self.live = live
-        self.on_leak = on_leak
+    handle_id: int
+    live: dict[int, _Lock]
+    report: weakref.WeakMethod  # the issuing cache's leak report, gone with the cache
 
     def __copy__(self) -> _Lease:
         return self
@@ -138,7 +135,9 @@ class _Lease:
 
     def __del__(self) -> None:
         if self.handle_id in self.live:  # released, the common case: no call
-            self.on_leak(self.handle_id)
+            report = self.report()
+            if report is not None:
+                report(self.handle_id)
 
 
 @dataclass(slots=True)
@@ -282,14 +281,7 @@ class PrefixCache:
         self._clock = 0
         # The statistics of `stats()` that are counters, by their field names.
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        cache = weakref.ref(self)
-
-        def on_leak(handle_id: int) -> None:
-            live = cache()
-            if live is not None:
-                live._report_leak(handle_id)
-
-        self._on_leak = on_leak
+        self._on_leak = weakref.WeakMethod(self._report_leak)
 
     def __repr__(self) -> str:
         return (
