@@ -234,7 +234,7 @@ class BlockEvents:
     def removed(self, node: HashedNode, keep: int) -> None:
         """`node` is about to lose its full blocks from its `keep`-th on (0: all, the node goes;
         more: a trim back to a block boundary). Call before the node changes."""
-        hashes = self._hashes(node) if self.stream.active else node.block_hashes
+        hashes = node.block_hashes  # never None while someone listens
         if hashes is None:
             return
         gone = hashes[keep:]
@@ -258,17 +258,11 @@ class BlockEvents:
         """The class invariant over the tree's attached `nodes` (parents first): every hash list
         there is the chain recomputed from the path's tokens, and while someone listens, every
         node has one. Raises AssertionError naming the node's segment."""
-        B = self.block_size
         for node in nodes:
-            hashes = node.block_hashes
-            if hashes is None:
+            if node.block_hashes is None:
                 assert not self.stream.active, f"[{node.start},{node.end}) unhashed while active"
-                continue
-            first, last = node.start // B, node.end // B
-            parent = None if node.parent is None else self._last_hash(node.parent)
-            tokens = self._path_bytes(node, first * B, max(first, last) * B)
-            expected = chain_hashes(parent, token_bytes_le(tokens), B)
-            assert hashes == expected, f"[{node.start},{node.end}) holds stale block hashes"
+            elif node.block_hashes != self._chain(node)[1]:
+                raise AssertionError(f"[{node.start},{node.end}) holds stale block hashes")
 
     # ---------------------------------------------------------------- internals
     def _snapshot(self) -> Iterator[KVEvent]:
@@ -278,34 +272,20 @@ class BlockEvents:
                 yield event
 
     def _stored_event(self, node: HashedNode) -> BlockStored | None:
-        hashes = self._hashes(node)
-        if not hashes:
+        """Hash the full blocks ending in `node` (its ancestors' are hashed) and announce them."""
+        tokens, node.block_hashes = self._chain(node)
+        if not node.block_hashes:
             return None
         B = self.block_size
-        first = node.start // B
-        tokens = self._path_bytes(node, first * B, (first + len(hashes)) * B)
-        parent = None if first == 0 else self._last_hash(node.parent)
-        return BlockStored(tuple(hashes), parent, tuple(unpack_tokens(tokens)), B)
+        parent = None if node.start < B else self._last_hash(node.parent)
+        return BlockStored(tuple(node.block_hashes), parent, tuple(unpack_tokens(tokens)), B)
 
-    def _hashes(self, node: HashedNode) -> list[int]:
-        """`node.block_hashes`, computed (with those of its ancestors that lack them) if needed."""
-        pending = []
-        cursor: HashedNode | None = node
-        while cursor is not None and cursor.parent is not None and cursor.block_hashes is None:
-            pending.append(cursor)
-            cursor = cursor.parent
+    def _chain(self, node: HashedNode) -> tuple[bytes, list[int]]:
+        """The tokens of the full blocks ending in `node` and their hashes, chained from the
+        last full block above it (whose hashes must be computed). Mutates nothing."""
         B = self.block_size
-        h = self._last_hash(cursor)
-        for n in reversed(pending):
-            first, last = n.start // B, n.end // B
-            if last > first:
-                tokens = self._path_bytes(n, first * B, last * B)
-                n.block_hashes = chain_hashes(h, token_bytes_le(tokens), B)
-                h = n.block_hashes[-1]
-            else:
-                n.block_hashes = []
-        assert node.block_hashes is not None
-        return node.block_hashes
+        tokens = self._path_bytes(node, node.start // B * B, node.end // B * B)
+        return tokens, chain_hashes(self._last_hash(node.parent), token_bytes_le(tokens), B)
 
     @staticmethod
     def _last_hash(node: HashedNode | None) -> int | None:
