@@ -57,6 +57,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from radixkv.cache.events import KVEventStream
 from radixkv.cache.eviction import EVICTION_ORDERS
@@ -291,13 +292,14 @@ class PrefixCache:
         )
 
     # ------------------------------------------------------------------ counts
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pool.num_free
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        return self._tree.num_evictable_blocks
+    # Read-only views of the pool's and the tree's counters (ints): tokens held by the tree,
+    # tree nodes (roots excluded), and the version, which changes on every structural mutation
+    # (a MatchResult from another version is stale).
+    num_free_blocks = property(attrgetter("_pool.num_free"))
+    num_evictable_blocks = property(attrgetter("_tree.num_evictable_blocks"))
+    num_cached_tokens = property(attrgetter("_tree.num_cached_tokens"))
+    num_nodes = property(attrgetter("_tree.num_nodes"))
+    version = property(attrgetter("_tree.version"))
 
     @property
     def num_in_use_blocks(self) -> int:
@@ -308,23 +310,8 @@ class PrefixCache:
         return len(self._private)
 
     @property
-    def num_cached_tokens(self) -> int:
-        """Tokens held by the tree."""
-        return self._tree.num_cached_tokens
-
-    @property
-    def num_nodes(self) -> int:
-        """Tree nodes, roots excluded."""
-        return self._tree.num_nodes
-
-    @property
     def num_live_handles(self) -> int:
         return len(self._live)
-
-    @property
-    def version(self) -> int:
-        """Changes on every structural mutation; a MatchResult from another version is stale."""
-        return self._tree.version
 
     def can_allocate(self, num_blocks: int, *, reserve: MatchResult | None = None) -> bool:
         """Whether `allocate(num_blocks)` would succeed now, or, given `reserve`, right after
@@ -379,12 +366,9 @@ class PrefixCache:
         fields were edited; nothing changes then.
         """
         matched = self._matched(match)
-        node = matched.node
-        if node is None:
-            node = self._tree.open_root(match.namespace)
+        node = matched.node or self._tree.open_root(match.namespace)
         self._clock += 1
-        tick = self._clock
-        self._tree.lock_path(node, tick)
+        self._tree.lock_path(node, self._clock)
         m = match.num_cached_tokens
         self._counts["num_queries"] += 1
         self._counts["num_query_tokens"] += match.num_query_tokens
@@ -759,7 +743,7 @@ class PrefixCache:
     def _walk(self, qb: bytes, n: int, namespace: str | None) -> tuple[int, TreeNode, list[int]]:
         """`tree.walk`, with the namespace's root made for an insert into a new namespace."""
         m, node, blocks = self._tree.walk(qb, n, namespace)
-        return m, node if node is not None else self._tree.open_root(namespace), blocks
+        return m, node or self._tree.open_root(namespace), blocks
 
     def _walk_past_lock(self, lock: _Lock, qb: bytes, n: int) -> tuple[int, TreeNode, list[int]]:
         """`_walk(qb, n)`, resumed after the prefix `lock` holds when qb starts with it.

@@ -52,19 +52,21 @@ class TreeNode:
     """
 
     node_id: int
-    parent: TreeNode | None = None  # None for a namespace root
+    parent: TreeNode | None = field(default=None, repr=False)  # None for a namespace root
     start: int = 0
     end: int = 0
-    tokens: bytes = b""  # packed uint32, (end - start) tokens
+    tokens: bytes = field(default=b"", repr=False)  # packed uint32, (end - start) tokens
     blocks: list[int] = field(default_factory=list)
     head_shared: bool = False
-    children: dict[int, TreeNode] = field(default_factory=dict)  # keyed by first token
+    # keyed by first token
+    children: dict[int, TreeNode] = field(default_factory=dict, repr=False)
     lock_ref: int = 0  # live lock handles on this node or a descendant
     tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
     namespace: str | None = None  # the namespace of a root (None on every other node)
     gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
-    block_hashes: list[int] | None = None  # chained hashes of the full blocks ending here (events)
+    # chained hashes of the full blocks ending here (events)
+    block_hashes: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_own_blocks(self) -> int:
@@ -73,12 +75,6 @@ class TreeNode:
     @property
     def first_token(self) -> int:
         return struct.unpack_from("=I", self.tokens)[0]
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.node_id}, [{self.start},{self.end}), blocks={self.blocks},"
-            f" lock_ref={self.lock_ref}, tick={self.tick})"
-        )
 
 
 @dataclass(slots=True)
@@ -127,10 +123,7 @@ class RadixTree:
         self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
         self.events = BlockEvents(self.block_size, self._iter_attached)
-        self.version = 0
-        self.num_nodes = 0
-        self.num_cached_tokens = 0
-        self.num_evictable_blocks = 0
+        self.version = self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
 
     @property
     def root(self) -> TreeNode:
