@@ -373,7 +373,7 @@ class PrefixCache:
         self._counts["num_queries"] += 1
         self._counts["num_query_tokens"] += match.num_query_tokens
         self._counts["num_hit_tokens"] += m
-        return self._new_handle(node, matched.tokens, m, match.block_ids, match.namespace)
+        return self._new_handle(_Lock(node, matched.tokens, m, match.block_ids, match.namespace))
 
     def release(self, handle: LockHandle) -> None:
         """Unlock. TypeError for a non-handle; ValueError if foreign or already released."""
@@ -482,7 +482,7 @@ class PrefixCache:
             table,
             () if plan.kept is None else (plan.kept,),
             len(plan.duplicates),
-            self._new_handle(target, qb, n, path, namespace),
+            self._new_handle(_Lock(target, qb, n, path, namespace)),
         )
 
     def _plan_insert(
@@ -668,35 +668,23 @@ class PrefixCache:
         ancestor), and the locked node lies under that namespace's root."""
         k = lock.num_tokens
         m, holder, blocks = self._tree.walk(lock.tokens[: 4 * k], k, lock.namespace)
-        if m != k or tuple(blocks) != lock.block_ids:
+        path = [lock.node]  # the locked node up to its root
+        while path[-1].parent is not None:
+            path.append(path[-1].parent)
+        on_path = m == k and tuple(blocks) == lock.block_ids and holder in path
+        if not on_path or path[-1] is not self._tree.roots.get(lock.namespace):
             raise AssertionError(
-                f"handle {hid}: {m} of its {k} locked tokens are on the tree, blocks"
-                f" {blocks} != recorded {lock.block_ids}"
+                f"handle {hid}: {m} of its {k} locked tokens are on the tree of namespace"
+                f" {lock.namespace!r} with blocks {blocks} (recorded {lock.block_ids}), on the"
+                f" path of its node: {on_path}"
             )
-        node: TreeNode | None = lock.node
-        while node is not holder:
-            if node is None:
-                raise AssertionError(f"handle {hid}: its prefix is not on its node's path")
-            node = node.parent
-        while node.parent is not None:
-            node = node.parent
-        if node is not self._tree.roots.get(lock.namespace):
-            raise AssertionError(f"handle {hid}: locks a node outside namespace {lock.namespace}")
 
     # ---------------------------------------------------------------- internals
-    def _new_handle(
-        self,
-        node: TreeNode,
-        tokens: bytes,
-        num_tokens: int,
-        block_ids: tuple[int, ...],
-        namespace: str | None,
-    ) -> LockHandle:
+    def _new_handle(self, lock: _Lock) -> LockHandle:
         hid = self._next_handle_id
         self._next_handle_id = hid + 1
-        lease = _Lease(hid, self._live, self._on_leak)
-        self._live[hid] = _Lock(node, tokens, num_tokens, block_ids, namespace)
-        return LockHandle(hid, num_tokens, lease)
+        self._live[hid] = lock
+        return LockHandle(hid, lock.num_tokens, _Lease(hid, self._live, self._on_leak))
 
     def _matched(self, match: MatchResult) -> _Matched:
         """What a current, unedited match of this cache matched; TypeError/ValueError otherwise."""
@@ -726,16 +714,12 @@ class PrefixCache:
         """What a live handle of this cache locks; TypeError/ValueError otherwise."""
         if not isinstance(handle, LockHandle):
             raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
-        lock = self._live.get(handle.handle_id)
-        lease = handle.lease  # shared by every copy of the handle this cache issued
-        if (
-            lock is None
-            or lease is None
-            or lease.live is not self._live
-            or lease.handle_id != handle.handle_id
-        ):
+        hid, lease = handle.handle_id, handle.lease  # the lease: shared by the handle's copies
+        issued = lease is not None and lease.live is self._live and lease.handle_id == hid
+        lock = self._live.get(hid)
+        if lock is None or not issued:
             raise ValueError(
-                f"handle {handle.handle_id} is not a live handle of this cache (already released,"
+                f"handle {hid} is not a live handle of this cache (already released,"
                 " or issued by another cache)"
             )
         return lock

@@ -609,9 +609,7 @@ class RadixTree:
                 _fail(f"root of namespace {ns!r} must hold nothing and carry its namespace")
             if ns is not None and not root.children and root.lock_ref == 0:
                 _fail(f"namespace {ns!r} is empty and unlocked, yet kept")
-        stack = list(self.roots.values())
-        while stack:
-            node = stack.pop()
+        for node, _ in self.iter_nodes():
             if node.node_id in seen:
                 _fail(f"node id {node.node_id} appears twice")
             seen.add(node.node_id)
@@ -628,7 +626,6 @@ class RadixTree:
                 )
                 if not well_formed:  # parent, segment, tokens, key, block count, block range
                     _fail(f"{child!r} under node {node.node_id} (key {key}) is malformed")
-                stack.append(child)
         if len(order) - len(self.roots) != self.num_nodes:
             _fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - len(self.roots)}")
         tokens = sum(n.end - n.start for n in order)
