@@ -349,11 +349,9 @@ class PrefixCache:
         qb = pack_tokens(tokens)
         n = len(qb) // 4
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
-        if namespace is not None:
-            _check_namespace(namespace)
+        _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
-        block_ids = tuple(blocks)
-        fields = (n, m, block_ids, m % self.block_size, namespace)
+        fields = (n, m, tuple(blocks), m % self.block_size, namespace)
         return MatchResult(*fields, _Matched(self._tree, self._tree.version, node, qb, fields))
 
     def acquire(self, match: MatchResult) -> LockHandle:
@@ -503,8 +501,7 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size"
                 f" {self.block_size} need exactly ceil({n}/{self.block_size}) = {num_idx}"
             )
-        if namespace is not None:
-            _check_namespace(namespace)
+        _check_namespace(namespace)
         old = None if handle is None else self._live_lock(handle)
         if old is not None and namespace not in (None, old.namespace):
             raise ValueError(
@@ -542,10 +539,9 @@ class PrefixCache:
             raise
         assert new is not None, "can_allocate(reserve=match) promised the blocks"
         copy = None
-        if partial:  # never write into a tree block got from a match
-            copy = (blocks[-1], new[0], partial)
-            blocks[-1] = new[0]
-        blocks += new[1:] if partial else new
+        if partial:  # never write into a tree block got from a match: new[0] replaces it
+            copy = (blocks.pop(), new[0], partial)
+        blocks += new
         hit = 0 if match is None else match.num_cached_tokens
         return BlockTable(tuple(blocks), handle, hit, copy, self._private.__contains__)
 
@@ -767,5 +763,5 @@ class PrefixCache:
 
 
 def _check_namespace(namespace: object) -> None:
-    if not isinstance(namespace, str):
+    if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
