@@ -124,20 +124,20 @@ def namespace_seed(namespace: str) -> int:
 class Subscription:
     """A subscriber's registration; `close()` stops delivery (idempotent)."""
 
-    __slots__ = ("_callback", "_stream")
+    __slots__ = ("_callback", "_callbacks")
 
-    def __init__(self, stream: KVEventStream, callback: EventCallback) -> None:
-        self._stream: KVEventStream | None = stream
+    def __init__(self, callbacks: list[EventCallback], callback: EventCallback) -> None:
+        self._callbacks: list[EventCallback] | None = callbacks  # the stream's list, while active
         self._callback = callback
 
     @property
     def active(self) -> bool:
-        return self._stream is not None
+        return self._callbacks is not None
 
     def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream._remove(self._callback)
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks is not None:
+            callbacks.remove(self._callback)
 
     def __enter__(self) -> Subscription:
         return self
@@ -180,7 +180,7 @@ class KVEventStream:
         if self._snapshot is not None:
             for event in self._snapshot():
                 self._deliver(callback, event)
-        return Subscription(self, callback)
+        return Subscription(self._callbacks, callback)
 
     def emit(self, event: KVEvent) -> None:
         """Deliver `event` to every subscriber (the cache's call)."""
@@ -193,9 +193,6 @@ class KVEventStream:
         except Exception:
             self.num_callback_errors += 1
             logger.exception("KV event subscriber %r failed on %r", callback, event)
-
-    def _remove(self, callback: EventCallback) -> None:
-        self._callbacks.remove(callback)
 
 
 # ------------------------------------------------------------------------------ producer

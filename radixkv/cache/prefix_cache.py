@@ -63,7 +63,7 @@ from radixkv.cache.events import KVEventStream
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
-from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode
+from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode, Walk
 from radixkv.cache.validation import check_size
 
 logger = logging.getLogger(__name__)
@@ -459,12 +459,10 @@ class PrefixCache:
         n = len(qb) // 4
         # Validated: commit.
         self._clock += 1
-        tick = self._clock
         if handle is not None:
             del self._live[handle.handle_id]  # its lock moves to the new handle below
-        target, superseded = self._tree.commit_insert(
-            plan, qb, None if old is None else old.node, tick
-        )
+        old_node = None if old is None else old.node
+        target, superseded = self._tree.commit_insert(plan, qb, old_node, self._clock)
         self._private.difference_update(plan.new_ids)
         if plan.duplicates:
             self._private.difference_update(plan.duplicates)
@@ -720,12 +718,12 @@ class PrefixCache:
             )
         return lock
 
-    def _walk(self, qb: bytes, n: int, namespace: str | None) -> tuple[int, TreeNode, list[int]]:
+    def _walk(self, qb: bytes, n: int, namespace: str | None) -> Walk:
         """`tree.walk`, with the namespace's root made for an insert into a new namespace."""
         m, node, blocks = self._tree.walk(qb, n, namespace)
         return m, node or self._tree.open_root(namespace), blocks
 
-    def _walk_past_lock(self, lock: _Lock, qb: bytes, n: int) -> tuple[int, TreeNode, list[int]]:
+    def _walk_past_lock(self, lock: _Lock, qb: bytes, n: int) -> Walk:
         """`_walk(qb, n)`, resumed after the prefix `lock` holds when qb starts with it.
 
         The common insert: a request inserts what it wrote under the handle of its own match or

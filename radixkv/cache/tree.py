@@ -77,6 +77,10 @@ class TreeNode:
         return struct.unpack_from("=I", self.tokens)[0]
 
 
+# A walk's result: m matched tokens, the deepest node touched, the blocks of indices < ceil(m/B)
+Walk = tuple[int, TreeNode, list[int]]
+
+
 @dataclass(slots=True)
 class InsertPlan:
     """What `RadixTree.commit_insert` does, validated by `plan_insert` before anything changes."""
@@ -153,9 +157,7 @@ class RadixTree:
             return 0, None, []
         return self.walk_from(root, 0, [], qb, limit)
 
-    def walk_from(
-        self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int
-    ) -> tuple[int, TreeNode, list[int]]:
+    def walk_from(self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int) -> Walk:
         """`walk(qb, limit)` for a caller that already knows tokens [0, pos) of `qb` lie on the
         path to `node` (node.start < pos <= node.end, or a root and pos == 0) and holds their
         `blocks` (indices 0 .. ceil(pos/B)-1, extended in place): same result, without reading
@@ -216,7 +218,7 @@ class RadixTree:
     # ---------------------------------------------------------------- insertion
     def plan_insert(
         self,
-        walked: tuple[int, TreeNode, list[int]],
+        walked: Walk,
         num_tokens: int,
         ids: array,
         block_ids: object,
