@@ -34,8 +34,8 @@ which it ENDS (block i by the node with start < (i+1)*B <= end). Tokens enter th
 leaves (`stored`); they leave only when a leaf is trimmed or removed (`removed`), or all at once
 (`cleared`). A split cuts a node's list of hashes in two and changes no block's hash; block ids
 (copy-on-write copies, superseded tails, co-owned heads) never enter a hash, so re-owning a block
-announces nothing. Hashes are computed only while someone listens (lazily, for nodes made while
-no one did).
+announces nothing. Hashes are computed only while someone listens: for a new leaf as it is
+announced, and for every node (parents first) when a subscriber joins.
 """
 
 from __future__ import annotations
