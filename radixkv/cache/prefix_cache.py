@@ -288,7 +288,7 @@ class PrefixCache:
         return (
             f"PrefixCache(num_blocks={self.num_blocks}, block_size={self.block_size},"
             f" free={self.num_free_blocks}, evictable={self.num_evictable_blocks},"
-            f" nodes={self._tree.num_nodes})"
+            f" nodes={self.num_nodes})"
         )
 
     # ------------------------------------------------------------------ counts
@@ -391,7 +391,7 @@ class PrefixCache:
             short = num_blocks - self._pool.num_free
             if short > self._tree.num_evictable_blocks:
                 return None
-            self._evict(short)
+            self.evict(short)
             ids = self._pool.allocate(num_blocks)
             assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
         self._private.update(ids)
@@ -579,7 +579,10 @@ class PrefixCache:
         than still needed is trimmed from its tail (its head stays cached). Raises TypeError/
         ValueError for a count that is not an int >= 0.
         """
-        return self._evict(check_size(num_blocks, "num_blocks", low=0))
+        freed, num_tokens = self._tree.evict(check_size(num_blocks, "num_blocks", low=0))
+        self._counts["num_evicted_blocks"] += len(freed)
+        self._counts["num_evicted_tokens"] += num_tokens
+        return freed
 
     def reset(self) -> bool:
         """Drop everything cached, as if new (statistics kept; subscribers get
@@ -589,12 +592,6 @@ class PrefixCache:
             return False
         self._tree.clear()
         return True
-
-    def _evict(self, n: int) -> list[int]:
-        freed, num_tokens = self._tree.evict(n)
-        self._counts["num_evicted_blocks"] += len(freed)
-        self._counts["num_evicted_tokens"] += num_tokens
-        return freed
 
     # ------------------------------------------------------------------ reports
     def stats(self) -> CacheStats:
@@ -644,13 +641,10 @@ class PrefixCache:
                 raise AssertionError(f"block {b} is both private and owned by the tree")
             owners[b] = 1
         self._pool.check_integrity(owners)
-        evictable = self._tree.num_evictable_blocks
-        in_use = len(owners) - evictable
-        if self._pool.num_free + evictable + in_use != self.num_blocks:
-            raise AssertionError(
-                f"free {self._pool.num_free} + evictable {evictable} + in use {in_use}"
-                f" != {self.num_blocks} blocks"
-            )
+        # free + evictable + in use == all, where evictable + in use = blocks with an owner
+        free, owned = self._pool.num_free, len(owners)
+        if free + owned != self.num_blocks:
+            raise AssertionError(f"free {free} + owned {owned} != {self.num_blocks} blocks")
         if self._live and max(self._live) >= self._next_handle_id:
             raise AssertionError("a live handle id was never issued")
         for hid, lock in self._live.items():
