@@ -34,8 +34,8 @@ which it ENDS (block i by the node with start < (i+1)*B <= end). Tokens enter th
 leaves (`stored`); they leave only when a leaf is trimmed or removed (`removed`), or all at once
 (`cleared`). A split cuts a node's list of hashes in two and changes no block's hash; block ids
 (copy-on-write copies, superseded tails, co-owned heads) never enter a hash, so re-owning a block
-announces nothing. Hashes are computed only while someone listens (lazily, for nodes made while
-no one did).
+announces nothing. Hashes are computed only while someone listens: for a new leaf as it is
+announced, and for every node (parents first) when a subscriber joins.
 """
 
 from __future__ import annotations
@@ -124,20 +124,20 @@ def namespace_seed(namespace: str) -> int:
 class Subscription:
     """A subscriber's registration; `close()` stops delivery (idempotent)."""
 
-    __slots__ = ("_callback", "_stream")
+    __slots__ = ("_callback", "_callbacks")
 
-    def __init__(self, stream: KVEventStream, callback: EventCallback) -> None:
-        self._stream: KVEventStream | None = stream
+    def __init__(self, callbacks: list[EventCallback], callback: EventCallback) -> None:
+        self._callbacks: list[EventCallback] | None = callbacks  # the stream's list, while active
         self._callback = callback
 
     @property
     def active(self) -> bool:
-        return self._stream is not None
+        return self._callbacks is not None
 
     def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream._remove(self._callback)
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks is not None:
+            callbacks.remove(self._callback)
 
     def __enter__(self) -> Subscription:
         return self
@@ -180,7 +180,7 @@ class KVEventStream:
         if self._snapshot is not None:
             for event in self._snapshot():
                 self._deliver(callback, event)
-        return Subscription(self, callback)
+        return Subscription(self._callbacks, callback)
 
     def emit(self, event: KVEvent) -> None:
         """Deliver `event` to every subscriber (the cache's call)."""
@@ -193,9 +193,6 @@ class KVEventStream:
         except Exception:
             self.num_callback_errors += 1
             logger.exception("KV event subscriber %r failed on %r", callback, event)
-
-    def _remove(self, callback: EventCallback) -> None:
-        self._callbacks.remove(callback)
 
 
 # ------------------------------------------------------------------------------ producer
@@ -234,7 +231,7 @@ class BlockEvents:
     def removed(self, node: HashedNode, keep: int) -> None:
         """`node` is about to lose its full blocks from its `keep`-th on (0: all, the node goes;
         more: a trim back to a block boundary). Call before the node changes."""
-        hashes = self._hashes(node) if self.stream.active else node.block_hashes
+        hashes = node.block_hashes  # never None while someone listens
         if hashes is None:
             return
         gone = hashes[keep:]
@@ -258,17 +255,11 @@ class BlockEvents:
         """The class invariant over the tree's attached `nodes` (parents first): every hash list
         there is the chain recomputed from the path's tokens, and while someone listens, every
         node has one. Raises AssertionError naming the node's segment."""
-        B = self.block_size
         for node in nodes:
-            hashes = node.block_hashes
-            if hashes is None:
+            if node.block_hashes is None:
                 assert not self.stream.active, f"[{node.start},{node.end}) unhashed while active"
-                continue
-            first, last = node.start // B, node.end // B
-            parent = None if node.parent is None else self._last_hash(node.parent)
-            tokens = self._path_bytes(node, first * B, max(first, last) * B)
-            expected = chain_hashes(parent, token_bytes_le(tokens), B)
-            assert hashes == expected, f"[{node.start},{node.end}) holds stale block hashes"
+            elif node.block_hashes != self._chain(node)[1]:
+                raise AssertionError(f"[{node.start},{node.end}) holds stale block hashes")
 
     # ---------------------------------------------------------------- internals
     def _snapshot(self) -> Iterator[KVEvent]:
@@ -278,34 +269,20 @@ class BlockEvents:
                 yield event
 
     def _stored_event(self, node: HashedNode) -> BlockStored | None:
-        hashes = self._hashes(node)
-        if not hashes:
+        """Hash the full blocks ending in `node` (its ancestors' are hashed) and announce them."""
+        tokens, node.block_hashes = self._chain(node)
+        if not node.block_hashes:
             return None
         B = self.block_size
-        first = node.start // B
-        tokens = self._path_bytes(node, first * B, (first + len(hashes)) * B)
-        parent = None if first == 0 else self._last_hash(node.parent)
-        return BlockStored(tuple(hashes), parent, tuple(unpack_tokens(tokens)), B)
+        parent = None if node.start < B else self._last_hash(node.parent)
+        return BlockStored(tuple(node.block_hashes), parent, tuple(unpack_tokens(tokens)), B)
 
-    def _hashes(self, node: HashedNode) -> list[int]:
-        """`node.block_hashes`, computed (with those of its ancestors that lack them) if needed."""
-        pending = []
-        cursor: HashedNode | None = node
-        while cursor is not None and cursor.parent is not None and cursor.block_hashes is None:
-            pending.append(cursor)
-            cursor = cursor.parent
+    def _chain(self, node: HashedNode) -> tuple[bytes, list[int]]:
+        """The tokens of the full blocks ending in `node` and their hashes, chained from the
+        last full block above it (whose hashes must be computed). Mutates nothing."""
         B = self.block_size
-        h = self._last_hash(cursor)
-        for n in reversed(pending):
-            first, last = n.start // B, n.end // B
-            if last > first:
-                tokens = self._path_bytes(n, first * B, last * B)
-                n.block_hashes = chain_hashes(h, token_bytes_le(tokens), B)
-                h = n.block_hashes[-1]
-            else:
-                n.block_hashes = []
-        assert node.block_hashes is not None
-        return node.block_hashes
+        tokens = self._path_bytes(node, node.start // B * B, node.end // B * B)
+        return tokens, chain_hashes(self._last_hash(node.parent), token_bytes_le(tokens), B)
 
     @staticmethod
     def _last_hash(node: HashedNode | None) -> int | None:

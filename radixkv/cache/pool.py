@@ -128,13 +128,9 @@ class BlockPool:
     def check_integrity(self, owners: dict[int, int] | None = None) -> None:
         """Recompute the invariants; raises AssertionError naming the first violation. With
         `owners` (block id -> expected owner count, absent = 0), also that every count matches."""
-        free = self._free
-        seen = set(free)
-        if len(seen) != len(free):
-            raise AssertionError("free list holds a block twice")
-        for b in free:
-            if not 0 <= b < self.num_blocks:
-                raise AssertionError(f"free list holds out-of-range id {b}")
+        seen = set(self._free)
+        if len(seen) != len(self._free) or not seen.issubset(range(self.num_blocks)):
+            raise AssertionError(f"free list holds a block twice or out of range: {self._free}")
         for b, r in enumerate(self._refs):
             if r < 0:
                 raise AssertionError(f"block {b} has negative ref count {r}")

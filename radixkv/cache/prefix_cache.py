@@ -57,12 +57,13 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from radixkv.cache.events import KVEventStream
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import pack_tokens, uint32_array, unpack_tokens
-from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode
+from radixkv.cache.tree import InsertPlan, RadixTree, TreeNode, Walk
 from radixkv.cache.validation import check_size
 
 logger = logging.getLogger(__name__)
@@ -116,19 +117,16 @@ class MatchResult:
         return len(self.block_ids) - (1 if self.last_block_partial else 0)
 
 
+@dataclass(slots=True, eq=False)
 class _Lease:
     """The record every copy of one LockHandle shares (`copy`, `deepcopy` and
     `dataclasses.replace` keep it): when the last copy is garbage-collected while its lock is
-    still held (its id still in the issuing cache's `live` table), `on_leak` reports it, once."""
+    still held (its id still in the issuing cache's `live` table), the cache, if still alive,
+    reports it, once."""
 
-    __slots__ = ("handle_id", "live", "on_leak")
-
-    def __init__(
-        self, handle_id: int, live: dict[int, _Lock], on_leak: Callable[[int], None]
-    ) -> None:
-        self.handle_id = handle_id
-        self.live = live
-        self.on_leak = on_leak
+    handle_id: int
+    live: dict[int, _Lock]
+    report: weakref.WeakMethod  # the issuing cache's leak report, gone with the cache
 
     def __copy__(self) -> _Lease:
         return self
@@ -138,7 +136,9 @@ class _Lease:
 
     def __del__(self) -> None:
         if self.handle_id in self.live:  # released, the common case: no call
-            self.on_leak(self.handle_id)
+            report = self.report()
+            if report is not None:
+                report(self.handle_id)
 
 
 @dataclass(slots=True)
@@ -282,30 +282,24 @@ class PrefixCache:
         self._clock = 0
         # The statistics of `stats()` that are counters, by their field names.
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        cache = weakref.ref(self)
-
-        def on_leak(handle_id: int) -> None:
-            live = cache()
-            if live is not None:
-                live._report_leak(handle_id)
-
-        self._on_leak = on_leak
+        self._on_leak = weakref.WeakMethod(self._report_leak)
 
     def __repr__(self) -> str:
         return (
             f"PrefixCache(num_blocks={self.num_blocks}, block_size={self.block_size},"
             f" free={self.num_free_blocks}, evictable={self.num_evictable_blocks},"
-            f" nodes={self._tree.num_nodes})"
+            f" nodes={self.num_nodes})"
         )
 
     # ------------------------------------------------------------------ counts
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pool.num_free
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        return self._tree.num_evictable_blocks
+    # Read-only views of the pool's and the tree's counters (ints): tokens held by the tree,
+    # tree nodes (roots excluded), and the version, which changes on every structural mutation
+    # (a MatchResult from another version is stale).
+    num_free_blocks = property(attrgetter("_pool.num_free"))
+    num_evictable_blocks = property(attrgetter("_tree.num_evictable_blocks"))
+    num_cached_tokens = property(attrgetter("_tree.num_cached_tokens"))
+    num_nodes = property(attrgetter("_tree.num_nodes"))
+    version = property(attrgetter("_tree.version"))
 
     @property
     def num_in_use_blocks(self) -> int:
@@ -316,23 +310,8 @@ class PrefixCache:
         return len(self._private)
 
     @property
-    def num_cached_tokens(self) -> int:
-        """Tokens held by the tree."""
-        return self._tree.num_cached_tokens
-
-    @property
-    def num_nodes(self) -> int:
-        """Tree nodes, roots excluded."""
-        return self._tree.num_nodes
-
-    @property
     def num_live_handles(self) -> int:
         return len(self._live)
-
-    @property
-    def version(self) -> int:
-        """Changes on every structural mutation; a MatchResult from another version is stale."""
-        return self._tree.version
 
     def can_allocate(self, num_blocks: int, *, reserve: MatchResult | None = None) -> bool:
         """Whether `allocate(num_blocks)` would succeed now, or, given `reserve`, right after
@@ -370,11 +349,9 @@ class PrefixCache:
         qb = pack_tokens(tokens)
         n = len(qb) // 4
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
-        if namespace is not None:
-            _check_namespace(namespace)
+        _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
-        block_ids = tuple(blocks)
-        fields = (n, m, block_ids, m % self.block_size, namespace)
+        fields = (n, m, tuple(blocks), m % self.block_size, namespace)
         return MatchResult(*fields, _Matched(self._tree, self._tree.version, node, qb, fields))
 
     def acquire(self, match: MatchResult) -> LockHandle:
@@ -387,17 +364,14 @@ class PrefixCache:
         fields were edited; nothing changes then.
         """
         matched = self._matched(match)
-        node = matched.node
-        if node is None:
-            node = self._tree.open_root(match.namespace)
+        node = matched.node or self._tree.open_root(match.namespace)
         self._clock += 1
-        tick = self._clock
-        self._tree.lock_path(node, tick)
+        self._tree.lock_path(node, self._clock)
         m = match.num_cached_tokens
         self._counts["num_queries"] += 1
         self._counts["num_query_tokens"] += match.num_query_tokens
         self._counts["num_hit_tokens"] += m
-        return self._new_handle(node, matched.tokens, m, match.block_ids, match.namespace)
+        return self._new_handle(_Lock(node, matched.tokens, m, match.block_ids, match.namespace))
 
     def release(self, handle: LockHandle) -> None:
         """Unlock. TypeError for a non-handle; ValueError if foreign or already released."""
@@ -417,7 +391,7 @@ class PrefixCache:
             short = num_blocks - self._pool.num_free
             if short > self._tree.num_evictable_blocks:
                 return None
-            self._evict(short)
+            self.evict(short)
             ids = self._pool.allocate(num_blocks)
             assert ids is not None, "eviction freed fewer blocks than it counted as evictable"
         self._private.update(ids)
@@ -485,12 +459,10 @@ class PrefixCache:
         n = len(qb) // 4
         # Validated: commit.
         self._clock += 1
-        tick = self._clock
         if handle is not None:
             del self._live[handle.handle_id]  # its lock moves to the new handle below
-        target, superseded = self._tree.commit_insert(
-            plan, qb, None if old is None else old.node, tick
-        )
+        old_node = None if old is None else old.node
+        target, superseded = self._tree.commit_insert(plan, qb, old_node, self._clock)
         self._private.difference_update(plan.new_ids)
         if plan.duplicates:
             self._private.difference_update(plan.duplicates)
@@ -506,7 +478,7 @@ class PrefixCache:
             table,
             () if plan.kept is None else (plan.kept,),
             len(plan.duplicates),
-            self._new_handle(target, qb, n, path, namespace),
+            self._new_handle(_Lock(target, qb, n, path, namespace)),
         )
 
     def _plan_insert(
@@ -527,8 +499,7 @@ class PrefixCache:
                 f"block_ids has {len(ids)} entries; {n} tokens with block_size"
                 f" {self.block_size} need exactly ceil({n}/{self.block_size}) = {num_idx}"
             )
-        if namespace is not None:
-            _check_namespace(namespace)
+        _check_namespace(namespace)
         old = None if handle is None else self._live_lock(handle)
         if old is not None and namespace not in (None, old.namespace):
             raise ValueError(
@@ -566,10 +537,9 @@ class PrefixCache:
             raise
         assert new is not None, "can_allocate(reserve=match) promised the blocks"
         copy = None
-        if partial:  # never write into a tree block got from a match
-            copy = (blocks[-1], new[0], partial)
-            blocks[-1] = new[0]
-        blocks += new[1:] if partial else new
+        if partial:  # never write into a tree block got from a match: new[0] replaces it
+            copy = (blocks.pop(), new[0], partial)
+        blocks += new
         hit = 0 if match is None else match.num_cached_tokens
         return BlockTable(tuple(blocks), handle, hit, copy, self._private.__contains__)
 
@@ -609,7 +579,10 @@ class PrefixCache:
         than still needed is trimmed from its tail (its head stays cached). Raises TypeError/
         ValueError for a count that is not an int >= 0.
         """
-        return self._evict(check_size(num_blocks, "num_blocks", low=0))
+        freed, num_tokens = self._tree.evict(check_size(num_blocks, "num_blocks", low=0))
+        self._counts["num_evicted_blocks"] += len(freed)
+        self._counts["num_evicted_tokens"] += num_tokens
+        return freed
 
     def reset(self) -> bool:
         """Drop everything cached, as if new (statistics kept; subscribers get
@@ -619,12 +592,6 @@ class PrefixCache:
             return False
         self._tree.clear()
         return True
-
-    def _evict(self, n: int) -> list[int]:
-        freed, num_tokens = self._tree.evict(n)
-        self._counts["num_evicted_blocks"] += len(freed)
-        self._counts["num_evicted_tokens"] += num_tokens
-        return freed
 
     # ------------------------------------------------------------------ reports
     def stats(self) -> CacheStats:
@@ -674,13 +641,10 @@ class PrefixCache:
                 raise AssertionError(f"block {b} is both private and owned by the tree")
             owners[b] = 1
         self._pool.check_integrity(owners)
-        evictable = self._tree.num_evictable_blocks
-        in_use = len(owners) - evictable
-        if self._pool.num_free + evictable + in_use != self.num_blocks:
-            raise AssertionError(
-                f"free {self._pool.num_free} + evictable {evictable} + in use {in_use}"
-                f" != {self.num_blocks} blocks"
-            )
+        # free + evictable + in use == all, where evictable + in use = blocks with an owner
+        free, owned = self._pool.num_free, len(owners)
+        if free + owned != self.num_blocks:
+            raise AssertionError(f"free {free} + owned {owned} != {self.num_blocks} blocks")
         if self._live and max(self._live) >= self._next_handle_id:
             raise AssertionError("a live handle id was never issued")
         for hid, lock in self._live.items():
@@ -692,35 +656,23 @@ class PrefixCache:
         ancestor), and the locked node lies under that namespace's root."""
         k = lock.num_tokens
         m, holder, blocks = self._tree.walk(lock.tokens[: 4 * k], k, lock.namespace)
-        if m != k or tuple(blocks) != lock.block_ids:
+        path = [lock.node]  # the locked node up to its root
+        while path[-1].parent is not None:
+            path.append(path[-1].parent)
+        on_path = m == k and tuple(blocks) == lock.block_ids and holder in path
+        if not on_path or path[-1] is not self._tree.roots.get(lock.namespace):
             raise AssertionError(
-                f"handle {hid}: {m} of its {k} locked tokens are on the tree, blocks"
-                f" {blocks} != recorded {lock.block_ids}"
+                f"handle {hid}: {m} of its {k} locked tokens are on the tree of namespace"
+                f" {lock.namespace!r} with blocks {blocks} (recorded {lock.block_ids}), on the"
+                f" path of its node: {on_path}"
             )
-        node: TreeNode | None = lock.node
-        while node is not holder:
-            if node is None:
-                raise AssertionError(f"handle {hid}: its prefix is not on its node's path")
-            node = node.parent
-        while node.parent is not None:
-            node = node.parent
-        if node is not self._tree.roots.get(lock.namespace):
-            raise AssertionError(f"handle {hid}: locks a node outside namespace {lock.namespace}")
 
     # ---------------------------------------------------------------- internals
-    def _new_handle(
-        self,
-        node: TreeNode,
-        tokens: bytes,
-        num_tokens: int,
-        block_ids: tuple[int, ...],
-        namespace: str | None,
-    ) -> LockHandle:
+    def _new_handle(self, lock: _Lock) -> LockHandle:
         hid = self._next_handle_id
         self._next_handle_id = hid + 1
-        lease = _Lease(hid, self._live, self._on_leak)
-        self._live[hid] = _Lock(node, tokens, num_tokens, block_ids, namespace)
-        return LockHandle(hid, num_tokens, lease)
+        self._live[hid] = lock
+        return LockHandle(hid, lock.num_tokens, _Lease(hid, self._live, self._on_leak))
 
     def _matched(self, match: MatchResult) -> _Matched:
         """What a current, unedited match of this cache matched; TypeError/ValueError otherwise."""
@@ -750,26 +702,22 @@ class PrefixCache:
         """What a live handle of this cache locks; TypeError/ValueError otherwise."""
         if not isinstance(handle, LockHandle):
             raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
-        lock = self._live.get(handle.handle_id)
-        lease = handle.lease  # shared by every copy of the handle this cache issued
-        if (
-            lock is None
-            or lease is None
-            or lease.live is not self._live
-            or lease.handle_id != handle.handle_id
-        ):
+        hid, lease = handle.handle_id, handle.lease  # the lease: shared by the handle's copies
+        issued = lease is not None and lease.live is self._live and lease.handle_id == hid
+        lock = self._live.get(hid)
+        if lock is None or not issued:
             raise ValueError(
-                f"handle {handle.handle_id} is not a live handle of this cache (already released,"
+                f"handle {hid} is not a live handle of this cache (already released,"
                 " or issued by another cache)"
             )
         return lock
 
-    def _walk(self, qb: bytes, n: int, namespace: str | None) -> tuple[int, TreeNode, list[int]]:
+    def _walk(self, qb: bytes, n: int, namespace: str | None) -> Walk:
         """`tree.walk`, with the namespace's root made for an insert into a new namespace."""
         m, node, blocks = self._tree.walk(qb, n, namespace)
-        return m, node if node is not None else self._tree.open_root(namespace), blocks
+        return m, node or self._tree.open_root(namespace), blocks
 
-    def _walk_past_lock(self, lock: _Lock, qb: bytes, n: int) -> tuple[int, TreeNode, list[int]]:
+    def _walk_past_lock(self, lock: _Lock, qb: bytes, n: int) -> Walk:
         """`_walk(qb, n)`, resumed after the prefix `lock` holds when qb starts with it.
 
         The common insert: a request inserts what it wrote under the handle of its own match or
@@ -807,5 +755,5 @@ class PrefixCache:
 
 
 def _check_namespace(namespace: object) -> None:
-    if not isinstance(namespace, str):
+    if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")

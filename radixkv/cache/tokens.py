@@ -76,13 +76,11 @@ class PackedTokens(Sequence[int]):
     @overload
     def __getitem__(self, index: slice) -> PackedTokens: ...
     def __getitem__(self, index: int | slice) -> int | PackedTokens:
+        view = memoryview(self._packed).cast("I")
         if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step == 1:
-                return PackedTokens.frombytes(self._packed[4 * start : 4 * max(start, stop)])
-            return PackedTokens(self.tolist()[index])
+            return PackedTokens.frombytes(view[index].tobytes())
         try:
-            return memoryview(self._packed).cast("I")[index]
+            return view[index]
         except IndexError:
             raise IndexError("PackedTokens index out of range") from None
 

@@ -52,19 +52,21 @@ class TreeNode:
     """
 
     node_id: int
-    parent: TreeNode | None  # None for a namespace root
-    start: int
-    end: int
-    tokens: bytes  # packed uint32, (end - start) tokens
-    blocks: list[int]
+    parent: TreeNode | None = field(default=None, repr=False)  # None for a namespace root
+    start: int = 0
+    end: int = 0
+    tokens: bytes = field(default=b"", repr=False)  # packed uint32, (end - start) tokens
+    blocks: list[int] = field(default_factory=list)
     head_shared: bool = False
-    children: dict[int, TreeNode] = field(default_factory=dict)  # keyed by first token
+    # keyed by first token
+    children: dict[int, TreeNode] = field(default_factory=dict, repr=False)
     lock_ref: int = 0  # live lock handles on this node or a descendant
     tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
     namespace: str | None = None  # the namespace of a root (None on every other node)
     gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
-    block_hashes: list[int] | None = None  # chained hashes of the full blocks ending here (events)
+    # chained hashes of the full blocks ending here (events)
+    block_hashes: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_own_blocks(self) -> int:
@@ -74,11 +76,9 @@ class TreeNode:
     def first_token(self) -> int:
         return struct.unpack_from("=I", self.tokens)[0]
 
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.node_id}, [{self.start},{self.end}), blocks={self.blocks},"
-            f" lock_ref={self.lock_ref}, tick={self.tick})"
-        )
+
+# A walk's result: m matched tokens, the deepest node touched, the blocks of indices < ceil(m/B)
+Walk = tuple[int, TreeNode, list[int]]
 
 
 @dataclass(slots=True)
@@ -123,16 +123,11 @@ class RadixTree:
         self.pool = pool
         self.block_size = pool.block_size
         self._node_ids = itertools.count(1)  # 0 is the shared root's
-        self.roots: dict[str | None, TreeNode] = {
-            None: TreeNode(node_id=0, parent=None, start=0, end=0, tokens=b"", blocks=[])
-        }
+        self.roots: dict[str | None, TreeNode] = {None: TreeNode(0)}
         self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
         self.events = BlockEvents(self.block_size, self._iter_attached)
-        self.version = 0
-        self.num_nodes = 0
-        self.num_cached_tokens = 0
-        self.num_evictable_blocks = 0
+        self.version = self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
 
     @property
     def root(self) -> TreeNode:
@@ -141,19 +136,9 @@ class RadixTree:
 
     def open_root(self, namespace: str | None) -> TreeNode:
         """The root of `namespace`, made if it has none (that changes no match: version kept)."""
-        root = self.roots.get(namespace)
-        if root is None:
-            root = TreeNode(
-                node_id=next(self._node_ids),
-                parent=None,
-                start=0,
-                end=0,
-                tokens=b"",
-                blocks=[],
-                namespace=namespace,
-            )
-            self.roots[namespace] = root
-        return root
+        if namespace not in self.roots:
+            self.roots[namespace] = TreeNode(next(self._node_ids), namespace=namespace)
+        return self.roots[namespace]
 
     # ------------------------------------------------------------------ reading
     def walk(
@@ -172,9 +157,7 @@ class RadixTree:
             return 0, None, []
         return self.walk_from(root, 0, [], qb, limit)
 
-    def walk_from(
-        self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int
-    ) -> tuple[int, TreeNode, list[int]]:
+    def walk_from(self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int) -> Walk:
         """`walk(qb, limit)` for a caller that already knows tokens [0, pos) of `qb` lie on the
         path to `node` (node.start < pos <= node.end, or a root and pos == 0) and holds their
         `blocks` (indices 0 .. ceil(pos/B)-1, extended in place): same result, without reading
@@ -235,7 +218,7 @@ class RadixTree:
     # ---------------------------------------------------------------- insertion
     def plan_insert(
         self,
-        walked: tuple[int, TreeNode, list[int]],
+        walked: Walk,
         num_tokens: int,
         ids: array,
         block_ids: object,
@@ -354,28 +337,17 @@ class RadixTree:
         prefix copies its lock_ref and tick. When p % B != 0 the block holding p is owned by both
         halves (ref count +1). Ownership counts are unchanged otherwise; bumps `version`.
         """
-        parent = node.parent
-        assert parent is not None and node.start < p < node.end, (node, p)
-        B = self.block_size
-        s = node.start
-        cut = TOKEN_BYTES * (p - s)
-        first = s // B
+        parent, s, B = node.parent, node.start, self.block_size
+        assert parent is not None and s < p < node.end, (node, p)
+        cut, first = TOKEN_BYTES * (p - s), s // B
+        blocks = node.blocks[: (p - 1) // B - first + 1]
         prefix = TreeNode(
-            node_id=next(self._node_ids),
-            parent=parent,
-            start=s,
-            end=p,
-            tokens=node.tokens[:cut],
-            blocks=node.blocks[: (p - 1) // B - first + 1],
-            head_shared=node.head_shared,
-            lock_ref=node.lock_ref,
-            tick=node.tick,
-            gdsf_base=node.gdsf_base,
+            next(self._node_ids), parent, s, p, node.tokens[:cut], blocks, node.head_shared
         )
+        prefix.lock_ref, prefix.tick, prefix.gdsf_base = node.lock_ref, node.tick, node.gdsf_base
         self.events.split(prefix, node, p)
         member = node.evict_key is not None
-        if member:  # the suffix's key reads its start: re-keyed below
-            self.index.discard(node)
+        self.index.discard(node)  # the suffix's key reads its start: re-keyed below
         parent.children[node.first_token] = prefix
         node.tokens = node.tokens[cut:]
         node.start = p
@@ -623,9 +595,8 @@ class RadixTree:
         Returns block id -> number of owning nodes, for the caller's ref-count check.
         """
         order = self._check_structure()
-        self._check_locks(order, handles_on, clock)
+        self._check_locks_and_index(order, handles_on, clock)
         owners = self._check_ownership(order)
-        self._check_index(order)
         self.events.check_integrity(n for n in order if n.parent is not None)
         return owners
 
@@ -634,37 +605,29 @@ class RadixTree:
         B = self.block_size
         order: list[TreeNode] = []
         seen: set[int] = set()
-        stack: list[TreeNode] = []
         for ns, root in self.roots.items():
-            if root.parent is not None or root.tokens or root.blocks or root.start or root.end:
-                _fail(f"root of namespace {ns!r} must hold nothing")
-            if root.namespace != ns or root.evict_key is not None:
-                _fail(f"root of namespace {ns!r} is mislabelled or in the eviction index")
+            holds = root.parent or root.tokens or root.blocks or root.start or root.end
+            if holds or root.namespace != ns:
+                _fail(f"root of namespace {ns!r} must hold nothing and carry its namespace")
             if ns is not None and not root.children and root.lock_ref == 0:
                 _fail(f"namespace {ns!r} is empty and unlocked, yet kept")
-            stack.append(root)
-        while stack:
-            node = stack.pop()
+        for node, _ in self.iter_nodes():
             if node.node_id in seen:
                 _fail(f"node id {node.node_id} appears twice")
             seen.add(node.node_id)
             order.append(node)
             for key, child in node.children.items():
-                nid = child.node_id
-                if child.parent is not node or child.namespace is not None:
-                    _fail(f"node {nid} has a wrong parent pointer or a namespace")
-                if child.start != node.end or child.end <= child.start:
-                    _fail(f"node {nid} covers [{child.start},{child.end}) under end {node.end}")
-                if len(child.tokens) != TOKEN_BYTES * (child.end - child.start):
-                    _fail(f"node {nid} token segment length does not match [start, end)")
-                if key != child.first_token:
-                    _fail(f"node {nid} keyed by {key} but starts with {child.first_token}")
-                expect = (child.end - 1) // B - child.start // B + 1
-                if len(child.blocks) != expect:
-                    _fail(f"node {nid} holds {len(child.blocks)} block ids, needs {expect}")
-                if not all(0 <= b < self.pool.num_blocks for b in child.blocks):
-                    _fail(f"node {nid} holds an out-of-range block id: {child.blocks}")
-                stack.append(child)
+                well_formed = (
+                    child.parent is node
+                    and child.namespace is None
+                    and child.start == node.end < child.end
+                    and len(child.tokens) == TOKEN_BYTES * (child.end - child.start)
+                    and key == child.first_token
+                    and len(child.blocks) == (child.end - 1) // B - child.start // B + 1
+                    and all(0 <= b < self.pool.num_blocks for b in child.blocks)
+                )
+                if not well_formed:  # parent, segment, tokens, key, block count, block range
+                    _fail(f"{child!r} under node {node.node_id} (key {key}) is malformed")
         if len(order) - len(self.roots) != self.num_nodes:
             _fail(f"num_nodes is {self.num_nodes}, tree has {len(order) - len(self.roots)}")
         tokens = sum(n.end - n.start for n in order)
@@ -672,23 +635,37 @@ class RadixTree:
             _fail(f"num_cached_tokens is {self.num_cached_tokens}, tree holds {tokens}")
         return order
 
-    def _check_locks(
+    def _check_locks_and_index(
         self, order: list[TreeNode], handles_on: Mapping[int, int], clock: int
     ) -> None:
-        """lock_ref = handles in the subtree (reverse pre-order visits children first)."""
+        """lock_ref = handles in the subtree (reverse pre-order visits children first); ticks and
+        GDSF bases not ahead; the eviction index holds the unlocked non-root leaves, each under
+        its current key, and no other node carries a key."""
         subtree: dict[int, int] = {}
+        leaves: set[int] = set()
         for node in reversed(order):
-            total = handles_on.get(node.node_id, 0) + sum(
+            nid = node.node_id
+            subtree[nid] = handles_on.get(nid, 0) + sum(
                 subtree[c.node_id] for c in node.children.values()
             )
-            subtree[node.node_id] = total
-            if node.lock_ref != total:
-                _fail(f"node {node.node_id} lock_ref {node.lock_ref} != {total} handles in subtree")
-            if node.tick > clock:
-                _fail(f"node {node.node_id} tick {node.tick} is ahead of the clock {clock}")
+            if node.lock_ref != subtree[nid]:
+                _fail(f"node {nid} lock_ref {node.lock_ref} != {subtree[nid]} handles in subtree")
+            if node.tick > clock or node.gdsf_base > self.inflation:
+                _fail(f"node {nid} tick or GDSF base ahead of {clock}, {self.inflation}: {node!r}")
+            if node.lock_ref == 0 and not node.children and node.parent is not None:
+                leaves.add(nid)
+            elif node.evict_key is not None:
+                _fail(f"node {nid} carries an eviction key but is not an unlocked leaf")
         unknown = set(handles_on) - set(subtree)
         if unknown:
             _fail(f"live handles point at detached nodes {sorted(unknown)}")
+        members = self.index.items()
+        got = {n.node_id for _, n in members}
+        if len(got) != len(members) or got != leaves:
+            _fail(f"eviction index {sorted(got)} != unlocked leaves {sorted(leaves)}")
+        for key, n in members:
+            if n.evict_key != key or key != self.index.key(n):
+                _fail(f"node {n.node_id} is indexed under a stale key {key}")
 
     def _check_ownership(self, order: list[TreeNode]) -> dict[int, int]:
         """A node owns a block either as its top (shallowest) owner or, for its head block only,
@@ -721,24 +698,6 @@ class RadixTree:
         if by_own != evictable:
             _fail(f"own-block sum {by_own} over unlocked nodes != evictable blocks {evictable}")
         return owners
-
-    def _check_index(self, order: list[TreeNode]) -> None:
-        """The eviction index holds the unlocked non-root leaves, each under its current key."""
-        expected = {
-            n.node_id for n in order if n.lock_ref == 0 and not n.children and n.parent is not None
-        }
-        members = self.index.items()
-        got = {n.node_id for _, n in members}
-        if len(got) != len(members) or got != expected:
-            _fail(f"eviction index {sorted(got)} != unlocked leaves {sorted(expected)}")
-        for key, n in members:
-            if n.evict_key != key or key != self.index.key(n):
-                _fail(f"node {n.node_id} is indexed under a stale key {key}")
-        for n in order:
-            if n.evict_key is not None and n.node_id not in expected:
-                _fail(f"node {n.node_id} carries an eviction key but is not a member")
-            if n.gdsf_base > self.inflation:
-                _fail(f"node {n.node_id} GDSF base {n.gdsf_base} > inflation {self.inflation}")
 
     # ---------------------------------------------------------------- internals
     def check_block_range(self, i: int, b: int) -> None:
