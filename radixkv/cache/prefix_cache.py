@@ -57,7 +57,6 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from radixkv.cache.events import KVEventStream
 from radixkv.cache.eviction import EVICTION_ORDERS
@@ -292,14 +291,28 @@ class PrefixCache:
         )
 
     # ------------------------------------------------------------------ counts
-    # Read-only views of the pool's and the tree's counters (ints): tokens held by the tree,
-    # tree nodes (roots excluded), and the version, which changes on every structural mutation
-    # (a MatchResult from another version is stale).
-    num_free_blocks = property(attrgetter("_pool.num_free"))
-    num_evictable_blocks = property(attrgetter("_tree.num_evictable_blocks"))
-    num_cached_tokens = property(attrgetter("_tree.num_cached_tokens"))
-    num_nodes = property(attrgetter("_tree.num_nodes"))
-    version = property(attrgetter("_tree.version"))
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._tree.num_evictable_blocks
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens held by the tree."""
+        return self._tree.num_cached_tokens
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree nodes, roots excluded."""
+        return self._tree.num_nodes
+
+    @property
+    def version(self) -> int:
+        """Changes on every structural mutation; a MatchResult from another version is stale."""
+        return self._tree.version
 
     @property
     def num_in_use_blocks(self) -> int:
