@@ -303,7 +303,8 @@ class GdsfModel:
         }
         for n in nodes.values():
             parent = nodes.get(n["parent"])
-            # The head block is shared when the parent (not a root) ends inside it, in it too.
+            # A leaf starting mid-block shares its head block when its parent (not a root)
+            # owns that same block as its last one.
             mid_block = n["start"] % B != 0 and parent is not None
             n["shared"] = mid_block and parent["blocks"][-1] == n["blocks"][0]
 
