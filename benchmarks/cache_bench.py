@@ -269,6 +269,10 @@ class CacheAdapter(Protocol):
     name: str
     aborted_query_tokens: int  # acquisitions undone because the allocation did not fit
     aborted_hit_tokens: int
+    # Written tokens a finished request leaves uncached (the block-granular caches' partial last
+    # block): lost like evicted ones, but never counted as evicted.
+    num_dropped_tokens: int
+    peak_held_blocks: int  # most blocks cached or in use at once (radixkv; 0 where not measured)
 
     def admit(self, request: Request) -> Ticket | None: ...
     def finish(self, ticket: Ticket) -> None: ...
@@ -281,6 +285,8 @@ class _EvictionCounts:
     """Eviction totals read from a cache whose `stats()` counts evicted blocks and tokens."""
 
     cache: Any
+    num_dropped_tokens = 0
+    peak_held_blocks = 0
 
     def num_evicted_blocks(self) -> int:
         return self.cache.stats().num_evicted_blocks
@@ -316,6 +322,8 @@ class RadixAdapter(_EvictionCounts):
             self.aborted_hit_tokens += m.num_cached_tokens
             return None
         # (The CoW copy of m.num_partial_slots slots into private[0] is the kernels' job.)
+        held = cache.num_blocks - cache.num_free_blocks
+        self.peak_held_blocks = max(self.peak_held_blocks, held)
         table = list(m.block_ids[: m.num_full_blocks]) + private
         return Ticket(request, m.num_cached_tokens, table, handle=handle)
 
@@ -366,6 +374,7 @@ class FlatAdapter(_EvictionCounts):
             ticket.block_hashes,
             num_cached_blocks=ticket.num_cached_tokens // self.block_size,
         )
+        self.num_dropped_tokens += len(ticket.request.written) % self.block_size
         self.cache.release(ticket.block_table)
 
     def num_evicted_tokens(self) -> int:
@@ -407,6 +416,7 @@ class PageRadixAdapter(_EvictionCounts):
     def finish(self, ticket: Ticket) -> None:
         written = ticket.request.written.tobytes()
         node = self.cache.insert(written, ticket.num_private_pages, ticket.locked_node)
+        self.num_dropped_tokens += len(ticket.request.written) % self.page_size
         self.cache.unlock(node)
 
     def check_idle(self) -> None:
@@ -444,6 +454,8 @@ class RunResult:
     num_cached_tokens: int
     num_evicted_blocks: int
     num_evicted_tokens: int
+    num_dropped_tokens: int  # written but never cached (see CacheAdapter)
+    peak_held_blocks: int
     num_stalls: int  # requests that found no room at first and waited for in-flight ones
     total_ns: int  # time in cache calls
     request_ns: np.ndarray  # [num_requests] time in cache calls per request
@@ -453,6 +465,11 @@ class RunResult:
     @property
     def num_computed_tokens(self) -> int:
         return self.num_prompt_tokens - self.num_cached_tokens
+
+    @property
+    def num_lost_tokens(self) -> int:
+        """Written tokens the cache did not keep: evicted, or never cached."""
+        return self.num_evicted_tokens + self.num_dropped_tokens
 
     @property
     def hit_rate(self) -> float:
@@ -540,6 +557,8 @@ def run_trace(
         num_cached_tokens=num_cached,
         num_evicted_blocks=adapter.num_evicted_blocks(),
         num_evicted_tokens=adapter.num_evicted_tokens(),
+        num_dropped_tokens=adapter.num_dropped_tokens,
+        peak_held_blocks=adapter.peak_held_blocks,
         num_stalls=num_stalls,
         total_ns=int(request_ns.sum()),
         request_ns=request_ns,
@@ -821,6 +840,7 @@ def format_results(results: Sequence[RunResult]) -> str:
     metrics: list[tuple[str, int, Callable[[RunResult], str]]] = [
         ("hit%", 6, lambda r: f"{r.hit_rate:.1%}"),
         ("evicted tokens", 9, lambda r: _fmt_int(r.num_evicted_tokens)),
+        ("lost tokens (evicted + never cached)", 9, lambda r: _fmt_int(r.num_lost_tokens)),
         ("stalls", 4, lambda r: str(r.num_stalls)),
         ("req/s", 7, lambda r: _fmt_int(r.requests_per_s)),
         ("p50 µs", 6, lambda r: f"{r.percentile_us(50):.1f}"),
@@ -860,14 +880,21 @@ def format_goals(results: Sequence[RunResult], cache: str = "radixkv") -> str:
     * share of the gap between that baseline and the token-granular one that it closes (goal at
       25 % capacity: >= GAP_GOAL; `-` where there is no gap);
     * evicted tokens as a multiple of the block-granular baselines' (most and fewest; goal
-      <= EVICTED_GOAL against each; `inf` where a baseline evicted nothing and it did).
-    A `!` marks a missed goal; the last line counts the misses."""
+      <= EVICTED_GOAL against each; `inf` where a baseline evicted nothing and it did);
+    * for comparison only (no goal), lost tokens (evicted + never cached) likewise: the
+      block-granular caches never cache a request's partial last block, which no eviction count
+      shows.
+    A `!` marks a missed goal; the last line counts the misses. Under a row where a baseline
+    evicted nothing and `cache` did, a note compares `cache`'s peak blocks at 100 % capacity (no
+    eviction there) with this row's pool: when the peak is larger, every eviction order must evict
+    here (the runs of all orders are the same until the first eviction)."""
     names, by_key = _grouped(results)
     if cache not in names or TOKEN_BASELINE not in names:
         return f"(goals need the {cache} and token caches)"
     header = (
         f"{'trace':<10} {'B':>3} {'cap':>4} | {'hit%':>6} {'best blk':>8} {'token':>6}"
         f" {'>= blk':>6} {'gap closed':>10} | {'evicted x blk (max, min)':>24}"
+        f" | {'lost x blk (max, min)':>21}"
     )
     lines = [header, "-" * len(header)]
     misses = {"hit": 0, "gap": 0, "evicted": 0}
@@ -886,14 +913,22 @@ def format_goals(results: Sequence[RunResult], cache: str = "radixkv") -> str:
         evicted = sorted(r.num_evicted_tokens for r in blocks)
         ev_ok = all(rk.num_evicted_tokens <= EVICTED_GOAL * e for e in evicted)
         ratios = ", ".join(_times(rk.num_evicted_tokens, e) for e in evicted)
+        lost = sorted(r.num_lost_tokens for r in blocks)
+        lost_ratios = ", ".join(_times(rk.num_lost_tokens, e) for e in lost)
         misses["hit"] += not hit_ok
         misses["evicted"] += not ev_ok
         lines.append(
             f"{trace:<10} {block_size:>3} {fraction:>4.0%} |"
             f" {rk.hit_rate:>6.1%} {best / rk.num_prompt_tokens:>8.1%} {tok.hit_rate:>6.1%}"
             f" {'yes' if hit_ok else 'NO!':>6} {closed:>10} |"
-            f" {ratios + ('' if ev_ok else ' !'):>24}"
+            f" {ratios + ('' if ev_ok else ' !'):>24} | {lost_ratios:>21}"
         )
+        full = by_key.get((trace, block_size, 1.0), {}).get(cache)
+        if evicted[0] == 0 and rk.num_evicted_tokens and full is not None:
+            lines.append(
+                f"  (forced: {cache} holds {full.peak_held_blocks} blocks at 100 % without"
+                f" evicting; this pool has {rk.num_blocks})"
+            )
     lines.append(
         f"missed goals ({len(by_key)} cells): hit < best block baseline in {misses['hit']},"
         f" gap closed < {GAP_GOAL:.0%} at 25 % in {misses['gap']},"

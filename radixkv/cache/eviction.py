@@ -9,15 +9,17 @@ Two policies, both fully deterministic (logical clock, node id last):
 * `lru_key`: `(last_access_tick, node_id)`, least recently used first.
 * `gdsf_key(B)`, the tree's default: Greedy-Dual-Size-Frequency with the cost of a block in
   tokens. Evicting a leaf frees its LAST block first (a trim), and what is lost with it is the
-  tokens of that block the leaf holds, `tail_tokens`: B for a full block, 1..B-1 for a partial
-  tail. The priority is `inflation at the leaf's last use + tail_tokens`; the tree raises its
-  inflation to the priority of every victim (GDSF's L). So a leaf whose last block is nearly
-  empty goes before an equally recent full one, and every leaf ages: one left unused while about
-  a block's worth of priority was evicted goes before a fresh one whatever its tail. Why this
-  order: it frees a block for the fewest hit tokens lost (the tokens a block holds are the prefill
-  a later hit saves), weighted by recency, and it has no parameter: scaling every cost by the same
-  factor scales the inflation alike and leaves the order unchanged (measured; see
-  benchmarks/RESULTS.md for the comparison with LRU and with tick-scaled blends).
+  tokens of the path that block holds (`gdsf_priority`): B for a full block, 1..B-1 for a partial
+  tail, and, when the leaf shares that block with its parent (a branch that starts and ends
+  inside one block), the parent's tokens in it too, which go with the block. The priority is
+  `inflation at the leaf's last use + those tokens`; the tree raises its inflation to the priority
+  of every victim (GDSF's L). So a leaf whose last block is nearly empty goes before an equally
+  recent full one, and every leaf ages: one left unused while about a block's worth of priority
+  was evicted goes before a fresh one whatever its tail. Why this order: it frees a block for the
+  fewest hit tokens lost (the tokens a block holds are the prefill a later hit saves), weighted by
+  recency, and it has no parameter: scaling every cost by the same factor scales the inflation
+  alike and leaves the order unchanged (measured; see benchmarks/RESULTS.md for the comparison
+  with LRU, partial-tail-first, frequency-weighted and blended orders).
   Ties: older tick, then smaller node id.
 """
 
@@ -41,10 +43,11 @@ EvictionKey = Callable[[EvictableNode], Any]
 
 
 class SegmentNode(EvictableNode, Protocol):
-    """A node whose segment and GDSF base `gdsf_key` reads."""
+    """A node whose segment and GDSF base `gdsf_priority` reads."""
 
     start: int
     end: int
+    head_shared: bool
     gdsf_base: int
 
 
@@ -53,19 +56,24 @@ def lru_key(node: EvictableNode) -> tuple[int, int]:
     return (node.tick, node.node_id)
 
 
-def tail_tokens(start: int, end: int, block_size: int) -> int:
-    """Tokens of the segment [start, end) (end > start) in its last block: what evicting that
-    block loses."""
-    return end - max(start, (end - 1) // block_size * block_size)
+def gdsf_priority(node: SegmentNode, block_size: int) -> int:
+    """`node.gdsf_base` + the tokens of the node's path in its last block (end > start): what
+    evicting that block loses. A head block shared with the parent counts from the block's start:
+    it is freed only once the parent's tail in it goes as well."""
+    end = node.end
+    return (
+        node.gdsf_base
+        + end
+        - max(0 if node.head_shared else node.start, (end - 1) // block_size * block_size)
+    )
 
 
 def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
-    """The GDSF policy for blocks of `block_size` tokens: key `(priority, tick, node_id)` with
-    priority = `node.gdsf_base + tail_tokens` (see the module docstring)."""
+    """The GDSF policy for blocks of `block_size` tokens: key `(gdsf_priority, tick, node_id)`
+    (see the module docstring)."""
 
     def key(node: SegmentNode) -> tuple[int, int, int]:
-        cost = tail_tokens(node.start, node.end, block_size)
-        return (node.gdsf_base + cost, node.tick, node.node_id)
+        return (gdsf_priority(node, block_size), node.tick, node.node_id)
 
     return key
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.cache.events import BlockEvents
-from radixkv.cache.eviction import EvictionIndex, EvictionKey, tail_tokens
+from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_priority
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
@@ -495,8 +495,7 @@ class RadixTree:
         num_tokens = 0
         while len(freed) < num_blocks and self.index:
             leaf = self.index.first()
-            cost = leaf.gdsf_base + tail_tokens(leaf.start, leaf.end, self.block_size)
-            self.inflation = max(self.inflation, cost)
+            self.inflation = max(self.inflation, gdsf_priority(leaf, self.block_size))
             need = num_blocks - len(freed)
             if leaf.num_own_blocks > need:
                 num_tokens += self._trim(leaf, need, freed)

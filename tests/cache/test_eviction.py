@@ -4,9 +4,11 @@ trimming, ties, shortfalls."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from radixkv.cache import PrefixCache
-from radixkv.cache.eviction import EvictionIndex, gdsf_key, tail_tokens
+from radixkv.cache.eviction import EvictionIndex, gdsf_key, gdsf_priority
 from radixkv.cache.tree import TreeNode
 
 
@@ -231,7 +233,7 @@ def test_gdsf_key_ties_on_tick_then_node_id() -> None:
         TreeNode(node_id=i, parent=None, start=0, end=end, tokens=b"", blocks=[], tick=tick)
         for i, end, tick in ((7, 8, 5), (3, 8, 5), (5, 7, 1), (9, 8, 1))
     ]
-    assert [tail_tokens(n.start, n.end, 4) for n in nodes] == [4, 4, 3, 4]
+    assert [gdsf_priority(n, 4) for n in nodes] == [4, 4, 3, 4]
     index = EvictionIndex(key)
     for n in nodes:
         index.add(n)
@@ -258,3 +260,133 @@ def test_lru_order_on_request() -> None:
     assert [put(cache, s) for s in (p, q, r)] == [(0, 1), (2, 3), (4,)]
     assert cache.evict(3) == [1, 0, 3]  # p whole (tail first), then q's tail block
     cache.check_integrity()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference model of the GDSF order, checked against the tree on random workloads
+
+
+class GdsfModel:
+    """The GDSF eviction order restated eagerly over public node snapshots (`PrefixCache.nodes()`):
+    the inflation at every tick the clock handed out, and an `evict(k)` that picks, trims and
+    removes leaves from a copy of the snapshot. It shares no state with the tree's lazy bases,
+    keys or index, so it checks them."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.inflation = 0
+        self.clock = 0
+        self.inflation_at = {0: 0}  # tick -> the inflation when that tick was stamped
+
+    def tick(self) -> None:
+        """An acquire or an insert: one tick, stamped at the current inflation."""
+        self.clock += 1
+        self.inflation_at[self.clock] = self.inflation
+
+    def evict(self, cache, k: int) -> tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]:
+        """(block ids freed in order, the remaining nodes as (start, end, blocks)) that
+        `cache.evict(k)` must produce."""
+        B = self.block_size
+        views = {v.node_id: v for v in cache.nodes()}
+        nodes = {
+            i: {
+                "start": v.start,
+                "end": v.end,
+                "blocks": list(v.block_ids),
+                "parent": v.parent_id,
+                "tick": v.last_access,
+                "locked": v.lock_ref > 0,
+                "children": sum(w.parent_id == i for w in views.values()),
+            }
+            for i, v in views.items()
+            if v.parent_id is not None
+        }
+        for n in nodes.values():
+            parent = nodes.get(n["parent"])
+            # A leaf starting mid-block shares its head block when its parent (not a root)
+            # owns that same block as its last one.
+            mid_block = n["start"] % B != 0 and parent is not None
+            n["shared"] = mid_block and parent["blocks"][-1] == n["blocks"][0]
+
+        def priority(i: int) -> int:
+            n = nodes[i]
+            last_block_start = (n["end"] - 1) // B * B
+            lost = n["end"] - max(last_block_start, 0 if n["shared"] else n["start"])
+            return self.inflation_at[n["tick"]] + lost
+
+        freed: list[int] = []
+        while len(freed) < k:
+            leaves = [i for i, n in nodes.items() if not n["locked"] and not n["children"]]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda i: (priority(i), nodes[i]["tick"], i))
+            self.inflation = max(self.inflation, priority(victim))
+            n = nodes[victim]
+            need = k - len(freed)
+            own = n["blocks"][1:] if n["shared"] else n["blocks"]
+            if len(own) > need:  # trimmed back to a block boundary
+                freed += reversed(n["blocks"][-need:])
+                del n["blocks"][-need:]
+                n["end"] = (n["start"] // B + len(n["blocks"])) * B
+            else:
+                freed += reversed(own)
+                del nodes[victim]
+                if n["parent"] in nodes:
+                    nodes[n["parent"]]["children"] -= 1
+        remaining = sorted((n["start"], n["end"], tuple(n["blocks"])) for n in nodes.values())
+        return freed, remaining
+
+
+def node_segments(cache) -> list[tuple[int, int, tuple[int, ...]]]:
+    return sorted((v.start, v.end, v.block_ids) for v in cache.nodes() if v.parent_id is not None)
+
+
+# The fixtures are factories: every example builds its own cache.
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    block_size=st.sampled_from([2, 4, 8]),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["serve", "serve", "serve", "touch", "evict"]),
+            st.integers(0, 63),  # which earlier sequence (or none) to continue / touch
+            st.integers(0, 60),  # where to cut it (past its end: all of it, a chat turn)
+            st.integers(1, 12),  # new prompt tokens
+            st.integers(0, 12),  # reply tokens / blocks to evict
+        ),
+        min_size=80,
+        max_size=120,
+    ),
+)
+def test_gdsf_matches_a_reference_model(make_cache, serve, block_size, ops) -> None:
+    """Random chat-like and branching requests (continuing an earlier sequence whole or cut
+    anywhere, so splits, mid-block branches, copies and superseded tails happen), touches and
+    explicit evictions: every eviction frees exactly the blocks, in the order, and leaves exactly
+    the segments that the reference model predicts. A request is preceded by an eviction of what
+    it may need, so every eviction goes through the model."""
+    max_tokens = 48
+    cache = make_cache(2 * (max_tokens // block_size + 1), block_size)
+    model = GdsfModel(block_size)
+    sequences: list[list[int]] = []
+    fresh = iter(range(1000, 10**6))
+    for kind, which, cut, new, extra in ops:
+        base = sequences[which % len(sequences)] if sequences else []
+        if kind in ("serve", "evict"):
+            want = extra
+            if kind == "serve":
+                head = base[: min(cut, max_tokens - new - extra)]
+                prompt = [*head, *(next(fresh) for _ in range(new))]
+                written = prompt + [next(fresh) for _ in range(extra)]
+                want = max(0, -(-len(written) // block_size) + 1 - cache.num_free_blocks)
+            freed, segments = model.evict(cache, want)
+            assert cache.evict(want) == freed
+            assert node_segments(cache) == segments
+        if kind == "serve":
+            serve(cache, prompt, written[len(prompt) :])
+            model.tick()  # acquire
+            model.tick()  # insert
+            sequences.append(written)
+        elif kind == "touch" and base:
+            cache.release(cache.acquire(cache.match(base[: max(cut, 1)])))
+            model.tick()
