@@ -20,7 +20,8 @@ blocks of locked paths.
 
 Namespaces isolate tenants: `match` and `insert` take `namespace=` (None: the shared one); what is
 cached under one namespace never matches under another. They share the blocks and one eviction
-order (GDSF over the tokens a leaf's last block holds, by default; see `radixkv.cache.eviction`).
+order (GDSF over the path tokens that evicting a leaf's last block loses, by default; see
+`radixkv.cache.eviction`).
 
 KV events (`radixkv.cache.events`): `cache.events.subscribe(callback)` streams which full blocks
 enter and leave the cache, for cache-aware routers; `reset()` drops everything cached.
