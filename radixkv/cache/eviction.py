@@ -43,10 +43,12 @@ EvictionKey = Callable[[EvictableNode], Any]
 
 
 class SegmentNode(EvictableNode, Protocol):
-    """A node whose segment and GDSF base `gdsf_priority` reads."""
+    """A node whose segment, blocks, parent and GDSF base `gdsf_priority` reads."""
 
+    parent: SegmentNode | None
     start: int
     end: int
+    blocks: list[int]
     head_shared: bool
     gdsf_base: int
 
@@ -59,12 +61,15 @@ def lru_key(node: EvictableNode) -> tuple[int, int]:
 def gdsf_priority(node: SegmentNode, block_size: int) -> int:
     """`node.gdsf_base` + the tokens of the node's path in its last block (end > start): what
     evicting that block loses. A head block shared with the parent counts from the block's start:
-    it is freed only once the parent's tail in it goes as well."""
+    it is freed only once the parent's tail in it goes as well. (A head shared with a higher
+    ancestor only: the parent's tokens there lie in the parent's own copy, freed on their own.)"""
     end = node.end
+    parent = node.parent
+    shared = node.head_shared and parent is not None and parent.blocks[-1] == node.blocks[0]
     return (
         node.gdsf_base
         + end
-        - max(0 if node.head_shared else node.start, (end - 1) // block_size * block_size)
+        - max(0 if shared else node.start, (end - 1) // block_size * block_size)
     )
 
 

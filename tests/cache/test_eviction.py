@@ -304,9 +304,14 @@ class GdsfModel:
         for n in nodes.values():
             parent = nodes.get(n["parent"])
             # A leaf starting mid-block shares its head block when its parent (not a root)
-            # owns that same block as its last one.
+            # owns that same block as its last one; it owns that block only if no ancestor does.
             mid_block = n["start"] % B != 0 and parent is not None
             n["shared"] = mid_block and parent["blocks"][-1] == n["blocks"][0]
+            above = parent
+            n["owned_above"] = False
+            while mid_block and above is not None and not n["owned_above"]:
+                n["owned_above"] = n["blocks"][0] in above["blocks"]
+                above = nodes.get(above["parent"])
 
         def priority(i: int) -> int:
             n = nodes[i]
@@ -323,7 +328,7 @@ class GdsfModel:
             self.inflation = max(self.inflation, priority(victim))
             n = nodes[victim]
             need = k - len(freed)
-            own = n["blocks"][1:] if n["shared"] else n["blocks"]
+            own = n["blocks"][1:] if n["owned_above"] else n["blocks"]
             if len(own) > need:  # trimmed back to a block boundary
                 freed += reversed(n["blocks"][-need:])
                 del n["blocks"][-need:]
@@ -390,3 +395,31 @@ def test_gdsf_matches_a_reference_model(make_cache, serve, block_size, ops) -> N
         elif kind == "touch" and base:
             cache.release(cache.acquire(cache.match(base[: max(cut, 1)])))
             model.tick()
+
+
+def test_gdsf_a_leaf_sharing_its_block_with_a_grandparent_costs_its_own_tokens(make_cache) -> None:
+    """Only a block shared with the PARENT brings the parent's tokens into a leaf's cost. Here the
+    leaf [7,8) co-owns block X with its grandparent [0,6) (a request wrote on into X, the tail of
+    its own earlier insert, after another request's copy Y of X became the parent [6,7)): token 6
+    of the path lies in Y, which the parent frees on its own, so the leaf costs its one token."""
+    cache = make_cache(16, 4)
+    model = GdsfModel(4)
+    head = [10, 11, 12, 13, 14, 15]
+    (q,) = put(cache, [40, 41])  # a leaf whose last block holds 2 tokens: priority 2
+    model.tick()
+    x0, x = cache.allocate(2)
+    own = cache.insert(head, [x0, x])  # R: [0,6), X its partial tail, which it writes on into
+    model.tick()
+    other = cache.acquire(cache.match([*head, 20], max_tokens=6))  # another request, hit 6
+    model.tick()
+    (y,) = cache.allocate(1)  # its copy of X
+    cache.release(cache.insert([*head, 20], [x0, y], handle=other).handle)  # parent [6,7) owns Y
+    model.tick()
+    leaf = cache.insert([*head, 20, 30], [x0, x], handle=own.handle)  # R wrote 20, 30 into X
+    model.tick()
+    cache.release(leaf.handle)
+    assert node_segments(cache) == [(0, 2, (q,)), (0, 6, (x0, x)), (6, 7, (y,)), (7, 8, (x,))]
+    # The leaf (1) goes before q (2), freeing nothing; then its parent (1) frees Y.
+    freed, remaining = model.evict(cache, 1)
+    assert cache.evict(1) == freed == [y]
+    assert node_segments(cache) == remaining
