@@ -172,14 +172,20 @@ class KVEventStream:
         """Deliver every later event to `callback(event)`. Raises TypeError if not callable.
 
         A subscriber that joins a cache already holding blocks first gets the snapshot (a
-        `BlockStored` per node holding full blocks, parents first).
+        `BlockStored` per node holding full blocks, parents first). One interrupted there (a
+        KeyboardInterrupt out of its callback) is not subscribed: the snapshot hashes the nodes
+        it reaches, and a stream left active would leave the rest unhashed, announced wrong.
         """
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         self._callbacks.append(callback)
         if self._snapshot is not None:
-            for event in self._snapshot():
-                self._deliver(callback, event)
+            try:
+                for event in self._snapshot():
+                    self._deliver(callback, event)
+            except BaseException:
+                self._callbacks.remove(callback)
+                raise
         return Subscription(self._callbacks, callback)
 
     def emit(self, event: KVEvent) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,3 +211,29 @@ def test_a_late_subscriber_first_gets_the_content_parents_first() -> None:
     cache.events.subscribe(index.apply)
     expected = set(chain([1, 2, 3, 4, 5], 2) + chain([1, 2, 3, 9, 9, 9], 2))
     assert index.hashes == expected | set(chain([1, 2, 3], 2, "tenant-a"))
+
+
+def test_a_subscriber_interrupted_in_its_snapshot_is_not_subscribed() -> None:
+    """The snapshot hashes nodes as it goes: a stream left active after an interrupted one would
+    hold unhashed nodes and announce their children under a wrong parent hash."""
+    cache = PrefixCache(32, 2)
+    for tokens in ([1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3, 4, 9, 9]):
+        put(cache, tokens)
+    got: list[KVEvent] = []
+
+    def interrupted(event: KVEvent) -> None:
+        got.append(event)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cache.events.subscribe(interrupted)
+    assert len(got) == 1 and not cache.events.active
+    cache.check_integrity()
+    put(cache, [5, 6, 7, 8, 1, 1])
+    assert len(got) == 1  # no longer called
+    index = BlockHashIndex()
+    cache.events.subscribe(index.apply)
+    put(cache, [1, 2, 3, 4, 9, 9, 7, 7])
+    inserted = [[1, 2, 3, 4, 9, 9, 7, 7], [5, 6, 7, 8, 1, 1]]
+    assert index.hashes == {h for tokens in inserted for h in chain(tokens, 2)}
+    cache.check_integrity()
