@@ -268,8 +268,9 @@ class Scheduler:
         logger.debug("preempting %s", req)
         if self._use_cache:
             self._insert_written(req, writes_on=False)
-        del self._running[req.request_id]
+        # Released while still running: after a fault in the release, `fail_step` finds it there.
         self._release(req)
+        del self._running[req.request_id]
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -97,3 +97,31 @@ def next_token(h: Any, request_id: str) -> int:
     """The fake model's next token for a request: the one it generates when run alone."""
     req = h.scheduler.get_request(request_id)
     return h.reference(req)[len(req.output_token_ids)]
+
+
+def test_a_fault_releasing_a_preempted_request_fails_it_too(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while a victim's lock is released (it has left the running set and is not yet
+    waiting): `fail_step()` still finds it, fails it and returns its lock and blocks."""
+    # Three requests decoding side by side in 14 blocks: the eighth step preempts r2.
+    h = harness(num_blocks=14, block_size=4, max_num_batched_tokens=64)
+    reqs = [
+        h.add(f"r{i}", [i + 1, *range(40 * i + 100, 40 * i + 109)], max_tokens=m)
+        for i, m in enumerate((9, 14, 14))
+    ]
+    for _ in range(7):
+        h.step()
+    assert h.scheduler.num_running == 3 and not any(o.preempted_ids for o in h.outputs)
+
+    def faulty(*args: object, **kwargs: object) -> None:
+        raise Injected("release")
+
+    monkeypatch.setattr(h.cache, "release", faulty)
+    with pytest.raises(Injected):
+        h.scheduler.schedule()
+    monkeypatch.undo()
+    failed = h.scheduler.fail_step()
+    assert sorted(r.request_id for r in failed) == ["r0", "r1", "r2"]
+    assert all(r.status is RequestStatus.FINISHED_ERROR for r in reqs)
+    h.assert_no_leak()
