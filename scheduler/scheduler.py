@@ -235,8 +235,8 @@ class Scheduler:
             if self._use_cache and (is_prefill or req.is_finished):
                 self._insert_written(req, writes_on=not req.is_finished)
             if req.is_finished:
+                self._release(req)  # while still running: after a fault here, `abort` finds it
                 del self._running[req.request_id]
-                self._release(req)
                 finished.append(req)
         return finished
 

@@ -125,3 +125,29 @@ def test_a_fault_releasing_a_preempted_request_fails_it_too(
     assert sorted(r.request_id for r in failed) == ["r0", "r1", "r2"]
     assert all(r.status is RequestStatus.FINISHED_ERROR for r in reqs)
     h.assert_no_leak()
+
+
+def test_a_fault_releasing_a_finished_request_leaks_nothing(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while the update releases a request that just finished: aborting the step's rows
+    (as the engine does after a fault inside the update) still returns its lock and blocks."""
+    h = harness(num_blocks=16, block_size=4)
+    a, b = h.add("a", [1, 2, 3, 4, 5], max_tokens=1), h.add("b", [7, 8, 9], max_tokens=3)
+    sched = h.scheduler
+    out = sched.schedule()
+    assert [r.request_id for r in out.rows] == ["a", "b"]
+
+    def faulty(*args: object, **kwargs: object) -> None:
+        raise Injected("release")
+
+    monkeypatch.setattr(h.cache, "release", faulty)
+    sampled = {r.request_id: next_token(h, r.request_id) for r in out.rows}
+    with pytest.raises(Injected):
+        sched.update_from_output(out, sampled)  # `a` finishes: its lock is released first
+    monkeypatch.undo()
+    assert sched.fail_step() == []  # the update had begun: nothing is pending
+    for row in out.rows:
+        sched.abort(row.request_id)
+    assert a.is_finished and b.status is RequestStatus.FINISHED_ABORTED
+    h.assert_no_leak()
