@@ -16,7 +16,7 @@ from radixkv.scheduler.request import RequestStatus
 
 # Cache calls of schedule() (admission, growth, preemption) and of update_from_output(); "forward"
 # is a fault between the two, in the model.
-POINTS = ("match", "can_allocate", "acquire", "allocate", "insert", "forward")
+POINTS = ("match", "can_allocate", "acquire", "allocate", "insert", "release", "forward")
 
 
 class Injected(Exception):
@@ -32,7 +32,7 @@ def test_fail_step_without_a_step_fails_nothing(harness: Callable[..., Any]) -> 
     h.assert_no_leak()
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(70))
 def test_a_fault_anywhere_fails_only_what_its_step_touched(
     harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
@@ -89,7 +89,9 @@ def test_a_fault_anywhere_fails_only_what_its_step_touched(
             assert req.is_finished and sched.get_request(req.request_id) is None, req
         else:
             assert h.finished[req.request_id].output_token_ids == h.reference(req)
-    assert any(r.status is RequestStatus.FINISHED_ERROR for r in reqs) or point == "insert"
+    # An insert or a release can fault inside the update only, where nothing is pending to fail.
+    errors = any(r.status is RequestStatus.FINISHED_ERROR for r in reqs)
+    assert errors or point in ("insert", "release")
     h.assert_no_leak()
 
 
