@@ -139,11 +139,12 @@ class Scheduler:
         KV is not inserted). False if no live request has this id (e.g. it just finished)."""
         # Found by where it is, not by its status: after a fault inside a step, a request can be
         # finished but still running, or admitted but still waiting, or half-admitted.
-        running = self._running.pop(request_id, None)
-        req = self._waiting.pop(request_id, None) or running
+        req = self.get_request(request_id)
         if req is None:
             return False
-        self._release(req)
+        self._release(req)  # before it leaves: after a fault here it is still found, and freed
+        self._running.pop(request_id, None)
+        self._waiting.pop(request_id, None)
         req.set_finished(RequestStatus.FINISHED_ABORTED)
         self._aborted_ids.append(request_id)
         return True

@@ -153,3 +153,26 @@ def test_a_fault_releasing_a_finished_request_leaks_nothing(
         sched.abort(row.request_id)
     assert a.is_finished and b.status is RequestStatus.FINISHED_ABORTED
     h.assert_no_leak()
+
+
+def test_an_abort_whose_release_faults_leaves_the_request_live(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while an abort releases a running request's lock: the request stays where it was,
+    holding its table, so a later abort (or `fail_step`) still returns its lock and blocks."""
+    h = harness(num_blocks=16, block_size=4)
+    a = h.add("a", [1, 2, 3, 4, 5], max_tokens=4)
+    h.step()
+
+    def faulty(*args: object, **kwargs: object) -> None:
+        raise Injected("release")
+
+    monkeypatch.setattr(h.cache, "release", faulty)
+    with pytest.raises(Injected):
+        h.scheduler.abort("a")
+    monkeypatch.undo()
+    assert h.scheduler.get_request("a") is a and a.status is RequestStatus.RUNNING
+    h.scheduler.check_integrity()
+    assert h.scheduler.abort("a")
+    assert a.status is RequestStatus.FINISHED_ABORTED
+    h.assert_no_leak()
