@@ -48,5 +48,6 @@ class SchedulerConfig:
         for name in ("enable_prefix_cache", "prefill_first"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")
+        names = tuple(POLICIES)  # a tuple: `in` a dict raises a bare TypeError for a list
+        if self.policy not in names:
+            raise ValueError(f"policy must be one of {names}, got {self.policy!r}")

@@ -139,11 +139,12 @@ class Scheduler:
         KV is not inserted). False if no live request has this id (e.g. it just finished)."""
         # Found by where it is, not by its status: after a fault inside a step, a request can be
         # finished but still running, or admitted but still waiting, or half-admitted.
-        running = self._running.pop(request_id, None)
-        req = self._waiting.pop(request_id, None) or running
+        req = self.get_request(request_id)
         if req is None:
             return False
-        self._release(req)
+        self._release(req)  # before it leaves: after a fault here it is still found, and freed
+        self._running.pop(request_id, None)
+        self._waiting.pop(request_id, None)
         req.set_finished(RequestStatus.FINISHED_ABORTED)
         self._aborted_ids.append(request_id)
         return True
@@ -235,8 +236,8 @@ class Scheduler:
             if self._use_cache and (is_prefill or req.is_finished):
                 self._insert_written(req, writes_on=not req.is_finished)
             if req.is_finished:
+                self._release(req)  # while still running: after a fault here, `abort` finds it
                 del self._running[req.request_id]
-                self._release(req)
                 finished.append(req)
         return finished
 
@@ -268,8 +269,9 @@ class Scheduler:
         logger.debug("preempting %s", req)
         if self._use_cache:
             self._insert_written(req, writes_on=False)
-        del self._running[req.request_id]
+        # Released while still running: after a fault in the release, `fail_step` finds it there.
         self._release(req)
+        del self._running[req.request_id]
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1

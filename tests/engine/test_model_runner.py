@@ -128,6 +128,28 @@ def _recording(fn, calls: list):
     return wrapped
 
 
+def test_a_step_is_one_host_copy_and_its_token_ids_are_checked_before_the_forward(
+    models, monkeypatch
+):
+    """An eager step, copies included, crosses to the device in one copy; a token id past the
+    embedding stops it before the forward writes any KV (on CUDA it would be a device assert)."""
+    model, _ = models
+    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    calls: list = []
+    monkeypatch.setattr(runner.stager, "to_device", _recording(runner.stager.to_device, calls))
+    a = [11, 12, 13, 14, 15, 16]
+    runner.execute(SchedulerOutput(rows=(row("a", a, 0, [5, 9]),)))
+    runner.execute(
+        SchedulerOutput(rows=(row("c", [7, 8], 6, [5, 11]),), copies=(BlockCopy(9, 11, 2),))
+    )
+    assert len(calls) == 2
+    k_cache = runner.k_cache.clone()
+    vocab = model.config.vocab_size
+    with pytest.raises(AssertionError, match="token id out of range"):
+        runner.execute(SchedulerOutput(rows=(row("b", [1, vocab], 0, [3]),)))
+    assert torch.equal(runner.k_cache, k_cache)
+
+
 @pytest.mark.parametrize("validate_steps", [True, False])
 def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch, validate_steps):
     """With validate_steps the values are checked once per step (never per layer); without it

@@ -175,11 +175,14 @@ class Harness:
         """schedule(), check, run the fake model, update_from_output(), check integrity.
         `in_flight` is called between the forward and the update (e.g. to abort a request)."""
         sched, cfg = self.scheduler, self.config
+        running = {r.request_id: r.num_tokens_to_compute for r in sched.running_requests}
+        waiting = [r.request_id for r in sched.waiting_requests]
         out = sched.schedule()
         # A step with requests pending always runs something: an engine treats an empty step
         # as a fault (it could wait for ever).
         assert out.rows or not sched.has_unfinished(), "scheduled nothing with requests pending"
         self.check_output(out)
+        self.check_decisions(out, running, waiting)
         if self.check_sim:
             self.sim.step(out, sched)
         sampled = {}
@@ -213,6 +216,40 @@ class Harness:
             assert row.token_ids == tuple(req.all_token_ids[row.start_position : end]), row
             assert row.sample == (end == req.num_tokens), row
             assert len(row.block_table) == -(-end // B), row
+
+    def check_decisions(
+        self, out: SchedulerOutput, running: dict[str, int], waiting: list[str]
+    ) -> None:
+        """The step's choices, given the running requests before it (admission order -> tokens
+        left) and the waiting queue before it: rows are running decodes, then running prefills,
+        then admissions (admissions first with `prefill_first`, and then no decodes); a victim is
+        the most recently admitted running request without a row; victims go back to the front
+        of the queue, the latest first; a step that preempted admits only if no running request
+        got a row; FCFS without deferral admits a prefix of the queue."""
+        cfg = self.config
+        ids = [r.request_id for r in out.rows]
+        # A victim can be readmitted in its step (by the idle-cache fallback): then it is new.
+        new = [rid for rid in ids if rid not in running or rid in out.preempted_ids]
+        old = [rid for rid in ids if rid not in new]
+        assert all(rid in waiting or rid in out.preempted_ids for rid in new), out
+        admitted_first = cfg.prefill_first and bool(new) and ids[: len(new)] == new
+        assert ids == (new + old if admitted_first else old + new), f"row order: {ids}"
+        if admitted_first:
+            assert all(running[rid] > 1 for rid in old), f"a decode beside admissions: {ids}"
+        order = sorted(running, key=lambda rid: running[rid] > 1)  # stable: admission order
+        assert old == [rid for rid in order if rid in old], f"running rows out of order: {ids}"
+        unscheduled = [rid for rid in running if rid not in old]
+        victims = unscheduled[::-1][: len(out.preempted_ids)]
+        assert list(out.preempted_ids) == victims, (out.preempted_ids, running, ids)
+        if out.preempted_ids and old:
+            assert admitted_first or not new, f"admitted in a step that preempted: {ids}"
+        queue = [*out.preempted_ids[::-1], *waiting]
+        after = [rid for rid in queue if rid not in new]
+        assert [r.request_id for r in self.scheduler.waiting_requests] == after, queue
+        if cfg.policy == "fcfs" and not (
+            cfg.enable_prefix_cache and cfg.defer_shared_prefix_tokens
+        ):
+            assert new == queue[: len(new)], f"FCFS admitted {new} from {queue}"
 
     def run(self, max_steps: int = 10_000, arrivals: dict[int, Iterable[Request]] | None = None):
         """Step until nothing is left (adding `arrivals[step]` before each step)."""

@@ -16,7 +16,7 @@ from radixkv.scheduler.request import RequestStatus
 
 # Cache calls of schedule() (admission, growth, preemption) and of update_from_output(); "forward"
 # is a fault between the two, in the model.
-POINTS = ("match", "can_allocate", "acquire", "allocate", "insert", "forward")
+POINTS = ("match", "can_allocate", "acquire", "allocate", "insert", "release", "forward")
 
 
 class Injected(Exception):
@@ -32,7 +32,7 @@ def test_fail_step_without_a_step_fails_nothing(harness: Callable[..., Any]) -> 
     h.assert_no_leak()
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(70))
 def test_a_fault_anywhere_fails_only_what_its_step_touched(
     harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
@@ -89,7 +89,9 @@ def test_a_fault_anywhere_fails_only_what_its_step_touched(
             assert req.is_finished and sched.get_request(req.request_id) is None, req
         else:
             assert h.finished[req.request_id].output_token_ids == h.reference(req)
-    assert any(r.status is RequestStatus.FINISHED_ERROR for r in reqs) or point == "insert"
+    # An insert or a release can fault inside the update only, where nothing is pending to fail.
+    errors = any(r.status is RequestStatus.FINISHED_ERROR for r in reqs)
+    assert errors or point in ("insert", "release")
     h.assert_no_leak()
 
 
@@ -97,3 +99,80 @@ def next_token(h: Any, request_id: str) -> int:
     """The fake model's next token for a request: the one it generates when run alone."""
     req = h.scheduler.get_request(request_id)
     return h.reference(req)[len(req.output_token_ids)]
+
+
+def test_a_fault_releasing_a_preempted_request_fails_it_too(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while a victim's lock is released (it has left the running set and is not yet
+    waiting): `fail_step()` still finds it, fails it and returns its lock and blocks."""
+    # Three requests decoding side by side in 14 blocks: the eighth step preempts r2.
+    h = harness(num_blocks=14, block_size=4, max_num_batched_tokens=64)
+    reqs = [
+        h.add(f"r{i}", [i + 1, *range(40 * i + 100, 40 * i + 109)], max_tokens=m)
+        for i, m in enumerate((9, 14, 14))
+    ]
+    for _ in range(7):
+        h.step()
+    assert h.scheduler.num_running == 3 and not any(o.preempted_ids for o in h.outputs)
+
+    def faulty(*args: object, **kwargs: object) -> None:
+        raise Injected("release")
+
+    monkeypatch.setattr(h.cache, "release", faulty)
+    with pytest.raises(Injected):
+        h.scheduler.schedule()
+    monkeypatch.undo()
+    failed = h.scheduler.fail_step()
+    assert sorted(r.request_id for r in failed) == ["r0", "r1", "r2"]
+    assert all(r.status is RequestStatus.FINISHED_ERROR for r in reqs)
+    h.assert_no_leak()
+
+
+def test_a_fault_releasing_a_finished_request_leaks_nothing(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while the update releases a request that just finished: aborting the step's rows
+    (as the engine does after a fault inside the update) still returns its lock and blocks."""
+    h = harness(num_blocks=16, block_size=4)
+    a, b = h.add("a", [1, 2, 3, 4, 5], max_tokens=1), h.add("b", [7, 8, 9], max_tokens=3)
+    sched = h.scheduler
+    out = sched.schedule()
+    assert [r.request_id for r in out.rows] == ["a", "b"]
+
+    def faulty(*args: object, **kwargs: object) -> None:
+        raise Injected("release")
+
+    monkeypatch.setattr(h.cache, "release", faulty)
+    sampled = {r.request_id: next_token(h, r.request_id) for r in out.rows}
+    with pytest.raises(Injected):
+        sched.update_from_output(out, sampled)  # `a` finishes: its lock is released first
+    monkeypatch.undo()
+    assert sched.fail_step() == []  # the update had begun: nothing is pending
+    for row in out.rows:
+        sched.abort(row.request_id)
+    assert a.is_finished and b.status is RequestStatus.FINISHED_ABORTED
+    h.assert_no_leak()
+
+
+def test_an_abort_whose_release_faults_leaves_the_request_live(
+    harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while an abort releases a running request's lock: the request stays where it was,
+    holding its table, so a later abort (or `fail_step`) still returns its lock and blocks."""
+    h = harness(num_blocks=16, block_size=4)
+    a = h.add("a", [1, 2, 3, 4, 5], max_tokens=4)
+    h.step()
+
+    def faulty(*args: object, **kwargs: object) -> None:
+        raise Injected("release")
+
+    monkeypatch.setattr(h.cache, "release", faulty)
+    with pytest.raises(Injected):
+        h.scheduler.abort("a")
+    monkeypatch.undo()
+    assert h.scheduler.get_request("a") is a and a.status is RequestStatus.RUNNING
+    h.scheduler.check_integrity()
+    assert h.scheduler.abort("a")
+    assert a.status is RequestStatus.FINISHED_ABORTED
+    h.assert_no_leak()

@@ -21,6 +21,7 @@ from radixkv.scheduler.sampling_params import SamplingParams
         ("max_num_seqs", 2.0, TypeError),
         ("max_num_seqs", True, TypeError),
         ("policy", "lifo", ValueError),
+        ("policy", ["lpm"], ValueError),  # unhashable: still named, not a bare TypeError
         ("enable_prefix_cache", 1, TypeError),
         ("defer_shared_prefix_tokens", -1, ValueError),
         ("defer_shared_prefix_tokens", 1.5, TypeError),
