@@ -26,6 +26,8 @@ def sample(
     """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
     takes the argmax and needs no generator; every other row needs one."""
     assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
+    if not params:  # a step of non-final prefill chunks: `.tolist()` may wait for the GPU
+        return []
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
