@@ -669,7 +669,8 @@ class PrefixCache:
         node's path (the node holding its last position is the locked node or, after a split, an
         ancestor), and the locked node lies under that namespace's root."""
         k = lock.num_tokens
-        m, holder, blocks = self._tree.walk(lock.tokens[: 4 * k], k, lock.namespace)
+        limit = min(k, len(lock.tokens) // 4)  # a corrupt count must fail the check, not the walk
+        m, holder, blocks = self._tree.walk(lock.tokens[: 4 * k], limit, lock.namespace)
         path = [lock.node]  # the locked node up to its root
         while path[-1].parent is not None:
             path.append(path[-1].parent)
