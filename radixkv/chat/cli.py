@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
             argv.insert(0, "chat")  # `radixkv` alone starts the chat
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command != "chat":  # `radixkv serve` never gets here (see radixkv.__main__)
+            parser.error("this entry point runs the chat only; the server is `radixkv serve`")
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         # Library deprecation notices are for developers; in a chat they split a reply.
         warnings.filterwarnings("ignore", category=FutureWarning)

@@ -230,7 +230,9 @@ class ZmqEventPublisher:
                 continue
             while not self._queue.empty():  # this thread is the only consumer
                 items.append(self._queue.get_nowait())
-            stop = None in items  # close() queued its marker: send what came before, then stop
+            # close() queued its marker: send what came before, then stop. By identity: `in`
+            # would compare every item to None, and an array's == raises in this thread.
+            stop = any(item is None for item in items)
             events = [item for item in items if item is not None]
             if events:
                 self._send(events)

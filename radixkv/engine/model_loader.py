@@ -198,12 +198,15 @@ def load_model(
 
 
 def _check_device(device: object) -> torch.device:
+    """`device` as a torch.device. Raises TypeError for a value of another type, ValueError for
+    an unknown device or a CUDA device this machine does not have."""
+    message = f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}"
     try:
         dev = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}"
-        ) from exc
+    except TypeError as exc:
+        raise TypeError(message) from exc
+    except RuntimeError as exc:
+        raise ValueError(message) from exc
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise ValueError(
             f"device is {str(dev)!r}, but this machine has {torch.cuda.device_count()} CUDA devices"

@@ -241,3 +241,11 @@ def test_sigint_in_a_reply_and_undecodable_stdin(tiny_model_dir, tmp_path: Path)
     ]
     assert "(reply interrupted; this turn is not kept" in out
     assert re.search(r"blocks\s+512 x 4 tokens: \d+ free, \d+ cached, 0 in use", out)
+
+
+def test_the_chat_entry_point_refuses_serve_as_a_usage_error(capsys) -> None:
+    # `radixkv serve` is dispatched before the chat's parser, which lists serve only for --help.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve"])
+    assert exit_info.value.code == 2
+    assert "radixkv serve" in capsys.readouterr().err

@@ -145,6 +145,7 @@ def test_unknown_model_path(tmp_path):
         (dict(num_blocks=0), ValueError, "num_blocks"),
         (dict(kv_cache_bytes=10), ValueError, "holds no KV block"),
         (dict(device="gpu0"), ValueError, "device must be a torch device"),
+        (dict(device=1.5), TypeError, "device must be a torch device"),
         (dict(device=f"cuda:{torch.cuda.device_count()}"), ValueError, "CUDA devices"),
     ],
 )

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -157,6 +158,20 @@ def test_an_unknown_layout_is_a_value_error() -> None:
 def test_unknown_event_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="not a KV event"):
         encode_batch(["BlockStored"], ts=0.0, data_parallel_rank=0)  # type: ignore[list-item]
+
+
+def test_a_non_event_fails_its_batch_and_the_publisher_goes_on(caplog) -> None:
+    # An array compares elementwise: looking for close()'s marker must not compare items to None.
+    with ZmqEventPublisher("inproc://radixkv-non-event") as publisher:
+        publisher(np.array([1, 2]))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while "failed to send" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert "failed to send 1 events" in caplog.text
+        publisher(EVENTS[0])
+        while publisher.num_batches_sent == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert publisher.num_batches_sent == 1
 
 
 def test_bad_endpoint_is_a_value_error() -> None:
