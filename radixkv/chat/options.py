@@ -21,7 +21,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--cache-mb", type=int, default=None, help="KV cache size in MiB")
     size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling seed of requests without their own (default 0)"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -332,11 +332,12 @@ class LLM:
         try:
             self._step(step_ids)
         except BaseException as exc:
+            interrupted = not isinstance(exc, Exception)  # the caller's to report: INFO only
+            level = logging.INFO if interrupted else logging.ERROR
+            logger.log(level, "step failed, failing its requests: %r", exc)
             self._fail(step_ids, exc)
-            if not isinstance(exc, Exception):  # an interrupt is the caller's to report
-                logger.info("step interrupted, its requests failed: %r", exc)
+            if interrupted:
                 raise
-            logger.error("step failed, failing its requests: %r", exc)
         finally:
             self._stepping = False
             while self._orphans:
