@@ -22,7 +22,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     parser.add_argument(
-        "--seed", type=int, default=0, help="sampling seed of requests without their own (default 0)"
+        "--seed", type=int, default=0, help="seed of requests without their own (default 0)"
     )
 
 
