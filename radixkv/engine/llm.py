@@ -459,8 +459,8 @@ def _ctrl_c_after_the_step() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
+        if received:  # also when the step failed: the user's Ctrl-C must not be lost
+            raise KeyboardInterrupt
 
 
 def _derive_seed(engine_seed: int, index: int) -> int:
