@@ -45,10 +45,9 @@ class ChatSession:
     def __init__(
         self, llm: LLM, system: str | None = None, params: SamplingParams | None = None
     ) -> None:
-        tokenizer = llm.tokenizer
-        if tokenizer is None:
+        if llm.tokenizer is None:
             raise ModelLoadError(f"model {llm.model_name!r} has no tokenizer; a chat needs one")
-        if not getattr(tokenizer, "chat_template", None):
+        if not llm.has_chat_template:
             raise ModelLoadError(f"model {llm.model_name!r} has no chat template; a chat needs one")
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str, got {type(system).__name__}")

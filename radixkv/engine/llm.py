@@ -283,11 +283,16 @@ class LLM:
             )
         return list(self.tokenizer.encode(text))
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a tokenizer with a chat template (what `encode_chat` needs)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt of a chat: `messages` through the tokenizer's chat template, with the
         assistant's turn opened. Raises ValueError for a model without a tokenizer or chat
         template, and what the template raises for messages it does not accept."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError(f"model {self.model_name!r} has no chat template")
         text = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False

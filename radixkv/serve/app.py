@@ -82,8 +82,7 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if not self.llm.has_chat_template:
             raise bad_request(f"model {self.config.model_name!r} has no chat template", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:

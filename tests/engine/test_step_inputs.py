@@ -25,8 +25,9 @@ from radixkv.engine.step_inputs import (
     bucket_layout,
     layout_for,
     pack_step,
+    split_step,
 )
-from radixkv.kernels import AttentionMetadata, reference
+from radixkv.kernels import reference
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest
 
 BLOCK = 4
@@ -128,14 +129,7 @@ def test_pad_rows_change_no_slot_and_no_real_row_output():
     def run(layout):
         flat = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
         pack_step(rows, (), BLOCK, layout, flat.numpy())
-        v = layout.split(flat)
-        meta = AttentionMetadata(
-            v["block_tables"],
-            v["seq_lens"],
-            v["cu_seqlens_q"],
-            shape,
-            slot_mapping=v["slot_mapping"],
-        )  # validated: pad rows are legal metadata
+        _, meta = split_step(layout, flat, flat, shape)  # validated: pad rows are legal metadata
         k, vv = k_cache.clone(), v_cache.clone()
         new_kv = torch.randn(layout.num_tokens, kv_heads, head_dim, generator=gen.manual_seed(1))
         reference.store_kv_step(new_kv, new_kv, k, vv, meta)
