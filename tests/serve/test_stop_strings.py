@@ -1,5 +1,6 @@
-"""StopStringMatcher against the plain rule: the reply is the text up to the first stop string,
-however the text is split into pushes."""
+"""StopStringMatcher against the plain rule: the reply ends where the first stop string to
+complete starts (of those completing at the same character, the longest), however the text is
+split into pushes."""
 
 from __future__ import annotations
 
@@ -12,20 +13,36 @@ ALPHABET = "abc "
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """Scan the text character by character, as it is generated."""
+    stops = [s for s in stops if s]
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(map(len, done))], True
+    return text, False
+
+
+def run(chunks: list[str], stops: list[str]) -> tuple[str, bool]:
+    matcher = StopStringMatcher(stops)
+    out = "".join(matcher.push(c) for c in chunks)
+    stopped = matcher.stopped
+    return out + matcher.flush(), stopped
 
 
 @given(
     chunks=st.lists(st.text(ALPHABET, max_size=5), max_size=12),
-    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3),
+    stops=st.lists(st.text(ALPHABET, min_size=0, max_size=5), max_size=8),
 )
 def test_pushes_give_the_text_up_to_the_first_stop_string(chunks, stops) -> None:
-    matcher = StopStringMatcher(stops)
-    out = "".join(matcher.push(c) for c in chunks)
-    stopped = matcher.stopped
-    out += matcher.flush()
-    assert (out, stopped) == reference("".join(chunks), stops)
+    assert run(chunks, stops) == reference("".join(chunks), stops)
+
+
+def test_overlapping_stops_cut_where_the_first_to_complete_starts() -> None:
+    # "b" completes first (at the 2nd character): the reply is "a", in one push or three.
+    assert run(["aba"], ["aba", "b"]) == ("a", True)
+    assert run(["a", "b", "a"], ["aba", "b"]) == ("a", True)
+    # Both complete at the 3rd character: the longer one starts earlier.
+    assert run(["abc"], ["bc", "abc"]) == ("", True)
 
 
 def test_text_that_may_start_a_stop_string_is_held_back() -> None:
@@ -36,3 +53,11 @@ def test_text_that_may_start_a_stop_string_is_held_back() -> None:
     assert matcher.push("d> more") == ""
     assert matcher.stopped
     assert matcher.flush() == ""
+
+
+def test_many_long_stop_strings_and_non_ascii_text() -> None:
+    stops = [f"stop-{i:03d}-" + "é" * 40 for i in range(64)]
+    text = "naïve café " * 50 + stops[37] + " never sent"
+    chunks = [text[i : i + 3] for i in range(0, len(text), 3)]
+    assert run(chunks, stops) == ("naïve café " * 50, True)
+    assert run(["no stop here ✓"], stops) == ("no stop here ✓", False)
