@@ -35,7 +35,7 @@ from radixkv.engine.kv_events import KVEventsTarget, check_kv_events, publish_kv
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
 from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
-from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
+from radixkv.engine.prompts import PromptInput, check_chat_messages, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
 from radixkv.scheduler.sampling_params import SamplingParams, check_seed
@@ -291,12 +291,19 @@ class LLM:
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt of a chat: `messages` through the tokenizer's chat template, with the
         assistant's turn opened. Raises ValueError for a model without a tokenizer or chat
-        template, and what the template raises for messages it does not accept."""
+        template, a message without a string role and content (TypeError: not a dict, or a
+        role or content of another type), or messages the template refuses."""
         if not self.has_chat_template:
             raise ValueError(f"model {self.model_name!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
+        checked = check_chat_messages(messages)
+        import jinja2  # transformers renders chat templates with it
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                checked, add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as exc:  # also a template's own raise_exception()
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
         # The template already holds the special tokens (BOS, turn markers): add none.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -7,7 +7,7 @@ are, without a second check.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from radixkv.cache import PackedTokens
@@ -63,6 +63,28 @@ def _pack(
             f"prompt {i} has {len(tokens)} tokens; the model's context is {max_model_len}"
         )
     return tokens
+
+
+def check_chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages` as a list of dicts whose "role" and "content" are strings (other keys kept):
+    a missing or None role or content is a ValueError, any other type a TypeError, naming the
+    message. Chat templates would otherwise fail on them with errors of their own kind."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        for key in ("role", "content"):
+            value = message.get(key)
+            if value is None:
+                raise ValueError(f"messages[{i}] has no {key!r} (a string is needed)")
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"messages[{i}][{key!r}] must be a string, got {type(value).__name__}"
+                )
+        checked.append(dict(message))
+    return checked
 
 
 def params_list(
