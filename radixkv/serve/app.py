@@ -1,8 +1,11 @@
-"""The OpenAI-compatible HTTP API over one `LLM`: routes, request checks and response streaming.
+"""The OpenAI-compatible HTTP API over one `LLM`: routes, request preparation and streaming.
 
-A request goes: parse (pydantic) -> prompt token ids (chat template or completion prompt) ->
-`SamplingParams` -> capacity check (503 when the waiting queue is full) -> `EngineLoop.submit`
--> updates until the final output -> one JSON body, or server-sent events as tokens arrive.
+A request goes: the door (`door.py`: its body read under the server's limits) -> the preparation
+thread: JSON checked (`bodies.py`), prompt token ids (chat template or completion prompt),
+`SamplingParams`, the stop-string matcher -> capacity check (503 when the waiting queue is full)
+-> `EngineLoop.submit` -> updates until the final output -> one JSON body, or server-sent events
+as tokens arrive. The event loop itself only moves bytes: parsing, templating and tokenizing
+never stall the other connections.
 """
 
 from __future__ import annotations
@@ -11,28 +14,39 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.serve.bodies import (
+    BodyLimits,
+    SamplingFields,
+    over_context,
+    parse_json,
+    read_chat_body,
+    read_completion_body,
+)
+from radixkv.serve.config import ServeConfig
+from radixkv.serve.door import RequestDoor
 from radixkv.serve.engine_loop import EngineLoop, RequestStream
 from radixkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.serve.protocol import (
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
     bad_request,
     chat_chunk,
     chat_response,
     completion_response,
+    shutting_down,
     usage,
 )
 from radixkv.serve.stop_strings import StopStringMatcher
@@ -40,23 +54,6 @@ from radixkv.serve.stop_strings import StopStringMatcher
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    """Server settings. `model_name` is the id clients pass as `model` (and /v1/models lists)."""
-
-    model_name: str
-    max_queued_requests: int = 256  # waiting for admission; more are answered 503
-    retry_after_s: int = 1  # the Retry-After header of a 503
-
-    def __post_init__(self) -> None:
-        if not self.model_name:
-            raise ValueError("model_name must not be empty")
-        for name in ("max_queued_requests", "retry_after_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,108 +65,154 @@ class _Piece:
     usage: dict[str, Any] | None = None
 
 
+@dataclass(slots=True)
+class Job:
+    """A checked request, ready for the engine."""
+
+    fields: SamplingFields
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: StopStringMatcher
+
+
 class OpenAIServer:
-    """Owns the engine loop and the metrics of one app; the route handlers call into it."""
+    """Owns the engine loop, the preparation thread and the metrics of one app; the route
+    handlers call into it.
+
+    `stopping` (a future, created by `start`) is done once the server is shutting down: from
+    then on new requests get 503; `end_all` ends the replies still in flight.
+    """
 
     def __init__(self, llm: LLM, config: ServeConfig) -> None:
         self.llm = llm
         self.config = config
         self.engine = EngineLoop(llm, on_update=self._observe_update)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot, lambda: self.engine.num_queued)
+        self.limits = BodyLimits(
+            vocab_size=llm.vocab_size,
+            max_stops=config.max_stops,
+            max_stop_chars=config.max_stop_chars,
+            max_prompt_chars=_max_prompt_chars(llm),
+            max_messages=llm.max_model_len,
+        )
+        # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
+        # (tokenizing); more threads would not make it faster, only let big requests pile up.
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
+        self.stopping: asyncio.Future[None] | None = None
 
-    # ------------------------------------------------------------------ prompts and params
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.stopping = loop.create_future()
+        self.engine.start(loop)
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if not body.messages:
-            raise bad_request("messages must not be empty", "messages")
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503); the replies in flight go on."""
+        if self.stopping is not None and not self.stopping.done():
+            self.stopping.set_result(None)
+
+    def end_all(self) -> None:
+        """End every reply in flight now: a stream with an error event and [DONE], a whole
+        reply with a 503."""
+        self.begin_shutdown()
+        self.engine.end_all(shutting_down())
+
+    def stop(self) -> None:
+        self.engine.stop()
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.stopping is not None and self.stopping.done()
+
+    # ------------------------------------------------------------------ preparation
+
+    async def prepare(self, raw: bytes, *, chat: bool) -> Job:
+        """`raw` checked and turned into a Job, in the preparation thread. Raises APIError."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prep, partial(self.prepare_now, raw, chat=chat))
+
+    def prepare_now(self, raw: bytes, *, chat: bool) -> Job:
+        body = parse_json(raw)
+        if chat:
+            chat_body = read_chat_body(body, self.limits)
+            fields, prompt_param, default = chat_body.sampling, "messages", None
+            prompt = self.chat_prompt(chat_body.messages)
+        else:
+            completion = read_completion_body(body, self.limits)
+            fields, prompt_param = completion.sampling, "prompt"
+            default = DEFAULT_COMPLETION_MAX_TOKENS
+            prompt = self.completion_prompt(completion.prompt)
+        params = self.sampling_params(fields, len(prompt), prompt_param, default)
+        return Job(fields, prompt, params, StopStringMatcher(fields.stop_strings))
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not self.llm.has_chat_template:
             raise bad_request(f"model {self.config.model_name!r} has no chat template", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             return self.llm.encode_chat(messages)
-        except Exception as exc:  # a template may raise on roles or order it does not accept
+        except (ValueError, TypeError) as exc:  # a template may refuse roles or their order
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt: Any = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request("one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("prompt must not be empty", "prompt")
-            try:
-                return self.llm.encode(prompt)
-            except ValueError as exc:
-                raise bad_request(str(exc), "prompt") from exc
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return list(prompt)
+    def completion_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        try:
+            return self.llm.encode(prompt)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), "prompt") from exc
 
     def sampling_params(
-        self,
-        body: SamplingFields,
-        num_prompt_tokens: int,
-        max_tokens: int | None,
-        *,
-        prompt_param: str,
-        default: int | None = None,
+        self, fields: SamplingFields, num_prompt_tokens: int, prompt_param: str, default: int | None
     ) -> SamplingParams:
         """The request's SamplingParams; `default` max_tokens, None: as many as the context and
-        the KV cache hold. Raises APIError(400) for an unknown model, n != 1, a prompt (the body
-        field `prompt_param`) or reply over the context length, or an out-of-range sampling
-        value (its field named as the error's param)."""
-        if body.model is not None and body.model != self.config.model_name:
+        the KV cache hold. Raises APIError(400) for an unknown model, a prompt (the body field
+        `prompt_param`) or reply over the context length, or an out-of-range sampling value
+        (its field named as the error's param)."""
+        if fields.model is not None and fields.model != self.config.model_name:
             raise APIError(
                 400,
-                f"the model {body.model!r} does not exist; this server serves "
+                f"the model {fields.model!r} does not exist; this server serves "
                 f"{self.config.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
-        if body.n != 1:
-            raise bad_request(f"only n=1 is supported, got n={body.n}", "n")
         context = self.llm.max_model_len
         room = context - num_prompt_tokens
         if room < 1:
-            raise bad_request(
-                f"the prompt has {num_prompt_tokens} tokens; the model's context length is "
-                f"{context}",
-                prompt_param,
-            )
+            raise over_context(num_prompt_tokens, context, prompt_param)
+        max_tokens = fields.max_tokens
         if max_tokens is None:
             cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
             max_tokens = max(1, min(room, cache_tokens - num_prompt_tokens, default or room))
         elif max_tokens > room:
             raise bad_request(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceed the "
-                f"model's context length ({context})",
-                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + {fields.max_tokens_param} ({max_tokens}) "
+                f"exceed the model's context length ({context})",
+                fields.max_tokens_param,
             )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                seed=body.seed,
-                stop_token_ids=body.stop_ids(),
-                ignore_eos=body.ignore_eos,
+                temperature=1.0 if fields.temperature is None else fields.temperature,
+                top_p=1.0 if fields.top_p is None else fields.top_p,
+                seed=fields.seed,
+                stop_token_ids=fields.stop_token_ids,
+                ignore_eos=fields.ignore_eos,
             )
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), _sampling_param(exc)) from exc
+            raise bad_request(str(exc), _sampling_param(exc, fields)) from exc
 
     # ------------------------------------------------------------------ running a request
 
-    async def submit(
-        self, prompt_ids: list[int], params: SamplingParams, body: SamplingFields, arrival: _Arrival
-    ) -> RequestStream:
+    async def submit(self, job: Job, arrival: _Arrival) -> RequestStream:
         """Hand the request to the engine thread; returns once the engine has queued it.
 
         Records the body's receive time, the server overhead (request in -> handed to the engine
         thread) and the admission time (request in -> queued in the engine). Raises APIError: 503
-        when the waiting queue is full, 400 when the engine rejects the request."""
+        when the server is shutting down or the waiting queue is full, 400 when the engine
+        rejects the request."""
+        if self.is_stopping:
+            raise shutting_down()
         self.metrics.receive.observe(arrival.received - arrival.headers)
         self.metrics.overhead.observe(time.perf_counter() - arrival.received)
         queued = self.engine.num_queued
@@ -182,47 +225,54 @@ class OpenAIServer:
             )
         try:
             stream = await self.engine.submit(
-                prompt_ids, params, cache_salt=body.cache_salt, t_arrival=arrival.headers
+                job.prompt_ids,
+                job.params,
+                cache_salt=job.fields.cache_salt,
+                t_arrival=arrival.headers,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from exc
         self.metrics.admission.observe(time.perf_counter() - arrival.received)
         return stream
 
-    async def pieces(self, stream: RequestStream, stops: Sequence[str]) -> AsyncIterator[_Piece]:
+    async def pieces(
+        self, stream: RequestStream, stops: StopStringMatcher
+    ) -> AsyncIterator[_Piece]:
         """The reply of `stream` as text pieces; the last one has finish reason and usage.
 
-        Raises APIError(500) when the engine failed the request. Leaving early (a disconnected
-        client) aborts the request in the engine."""
-        matcher = StopStringMatcher(stops)
+        Raises APIError: 500 when the engine failed the request, 503 when the server ended it
+        (shutting down). Leaving early (a disconnected client) aborts the request in the
+        engine."""
         num_tokens = 0  # tokens up to the stop string, if one cut the reply
         failed = False
         try:
             while True:
                 item: RequestUpdate | BaseException = await stream.updates.get()
+                if isinstance(item, APIError):
+                    failed = True
+                    raise item
                 if isinstance(item, BaseException) or item.error is not None:
                     error = item if isinstance(item, BaseException) else item.error
-                    self.metrics.requests.labels("error").inc()
                     failed = True
                     raise APIError(
                         500, f"the engine failed this request: {error!r}", type="server_error"
                     )
-                if not matcher.stopped:
+                if not stops.stopped:
                     num_tokens += len(item.new_token_ids)
-                    text = matcher.push(item.new_text)
-                    if matcher.stopped:
+                    text = stops.push(item.new_text)
+                    if stops.stopped:
                         # Keep the stream open: the aborted request's output carries its usage.
                         self.engine.abort(stream.request_id, keep_stream=True)
                     if text:
                         yield _Piece(text)
                 if item.output is not None:
                     output = item.output
-                    if matcher.stopped:
+                    if stops.stopped:
                         reason, use = "stop", usage(output, num_tokens)
                     else:
                         reason, use = output.finish_reason, usage(output)
                     self.metrics.record_finished(output, reason)
-                    yield _Piece(matcher.flush(), reason, use)
+                    yield _Piece(stops.flush(), reason, use)
                     return
         finally:
             if not (stream.finished or failed):
@@ -244,12 +294,24 @@ class OpenAIServer:
         stream.t_last_token = now
 
 
-def _sampling_param(exc: Exception) -> str | None:
+def _max_prompt_chars(llm: LLM) -> int | None:
+    """The longest text that could fit the context: no token covers more characters than the
+    longest entry of the vocabulary (byte-level BPE and SentencePiece spell each byte or
+    character of a token in its entry). None without a tokenizer (prompts are then token ids)."""
+    if llm.tokenizer is None:
+        return None
+    longest = max((len(token) for token in llm.tokenizer.get_vocab()), default=1)
+    return llm.max_model_len * longest
+
+
+def _sampling_param(exc: Exception, fields: SamplingFields) -> str | None:
     """The request field a SamplingParams error is about: its messages start with the name."""
     name = str(exc).split(" ", 1)[0]
+    if name == "max_tokens":
+        return fields.max_tokens_param
     if name.startswith("stop_token_ids"):
         return "stop"
-    return name if name in SamplingFields.model_fields else None
+    return name if name in SamplingFields.__dataclass_fields__ else None
 
 
 async def _join(pieces: AsyncIterator[_Piece]) -> tuple[str, _Piece]:
@@ -279,32 +341,10 @@ async def _collect(pieces: AsyncIterator[_Piece], request: Request) -> tuple[str
     return None
 
 
-class _StampArrival:
-    """ASGI middleware: notes when a request's headers arrived (before its body is read) and when
-    the app received its whole body: the request is in. The gap between the two is the client's
-    (a client may send the body in a later write than the headers), not the server's."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        scope["radixkv.t_arrival"] = time.perf_counter()
-
-        async def receive_stamped() -> Any:
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                scope.setdefault("radixkv.t_received", time.perf_counter())
-            return message
-
-        await self.app(scope, receive_stamped, send)
-
-
 @dataclass(frozen=True, slots=True)
 class _Arrival:
-    """When a request's headers came in, and when its whole body had (perf_counter seconds)."""
+    """When a request's headers came in, and when its whole body had (perf_counter seconds),
+    as the door stamped them."""
 
     headers: float
     received: float
@@ -325,21 +365,23 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app serving `llm`. Its lifespan starts and stops the engine thread; then
     each `on_shutdown` callable runs, in order (e.g. closing a KV-event publisher subscribed to
-    `llm.cache`, whose callbacks run on the engine thread)."""
+    `llm.cache`, whose callbacks run on the engine thread). `radixkv.serve.http_server` runs
+    it with the connection rules and the graceful shutdown of `config`."""
     server = OpenAIServer(llm, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.engine.start(asyncio.get_running_loop())
+        server.start(asyncio.get_running_loop())
         try:
             yield
         finally:
-            server.engine.stop()
+            server.stop()
             for close in on_shutdown:
                 close()
+            logger.info("engine stopped, %d shutdown hook(s) run", len(on_shutdown))
 
     app = FastAPI(title="radixkv", lifespan=lifespan)
-    app.add_middleware(_StampArrival)
+    app.add_middleware(RequestDoor, server=server)
     app.state.server = server
     _add_error_handlers(app, server)
     _add_info_routes(app, server)
@@ -348,29 +390,28 @@ def create_app(
 
 
 def _add_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.status_code == 400:
-            server.metrics.requests.labels("bad_request").inc()
-        elif exc.status_code == 503:
-            server.metrics.requests.labels("overloaded").inc()
+    def answer(exc: APIError) -> JSONResponse:
+        server.metrics.record_refusal(exc)
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        server.metrics.requests.labels("bad_request").inc()
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request body')}"
-        return JSONResponse(
-            APIError(400, message, param=loc[0] if loc else None).body(), status_code=400
-        )
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = f"{exc.detail} ({request.method} {request.url.path})"
+        return answer(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
 
 
 def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.get("/health")
     async def health() -> Response:
+        if server.is_stopping:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         if not server.engine.is_alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -397,48 +438,35 @@ def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
 
 def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        arrival = _Arrival.of(request)
-        prompt = server.chat_prompt(body)
-        requested = body.max_completion_tokens
-        if requested is None:
-            requested = body.max_tokens
-        params = server.sampling_params(body, len(prompt), requested, prompt_param="messages")
-        return await _respond(server, request, body, prompt, params, arrival, chat=True)
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(server, request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        arrival = _Arrival.of(request)
-        prompt = server.completion_prompt(body)
-        params = server.sampling_params(
-            body,
-            len(prompt),
-            body.max_tokens,
-            prompt_param="prompt",
-            default=DEFAULT_COMPLETION_MAX_TOKENS,
-        )
-        return await _respond(server, request, body, prompt, params, arrival, chat=False)
+    async def completions(request: Request) -> Response:
+        return await _complete(server, request, chat=False)
 
 
-async def _respond(
-    server: OpenAIServer,
-    request: Request,
-    body: SamplingFields,
-    prompt: list[int],
-    params: SamplingParams,
-    arrival: _Arrival,
-    *,
-    chat: bool,
-) -> Response:
+async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Response:
     """Run the request; answer with server-sent events or one JSON body in `chat` or completion
     format. A client that disconnects before the end gets nothing (its request is aborted)."""
-    stream = await server.submit(prompt, params, body, arrival)
-    pieces = server.pieces(stream, body.stop_strings())
+    arrival = _Arrival.of(request)
+    if server.is_stopping:
+        raise shutting_down()
+    job = await server.prepare(request.scope.get("radixkv.body", b""), chat=chat)
+    stream = await server.submit(job, arrival)
+    pieces = server.pieces(stream, job.stops)
     model = server.config.model_name
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}"
-    if body.stream:
-        events = _chat_events if chat else _completion_events
-        return _event_stream(events(rid, model, pieces, body.include_usage))
+    # Random, as OpenAI's: an id must not tell how many requests the server has seen.
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if job.fields.stream:
+        events = (_chat_events if chat else _completion_events)(
+            rid, model, pieces, job.fields.include_usage
+        )
+        return StreamingResponse(
+            _ending_with_error(events, server),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     result = await _collect(pieces, request)
     if result is None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -447,38 +475,38 @@ async def _respond(
     return JSONResponse(build(rid, model, text, last.finish_reason, last.usage))
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+async def _ending_with_error(
+    events: AsyncIterator[str], server: OpenAIServer
+) -> AsyncIterator[str]:
+    """`events`, then [DONE]; a reply that fails after its response started ends with an error
+    event, then [DONE] (as vLLM ends it), so that a client never sees a stream simply cut."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        server.metrics.record_refusal(exc)
+        yield _sse(exc.body())
+    yield _sse("[DONE]")
 
 
 async def _chat_events(
     rid: str, model: str, pieces: AsyncIterator[_Piece], include_usage: bool
 ) -> AsyncIterator[str]:
-    try:
-        yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
-        async for piece in pieces:
-            if piece.text:
-                yield _sse(chat_chunk(rid, model, {"content": piece.text}))
-            if piece.finish_reason is not None:
-                yield _sse(chat_chunk(rid, model, {}, piece.finish_reason))
-                if include_usage:
-                    yield _sse(chat_chunk(rid, model, None, usage_=piece.usage))
-        yield _sse("[DONE]")
-    except APIError as exc:
-        yield _sse(exc.body())
+    yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+    async for piece in pieces:
+        if piece.text:
+            yield _sse(chat_chunk(rid, model, {"content": piece.text}))
+        if piece.finish_reason is not None:
+            yield _sse(chat_chunk(rid, model, {}, piece.finish_reason))
+            if include_usage:
+                yield _sse(chat_chunk(rid, model, None, usage_=piece.usage))
 
 
 async def _completion_events(
     rid: str, model: str, pieces: AsyncIterator[_Piece], include_usage: bool
 ) -> AsyncIterator[str]:
-    try:
-        async for piece in pieces:
-            if piece.text or piece.finish_reason is not None:
-                yield _sse(completion_response(rid, model, piece.text, piece.finish_reason, None))
-            if piece.finish_reason is not None and include_usage:
-                yield _sse(completion_response(rid, model, None, None, piece.usage))
-        yield _sse("[DONE]")
-    except APIError as exc:
-        yield _sse(exc.body())
+    async for piece in pieces:
+        if piece.text or piece.finish_reason is not None:
+            yield _sse(completion_response(rid, model, piece.text, piece.finish_reason, None))
+        if piece.finish_reason is not None and include_usage:
+            yield _sse(completion_response(rid, model, None, None, piece.usage))

@@ -7,13 +7,15 @@ radixkv serve --model PATH_OR_ID --host 0.0.0.0 --port 8080 --max-num-seqs 32
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixkv.chat.options import add_engine_options, engine_kwargs
+from radixkv.serve.config import ServeConfig
 
 if TYPE_CHECKING:
     from radixkv.engine import LLM
@@ -62,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-queued-requests",
         type=int,
-        default=256,
-        help="requests waiting for admission before new ones get 503 (default 256)",
+        default=_default("max_queued_requests"),
+        help="requests waiting for admission before new ones get 503 (default %(default)s)",
     )
+    _add_limit_options(parser)
     parser.add_argument(
         "--prefill-first",
         action=argparse.BooleanOptionalAction,
@@ -89,23 +92,72 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported here so that `radixkv serve --help` answers at once.
-    import uvicorn
-
     from radixkv.engine import ModelNotFoundError
-    from radixkv.serve.app import ServeConfig, create_app
+    from radixkv.serve.app import create_app
+    from radixkv.serve.http_server import build_server
 
     try:
         llm = build_llm(args)
-        config = ServeConfig(
-            model_name=args.served_model_name or llm.model_name,
-            max_queued_requests=args.max_queued_requests,
-        )
+        config = serve_config(args, args.served_model_name or llm.model_name)
     except (ModelNotFoundError, ValueError, TypeError, ImportError, _zmq_error()) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
+    server.run()
     return 0
+
+
+def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
+    """The ServeConfig of the parsed options. Raises ValueError for a bad limit."""
+    limits = {field: getattr(args, field) for _, field, _, _ in _LIMIT_OPTIONS}
+    return ServeConfig(
+        model_name=model_name, max_queued_requests=args.max_queued_requests, **limits
+    )
+
+
+# The limits a public server needs (what each answers: the README's "Limits"):
+# flag, ServeConfig field, type, help.
+_LIMIT_OPTIONS = [
+    (
+        "--max-body-bytes",
+        "max_body_bytes",
+        int,
+        "larger request bodies get 413 before they are read",
+    ),
+    ("--max-stops", "max_stops", int, "entries allowed in `stop` and in `stop_token_ids`"),
+    ("--max-stop-chars", "max_stop_chars", int, "characters allowed in one stop string"),
+    (
+        "--read-timeout",
+        "read_timeout_s",
+        float,
+        "seconds for a request's head and body to arrive; a late body gets 408",
+    ),
+    ("--keep-alive-timeout", "keep_alive_timeout_s", float, "idle connections close after it (s)"),
+    (
+        "--shutdown-timeout",
+        "shutdown_timeout_s",
+        float,
+        "on SIGTERM/SIGINT, seconds the replies in flight may go on before they end with an "
+        "error event; a second signal ends them at once",
+    ),
+]
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
+    limits = parser.add_argument_group("limits")
+    for flag, field, kind, text in _LIMIT_OPTIONS:
+        limits.add_argument(
+            flag,
+            dest=field,
+            type=kind,
+            default=_default(field),
+            help=f"{text} (default %(default)s)",
+        )
+
+
+def _default(field: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(ServeConfig)}[field]
 
 
 def _zmq_error() -> type[Exception]:

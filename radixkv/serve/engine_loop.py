@@ -71,6 +71,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._must_step = False  # engine thread: an abort was made; its output comes with a step
+        self._ended_with: BaseException | None = None  # asyncio side: set by end_all
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -79,6 +80,7 @@ class EngineLoop:
         if self._thread is not None:
             raise RuntimeError("the engine loop is already running")
         self._loop = loop
+        self._publish()  # /metrics shows the real pool before the first request, not zeros
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         self._thread.start()
 
@@ -126,6 +128,10 @@ class EngineLoop:
             assert rid is not None
             if added.cancelled():
                 self.abort(rid)
+                return
+            if self._ended_with is not None:
+                self.abort(rid)
+                added.set_exception(self._ended_with)
                 return
             stream = RequestStream(rid, arrival)
             self._streams[rid] = stream
@@ -190,6 +196,12 @@ class EngineLoop:
                 del self._streams[update.request_id]
             self._on_update(stream, update)
             stream.updates.put_nowait(update)
+
+    def end_all(self, exc: BaseException) -> None:
+        """End every live request with `exc` (the last item of its stream) and abort it in the
+        engine; a request submitted later gets `exc` at once (a server shutting down)."""
+        self._ended_with = exc
+        self._fail_all(exc)
 
     def _fail_all(self, exc: BaseException) -> None:  # asyncio side
         for rid, stream in list(self._streams.items()):

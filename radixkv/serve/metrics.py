@@ -14,10 +14,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from radixkv.cache import hit_rate
 from radixkv.engine.outputs import RequestOutput
 from radixkv.serve.engine_loop import EngineSnapshot
+from radixkv.serve.protocol import APIError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# Request outcomes: the engine's finish reasons, plus refusals answered before the engine saw them.
-OUTCOMES = ("stop", "length", "abort", "error", "bad_request", "overloaded")
+# Request outcomes: the engine's finish reasons, plus refusals answered before the engine saw them
+# (bad_request: any 4xx; overloaded: 503, the queue was full; shutdown: 503, the server was
+# shutting down) and errors (any other 5xx, engine faults included).
+OUTCOMES = ("stop", "length", "abort", "error", "bad_request", "overloaded", "shutdown")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # Sub-millisecond resolution where the server's own work (goal: under 2 ms) is measured.
 _FINE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, *_LATENCY_BUCKETS[1:])
@@ -89,6 +92,18 @@ class ServerMetrics:
         self.generated_tokens.inc(stats.num_output_tokens)
         self._num_prompt_tokens += stats.num_prompt_tokens
         self._num_cached_tokens += stats.num_cached_tokens
+
+    def record_refusal(self, exc: APIError) -> None:
+        """Count an error answer (a refusal, or a failure of the server or engine)."""
+        if exc.status_code < 500:
+            outcome = "bad_request"
+        elif exc.type == "server_overloaded":
+            outcome = "overloaded"
+        elif exc.type == "server_shutting_down":
+            outcome = "shutdown"
+        else:
+            outcome = "error"
+        self.requests.labels(outcome).inc()
 
     def hit_rate(self) -> float:
         return hit_rate(self._num_cached_tokens, self._num_prompt_tokens)

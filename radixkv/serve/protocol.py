@@ -1,16 +1,10 @@
-"""The OpenAI wire format: request bodies (pydantic), error bodies and response objects.
-
-Only what the server implements is modelled; unknown fields are ignored, as OpenAI-compatible
-servers do. Range checks that OpenAI documents (temperature <= 2) live here; the rest of the
-sampling rules are `SamplingParams`'s.
-"""
+"""The OpenAI wire format: error bodies and response objects (request bodies: `bodies.py`)."""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
-
-from pydantic import BaseModel, Field
+from typing import Any
 
 from radixkv.engine.outputs import RequestOutput
 
@@ -46,72 +40,23 @@ class APIError(Exception):
             }
         }
 
+    def body_bytes(self) -> bytes:
+        # ASCII escapes: a message may quote what a client sent, lone surrogates included.
+        return json.dumps(self.body()).encode()
+
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class TextPart(BaseModel):
-    type: Literal["text"] = "text"
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class SamplingFields(BaseModel):
-    """Fields both completion endpoints share."""
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = Field(default=None, le=2.0)
-    top_p: float | None = None
-    seed: int | None = None
-    # Strings (cut from the text by the server) or token ids (stop the engine), like vLLM.
-    stop: str | list[str] | list[int] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
-    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's tenant isolation field
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        if isinstance(self.stop, str):
-            return [self.stop]
-        return [s for s in self.stop if isinstance(s, str)]
-
-    def stop_ids(self) -> tuple[int, ...]:
-        ids = [t for t in self.stop or () if isinstance(t, int)] if self.stop else []
-        return tuple(ids + list(self.stop_token_ids or ()))
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+def shutting_down() -> APIError:
+    """The answer to a request the server will not finish: it is shutting down."""
+    return APIError(
+        503,
+        "the server is shutting down; retry on another replica",
+        type="server_shutting_down",
+        headers={"Connection": "close"},
+    )
 
 
 def usage(output: RequestOutput, num_completion_tokens: int | None = None) -> dict[str, Any]:

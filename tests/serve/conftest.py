@@ -16,22 +16,23 @@ torch.set_num_threads(1)  # see the PLATFORM notes on OpenMP spin-waiting
 
 
 class LiveServer:
-    """uvicorn serving `create_app(llm, config)` in a thread; `close()` shuts it down."""
+    """`radixkv serve`'s server (`build_server`) in a thread; `close()` shuts it down as a
+    signal would (the deadline of its config, then the lifespan shutdown)."""
 
     def __init__(self, llm: Any, on_shutdown: Any = (), **config: Any) -> None:
-        import uvicorn
-
-        from radixkv.serve.app import ServeConfig, create_app
+        from radixkv.serve.app import create_app
+        from radixkv.serve.config import ServeConfig
+        from radixkv.serve.http_server import build_server
 
         self.llm = llm
-        self.app = create_app(
-            llm, ServeConfig(model_name="tiny", **config), on_shutdown=on_shutdown
-        )
+        self.config = ServeConfig(model_name="tiny", **config)
+        self.app = create_app(llm, self.config, on_shutdown=on_shutdown)
         self.server_state = self.app.state.server
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._server = build_server(self.app, self.config, log_level="warning")
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
         )
@@ -58,7 +59,7 @@ class LiveServer:
 
     def close(self) -> None:
         self._server.should_exit = True
-        self._thread.join(30)
+        self._thread.join(30 + self.config.shutdown_timeout_s)
 
 
 @pytest.fixture(scope="session")

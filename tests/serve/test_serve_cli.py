@@ -28,6 +28,12 @@ def test_serve_help_lists_the_engine_options(capsys) -> None:
         "--enforce-eager",
         "--kv-events",
         "--prefill-first",
+        "--max-body-bytes",
+        "--max-stops",
+        "--max-stop-chars",
+        "--read-timeout",
+        "--keep-alive-timeout",
+        "--shutdown-timeout",
     ):
         assert option in out
 
@@ -42,6 +48,32 @@ def test_a_bad_queue_limit_exits_2(tiny_model_dir, capsys) -> None:
     argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--max-queued-requests", "0"]
     assert main(argv) == 2
     assert "max_queued_requests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "field"),
+    [
+        ("--read-timeout", "0", "read_timeout_s"),
+        ("--shutdown-timeout", "-1", "shutdown_timeout_s"),
+        ("--max-body-bytes", "0", "max_body_bytes"),
+    ],
+)
+def test_a_bad_limit_exits_2(tiny_model_dir, capsys, option, value, field) -> None:
+    assert main(["serve", "--model", str(tiny_model_dir("gqa")), option, value]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_the_limit_options_reach_the_server_config() -> None:
+    from radixkv.serve.cli import build_parser, serve_config
+
+    argv = ["--max-body-bytes", "1000", "--max-stops", "3", "--max-stop-chars", "9"]
+    argv += ["--read-timeout", "2.5", "--keep-alive-timeout", "0.5", "--shutdown-timeout", "0"]
+    config = serve_config(build_parser().parse_args(argv), "m")
+    assert (config.max_body_bytes, config.max_stops, config.max_stop_chars) == (1000, 3, 9)
+    assert (config.read_timeout_s, config.keep_alive_timeout_s) == (2.5, 0.5)
+    assert config.shutdown_timeout_s == 0
+    defaults = serve_config(build_parser().parse_args([]), "m")
+    assert defaults.max_body_bytes == 2 * 2**20 and defaults.shutdown_timeout_s == 20
 
 
 def test_a_device_this_machine_lacks_exits_2_with_one_line(tiny_model_dir, capsys) -> None:

@@ -1,0 +1,336 @@
+"""Request bodies of the completion endpoints: raw JSON in, checked fields out.
+
+The server's door for what clients send, with OpenAI's rules: a field that is absent or `null`
+takes its default; unknown fields are ignored; types are strict (a boolean is not a number, a
+float is not an integer, a string must be valid Unicode). Every refusal is an APIError(400) whose
+`param` names the field as the client sent it (`messages[2].content`, `max_completion_tokens`).
+Ranges that are sampling rules (top_p in (0, 1], ...) are `SamplingParams`'s; this module checks
+what only the HTTP layer knows: JSON types, OpenAI's own bounds and the server's limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.serve.protocol import APIError, bad_request
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; SamplingParams itself takes any temperature >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    """What a body may hold, beyond types: set by the server from its config and its model."""
+
+    vocab_size: int  # token ids (prompt, stop) must be below it
+    max_stops: int = 64  # entries of `stop`, and of `stop_token_ids`
+    max_stop_chars: int = 512  # characters of one stop string
+    # Longest prompt text that could fit the context (None: the model has no tokenizer): longer
+    # text is refused before any templating or tokenizing.
+    max_prompt_chars: int | None = None
+    max_messages: int | None = None  # a chat with more messages than context tokens cannot fit
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    """The fields both completion endpoints share, checked."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_tokens_param: str = (
+        "max_tokens"  # the field the client used (chat: or max_completion_tokens)
+    )
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()  # cut from the text by the server
+    stop_token_ids: tuple[int, ...] = ()  # stop the engine: ids of `stop` and `stop_token_ids`
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
+    cache_salt: str | None = None  # vLLM's tenant isolation field
+
+
+@dataclass(frozen=True, slots=True)
+class ChatBody:
+    sampling: SamplingFields
+    messages: tuple[dict[str, str], ...]  # {"role", "content"}, content as plain text
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionBody:
+    sampling: SamplingFields
+    prompt: str | tuple[int, ...]
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; APIError(400) for anything else."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad_request("the body is not valid JSON: it nests too deeply") from None
+    except ValueError as exc:  # includes bytes that are not UTF-8
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, got {json_type(body)}")
+    return body
+
+
+def read_chat_body(body: Mapping[str, Any], limits: BodyLimits) -> ChatBody:
+    return ChatBody(_sampling_fields(body, limits, chat=True), _messages(body, limits))
+
+
+def read_completion_body(body: Mapping[str, Any], limits: BodyLimits) -> CompletionBody:
+    prompt = _prompt(_required(body, "prompt"), "prompt", limits)
+    return CompletionBody(_sampling_fields(body, limits, chat=False), prompt)
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names.update({list: "an array", dict: "an object"})
+    return names.get(type(value), type(value).__name__)
+
+
+def over_context(num_tokens: int, context: int, param: str) -> APIError:
+    return bad_request(
+        f"the prompt has {num_tokens} tokens; the model's context length is {context}", param
+    )
+
+
+# ---------------------------------------------------------------------- fields
+
+
+def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool) -> SamplingFields:
+    max_param = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_param = "max_completion_tokens"
+    temperature = _number(body.get("temperature"), "temperature")
+    if temperature is not None and temperature > MAX_TEMPERATURE:
+        raise bad_request(
+            f"temperature must be at most {MAX_TEMPERATURE}, got {temperature}", "temperature"
+        )
+    stop_strings, stop_ids = _stop(body.get("stop"), limits)
+    extra_ids = _token_ids(body.get("stop_token_ids"), "stop_token_ids", limits, capped=True)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _wrong_type("stream_options", "an object", options)
+    n = _int(body.get("n"), "n")
+    if n is not None and n != 1:
+        raise bad_request(f"only n=1 is supported, got n={n}", "n")
+    max_tokens = _int(body.get(max_param), max_param)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
+    salt = _text(body.get("cache_salt"), "cache_salt")
+    if salt == "":
+        raise bad_request("cache_salt must not be empty", "cache_salt")
+    return SamplingFields(
+        model=_text(body.get("model"), "model"),
+        max_tokens=max_tokens,
+        max_tokens_param=max_param,
+        temperature=temperature,
+        top_p=_number(body.get("top_p"), "top_p"),
+        seed=_int(body.get("seed"), "seed"),
+        stop_strings=stop_strings,
+        stop_token_ids=tuple(dict.fromkeys(stop_ids + (extra_ids or ()))),
+        stream=bool(_bool(body.get("stream"), "stream")),
+        include_usage=bool(
+            options and _bool(options.get("include_usage"), "stream_options.include_usage")
+        ),
+        ignore_eos=bool(_bool(body.get("ignore_eos"), "ignore_eos")),
+        cache_salt=salt,
+    )
+
+
+def _messages(body: Mapping[str, Any], limits: BodyLimits) -> tuple[dict[str, str], ...]:
+    messages = _required(body, "messages")
+    if not isinstance(messages, list):
+        raise _wrong_type("messages", "an array", messages)
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    if limits.max_messages is not None and len(messages) > limits.max_messages:
+        raise bad_request(
+            f"{len(messages)} messages cannot fit the model's context of "
+            f"{limits.max_messages} tokens",
+            "messages",
+        )
+    out = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    num_chars = sum(len(m["content"]) for m in out)
+    if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
+        raise _text_too_long(num_chars, limits.max_prompt_chars, "messages")
+    return out
+
+
+def _message(message: Any, path: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise _wrong_type(path, "an object", message)
+    role = _text(_required(message, "role", path), f"{path}.role")
+    if role not in CHAT_ROLES:
+        raise bad_request(
+            f"{path}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{path}.role"
+        )
+    return {"role": role, "content": _content(message.get("content"), f"{path}.content")}
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's text: a string, or an array of text parts joined."""
+    if isinstance(content, str):
+        return _text(content, param) or ""
+    if not isinstance(content, list):
+        raise _wrong_type(param, "a string or an array of text parts", content)
+    parts = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        if not isinstance(part, dict):
+            raise _wrong_type(where, "an object", part)
+        if part.get("type") != "text":
+            raise bad_request(
+                f"{where}.type {part.get('type')!r} is not supported: only text parts are",
+                f"{where}.type",
+            )
+        parts.append(_text(_required(part, "text", where), f"{where}.text"))
+    return "".join(parts)
+
+
+def _prompt(prompt: Any, param: str, limits: BodyLimits) -> str | tuple[int, ...]:
+    """A completion prompt: text, token ids, or an array of one of those (OpenAI's batch form,
+    of which one prompt per request is served)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", param)
+        if limits.max_prompt_chars is not None and len(prompt) > limits.max_prompt_chars:
+            raise _text_too_long(len(prompt), limits.max_prompt_chars, param)
+        return _text(prompt, param) or ""
+    if not isinstance(prompt, list):
+        raise _wrong_type(param, "a string or an array of token ids", prompt)
+    if not prompt:
+        raise bad_request("prompt must not be empty", param)
+    if isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("one prompt per request is supported", param)
+        return _prompt(prompt[0], f"{param}[0]", limits)
+    return _token_ids(prompt, param, limits, capped=False) or ()
+
+
+def _stop(stop: Any, limits: BodyLimits) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`stop`: a string, an array of strings, or (as in vLLM) an array of token ids."""
+    if stop is None:
+        return (), ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        raise _wrong_type("stop", "a string or an array of strings or token ids", stop)
+    if stop and type(stop[0]) is int:  # the first entry tells which kind the list is
+        return (), _token_ids(stop, "stop", limits, capped=True) or ()
+    _check_count(stop, "stop", limits)
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise _wrong_type(f"stop[{i}]", "a string (as stop[0])", s)
+        _text(s, f"stop[{i}]")
+        if len(s) > limits.max_stop_chars:
+            raise bad_request(
+                f"stop[{i}] has {len(s)} characters; at most {limits.max_stop_chars} are allowed",
+                "stop",
+            )
+    return tuple(stop), ()
+
+
+def _token_ids(ids: Any, param: str, limits: BodyLimits, *, capped: bool) -> tuple[int, ...] | None:
+    """Token ids in the vocabulary; `capped`: at most `limits.max_stops` of them (stop ids)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        raise _wrong_type(param, "an array of token ids", ids)
+    if capped:
+        _check_count(ids, param, limits)
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise _wrong_type(f"{param}[{i}]", "an integer (a token id)", t)
+        if not 0 <= t < limits.vocab_size:
+            raise bad_request(
+                f"{param}[{i}] = {t} is not a token id: the vocabulary is [0, {limits.vocab_size})",
+                param,
+            )
+    return tuple(ids)
+
+
+def _check_count(items: list[Any], param: str, limits: BodyLimits) -> None:
+    if len(items) > limits.max_stops:
+        raise bad_request(
+            f"{param} has {len(items)} entries; at most {limits.max_stops} are allowed", param
+        )
+
+
+# ---------------------------------------------------------------------- JSON types
+
+
+def _required(obj: Mapping[str, Any], name: str, path: str = "") -> Any:
+    value = obj.get(name)
+    if value is None:
+        param = f"{path}.{name}" if path else name
+        raise APIError(400, f"{param} is required", param=param, code="missing_required_parameter")
+    return value
+
+
+def _int(value: Any, param: str) -> int | None:
+    if value is None or type(value) is int:
+        return value
+    raise _wrong_type(param, "an integer", value)
+
+
+def _number(value: Any, param: str) -> float | None:
+    if value is None:
+        return None
+    if type(value) not in (int, float):
+        raise _wrong_type(param, "a number", value)
+    if not math.isfinite(value):  # json.loads reads NaN and Infinity
+        raise bad_request(f"{param} must be a finite number, got {value}", param)
+    return float(value)
+
+
+def _bool(value: Any, param: str) -> bool | None:
+    if value is None or type(value) is bool:
+        return value
+    raise _wrong_type(param, "a boolean", value)
+
+
+def _text(value: Any, param: str) -> str | None:
+    """A string that is valid Unicode: JSON's \\ud800-\\udfff escapes can carry lone surrogates,
+    which no tokenizer, hash or response encoder accepts."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _wrong_type(param, "a string", value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{param} is not valid Unicode: a lone surrogate {value[exc.start]!r} at "
+            f"character {exc.start}",
+            param,
+        ) from None
+    return value
+
+
+def _wrong_type(param: str, expected: str, value: Any) -> APIError:
+    return APIError(
+        400,
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def _text_too_long(num_chars: int, max_chars: int, param: str) -> APIError:
+    return bad_request(
+        f"the prompt text has {num_chars} characters: more than the model's context can hold "
+        f"(at most {max_chars}, the context length times the longest token's characters)",
+        param,
+    )

@@ -1,0 +1,50 @@
+"""`ServeConfig`: the server's settings and limits, each answered as the README's table says."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Server settings. `model_name` is the id clients pass as `model` (and /v1/models lists).
+
+    The limits keep one client from costing the others: what they answer is in the README
+    ("Limits"); `radixkv serve --help` names the flag of each.
+    """
+
+    model_name: str
+    max_queued_requests: int = 256  # waiting for admission; more are answered 503
+    retry_after_s: int = 1  # the Retry-After header of a 503
+    max_body_bytes: int = 2 * 2**20  # a larger request body: 413, before it is read
+    max_stops: int = 64  # entries of `stop` (and of `stop_token_ids`); more: 400
+    max_stop_chars: int = 512  # characters of one stop string; more: 400
+    # A request's head and body must be in within this many seconds of its first line
+    # (a body: 408; a head: the connection is closed).
+    read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0  # an idle connection is closed after this
+    # SIGTERM / SIGINT: replies in flight may finish for this long; then each ends with an error
+    # (a stream: an error event and [DONE]). A second signal ends them at once.
+    shutdown_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        for name in (
+            "max_queued_requests",
+            "retry_after_s",
+            "max_body_bytes",
+            "max_stops",
+            "max_stop_chars",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("read_timeout_s", "keep_alive_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+            # 0 s of shutdown: streams end at once; a zero read timeout would refuse everything.
+            if not (value >= 0 if name == "shutdown_timeout_s" else value > 0) or value == math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
