@@ -5,6 +5,9 @@ asyncio), against `radixkv serve` and, in the same run on the same model and mac
     python -m benchmarks.serve_bench                       # default model, 16 clients x 4 turns
     python -m benchmarks.serve_bench --clients 8 --turns 3 --max-tokens 24
     python -m benchmarks.serve_bench --tiny --model DIR    # seconds: 2 clients x 2 turns, radixkv
+    python -m benchmarks.serve_bench --servers radixkv,radixkv@/tmp/main --rounds 3
+        # A/B: this checkout against radixkv's source in another folder (e.g. `git archive main`),
+        # alternating in one run
 
 Each client holds one conversation: a system prompt, then `--turns` user messages, each request
 carrying the whole history (as OpenAI clients do), greedy, streamed with usage. Reported per
@@ -157,13 +160,28 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> Non
 
 def server_command(name: str, args: argparse.Namespace, model_path: str, port: int) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port)]
-    if name == "radixkv":
+    if is_radixkv(name):
         cmd = [sys.executable, "-m", "radixkv", "serve", *common, "--log-level", "warning"]
         cmd += ["--max-num-seqs", str(args.clients), "--num-threads", str(args.threads)]
         return [*cmd, "--model", model_path]
     main = "import sys; from transformers.cli.transformers import main; sys.exit(main())"
     cmd = [sys.executable, "-c", main, "serve", "--continuous-batching", "--device", "cpu"]
     return [*cmd, *common, model_path]
+
+
+def is_radixkv(name: str) -> bool:
+    """ "radixkv" (this checkout) or "radixkv@DIR" (the radixkv source in DIR)."""
+    return name == "radixkv" or name.startswith("radixkv@")
+
+
+def server_env(name: str, args: argparse.Namespace) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    if name.startswith("radixkv@"):
+        # Found before this checkout's editable install. Its `radixkv.kernels` and
+        # `radixkv.scheduler` must be inside DIR/radixkv (symlinks to DIR/kernels, DIR/scheduler).
+        source = name.split("@", 1)[1]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
+    return env
 
 
 def histogram_p50(base_url: str, name: str) -> float | None:
@@ -196,11 +214,10 @@ def histogram_p50(base_url: str, name: str) -> float | None:
 def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> dict:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     say(f"{name}: starting on {base_url}")
     proc = subprocess.Popen(
         server_command(name, args, model_path, port),
-        env=env,
+        env=server_env(name, args),
         stdout=subprocess.DEVNULL,
         stderr=None if args.verbose else subprocess.DEVNULL,
     )
@@ -212,7 +229,7 @@ def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> d
         say(f"{name}: {args.clients} clients x {args.turns} turns")
         turns, wall = asyncio.run(run_clients(base_url, model, args))
         server_p50s: dict[str, float | None] = {}
-        if name == "radixkv":
+        if is_radixkv(name):
             for key, metric in SERVER_HISTOGRAMS.items():
                 server_p50s[key] = histogram_p50(base_url, f"radixkv_{metric}_seconds")
     finally:
@@ -289,6 +306,17 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         by_round.setdefault(r["round"], {})[r["server"]] = r
     for number, pair in sorted(by_round.items()):
+        for name, other in pair.items():
+            if name.startswith("radixkv@") and "radixkv" in pair:
+                ours = pair["radixkv"]
+                lines.append(
+                    f"round {number}, radixkv / {name}: "
+                    f"TTFT p50 x{ours['ttft_p50_s'] / other['ttft_p50_s']:.2f}, "
+                    f"TTFT p99 x{ours['ttft_p99_s'] / other['ttft_p99_s']:.2f}, "
+                    f"output tok/s x{ours['output_tok_s'] / other['output_tok_s']:.2f}, "
+                    f"overhead p50 {_fmt(ours['overhead_p50_ms'], '.2f')} vs "
+                    f"{_fmt(other['overhead_p50_ms'], '.2f')} ms"
+                )
         if {"radixkv", "transformers"} <= pair.keys():
             ours, peer = pair["radixkv"], pair["transformers"]
             lines.append(
@@ -308,7 +336,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32, help="reply length limit per turn")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of each server")
     p.add_argument(
-        "--servers", default="radixkv,transformers", help="comma-separated: radixkv,transformers"
+        "--servers",
+        default="radixkv,transformers",
+        help="comma-separated: radixkv, transformers, radixkv@DIR (radixkv's source in DIR)",
     )
     p.add_argument("--rounds", type=int, default=1, help="run each server this many times")
     p.add_argument("--tiny", action="store_true", help="2 clients x 2 turns x 4 tokens, radixkv")
@@ -323,7 +353,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = set(servers) - {"radixkv", "transformers"}
+    unknown = {s for s in servers if not (is_radixkv(s) or s == "transformers")}
     if unknown:
         print(f"serve_bench: unknown servers {sorted(unknown)}", file=sys.stderr)
         return 2

@@ -18,24 +18,37 @@ def test_serve_bench_tiny_runs(tiny_model_dir, capsys) -> None:
     assert cells[10] != "n/a ms"  # and so did the receive time
 
 
-def test_report_pairs_the_servers_of_each_round() -> None:
-    def row(number: int, server: str, ttft_s: float, tok_s: float) -> dict:
-        return {
-            "round": number,
-            "server": server,
-            "requests": 4,
-            "ttft_p50_s": ttft_s,
-            "ttft_p99_s": ttft_s,
-            "output_tok_s": tok_s,
-            "hit_rate": None,
-            "overhead_p50_ms": 1.0 if server == "radixkv" else None,
-            "admission_p50_ms": None,
-            "wall_s": 1.0,
-        }
+def _row(number: int, server: str, ttft_s: float, tok_s: float) -> dict:
+    return {
+        "round": number,
+        "server": server,
+        "requests": 4,
+        "ttft_p50_s": ttft_s,
+        "ttft_p99_s": ttft_s,
+        "output_tok_s": tok_s,
+        "hit_rate": None,
+        "overhead_p50_ms": 1.0 if server.startswith("radixkv") else None,
+        "admission_p50_ms": None,
+        "wall_s": 1.0,
+    }
 
+
+def test_report_pairs_the_servers_of_each_round() -> None:
     text = serve_bench.report(
-        [row(1, "radixkv", 0.2, 30.0), row(1, "transformers", 0.8, 10.0), row(2, "radixkv", 1, 1)]
+        [
+            _row(1, "radixkv", 0.2, 30.0),
+            _row(1, "transformers", 0.8, 10.0),
+            _row(2, "radixkv", 1, 1),
+        ]
     )
     ratios = [line for line in text.splitlines() if line.startswith("round ")]
     assert len(ratios) == 1  # round 2 has no transformers row to compare with
     assert "TTFT p50 x0.25" in ratios[0] and "output tok/s x3.00" in ratios[0]
+
+
+def test_report_compares_radixkv_with_radixkv_from_another_source() -> None:
+    rows = [_row(1, "radixkv@/src/main", 0.4, 20.0), _row(1, "radixkv", 0.2, 30.0)]
+    (line,) = [line for line in serve_bench.report(rows).splitlines() if line.startswith("round ")]
+    assert "radixkv / radixkv@/src/main" in line
+    assert "TTFT p50 x0.50" in line and "output tok/s x1.50" in line
+    assert serve_bench.is_radixkv("radixkv@/src/main") and not serve_bench.is_radixkv("vllm")
