@@ -227,7 +227,9 @@ def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> d
         # One short request first: nobody's first request (lazy init, allocations) is timed.
         asyncio.run(_warm_up(base_url, model))
         say(f"{name}: {args.clients} clients x {args.turns} turns")
+        cpu_before = process_cpu_s(proc.pid)
         turns, wall = asyncio.run(run_clients(base_url, model, args))
+        cpu_after = process_cpu_s(proc.pid)
         server_p50s: dict[str, float | None] = {}
         if is_radixkv(name):
             for key, metric in SERVER_HISTOGRAMS.items():
@@ -238,7 +240,19 @@ def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> d
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return summarize(name, turns, wall, server_p50s)
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return {**summarize(name, turns, wall, server_p50s), "server_cpu_s": cpu}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) process `pid` has used; None without /proc.
+    On a shared machine this moves far less with the other jobs than wall times do."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _served_model(base_url: str) -> str:
@@ -291,8 +305,8 @@ def report(rows: list[dict]) -> str:
     radixkv's ratios to transformers serve next to the goals."""
     lines = [
         "| round | server | requests | TTFT p50 | TTFT p99 | output tok/s | hit rate "
-        "| overhead p50 | admission p50 | receive p50 | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| overhead p50 | admission p50 | receive p50 | server CPU | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -300,7 +314,8 @@ def report(rows: list[dict]) -> str:
             f"| {r['ttft_p99_s'] * 1e3:.0f} ms | {r['output_tok_s']:.1f} "
             f"| {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['overhead_p50_ms'], '.2f')} ms "
             f"| {_fmt(r['admission_p50_ms'], '.2f')} ms "
-            f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms | {r['wall_s']:.1f} s |"
+            f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms "
+            f"| {_fmt(r.get('server_cpu_s'), '.1f')} s | {r['wall_s']:.1f} s |"
         )
     by_round: dict[int, dict[str, dict]] = {}
     for r in rows:
@@ -315,7 +330,9 @@ def report(rows: list[dict]) -> str:
                     f"TTFT p99 x{ours['ttft_p99_s'] / other['ttft_p99_s']:.2f}, "
                     f"output tok/s x{ours['output_tok_s'] / other['output_tok_s']:.2f}, "
                     f"overhead p50 {_fmt(ours['overhead_p50_ms'], '.2f')} vs "
-                    f"{_fmt(other['overhead_p50_ms'], '.2f')} ms"
+                    f"{_fmt(other['overhead_p50_ms'], '.2f')} ms, server CPU "
+                    f"{_fmt(ours.get('server_cpu_s'), '.1f')} vs "
+                    f"{_fmt(other.get('server_cpu_s'), '.1f')} s"
                 )
         if {"radixkv", "transformers"} <= pair.keys():
             ours, peer = pair["radixkv"], pair["transformers"]
