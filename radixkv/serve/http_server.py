@@ -61,12 +61,12 @@ def build_server(
 
 
 class ServingServer(uvicorn.Server):
-    """uvicorn's server with the shutdown of the module docstring. `openai` is the app's
+    """uvicorn's server with the shutdown of the module docstring. `api_server` is the app's
     `OpenAIServer`."""
 
-    def __init__(self, config: uvicorn.Config, openai: Any, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, api_server: Any, shutdown_timeout_s: float) -> None:
         super().__init__(config)
-        self.openai = openai
+        self.api_server = api_server
         self.shutdown_timeout_s = shutdown_timeout_s
         self._deadline: float | None = None  # monotonic time when replies in flight are ended
 
@@ -93,7 +93,7 @@ class ServingServer(uvicorn.Server):
             server.close()
         for sock in sockets or []:
             sock.close()
-        self.openai.begin_shutdown()
+        self.api_server.begin_shutdown()
         for connection in list(self.server_state.connections):
             connection.shutdown()  # idle: closed now; busy: closed after its response
         tasks = self.server_state.tasks
@@ -101,7 +101,7 @@ class ServingServer(uvicorn.Server):
             await asyncio.sleep(_POLL_S)  # the deadline moves up when a second signal comes
         if tasks:
             logger.info("ending %d request(s) still in flight", len(tasks))
-            self.openai.end_all()
+            self.api_server.end_all()
             flush_until = time.monotonic() + _FLUSH_S
             while tasks and time.monotonic() < flush_until:
                 await asyncio.sleep(_POLL_S)
