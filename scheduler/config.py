@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixkv.cache.validation import check_size
+from radixkv.cache.tokens import check_size
 from radixkv.scheduler.policy import POLICIES
 
 # The fields that must be >= 1.

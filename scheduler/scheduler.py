@@ -56,7 +56,7 @@ class Scheduler:
     * every live request is either in the waiting queue (no block table) or running;
     * at most `max_num_seqs` running; each running request's table covers its written tokens, its
       blocks are distinct and no block is private to two requests;
-    * the scheduler is its cache's only user: every private block and lock handle of the cache
+    * the scheduler is its cache's only user: every private block and lock of the cache
       belongs to a running request, so with nothing running nothing is in use (no leak).
     """
 
@@ -440,15 +440,15 @@ class Scheduler:
             assert _cdiv(req.num_computed_tokens, B) <= len(blocks) <= _cdiv(req.num_tokens, B), req
             assert len(set(blocks)) == len(blocks), f"{req}: {blocks}"
             assert all(0 <= b < self.cache.num_blocks for b in blocks), blocks
-            assert (table.handle is not None) == use_cache, req
+            assert table.locked == use_cache, req
             private += table.private
         assert len(set(private)) == len(private), f"a block private to two requests: {private}"
         # NOTE: the scheduler is the only user of its cache: every private block and every lock
-        # handle of the cache belongs to a running request.
+        # of the cache belongs to a running request.
         stats = self.cache.stats()
         in_use = stats.num_in_use_blocks
         assert stats.num_private_blocks == len(private), (len(private), stats)
-        assert stats.num_live_handles == (len(self._running) if use_cache else 0), stats
+        assert stats.num_locked_tables == (len(self._running) if use_cache else 0), stats
         assert len(private) <= in_use and (self._running or in_use == 0), (len(private), stats)
         if not use_cache:
             assert in_use == len(private) == stats.num_blocks - stats.num_free_blocks, stats

@@ -1,7 +1,8 @@
 """The package layout: dependencies point one way and no file imports itself in a circle.
 
 Every import counts, type-checking and function-level ones included. The layers, lowest first:
-cache <- scheduler <- engine <- chat (and serve); kernels <- engine.
+cache <- scheduler <- engine <- chat (and serve); kernels <- engine; cache <- kv_events (the
+KV-event transport) <- engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ ALLOWED = {
     "cache": set(),
     "scheduler": {"cache"},
     "kernels": set(),
-    "engine": {"cache", "scheduler", "kernels"},
+    "kv_events": {"cache"},
+    "engine": {"cache", "scheduler", "kernels", "kv_events"},
     "chat": {"cache", "scheduler", "engine"},
     "serve": {"cache", "scheduler", "engine", "chat"},
 }

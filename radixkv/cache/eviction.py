@@ -32,20 +32,12 @@ from sortedcontainers import SortedList
 
 
 class EvictableNode(Protocol):
-    """What the index reads and writes of a tree node (the tree's nodes satisfy it)."""
+    """What the index and the keys read and write of a tree node (the tree's nodes satisfy it)."""
 
     node_id: int
     tick: int
     evict_key: Any
-
-
-EvictionKey = Callable[[EvictableNode], Any]
-
-
-class SegmentNode(EvictableNode, Protocol):
-    """A node whose segment, blocks, parent and GDSF base `gdsf_priority` reads."""
-
-    parent: SegmentNode | None
+    parent: EvictableNode | None
     start: int
     end: int
     blocks: list[int]
@@ -53,12 +45,15 @@ class SegmentNode(EvictableNode, Protocol):
     gdsf_base: int
 
 
+EvictionKey = Callable[[EvictableNode], Any]
+
+
 def lru_key(node: EvictableNode) -> tuple[int, int]:
     """Least recently used first; the older node (smaller id) first among equal ticks."""
     return (node.tick, node.node_id)
 
 
-def gdsf_priority(node: SegmentNode, block_size: int) -> int:
+def gdsf_priority(node: EvictableNode, block_size: int) -> int:
     """`node.gdsf_base` + the tokens of the node's path in its last block (end > start): what
     evicting that block loses. A head block shared with the parent counts from the block's start:
     it is freed only once the parent's tail in it goes as well. (A head shared with a higher
@@ -73,11 +68,11 @@ def gdsf_priority(node: SegmentNode, block_size: int) -> int:
     )
 
 
-def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
+def gdsf_key(block_size: int) -> Callable[[EvictableNode], tuple[int, int, int]]:
     """The GDSF policy for blocks of `block_size` tokens: key `(gdsf_priority, tick, node_id)`
     (see the module docstring)."""
 
-    def key(node: SegmentNode) -> tuple[int, int, int]:
+    def key(node: EvictableNode) -> tuple[int, int, int]:
         return (gdsf_priority(node, block_size), node.tick, node.node_id)
 
     return key
@@ -132,12 +127,6 @@ class EvictionIndex:
     def first(self) -> EvictableNode:
         """The next victim (the set must not be empty)."""
         return self._nodes[self._keys[0]]
-
-    def pop_first(self) -> EvictableNode:
-        """Remove and return the next victim (the set must not be empty)."""
-        node = self._nodes.pop(self._keys.pop(0))
-        node.evict_key = None
-        return node
 
     def items(self) -> list[tuple[Any, EvictableNode]]:
         """(key, node) pairs in eviction order, for integrity checks and displays."""

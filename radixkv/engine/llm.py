@@ -31,12 +31,12 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache, check_size
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
-from radixkv.engine.kv_events import KVEventsTarget, check_kv_events, publish_kv_events
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
 from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
 from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
+from radixkv.kv_events import KVEventFeed, KVEventsTarget, check_kv_events
 from radixkv.scheduler import Request, Scheduler, SchedulerConfig
 from radixkv.scheduler.sampling_params import SamplingParams, check_seed
 
@@ -81,9 +81,9 @@ class LLM:
     `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
     `prefill_first`: a step that admits new requests runs no decodes (`SchedulerConfig`): sooner
     first tokens for a server, a little less throughput for a batch.
-    `kv_events`: None, or where the prefix cache's KV events go (`radixkv.engine.kv_events`): a
-    ZeroMQ address such as "tcp://*:5557" (vLLM's wire format, for cache-aware routers) or a
-    callable taking each event; `self.kv_events.close()` stops them.
+    `kv_events`: None, or where the prefix cache's KV events go (`radixkv.kv_events`), drained
+    after each step: a ZeroMQ address such as "tcp://*:5557" (vLLM's wire format, for
+    cache-aware routers) or a callable taking each event; `self.kv_events.close()` stops them.
 
     Raises ModelLoadError (a ValueError; its subclass ModelNotFoundError when nothing is found)
     for any model that cannot be loaded: a missing folder or id, corrupt or truncated weights,
@@ -153,9 +153,9 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        self.cache = PrefixCache(n_blocks, block_size)
+        self.cache = PrefixCache(n_blocks, block_size, kv_events=kv_events is not None)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
-        self.kv_events = None if kv_events is None else publish_kv_events(self.cache, kv_events)
+        self.kv_events = None if kv_events is None else KVEventFeed(kv_events)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
@@ -352,6 +352,8 @@ class LLM:
             self._stepping = False
             while self._orphans:
                 self._discard(self._orphans.pop())
+            if self.kv_events is not None:
+                self.kv_events.publish(self.cache.take_events())
 
     def _step(self, step_ids: list[str]) -> None:
         """schedule -> forward -> sample -> update -> detokenize; `step_ids` gets the ids of the

@@ -273,7 +273,7 @@ class Harness:
         s = self.cache.stats()
         assert not self.scheduler.has_unfinished()
         assert s.num_in_use_blocks == 0 and s.num_private_blocks == 0, s
-        assert s.num_live_handles == 0 and s.num_leaked_handles == 0, s
+        assert s.num_locked_tables == 0, s
         assert s.num_free_blocks == s.num_blocks - s.num_evictable_blocks, s
         self.scheduler.check_integrity()
 

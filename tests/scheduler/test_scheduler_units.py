@@ -122,9 +122,9 @@ def test_lpm_without_cache_is_fcfs() -> None:
 def test_lpm_orders_by_cached_prefix_read_only() -> None:
     cache = PrefixCache(num_blocks=32, block_size=4)
     cached = list(range(1, 21))
-    blocks = cache.allocate(5)
-    assert blocks is not None
-    cache.release(cache.insert(cached, blocks).handle)
+    table = cache.admit(cached, max_hit=0)
+    cache.commit(table, cached)
+    cache.close(table)
     reqs = [
         Request("cold", [50] * 12),
         Request("short", [*cached[:6], 60]),
