@@ -21,7 +21,7 @@ class BlockPoolStats:
     block_size: int
     num_free_blocks: int
     num_used_blocks: int  # one owner or more
-    num_allocated_total: int  # blocks handed out by allocate() since construction
+    num_allocated_total: int  # blocks handed out by allocate since construction
     num_freed_total: int  # blocks returned to the free list since construction
 
 

@@ -251,8 +251,7 @@ class PrefixCache:
             m, node, blocks = self._tree.walk(qb, limit, namespace)
         partial = m % self.block_size
         num_new = -(-n // self.block_size) - len(blocks) + bool(partial)
-        pinned = 0 if max_hit is None else self._tree.num_blocks_pinned_by_lock(node)
-        if self._pool.num_free + self._tree.num_evictable_blocks - pinned < num_new:
+        if not self._fits(num_new, None if max_hit is None else node):
             return None
         table = BlockTable((), m, None, namespace, None, self._private)
         if max_hit is not None:
@@ -278,7 +277,7 @@ class PrefixCache:
         """Append `num_blocks` private blocks to `table` (evicting on demand); False, nothing
         changed, if they are not there."""
         assert table in self._open and num_blocks >= 0, (table, num_blocks)
-        if self._pool.num_free + self._tree.num_evictable_blocks < num_blocks:
+        if not self._fits(num_blocks, None):
             return False
         table.blocks += tuple(self._allocate(num_blocks))
         return True
@@ -448,6 +447,14 @@ class PrefixCache:
         while i and blocks[i - 1] in self._private:
             i -= 1
         return i
+
+    def _fits(self, num_blocks: int, lock: TreeNode | None) -> bool:
+        """Whether `num_blocks` can be allocated (evicting what it takes) once `lock`, if any, is
+        locked: locking pins the blocks of its path that are evictable now. Read-only."""
+        if num_blocks <= self._pool.num_free:
+            return True  # the common case: no eviction, nothing to count
+        pinned = 0 if lock is None else self._tree.num_blocks_pinned_by_lock(lock)
+        return num_blocks <= self._pool.num_free + self._tree.num_evictable_blocks - pinned
 
     def _allocate(self, num_blocks: int) -> list[int]:
         """Private blocks, evicting only as many as the free list lacks; the caller has checked

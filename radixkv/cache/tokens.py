@@ -49,7 +49,7 @@ class PackedTokens(Sequence[int]):
     """Token ids validated once and packed the way the cache stores them (native uint32).
 
     Immutable. Every `PrefixCache` call that takes tokens reads one as is: no validation, no copy,
-    so a caller that hands the same tokens to several calls (`match` the prompt, then `insert`
+    so a caller that hands the same tokens to several calls (`admit` the prompt, then `commit`
     prompt + reply; a chat, turn after turn) pays validation once per token. `+` appends
     (validating the other operand only), a slice with step 1 is a PackedTokens, `tobytes()` gives
     the packed bytes. Raises like `match` for ids that are not ints in [0, 2**32).

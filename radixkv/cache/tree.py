@@ -63,7 +63,7 @@ class TreeNode:
     # keyed by first token
     children: dict[int, TreeNode] = field(default_factory=dict, repr=False)
     lock_ref: int = 0  # locks (block tables) on this node or a descendant
-    tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
+    tick: int = 0  # last admit/commit that ended here, or at a descendant since evicted
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
     namespace: str | None = None  # the namespace of a root (None on every other node)
     gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
@@ -104,7 +104,7 @@ class RadixTree:
       block ids of the indices its segment touches;
     * every root but the shared one (namespace None) has a child or a lock;
     * `lock_ref` of a node = locks on it or on a descendant (so locks cover whole paths);
-    * ticks are lazy: an acquire/insert stamps only the node it ends at; a node dropped by eviction
+    * ticks are lazy: an admit/commit stamps only the node it ends at; a node dropped by eviction
       hands its tick to its parent (max). So when a node becomes a leaf its tick is the last use of
       anything in its subtree, exactly as if every use had stamped the whole path, at O(1) a use;
     * all owners of a block own it at the same block index and lie under its shallowest owner;

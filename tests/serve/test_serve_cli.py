@@ -96,7 +96,10 @@ def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -
     sub.close(linger=0)
     for close in services:
         close()
-    assert not llm.cache.events.active
+    publisher = llm.kv_events.publisher
+    sent = publisher.num_batches_sent
+    llm.generate([list(range(30, 50))], SamplingParams(max_tokens=2))  # new full blocks...
+    assert publisher.num_batches_sent == sent  # ...no longer published
 
 
 def test_a_bad_kv_events_endpoint_exits_2(tiny_model_dir, capsys) -> None:
