@@ -5,6 +5,7 @@ Layers, each importing only those below it:
     radixkv.cache      pure Python: block pool, radix tree, PrefixCache
     radixkv.scheduler  continuous batching over the cache (requests, sampling params)
     radixkv.kernels    paged KV-cache kernels (Triton on CUDA, torch reference on CPU)
+    radixkv.kv_events  KV events on the wire (ZeroMQ, vLLM's format), over the cache alone
     radixkv.engine     LLM: model loading, model runner, sampler (torch + transformers)
     radixkv.chat       chat session, terminal UI
 """

@@ -300,7 +300,9 @@ class KVEventFeed:
     def publish(self, events: Iterable[KVEvent]) -> None:
         """Hand each event to the target (after `close()`: to nothing)."""
         callback = self._callback
-        for event in events if callback is not None else ():
+        if callback is None:
+            return
+        for event in events:
             try:
                 callback(event)
             except Exception:
