@@ -1,7 +1,8 @@
 """The package layout: dependencies point one way and no file imports itself in a circle.
 
 Every import counts, type-checking and function-level ones included. The layers, lowest first:
-cache <- scheduler <- engine <- chat (and serve); kernels <- engine.
+cache <- scheduler <- engine <- chat (and serve); kernels <- engine; bundled_model (the default
+model's one-time conversion, no radixkv import) <- engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ ALLOWED = {
     "cache": set(),
     "scheduler": {"cache"},
     "kernels": set(),
-    "engine": {"cache", "scheduler", "kernels"},
+    "bundled_model": set(),
+    "engine": {"cache", "scheduler", "kernels", "bundled_model"},
     "chat": {"cache", "scheduler", "engine"},
     "serve": {"cache", "scheduler", "engine", "chat"},
 }
