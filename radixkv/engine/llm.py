@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,8 +184,9 @@ class LLM:
         Never raises because of a fault inside the step: the requests of a failed step come back
         with `error` set (finish reason "error"), their blocks and locks returned. On a
         KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
-        re-raised (their updates come with the next call). A Ctrl-C that arrives during a step
-        (main thread) is raised when the step is over, never in the middle of a cache update."""
+        re-raised (their updates come with the next call). The engine installs no signal handler:
+        a caller on the main thread that wants a Ctrl-C to wait for the end of the step, rather
+        than land in the middle of a cache update, holds SIGINT itself (as the chat CLI does)."""
         self._run_step()
         updates = list(self._outbox)
         self._outbox.clear()  # in place: the requests' sinks append to this very list
@@ -339,8 +337,7 @@ class LLM:
         step_ids: list[str] = []
         self._stepping = True
         try:
-            with _ctrl_c_after_the_step():
-                self._step(step_ids)
+            self._step(step_ids)
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)  # the caller's to report: INFO only
             level = logging.INFO if interrupted else logging.ERROR
@@ -444,28 +441,6 @@ class LLM:
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
-
-
-@contextmanager
-def _ctrl_c_after_the_step() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that arrives during the step and raise its KeyboardInterrupt when
-    the step is over: raised at an arbitrary point, it could cut a cache mutation in half. Only
-    on the main thread (the only one that receives signals) and while Python's own handler is
-    installed; elsewhere the step runs as it is."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:  # also when the step failed: the user's Ctrl-C must not be lost
-            raise KeyboardInterrupt
 
 
 def _derive_seed(engine_seed: int, index: int) -> int:
