@@ -36,7 +36,7 @@ from radixkv.chat.options import add_engine_options, engine_kwargs
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
     from radixkv.engine.outputs import RequestStats
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine.sampling_params import SamplingParams
 
 HELP_COMMANDS = "/tree  /stats  /reset  /quit"
 
@@ -155,7 +155,7 @@ def chat_sampling(args: argparse.Namespace, generation_config: object | None) ->
     """The chat's SamplingParams: each option given on the command line, else the model's
     generation config when it samples (`do_sample`), else greedy. Raises ValueError /
     TypeError for out-of-range values."""
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine.sampling_params import SamplingParams
 
     def pick(given: object, key: str, unset: float) -> object:
         if given is not None:
