@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
-from radixkv.chat.options import add_engine_options, engine_kwargs
+from radixkv.options import add_engine_options, engine_settings
 
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
@@ -125,7 +125,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     hf_logging.set_verbosity_error()
     try:
         with _Progress(err) as progress:
-            llm = LLM(args.model, **engine_kwargs(args), progress=progress)
+            llm = LLM(args.model, progress=progress, **engine_settings(args))
         params = chat_sampling(args, llm.model.generation_config)
         session = ChatSession(llm, system=args.system, params=params)
     except (ModelLoadError, ValueError, TypeError) as exc:
@@ -170,7 +170,6 @@ def chat_sampling(args: argparse.Namespace, generation_config: object | None) ->
         temperature=pick(args.temperature, "temperature", 1.0),  # type: ignore[arg-type]
         top_p=pick(args.top_p, "top_p", 1.0),  # type: ignore[arg-type]
         top_k=int(pick(args.top_k, "top_k", 0)),  # type: ignore[call-overload]
-        seed=args.seed,
     )
 
 

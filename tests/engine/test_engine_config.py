@@ -1,13 +1,17 @@
-"""EngineConfig: one set of defaults, checked once at the door; the one bound on a prompt's
-length."""
+"""EngineConfig: one set of defaults, checked once at the door; the command-line table that maps
+the options of `radixkv chat` and `radixkv serve` onto it; the one bound on a prompt's length."""
 
 from __future__ import annotations
+
+import argparse
+from dataclasses import fields
 
 import numpy as np
 import pytest
 
 from radixkv import LLM, SamplingParams
 from radixkv.engine.config import EngineConfig
+from radixkv.options import OPTIONS, add_engine_options, engine_settings
 
 
 @pytest.mark.parametrize(
@@ -55,6 +59,65 @@ def test_one_cache_size_at_a_time() -> None:
 def test_an_unknown_setting_is_named_before_anything_loads(tmp_path) -> None:
     with pytest.raises(TypeError, match="max_num_sequences"):
         LLM(str(tmp_path / "no-such-model"), max_num_sequences=4)
+
+
+def _parse(argv: list[str], **defaults: object) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser, **defaults)
+    return engine_settings(parser.parse_args(argv))
+
+
+def test_every_option_sets_a_config_field() -> None:
+    names = {f.name for f in fields(EngineConfig)}
+    assert {opt.field for opt in OPTIONS} <= names
+    assert len({opt.flag for opt in OPTIONS}) == len(OPTIONS)
+
+
+def test_options_not_given_leave_the_config_defaults() -> None:
+    assert _parse([]) == {}
+    assert _parse([], prefill_first=True) == {"prefill_first": True}  # a command's own default
+    assert _parse(["--no-prefill-first"], prefill_first=True) == {"prefill_first": False}
+    EngineConfig(**_parse([]))  # and they build a config
+
+
+def test_each_option_reaches_its_field() -> None:
+    import torch
+
+    argv = ["--block-size", "8", "--cache-mb", "3", "--no-prefix-cache", "--max-num-seqs", "2"]
+    argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
+    argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
+    argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
+    settings = _parse(argv)
+    assert settings == {
+        "block_size": 8,
+        "kv_cache_bytes": 3 * 2**20,
+        "enable_prefix_cache": False,
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 64,
+        "chunked_prefill_size": 16,
+        "policy": "fcfs",
+        "prefill_first": True,
+        "device": "cpu",
+        "dtype": torch.bfloat16,
+        "enforce_eager": True,
+        "num_threads": 1,
+        "seed": 5,
+        "kv_events": "tcp://*:5557",
+    }
+    assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
+    assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}
+    EngineConfig(**settings)
+
+
+def test_help_shows_the_config_defaults(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser, prefill_first=True)
+    parser.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokens per KV block (default: 16)" in text
+    assert "requests running at once (default: 16)" in text
+    assert "tokens per step (default: 1024)" in text
+    assert "throughput (default: on)" in text  # prefill first: this command's default
 
 
 @pytest.fixture(scope="module")
