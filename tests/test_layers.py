@@ -145,3 +145,20 @@ def test_the_cache_stays_pure_python() -> None:
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in ("torch", "transformers", "triton"), (module, n)
+
+
+def test_the_cache_alone_loads_no_scheduler_and_sampling_params_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nimport radixkv.cache\n"
+        "assert not [m for m in sys.modules if m.startswith('radixkv.scheduler')], 'scheduler'\n"
+        "from radixkv import SamplingParams\nfrom radixkv.engine import EngineConfig\n"
+        "assert 'torch' not in sys.modules, 'torch'\n"
+    )
+    # From the tests folder: the repository root (with its top-level kernels/) stays off sys.path.
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
