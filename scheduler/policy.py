@@ -35,7 +35,7 @@ class LongestPrefixMatchPolicy(FcfsPolicy):
 
         def num_cached_tokens(r: Request) -> int:
             return cache.match(
-                r.all_token_ids, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
+                r.packed_tokens, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
             ).num_cached_tokens
 
         return sorted(waiting, key=num_cached_tokens, reverse=True)

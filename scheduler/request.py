@@ -51,7 +51,7 @@ class Request:
     request's own stop tokens unless it ignores EOS). Nothing is checked again here.
 
     `all_token_ids` (prompt + output) is an `array('I')` that sampled tokens are appended to in
-    amortized O(1); the cache reads it like any token sequence.
+    amortized O(1); `packed_tokens` is the same tokens as the cache reads them without a copy.
 
     Invariants while RUNNING (checked by `Scheduler.check_integrity`):
     * `num_computed_tokens < len(all_token_ids)` and `table` (the cache's `BlockTable`) covers at
@@ -80,6 +80,7 @@ class Request:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
         self.output_token_ids: list[int] = []
         self.all_token_ids = array("I", self.prompt_token_ids.tobytes())  # prompt + output
+        self._packed = self.prompt_token_ids  # all_token_ids when it was last packed
         self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
         self.num_cached_tokens = 0  # cache hit at the first admission
         self.last_num_cached_tokens = 0  # cache hit at the latest admission (after preemption)
@@ -94,6 +95,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def packed_tokens(self) -> PackedTokens:
+        """`all_token_ids` as a PackedTokens, repacked only when tokens were appended since it was
+        last read (tokens are only ever appended: an equal length means equal tokens). A waiting
+        request, scored by the policy every step, is packed once."""
+        if len(self._packed) != len(self.all_token_ids):
+            self._packed = PackedTokens.frombytes(self.all_token_ids.tobytes())
+        return self._packed
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -267,7 +267,7 @@ class Scheduler:
         assert table is not None and n > 0, f"{req}: a running request has a table and wrote KV"
         last = _cdiv(n, self._block_size) - 1
         old_tail = table.blocks[last]
-        self.cache.commit(table, req.all_token_ids[:n])
+        self.cache.commit(table, req.packed_tokens[:n])
         # NOTE: a request writes the rest of a partial tail block after inserting it. That is
         # safe only in the block it wrote itself (the tree vouches for the inserted slots alone;
         # another owner's block has later slots of its own), so the cache must hand it back: it
@@ -345,13 +345,13 @@ class Scheduler:
         has grown by at least the threshold and it is not deferred for that prefix again (unless
         its writer was aborted, or finished and the prefix was evicted: then it may compute it).
         """
-        tokens = req.all_token_ids
+        tokens = req.packed_tokens
         # NOTE: a hit is capped at len - 1 (the last prompt token is always computed), so only
         # that much of a shared prefix can ever be gained by waiting.
         cap = len(tokens) - 1
         threshold = self.config.defer_shared_prefix_tokens
         shared = max(  # only requests of its own namespace can serve it
-            common_prefix_len(tokens, other.all_token_ids, min(end, cap))
+            common_prefix_len(tokens, other.packed_tokens, min(end, cap))
             if other.cache_salt == req.cache_salt
             else 0
             for other, end in in_batch
@@ -370,7 +370,7 @@ class Scheduler:
         """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None if
         the blocks are not there, and then the cache is untouched: no query counted, no recency
         refreshed (the fit is checked read-only before anything is locked)."""
-        tokens = req.all_token_ids
+        tokens = req.packed_tokens
         # NOTE: the last token is always computed, so there are logits to sample from.
         max_hit = (len(tokens) - 1 if use_hit else 0) if self._use_cache else None
         table = self.cache.admit(tokens, max_hit=max_hit, namespace=req.cache_salt)

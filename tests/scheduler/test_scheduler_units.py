@@ -61,11 +61,14 @@ def test_request_stops_at_max_model_len() -> None:
 
 def test_appending_tokens_does_not_copy_the_sequence() -> None:
     req = running(Request("r", list(range(1, 1001)), 10_000))
+    assert req.packed_tokens is req.prompt_token_ids  # nothing appended: the prompt as it is
     tokens = req.all_token_ids
     for t in range(500):
         req.append_output_token(t, max_model_len=10_000)
     assert req.all_token_ids is tokens  # one growing array, appended to in amortized O(1)
     assert req.all_token_ids.tolist() == [*range(1, 1001), *range(500)]
+    packed = req.packed_tokens  # what the cache reads: packed once, until the next append
+    assert packed.tolist() == req.all_token_ids.tolist() and req.packed_tokens is packed
 
 
 def test_a_request_packs_a_token_list_it_is_given() -> None:
