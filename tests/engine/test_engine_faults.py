@@ -157,34 +157,3 @@ def test_a_fault_anywhere_fails_only_its_step(llm, expected, run):
     assert not llm.has_unfinished_requests() and not llm._tracked
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
     llm.check_integrity()
-
-
-def test_ctrl_c_during_a_step_takes_effect_when_the_step_ends(model_dir, expected) -> None:
-    """A real SIGINT delivered in the middle of the scheduler's cache insert: the insert runs to
-    its end (a KeyboardInterrupt there could leave the tree half updated), then the interrupt
-    fails the step's requests as any interrupt does, and the engine serves on."""
-    import os
-    import signal
-
-    llm = LLM(model_dir, **ENGINE_ARGS)
-    real_commit = llm.cache.commit
-    started: list[bool] = []
-    finished: list[bool] = []
-
-    def commit_interrupted(*args: object, **kwargs: object) -> None:
-        started.append(True)
-        os.kill(os.getpid(), signal.SIGINT)
-        real_commit(*args, **kwargs)  # type: ignore[arg-type]
-        finished.append(True)  # a KeyboardInterrupt raised above would skip this
-
-    llm.cache.commit = commit_interrupted  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS[:2], PARAMS[:2])
-    assert started and finished == started  # every insert of the step ran to its end
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    del llm.cache.commit
-    llm.check_integrity()
-    llm.cache.check_integrity()
-    assert llm.cache.stats().num_in_use_blocks == 0
-    outs = llm.generate(PROMPTS, PARAMS)
-    assert [o.token_ids for o in outs] == expected
