@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.cache import (
     BlockPool,
-    BlockPoolStats,
     BlockTable,
     CacheStats,
     MatchResult,
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "BlockPool",
-    "BlockPoolStats",
     "BlockTable",
     "CacheStats",
     "ChatReply",

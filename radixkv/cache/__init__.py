@@ -1,6 +1,7 @@
 """The prefix cache: pure Python, imports nothing else from radixkv.
 
 pool.py          BlockPool: physical blocks, owner counts, free list
+node.py          TreeNode: one node of the radix tree
 tokens.py        the door's checks: PackedTokens, token validation, sizes; the common-prefix helper
 tree.py          RadixTree: token paths per namespace, block ownership, locks, insert plan/commit
 eviction.py      the sorted set of evictable leaves
@@ -10,7 +11,7 @@ prefix_cache.py  PrefixCache: the one contract (match; admit / grow / commit / c
 """
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from radixkv.cache.pool import BlockPool, BlockPoolStats
+from radixkv.cache.pool import BlockPool
 from radixkv.cache.prefix_cache import (
     BlockTable,
     CacheStats,
@@ -24,7 +25,6 @@ from radixkv.cache.tokens import PackedTokens, check_size, common_prefix_len
 __all__ = [
     "AllBlocksCleared",
     "BlockPool",
-    "BlockPoolStats",
     "BlockRemoved",
     "BlockStored",
     "BlockTable",

@@ -45,11 +45,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import xxhash
 
+from radixkv.cache.node import TreeNode
 from radixkv.cache.tokens import unpack_tokens
 
 _xxh64 = xxhash.xxh64_intdigest
@@ -120,17 +120,6 @@ def namespace_seed(namespace: str) -> int:
 
 
 # ------------------------------------------------------------------------------ recorder
-class HashedNode(Protocol):
-    """What `EventRecorder` reads and writes of a tree node (the tree's nodes satisfy it)."""
-
-    parent: HashedNode | None  # None for a namespace root
-    start: int
-    end: int
-    tokens: bytes  # packed native uint32, (end - start) tokens
-    namespace: str | None  # a root's namespace
-    block_hashes: list[int] | None  # hashes of the full blocks ending in the node
-
-
 class EventRecorder:
     """The tree's side of KV events: chained hashes of the full blocks each node ends, and the
     queue of events as blocks enter and leave. Owned by one `RadixTree` (only when the cache
@@ -151,7 +140,7 @@ class EventRecorder:
         events, self.queue = self.queue, []
         return events
 
-    def stored(self, leaf: HashedNode) -> None:
+    def stored(self, leaf: TreeNode) -> None:
         """`leaf` was attached (its ancestors are hashed): hash the full blocks ending in it and
         announce them (partial tails never)."""
         tokens, leaf.block_hashes = self._chain(leaf)
@@ -161,7 +150,7 @@ class EventRecorder:
             tokens_ids = tuple(unpack_tokens(tokens))
             self.queue.append(BlockStored(tuple(leaf.block_hashes), parent, tokens_ids, B))
 
-    def removed(self, node: HashedNode, keep: int) -> None:
+    def removed(self, node: TreeNode, keep: int) -> None:
         """`node` is about to lose its full blocks from its `keep`-th on (0: all, the node goes;
         more: a trim back to a block boundary). Call before the node changes."""
         hashes = node.block_hashes
@@ -171,7 +160,7 @@ class EventRecorder:
         if gone:
             self.queue.append(BlockRemoved(tuple(reversed(gone))))
 
-    def split(self, prefix: HashedNode, suffix: HashedNode, p: int) -> None:
+    def split(self, prefix: TreeNode, suffix: TreeNode, p: int) -> None:
         """`suffix` [s, e) is being split at p into `prefix` [s, p) and itself [p, e): blocks
         ending at or before p now end in the prefix. Call before `suffix.start` changes."""
         hashes = suffix.block_hashes
@@ -182,7 +171,7 @@ class EventRecorder:
     def cleared(self) -> None:
         self.queue.append(AllBlocksCleared())
 
-    def check_integrity(self, nodes: Iterable[HashedNode]) -> None:
+    def check_integrity(self, nodes: Iterable[TreeNode]) -> None:
         """The class invariant over the tree's attached `nodes` (parents first). Raises
         AssertionError naming the node's segment."""
         for node in nodes:
@@ -190,7 +179,7 @@ class EventRecorder:
                 raise AssertionError(f"[{node.start},{node.end}) holds stale block hashes")
 
     # ---------------------------------------------------------------- internals
-    def _chain(self, node: HashedNode) -> tuple[bytes, list[int]]:
+    def _chain(self, node: TreeNode) -> tuple[bytes, list[int]]:
         """The tokens of the full blocks ending in `node` and their hashes, chained from the
         last full block above it (whose hashes must be computed). Mutates nothing."""
         B = self.block_size
@@ -199,7 +188,7 @@ class EventRecorder:
         return tokens, chain_hashes(parent, token_bytes_le(tokens), B, self.hash_fn)
 
     @staticmethod
-    def _last_hash(node: HashedNode | None) -> int | None:
+    def _last_hash(node: TreeNode | None) -> int | None:
         """Hash of the last full block on the path to `node` (whose hashes, and its ancestors',
         are computed); the namespace seed (None: the shared one) when there is none."""
         while node is not None and node.parent is not None:
@@ -210,10 +199,10 @@ class EventRecorder:
         return None if namespace is None else namespace_seed(namespace)
 
 
-def _path_bytes(node: HashedNode, lo: int, hi: int) -> bytes:
+def _path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
     """Packed tokens of path positions [lo, hi) (hi <= node.end), read up the ancestors."""
     parts = []
-    cursor: HashedNode | None = node
+    cursor: TreeNode | None = node
     end = hi
     while lo < end:
         assert cursor is not None and cursor.parent is not None

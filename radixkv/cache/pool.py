@@ -10,19 +10,8 @@ Its caller (the cache) is trusted: ids and counts are its own, so preconditions 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from radixkv.cache.tokens import check_size
-
-
-@dataclass(frozen=True, slots=True)
-class BlockPoolStats:
-    num_blocks: int
-    block_size: int
-    num_free_blocks: int
-    num_used_blocks: int  # one owner or more
-    num_allocated_total: int  # blocks handed out by allocate since construction
-    num_freed_total: int  # blocks returned to the free list since construction
 
 
 class BlockPool:
@@ -41,7 +30,7 @@ class BlockPool:
     together are handed out again in the order given: tests stay readable and runs deterministic.
     """
 
-    __slots__ = ("_free", "_num_allocated", "_num_freed", "_refs", "block_size", "num_blocks")
+    __slots__ = ("_free", "_refs", "block_size", "num_blocks")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         """Raises TypeError/ValueError for a size that is not an int >= 1."""
@@ -49,8 +38,6 @@ class BlockPool:
         self.block_size: int = check_size(block_size, "block_size", low=1)
         self._refs: list[int] = [0] * self.num_blocks
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # next out: the last
-        self._num_allocated = 0
-        self._num_freed = 0
 
     @property
     def num_free(self) -> int:
@@ -72,7 +59,6 @@ class BlockPool:
         ids.reverse()
         for b in ids:
             self._refs[b] = 1
-        self._num_allocated += num_blocks
         return ids
 
     def add_owner(self, block_id: int) -> None:
@@ -92,18 +78,7 @@ class BlockPool:
             if refs[b] == 0:
                 freed.append(b)
         self._free += freed
-        self._num_freed += len(freed)
         return freed
-
-    def stats(self) -> BlockPoolStats:
-        return BlockPoolStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            num_free_blocks=len(self._free),
-            num_used_blocks=self.num_blocks - len(self._free),
-            num_allocated_total=self._num_allocated,
-            num_freed_total=self._num_freed,
-        )
 
     def check_integrity(self, owners: dict[int, int] | None = None) -> None:
         """Recompute the invariants; raises AssertionError naming the first violation. With

@@ -280,7 +280,7 @@ class GdsfModel:
         self.inflation_at = {0: 0}  # tick -> the inflation when that tick was stamped
 
     def tick(self) -> None:
-        """An acquire or an insert: one tick, stamped at the current inflation."""
+        """An admit or a commit: one tick, stamped at the current inflation."""
         self.clock += 1
         self.inflation_at[self.clock] = self.inflation
 
