@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.llm import LLM, RequestUpdate
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.bodies import (
     BodyLimits,
     SamplingFields,
@@ -93,7 +93,7 @@ class OpenAIServer:
             max_stops=config.max_stops,
             max_stop_chars=config.max_stop_chars,
             max_prompt_chars=_max_prompt_chars(llm),
-            max_messages=llm.max_model_len,
+            max_messages=llm.config.max_model_len,
         )
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
@@ -176,7 +176,7 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
-        context = self.llm.max_model_len
+        context = self.llm.config.max_model_len
         room = context - num_prompt_tokens
         if room < 1:
             raise over_context(num_prompt_tokens, context, prompt_param)
@@ -301,7 +301,7 @@ def _max_prompt_chars(llm: LLM) -> int | None:
     if llm.tokenizer is None:
         return None
     longest = max((len(token) for token in llm.tokenizer.get_vocab()), default=1)
-    return llm.max_model_len * longest
+    return llm.config.max_model_len * longest
 
 
 def _sampling_param(exc: Exception, fields: SamplingFields) -> str | None:
@@ -426,7 +426,7 @@ def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
                     "object": "model",
                     "created": 0,
                     "owned_by": "radixkv",
-                    "max_model_len": server.llm.max_model_len,
+                    "max_model_len": server.llm.config.max_model_len,
                 }
             ],
         }
