@@ -198,10 +198,13 @@ class Scheduler:
         """Record that the KV of `output`'s rows is written and the tokens sampled for the rows
         with `sample=True`. Returns the requests that finished (stop / length) in this step.
 
-        Rows of requests aborted since `schedule()` are ignored (their sampled token too).
+        Rows of requests aborted since `schedule()` are ignored (a token sampled for them too):
+        the engine aborts a request whose row failed before it updates the others.
         """
         assert not output.rows or output is self._in_flight, "not the last schedule()'s output"
-        assert sampled.keys() == {r.request_id for r in output.rows if r.sample}, sampled
+        sample_ids = {r.request_id for r in output.rows if r.sample}
+        live_ids = {rid for rid in sample_ids if rid in self._running}
+        assert live_ids <= sampled.keys() <= sample_ids, (sampled, sample_ids)
         if output.rows:
             self._in_flight = None
 

@@ -9,9 +9,11 @@ One step loop, three front doors:
         ▼
     step: schedule() ─► ModelRunner.execute() ─► sample() ─► update_from_output() ─► detokenize
 
-Requests of every door advance together in each step. A fault anywhere in a step fails the
-requests of that step (finish reason "error"), returns their blocks and locks, and the engine
-keeps serving. `LLM` is not thread-safe: one thread calls it.
+Requests of every door advance together in each step. A fault that belongs to one row of a
+step (its sampling, its detokenizing) fails that request alone and the step's other rows go on;
+a fault in the work the rows share (scheduling, the forward, the cache update) fails the
+requests of that step. Either way they finish with reason "error", their blocks and locks come
+back, and the engine keeps serving. `LLM` is not thread-safe: one thread calls it.
 
 The doors validate what users pass (prompts, sampling params, salts, settings) once; everything
 below them (scheduler, cache, runner) trusts it.
@@ -146,8 +148,9 @@ class LLM:
         """Run one scheduler step if any request is pending; returns the updates of the requests
         queued by `add_request` ([] when idle).
 
-        Never raises because of a fault inside the step: the requests of a failed step come back
-        with `error` set (finish reason "error"), their blocks and locks returned. On a
+        Never raises because of a fault inside the step: the requests it failed (the faulty row's
+        alone, or the whole step's: see the module docstring) come back with `error` set (finish
+        reason "error"), their blocks and locks returned. On a
         KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
         re-raised (their updates come with the next call). The engine installs no signal handler:
         a caller on the main thread that wants a Ctrl-C to wait for the end of the step, rather
@@ -340,26 +343,47 @@ class LLM:
         logits = self.runner.execute(out)
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
-        tokens = sample(logits, [t.params for t in records], [t.generator for t in records])
-        self.scheduler.update_from_output(out, dict(zip(sample_ids, tokens, strict=True)))
+        results = sample(logits, [t.params for t in records], [t.generator for t in records])
+        sampled: dict[str, int] = {}
+        for t, result in zip(records, results, strict=True):
+            if isinstance(result, Exception):
+                self._fail_one(t, result)  # before the update, which then passes its row over
+            else:
+                sampled[t.request.request_id] = result
+        self.scheduler.update_from_output(out, sampled)
         now = time.perf_counter()
-        for t, token in zip(records, tokens, strict=True):
-            t.t_first_token = t.t_first_token or now
-            t.t_last_token = now
-            text = t.detok.push((token,))
-            if t.request.is_finished:
-                text += t.detok.finish()
-                self._finish(t, str(t.request.finish_reason))
-            self._emit(t, (token,), text)
+        for t in records:
+            token = sampled.get(t.request.request_id)
+            if token is not None:
+                try:
+                    self._advance(t, token, now)
+                except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
+                    self._fail_one(t, exc)
 
-    def _fail(self, step_ids: list[str], exc: BaseException) -> None:
-        """Fail the requests of a faulty step: every live one when it failed before its rows were
-        known, since then nothing tells which requests it touched."""
-        self.scheduler.fail_step()
+    def _advance(self, t: _Tracked, token: int, now: float) -> None:
+        """Detokenize a request's new token and hand its update to its front door."""
+        t.t_first_token = t.t_first_token or now
+        t.t_last_token = now
+        text = t.detok.push((token,))
+        if t.request.is_finished:
+            text += t.detok.finish()
+            self._finish(t, str(t.request.finish_reason))
+        self._emit(t, (token,), text)
+
+    def _fail_one(self, t: _Tracked, exc: Exception) -> None:
+        """Fail one request of a step whose other rows go on: its blocks and lock come back."""
+        logger.error("request %s failed in a step: %r", t.request.request_id, exc)
+        self._fail([t.request.request_id], exc, whole_step=False)
+
+    def _fail(self, step_ids: list[str], exc: BaseException, *, whole_step: bool = True) -> None:
+        """Fail requests of a faulty step: with `whole_step`, the step's (every live one when it
+        failed before its rows were known, since then nothing tells which requests it touched)."""
+        if whole_step:
+            self.scheduler.fail_step()
         for rid in step_ids or list(self._tracked):
             t = self._tracked.get(rid)
             if t is not None and t.output is None:
-                self.scheduler.abort(rid)  # False where fail_step() failed it already
+                self.scheduler.abort(rid)  # False where it finished or fail_step() failed it
                 t.error = exc
                 self._finish(t, "error")
                 self._emit(t, (), "")

@@ -22,22 +22,42 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
+) -> list[int | Exception]:
     """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
-    takes the argmax and needs no generator; every other row needs one."""
+    takes the argmax and needs no generator; every other row needs one.
+
+    A row that cannot be sampled gets its exception in its place, and the other rows their
+    tokens: one request's fault (NaN probabilities, say) is its own. A fault in the work the rows
+    share, done before any generator is drawn from, is narrowed down by sampling each row alone.
+    """
     assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
     if not params:  # a step of non-final prefill chunks: `.tolist()` may wait for the GPU
         return []
-    tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
-        for j, i in enumerate(sampled_rows):
-            gen = generators[i]
-            assert gen is not None, f"row {i} samples but has no generator"
+    try:
+        tokens = logits.argmax(dim=-1)
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+    except Exception as exc:
+        if len(params) == 1:
+            return [exc]
+        return [
+            sample(logits[i : i + 1], [p], [g])[0]
+            for i, (p, g) in enumerate(zip(params, generators, strict=True))
+        ]
+    faults: dict[int, Exception] = {}
+    for j, i in enumerate(sampled_rows):
+        gen = generators[i]
+        assert gen is not None, f"row {i} samples but has no generator"
+        try:
             tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
-    return tokens.tolist()
+        except Exception as exc:  # e.g. NaN logits of this row alone
+            faults[i] = exc
+    results: list[int | Exception] = tokens.tolist()  # one device sync for the whole batch
+    for i, exc in faults.items():
+        results[i] = exc
+    return results
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

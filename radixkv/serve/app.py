@@ -254,8 +254,14 @@ class OpenAIServer:
                 if isinstance(item, BaseException) or item.error is not None:
                     error = item if isinstance(item, BaseException) else item.error
                     failed = True
+                    # NOTE: the type only, never the text: a fault that failed a whole step
+                    # reaches every request of it, and its text may be about another's.
+                    logger.error("the engine failed %s: %r", stream.request_id, error)
                     raise APIError(
-                        500, f"the engine failed this request: {error!r}", type="server_error"
+                        500,
+                        f"the engine failed this request ({type(error).__name__}); the server's "
+                        "log has the details",
+                        type="server_error",
                     )
                 if not stops.stopped:
                     num_tokens += len(item.new_token_ids)

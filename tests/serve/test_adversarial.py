@@ -2,8 +2,9 @@
 suite against live servers on 127.0.0.1 (bounded in time and in the number of connections).
 
 Rows: F1 body limit and a responsive event loop; F2 stop-string caps; F3 / F11 read timeouts and
-graceful shutdown; F4 lone surrogates and keep-alive; F7-F9 null, strict types, one error shape;
-F12 /metrics from the start; random request ids; chat messages without content.
+graceful shutdown; F4 lone surrogates and keep-alive; F6 a fault in one request's sampling fails
+it alone; F7-F9 null, strict types, one error shape; F12 /metrics from the start; random request
+ids; chat messages without content.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from serve_helpers import metric, read_metrics, user_message
+from serve_helpers import metric, read_metrics, render_chat, user_message
 
 HEALTH_BUDGET_S = 0.1  # the issue's bar: /health answers within 100 ms whatever else happens
 CHAT = "/v1/chat/completions"
@@ -455,6 +456,64 @@ def test_an_unexpected_error_is_a_counted_500_in_openai_shape_on_a_kept_connecti
     assert metric(after, "radixkv_requests_total", outcome="error") == 1 + metric(
         before, "radixkv_requests_total", outcome="error"
     )
+
+
+# ---------------------------------------------------------------------- F6: fault isolation
+
+
+def test_a_fault_in_one_requests_sampling_fails_it_alone_and_the_others_finish(
+    make_server, reference_llm, monkeypatch
+) -> None:
+    import radixkv.engine.llm as llm_module
+    import radixkv.engine.sampler as sampler_module
+    from radixkv.engine.sampling_params import SamplingParams
+
+    server = make_server({"max_num_seqs": 8})
+    real_sample, real_probs = llm_module.sample, sampler_module._filtered_probs
+    state = {"armed": False, "fired": 0}
+
+    def sample(logits, params, generators):
+        state["armed"] |= len(params) == 6  # a decode step of all six
+        return real_sample(logits, params, generators)
+
+    def filtered_probs(logits, params):
+        if state["armed"] and any(p.seed == 666 for p in params):
+            state["fired"] += 1
+            raise RuntimeError("injected: the secret text of request 666")
+        return real_probs(logits, params)
+
+    monkeypatch.setattr(llm_module, "sample", sample)
+    monkeypatch.setattr(sampler_module, "_filtered_probs", filtered_probs)
+    settings = [{"temperature": 0}] * 4 + [{"temperature": 1.0, "seed": 5}]
+    settings.insert(2, {"temperature": 1.0, "seed": 666})  # the guilty one
+    bodies = [
+        chat_body(messages=[{"role": "user", "content": user_message(40 + i)}], **extra)
+        | {"max_tokens": 24, "ignore_eos": True}
+        for i, extra in enumerate(settings)
+    ]
+    threads = [in_background(lambda b=b: post(server.port, CHAT, b)) for b in bodies]
+    replies = []
+    for thread, result in threads:
+        thread.join(120)
+        replies.append(result[0])
+    monkeypatch.undo()
+
+    status, body = replies.pop(2)
+    assert status == 500
+    message = assert_openai_error(body)["message"]
+    assert "RuntimeError" in message and "secret" not in message
+    del bodies[2], settings[2]
+    for (status, body), sent, extra in zip(replies, bodies, settings, strict=True):
+        assert status == 200, body
+        prompt = render_chat(reference_llm.tokenizer, sent["messages"])
+        params = SamplingParams(max_tokens=24, ignore_eos=True, **extra)
+        (alone,) = reference_llm.generate([prompt], params)
+        assert body["choices"][0]["message"]["content"] == alone.text
+        assert body["usage"]["completion_tokens"] == 24
+    assert state["fired"] >= 2  # in a step of all six, then for the guilty row alone
+    assert server.on_engine(lambda llm: llm.cache.stats().num_in_use_blocks) == 0
+    server.on_engine(lambda llm: llm.check_integrity())
+    assert post(server.port, CHAT, chat_body())[0] == 200  # still serving
 
 
 # ---------------------------------------------------------------------- F7-F9: null, types, shape
