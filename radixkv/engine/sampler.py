@@ -15,7 +15,20 @@ from radixkv.engine.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+    """A generator for a request's `seed` in [0, 2**64), seeded with the seed's mix."""
+    return torch.Generator(device=device).manual_seed(mix_seed(seed))
+
+
+def mix_seed(seed: int) -> int:
+    """SplitMix64's finalizer: a bijection of [0, 2**64) whose every output bit depends on every
+    input bit. NOTE: torch's CPU generator keeps only the low 32 bits of its seed, so seeds that
+    differ only above bit 31 (0 and 2**32, 0 and 2**63) would give one stream; mixed, distinct
+    seeds give distinct streams on CUDA and collide on a CPU with probability 2**-32 a pair."""
+    mask = 2**64 - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 def sample(

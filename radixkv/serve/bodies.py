@@ -137,7 +137,7 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
         max_tokens_param=max_param,
         temperature=temperature,
         top_p=_number(body.get("top_p"), "top_p"),
-        seed=_int(body.get("seed"), "seed"),
+        seed=_seed(body.get("seed")),
         stop_strings=stop_strings,
         stop_token_ids=tuple(dict.fromkeys(stop_ids + (extra_ids or ()))),
         stream=bool(_bool(body.get("stream"), "stream")),
@@ -147,6 +147,17 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
         ignore_eos=bool(_bool(body.get("ignore_eos"), "ignore_eos")),
         cache_salt=salt,
     )
+
+
+def _seed(value: Any) -> int | None:
+    """OpenAI's seed, a signed 64-bit integer, as the engine's unsigned one (two's complement:
+    distinct seeds stay distinct)."""
+    seed = _int(value, "seed")
+    if seed is None:
+        return None
+    if not -(2**63) <= seed < 2**63:
+        raise bad_request(f"seed must be a 64-bit signed integer, got {seed}", "seed")
+    return seed % 2**64
 
 
 def _messages(body: Mapping[str, Any], limits: BodyLimits) -> tuple[dict[str, str], ...]:

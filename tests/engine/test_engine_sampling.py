@@ -33,6 +33,19 @@ def test_seeded_request_is_reproducible_alone_or_batched(llm):
     assert list(different.token_ids) != list(alone.token_ids)
 
 
+def test_seeds_that_differ_in_any_bit_give_different_streams(llm):
+    # torch's CPU generator keeps the low 32 bits of its seed: unmixed, 0, 2**32 and 2**63
+    # gave one stream (issue 20, F10).
+    prompt = random_prompts(33, 1, max_len=12)[0]
+    seeds = [0, 1, 2**32, 2**63, 2**63 + 2**32, 2**64 - 1]
+    params = [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in seeds
+    ]
+    streams = [tuple(o.token_ids) for o in llm.generate([prompt] * len(seeds), params)]
+    assert len(set(streams)) == len(seeds), streams
+    assert tuple(llm.generate([prompt], params[3])[0].token_ids) == streams[3]
+
+
 def test_unseeded_sampling_is_deterministic_per_engine_seed(model_dir):
     prompts = random_prompts(32, 3, max_len=20)
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, ignore_eos=True)

@@ -3,8 +3,8 @@ suite against live servers on 127.0.0.1 (bounded in time and in the number of co
 
 Rows: F1 body limit and a responsive event loop; F2 stop-string caps; F3 / F11 read timeouts and
 graceful shutdown; F4 lone surrogates and keep-alive; F6 a fault in one request's sampling fails
-it alone; F7-F9 null, strict types, one error shape; F12 /metrics from the start; random request
-ids; chat messages without content.
+it alone; F7-F9 null, strict types, one error shape; F10 seeds; F12 /metrics from the start;
+random request ids; chat messages without content.
 """
 
 from __future__ import annotations
@@ -638,6 +638,24 @@ def test_unknown_paths_and_methods_and_bad_http_get_the_openai_error_shape(serve
         raw = read_until_closed(sock, timeout=10)
     assert status_of(raw) == 400
     assert_openai_error(json_of(raw), None)
+
+
+# ---------------------------------------------------------------------- F10: seeds
+
+
+def test_seeds_are_openais_int64_and_each_gives_its_own_stream(server) -> None:
+    def sampled(seed: int) -> tuple[int, str]:
+        body = chat_body(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+        status, answer = post(server.port, CHAT, body)
+        return status, answer["choices"][0]["message"]["content"] if status == 200 else answer
+
+    texts = [sampled(seed) for seed in (0, 2**32, 2**62, -(2**63), -1, 2**63 - 1)]
+    assert all(status == 200 for status, _ in texts), texts
+    assert len({text for _, text in texts}) == len(texts), texts
+    assert sampled(2**32) == texts[1]  # and a seed is reproducible
+    for seed in (2**63, -(2**63) - 1, 2**64):
+        status, body = post(server.port, CHAT, chat_body(seed=seed))
+        assert status == 400 and "64-bit" in assert_openai_error(body, "seed")["message"]
 
 
 # ---------------------------------------------------------------------- F12, ids, chat content
