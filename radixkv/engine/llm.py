@@ -26,7 +26,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,9 +34,17 @@ import torch
 from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.logprobs import token_logprobs
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
+from radixkv.engine.outputs import (
+    DeltaStream,
+    RequestOutput,
+    RequestStats,
+    StreamDelta,
+    TokenLogprobs,
+)
+from radixkv.engine.penalties import adjust_logits
 from radixkv.engine.prompts import PromptInput, check_chat_messages, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
@@ -55,6 +63,7 @@ class RequestUpdate:
     new_text: str  # newly completed detokenised text (may be "")
     output: RequestOutput | None = None  # set once, when it finished (stop/length/abort/error)
     error: BaseException | None = None  # set when it failed in this step
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, if the request asked
 
 
 @dataclass(slots=True)
@@ -71,6 +80,7 @@ class _Tracked:
     t_last_token: float | None = None
     output: RequestOutput | None = None
     error: BaseException | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
 
 
 class LLM:
@@ -289,6 +299,12 @@ class LLM:
         rolls back those before it. The prompts and params come checked from the door."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        for p in params:
+            if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by token id
+                raise ValueError(
+                    f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
         added: list[str] = []
         try:
             for tokens, p in zip(prompts, params, strict=True):
@@ -343,7 +359,10 @@ class LLM:
         logits = self.runner.execute(out)
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
-        results = sample(logits, [t.params for t in records], [t.generator for t in records])
+        params = [t.params for t in records]
+        adjusted = adjust_logits(logits, params, [t.request.output_token_ids for t in records])
+        results = sample(adjusted, params, [t.generator for t in records])
+        logprobs = token_logprobs(logits, params, results)
         sampled: dict[str, int] = {}
         for t, result in zip(records, results, strict=True):
             if isinstance(result, Exception):
@@ -352,23 +371,25 @@ class LLM:
                 sampled[t.request.request_id] = result
         self.scheduler.update_from_output(out, sampled)
         now = time.perf_counter()
-        for t in records:
+        for t, token_logprobs_ in zip(records, logprobs, strict=True):
             token = sampled.get(t.request.request_id)
             if token is not None:
                 try:
-                    self._advance(t, token, now)
+                    self._advance(t, token, now, token_logprobs_)
                 except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
                     self._fail_one(t, exc)
 
-    def _advance(self, t: _Tracked, token: int, now: float) -> None:
+    def _advance(self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None) -> None:
         """Detokenize a request's new token and hand its update to its front door."""
         t.t_first_token = t.t_first_token or now
         t.t_last_token = now
+        if logprobs is not None:
+            t.logprobs.append(logprobs)
         text = t.detok.push((token,))
         if t.request.is_finished:
             text += t.detok.finish()
             self._finish(t, str(t.request.finish_reason))
-        self._emit(t, (token,), text)
+        self._emit(t, (token,), text, () if logprobs is None else (logprobs,))
 
     def _fail_one(self, t: _Tracked, exc: Exception) -> None:
         """Fail one request of a step whose other rows go on: its blocks and lock come back."""
@@ -404,12 +425,21 @@ class LLM:
             total_s=now - t.t_submit,
         )
         rid, prompt_ids = req.request_id, tuple(req.prompt_token_ids)
-        t.output = RequestOutput(rid, prompt_ids, out_ids, t.detok.emitted, finish_reason, stats)
+        logprobs = None if t.params.logprobs is None else tuple(t.logprobs)
+        t.output = RequestOutput(
+            rid, prompt_ids, out_ids, t.detok.emitted, finish_reason, stats, logprobs
+        )
 
-    def _emit(self, t: _Tracked, new_token_ids: tuple[int, ...], new_text: str) -> None:
+    def _emit(
+        self,
+        t: _Tracked,
+        new_token_ids: tuple[int, ...],
+        new_text: str,
+        new_logprobs: tuple[TokenLogprobs, ...] = (),
+    ) -> None:
         if t.sink is not None:
             rid = t.request.request_id
-            t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error))
+            t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error, new_logprobs))
 
     def _discard(self, rid: str) -> None:
         """Drop a request's record, aborting it if it has not finished."""

@@ -23,6 +23,15 @@ class RequestStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability and its most likely alternatives (`logprobs.py`)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -32,6 +41,8 @@ class RequestOutput:
     # step failed)
     finish_reason: str
     stats: RequestStats
+    # one per generated token when the request's params asked for logprobs, else None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

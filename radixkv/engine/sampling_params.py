@@ -5,7 +5,7 @@ Torch-free, like `radixkv.engine.config`: `from radixkv import SamplingParams` l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from radixkv.cache import check_size
@@ -29,6 +29,13 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed reply lengths)
+    # OpenAI's logit adjustments (`penalties.py`): penalties in [-2, 2], biases in [-100, 100]
+    # by token id (a mapping or (id, bias) pairs; kept as pairs sorted by id)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no logprobs; k: the sampled token's logprob and the k most likely, k <= 20
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_size(self.max_tokens, "max_tokens", low=1)
@@ -46,10 +53,20 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
             check_size(t, "stop_token_ids[i]", low=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(getattr(self, name), name, MAX_PENALTY)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.logprobs is not None and check_size(self.logprobs, "logprobs", low=0) > 20:
+            raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or penalty changes this request's logits before sampling."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     def stop_tokens(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
         """Every token that ends a request: its own stop tokens, and the model's EOS ids unless
@@ -63,3 +80,29 @@ def check_seed(seed: object) -> int:
     if value >= 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {value}")
     return value
+
+
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_BIAS = 100.0  # and on a logit_bias value
+
+
+def _check_number(value: object, name: str, bound: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not -bound <= value <= bound:  # NaN fails too
+        raise ValueError(f"{name} must be in [-{bound:g}, {bound:g}], got {value}")
+    return float(value)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` (a mapping or (id, bias) pairs) as pairs sorted by token id."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise TypeError(f"logit_bias must be a mapping of token ids to numbers, got {bias!r}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise TypeError(f"logit_bias must be a mapping of token ids to numbers, got {item!r}")
+        token = check_size(item[0], "logit_bias's token id", low=0)
+        pairs[token] = _check_number(item[1], f"logit_bias[{token}]", MAX_BIAS)
+    return tuple(sorted(pairs.items()))

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.llm import LLM, RequestUpdate
+from radixkv.engine.outputs import TokenLogprobs
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.bodies import (
     BodyLimits,
@@ -39,6 +40,7 @@ from radixkv.serve.bodies import (
 from radixkv.serve.config import ServeConfig
 from radixkv.serve.door import RequestDoor
 from radixkv.serve.engine_loop import EngineLoop, RequestStream
+from radixkv.serve.logprobs_format import LogprobsWriter, token_texts
 from radixkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.serve.protocol import (
     APIError,
@@ -63,6 +65,7 @@ class _Piece:
     text: str
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of the tokens this piece's update brought
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class OpenAIServer:
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
+        self.token_text = token_texts(llm.tokenizer)
         self.stopping: asyncio.Future[None] | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -198,6 +202,10 @@ class OpenAIServer:
                 seed=fields.seed,
                 stop_token_ids=fields.stop_token_ids,
                 ignore_eos=fields.ignore_eos,
+                presence_penalty=fields.presence_penalty or 0.0,
+                frequency_penalty=fields.frequency_penalty or 0.0,
+                logit_bias=fields.logit_bias,
+                logprobs=fields.logprobs,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), _sampling_param(exc, fields)) from exc
@@ -269,8 +277,8 @@ class OpenAIServer:
                     if stops.stopped:
                         # Keep the stream open: the aborted request's output carries its usage.
                         self.engine.abort(stream.request_id, keep_stream=True)
-                    if text:
-                        yield _Piece(text)
+                    if text or item.new_logprobs:
+                        yield _Piece(text, logprobs=item.new_logprobs)
                 if item.output is not None:
                     output = item.output
                     if stops.stopped:
@@ -317,16 +325,20 @@ def _sampling_param(exc: Exception, fields: SamplingFields) -> str | None:
         return fields.max_tokens_param
     if name.startswith("stop_token_ids"):
         return "stop"
+    if name.startswith("logit_bias"):
+        return "logit_bias"
     return name if name in SamplingFields.__dataclass_fields__ else None
 
 
-async def _join(pieces: AsyncIterator[_Piece]) -> tuple[str, _Piece]:
+async def _join(pieces: AsyncIterator[_Piece]) -> tuple[str, list[TokenLogprobs], _Piece]:
     parts = []
+    logprobs: list[TokenLogprobs] = []
     last = _Piece("")
     async for piece in pieces:
         parts.append(piece.text)
+        logprobs += piece.logprobs
         last = piece
-    return "".join(parts), last
+    return "".join(parts), logprobs, last
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -334,7 +346,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(pieces: AsyncIterator[_Piece], request: Request) -> tuple[str, _Piece] | None:
+async def _collect(
+    pieces: AsyncIterator[_Piece], request: Request
+) -> tuple[str, list[TokenLogprobs], _Piece] | None:
     """The whole reply, or None if the client went away first (the request is then aborted)."""
     reply = asyncio.ensure_future(_join(pieces))
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -464,9 +478,12 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     model = server.config.model_name
     # Random, as OpenAI's: an id must not tell how many requests the server has seen.
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    writer = None
+    if job.fields.logprobs is not None:
+        writer = LogprobsWriter(server.token_text, chat=chat)
     if job.fields.stream:
         events = (_chat_events if chat else _completion_events)(
-            rid, model, pieces, job.fields.include_usage
+            rid, model, pieces, job.fields.include_usage, writer
         )
         return StreamingResponse(
             _ending_with_error(events, server),
@@ -476,9 +493,10 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     result = await _collect(pieces, request)
     if result is None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    text, last = result
+    text, logprobs, last = result
     build = chat_response if chat else completion_response
-    return JSONResponse(build(rid, model, text, last.finish_reason, last.usage))
+    written = None if writer is None else writer(logprobs)
+    return JSONResponse(build(rid, model, text, last.finish_reason, last.usage, written))
 
 
 async def _ending_with_error(
@@ -496,12 +514,17 @@ async def _ending_with_error(
 
 
 async def _chat_events(
-    rid: str, model: str, pieces: AsyncIterator[_Piece], include_usage: bool
+    rid: str,
+    model: str,
+    pieces: AsyncIterator[_Piece],
+    include_usage: bool,
+    writer: LogprobsWriter | None,
 ) -> AsyncIterator[str]:
     yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
     async for piece in pieces:
-        if piece.text:
-            yield _sse(chat_chunk(rid, model, {"content": piece.text}))
+        if piece.text or (writer and piece.logprobs):
+            logprobs = None if writer is None else writer(piece.logprobs)
+            yield _sse(chat_chunk(rid, model, {"content": piece.text}, logprobs=logprobs))
         if piece.finish_reason is not None:
             yield _sse(chat_chunk(rid, model, {}, piece.finish_reason))
             if include_usage:
@@ -509,10 +532,16 @@ async def _chat_events(
 
 
 async def _completion_events(
-    rid: str, model: str, pieces: AsyncIterator[_Piece], include_usage: bool
+    rid: str,
+    model: str,
+    pieces: AsyncIterator[_Piece],
+    include_usage: bool,
+    writer: LogprobsWriter | None,
 ) -> AsyncIterator[str]:
     async for piece in pieces:
-        if piece.text or piece.finish_reason is not None:
-            yield _sse(completion_response(rid, model, piece.text, piece.finish_reason, None))
+        if piece.text or piece.finish_reason is not None or (writer and piece.logprobs):
+            logprobs = None if writer is None else writer(piece.logprobs)
+            chunk = completion_response(rid, model, piece.text, piece.finish_reason, None, logprobs)
+            yield _sse(chunk)
         if piece.finish_reason is not None and include_usage:
             yield _sse(completion_response(rid, model, None, None, piece.usage))

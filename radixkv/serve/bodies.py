@@ -20,6 +20,8 @@ from radixkv.serve.protocol import APIError, bad_request
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; SamplingParams itself takes any temperature >= 0
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's; each entry costs every step of the request
+MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,12 @@ class SamplingFields:
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     cache_salt: str | None = None  # vLLM's tenant isolation field
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    # None: no logprobs; k: each token's logprob and its k most likely alternatives (chat:
+    # `logprobs: true` + `top_logprobs: k`; completions: `logprobs: k`)
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +139,7 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
     salt = _text(body.get("cache_salt"), "cache_salt")
     if salt == "":
         raise bad_request("cache_salt must not be empty", "cache_salt")
+    _refuse_unsupported(body, chat=chat)
     return SamplingFields(
         model=_text(body.get("model"), "model"),
         max_tokens=max_tokens,
@@ -146,6 +155,10 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
         ),
         ignore_eos=bool(_bool(body.get("ignore_eos"), "ignore_eos")),
         cache_salt=salt,
+        presence_penalty=_number(body.get("presence_penalty"), "presence_penalty"),
+        frequency_penalty=_number(body.get("frequency_penalty"), "frequency_penalty"),
+        logit_bias=_logit_bias(body.get("logit_bias"), limits),
+        logprobs=_logprobs(body, chat=chat),
     )
 
 
@@ -158,6 +171,74 @@ def _seed(value: Any) -> int | None:
     if not -(2**63) <= seed < 2**63:
         raise bad_request(f"seed must be a 64-bit signed integer, got {seed}", "seed")
     return seed % 2**64
+
+
+def _logprobs(body: Mapping[str, Any], *, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list, None for no logprobs."""
+    top_param = "top_logprobs" if chat else "logprobs"
+    if chat:
+        wanted = _bool(body.get("logprobs"), "logprobs")
+        top = _int(body.get("top_logprobs"), "top_logprobs")
+        if top is not None and not wanted:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if not wanted:
+            return None
+    else:
+        top = _int(body.get("logprobs"), "logprobs")
+        if top is None:
+            return None
+    bound = MAX_TOP_LOGPROBS[chat]
+    if not 0 <= (top or 0) <= bound:
+        raise bad_request(f"{top_param} must be in [0, {bound}], got {top}", top_param)
+    return top or 0
+
+
+def _logit_bias(bias: Any, limits: BodyLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to biases."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise _wrong_type("logit_bias", "an object of token ids to numbers", bias)
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(
+            f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+            "logit_bias",
+        )
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= limits.vocab_size:
+            raise bad_request(
+                f"logit_bias key {key[:20]!r} is not a token id: the vocabulary is "
+                f"[0, {limits.vocab_size})",
+                "logit_bias",
+            )
+        number = _number(value, "logit_bias")
+        pairs.append((int(key), number))
+    return tuple(pairs)
+
+
+# (field, whether the body's value is supported): each other value is answered 400 naming the field
+_UNSUPPORTED_CHAT = (
+    ("tools", lambda v: v == []),
+    ("tool_choice", lambda v: v == "none"),
+    ("functions", lambda v: v == []),
+    ("function_call", lambda v: v == "none"),
+    ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
+)
+_UNSUPPORTED_COMPLETION = (
+    ("echo", lambda v: v is False),
+    ("best_of", lambda v: v == 1 and type(v) is int),
+    ("suffix", lambda v: v == ""),
+)
+
+
+def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
+    """400 for what this server does not do (tools, structured output, echo, ...), rather than
+    a 200 that silently ignores it."""
+    for name, supported in _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION:
+        value = body.get(name)
+        if value is not None and not supported(value):
+            raise bad_request(f"{name} is not supported by this server (got {value!r:.60})", name)
 
 
 def _messages(body: Mapping[str, Any], limits: BodyLimits) -> tuple[dict[str, str], ...]:

@@ -72,7 +72,12 @@ def usage(output: RequestOutput, num_completion_tokens: int | None = None) -> di
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish_reason: str, usage_: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -83,7 +88,7 @@ def chat_response(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -97,12 +102,13 @@ def chat_chunk(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage_: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A chat stream chunk; `delta=None` makes the final usage-only chunk (no choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return {
         "id": rid,
@@ -120,12 +126,13 @@ def completion_response(
     text: str | None,
     finish_reason: str | None,
     usage_: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A completion or one stream chunk of it (`text=None`: the final usage-only chunk)."""
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return {
         "id": rid,
