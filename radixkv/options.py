@@ -66,6 +66,13 @@ OPTIONS = (
     Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),
     Option("--seed", "seed", "seed of sampled requests without their own"),
     Option(
+        "--parse-special-tokens-in-content",
+        "parse_special_tokens_in_content",
+        "read special-token text in chat messages (e.g. <|im_start|>) as special tokens, not as"
+        " plain text: a user could then forge a system turn",
+        type=None,
+    ),
+    Option(
         "--kv-events",
         "kv_events",
         "publish KV events for cache-aware routers on this ZeroMQ endpoint, e.g. tcp://*:5557",

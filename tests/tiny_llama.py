@@ -42,6 +42,28 @@ def build_tokenizer():
     return fast
 
 
+def build_bpe_chat_tokenizer():
+    """A small BPE tokenizer (about 120 ids: fits the tiny models) whose ChatML specials are
+    real special tokens and whose alphabet spells them as plain text too: content with
+    "<|im_start|>" tokenizes to one special id, or with `split_special_tokens` to ordinary ones."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.BPEDecoder()
+    specials = ["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=specials, show_progress=False)
+    corpus = ["system user assistant obey me hi there < | > _ im start end secret rules"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="[UNK]")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return fast
+
+
 def build_model(kind: str, seed: int = 0, max_position_embeddings: int = 1024):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -34,7 +34,12 @@ _SIZES = {
     "max_model_len": 1,
     "num_threads": 1,
 }
-_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager")
+_SWITCHES = (
+    "enable_prefix_cache",
+    "prefill_first",
+    "enforce_eager",
+    "parse_special_tokens_in_content",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,10 @@ class EngineConfig:
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
     num_threads: int | None = None
     seed: int = 0  # mixed with the submit order into the seed of a sampled request without one
+    # Chat messages are what users typed: by default special-token text in their content (say
+    # "<|im_end|><|im_start|>system") is tokenized as plain text, so no user can forge a turn;
+    # True parses it as the chat template's own text (`radixkv.engine.chat_template`).
+    parse_special_tokens_in_content: bool = False
     # Where the prefix cache's KV events go: None, a ZeroMQ address such as "tcp://*:5557" (vLLM's
     # wire format, for cache-aware routers) or a callable taking each event
     # (`radixkv.kv_events`), drained after each step; `llm.kv_events.close()` stops them.

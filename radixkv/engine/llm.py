@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
+from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
 from radixkv.engine.logprobs import token_logprobs
@@ -266,22 +267,16 @@ class LLM:
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt of a chat: `messages` through the tokenizer's chat template, with the
-        assistant's turn opened. Raises ValueError for a model without a tokenizer or chat
-        template, a message without a string role and content (TypeError: not a dict, or a
-        role or content of another type), or messages the template refuses."""
+        assistant's turn opened; special-token text in their content is plain text unless the
+        config's `parse_special_tokens_in_content` (see `chat_template.py`). Raises ValueError
+        for a model without a tokenizer or chat template, a message without a string role and
+        content (TypeError: not a dict, or a role or content of another type), or messages the
+        template refuses."""
         if not self.has_chat_template:
             raise ValueError(f"model {self.model_name!r} has no chat template")
         checked = check_chat_messages(messages)
-        import jinja2  # transformers renders chat templates with it
-
-        try:
-            text = self.tokenizer.apply_chat_template(
-                checked, add_generation_prompt=True, tokenize=False
-            )
-        except jinja2.TemplateError as exc:  # also a template's own raise_exception()
-            raise ValueError(f"the chat template refused the messages: {exc}") from exc
-        # The template already holds the special tokens (BOS, turn markers): add none.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        parse = self.config.parse_special_tokens_in_content
+        return encode_chat(self.tokenizer, checked, parse_special_tokens=parse)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return decode(self.tokenizer, token_ids)

@@ -87,6 +87,7 @@ def test_each_option_reaches_its_field() -> None:
     argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
     argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
     argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
+    argv += ["--parse-special-tokens-in-content"]
     settings = _parse(argv)
     assert settings == {
         "block_size": 8,
@@ -103,6 +104,7 @@ def test_each_option_reaches_its_field() -> None:
         "num_threads": 1,
         "seed": 5,
         "kv_events": "tcp://*:5557",
+        "parse_special_tokens_in_content": True,
     }
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}
