@@ -206,7 +206,8 @@ def _logit_bias(bias: Any, limits: BodyLimits) -> tuple[tuple[int, float], ...]:
         )
     pairs = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= limits.vocab_size:
+        is_id = key.isascii() and key.isdigit() and len(key) <= 12  # int() of 5000 digits fails
+        if not is_id or int(key) >= limits.vocab_size:
             raise bad_request(
                 f"logit_bias key {key[:20]!r} is not a token id: the vocabulary is "
                 f"[0, {limits.vocab_size})",

@@ -107,6 +107,7 @@ def test_penalties_and_logit_bias_equal_the_engines(server, reference_llm) -> No
         ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("chat", {"logit_bias": {"5": True}}, "logit_bias"),
         ("chat", {"logit_bias": {"1000000": 1}}, "logit_bias"),
+        ("chat", {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
         ("chat", {"logit_bias": [5]}, "logit_bias"),
         ("chat", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
