@@ -389,14 +389,16 @@ class LLM:
     def _fail_one(self, t: _Tracked, exc: Exception) -> None:
         """Fail one request of a step whose other rows go on: its blocks and lock come back."""
         logger.error("request %s failed in a step: %r", t.request.request_id, exc)
-        self._fail([t.request.request_id], exc, whole_step=False)
+        self._fail_requests([t.request.request_id], exc)
 
-    def _fail(self, step_ids: list[str], exc: BaseException, *, whole_step: bool = True) -> None:
-        """Fail requests of a faulty step: with `whole_step`, the step's (every live one when it
-        failed before its rows were known, since then nothing tells which requests it touched)."""
-        if whole_step:
-            self.scheduler.fail_step()
-        for rid in step_ids or list(self._tracked):
+    def _fail(self, step_ids: list[str], exc: BaseException) -> None:
+        """Fail the requests of a faulty step: every live one when it failed before its rows were
+        known, since then nothing tells which requests it touched."""
+        self.scheduler.fail_step()
+        self._fail_requests(step_ids or list(self._tracked), exc)
+
+    def _fail_requests(self, rids: list[str], exc: BaseException) -> None:
+        for rid in rids:
             t = self._tracked.get(rid)
             if t is not None and t.output is None:
                 self.scheduler.abort(rid)  # False where it finished or fail_step() failed it
