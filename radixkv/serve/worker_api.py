@@ -27,7 +27,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -44,12 +44,25 @@ from radixkv.serve.protocol import (
 
 if TYPE_CHECKING:
     from radixkv.engine.llm import LLM
-    from radixkv.serve.app import OpenAIServer
+    from radixkv.serve.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 HEALTH_CACHE_SALT = "radixkv-health-check"  # its one-token prompt never enters the shared cache
+
+
+class OpenAIServer(Protocol):
+    """What these routes use of `radixkv.serve.app.OpenAIServer` (which registers them)."""
+
+    llm: LLM
+    config: Any  # ServeConfig: model_name, max_queued_requests
+    engine: EngineLoop
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]: ...
+    def completion_prompt(self, body: CompletionRequest) -> list[int]: ...
+    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]: ...
+    def prepare_completion(self, body: CompletionRequest) -> tuple[list[int], SamplingParams]: ...
 
 
 class TokenizeRequest(BaseModel):
