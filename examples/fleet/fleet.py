@@ -42,20 +42,25 @@ REPO = Path(__file__).resolve().parents[2]
 ROUTERS_DIR = Path(os.environ.get("RADIXKV_ROUTERS_DIR", REPO / ".venv-routers"))
 IN_NAMESPACE_ENV = "RADIXKV_FLEET_IN_NETNS"
 
-# sglang-router's cache_aware, tuned for multi-turn chat. It sends a request to the worker whose
-# tree (of request TEXT) matches the most of it when the matched share exceeds cache_threshold,
-# else to the worker with the smallest tree. Its default threshold (0.3) is below what a shared
-# system prompt alone matches on a conversation's first turn, so every conversation lands on
-# the first worker that saw the system prompt (the issue measured 32 of 32). At 0.85 a match must
-# cover a conversation's own history, not just the shared prompt: first turns spread over the
-# workers (smallest tree), later turns (previous prompt + reply matched, 85-95 % of the text)
-# return home. The balance thresholds move a request to the least-loaded worker only when
-# one worker has several more requests in flight than the other: at the defaults (64 requests,
-# 1.5x) a small fleet never rebalances.
+# cache_aware (sglang-router; vllm-router's is the same algorithm) tuned for multi-turn chat.
+# When the in-flight loads are imbalanced (max - min > abs AND max > rel * min) it sends a
+# request to the least-loaded worker; otherwise to the worker whose tree of past request TEXT
+# matches the largest share of it, if that share exceeds cache_threshold, else to the least
+# loaded / smallest tree. Two facts of chat decide the values:
+# - The router never sees replies, so a conversation's second turn matches only its first
+#   request (about 68 % of the text in benchmarks/fleet_bench.py), while a new conversation's
+#   first turn matches the shared system prompt (about 77 %): no threshold tells them apart.
+#   At the default 0.3 every first turn follows the system prompt to one worker (the issue
+#   measured 32 of 32 requests on one replica).
+# - A chat client waits for its reply, so when its next turn arrives its home worker has just
+#   finished one request: the home is the less loaded worker, or loads are equal.
+# So: rebalance on any difference in load (abs 0, rel 1.0), which spreads the first turns evenly
+# and sends later turns home, and a threshold under the second-turn match (0.6), so that with
+# equal loads a conversation still follows its history rather than the shared prompt.
 SGLANG_CHAT_THRESHOLDS = {
-    "--cache-threshold": "0.85",
-    "--balance-abs-threshold": "4",
-    "--balance-rel-threshold": "2.0",
+    "--cache-threshold": "0.6",
+    "--balance-abs-threshold": "0",
+    "--balance-rel-threshold": "1.0",
 }
 
 ROUTER_KINDS = (

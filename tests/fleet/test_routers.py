@@ -14,7 +14,9 @@ pytest.importorskip("fastapi")
 
 from benchmarks.fleet_bench import Result, Workload, run_policy
 
-WORKLOAD = Workload(conversations=4, turns=3, max_tokens=4, system=True, tiny=True)
+# An odd number of conversations: with an even one, round robin in lockstep would send each
+# conversation to the same replica on every turn by accident.
+WORKLOAD = Workload(conversations=5, turns=3, max_tokens=4, system=True, tiny=True)
 
 
 def needs(package: str) -> None:
