@@ -339,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{args.recipe} needs unshare -n (as root)", file=sys.stderr)
             return 2
         cmd = namespace_command([sys.executable, __file__, *(argv or sys.argv[1:])])
-        return subprocess.call(cmd, env={**os.environ, IN_NAMESPACE_ENV: "1"})
+        # exec, not a child: Ctrl-C (SIGINT to this pid) must reach the fleet's owner
+        os.execvpe(cmd[0], cmd, {**os.environ, IN_NAMESPACE_ENV: "1"})
     with start_fleet(
         args.recipe,
         args.replicas,
