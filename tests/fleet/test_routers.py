@@ -46,7 +46,7 @@ def assert_complete_and_counted(result: Result) -> None:
     assert result.output_tokens == total * WORKLOAD.max_tokens
 
 
-@pytest.mark.parametrize("policy", ["sglang-cache-aware", "vllm-cache-aware", "session-hash"])
+@pytest.mark.parametrize("policy", ["sglang-cache-aware", "vllm-cache-aware"])
 def test_cache_aware_router_completes_and_beats_round_robin(
     run: Callable[[str], Result], policy: str
 ) -> None:
