@@ -341,22 +341,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = namespace_command([sys.executable, __file__, *(argv or sys.argv[1:])])
         # exec, not a child: Ctrl-C (SIGINT to this pid) must reach the fleet's owner
         os.execvpe(cmd[0], cmd, {**os.environ, IN_NAMESPACE_ENV: "1"})
-    with start_fleet(
-        args.recipe,
-        args.replicas,
-        serve_args,
-        model=args.served_model_name,
-        block_size=args.block_size,
-    ) as fleet:
+    # Ctrl-C at any moment, starting up included, stops everything (start_fleet's finally).
+    with (
+        contextlib.suppress(KeyboardInterrupt),
+        start_fleet(
+            args.recipe,
+            args.replicas,
+            serve_args,
+            model=args.served_model_name,
+            block_size=args.block_size,
+        ) as fleet,
+    ):
         for r in fleet.replicas:
-            print(f"replica  {r.url}  events {r.events_endpoint or '-'}")
+            print(f"replica  {r.url}  events {r.events_endpoint or '-'}", flush=True)
         if fleet.url:
-            print(f"router   {fleet.url}/v1  (model {args.served_model_name!r}); Ctrl-C stops")
+            print(f"router   {fleet.url}/v1  (model {args.served_model_name!r})", flush=True)
         if fleet.indexer_url:
-            print(f"indexer  {fleet.indexer_url}/query  POST {{token_ids, model_name: default}}")
-        with contextlib.suppress(KeyboardInterrupt):
-            while all(p.alive() for p in fleet.processes):
-                time.sleep(1)
+            print(f"indexer  {fleet.indexer_url}/query  POST {{token_ids, model_name}}", flush=True)
+        while all(p.alive() for p in fleet.processes):
+            time.sleep(1)
     return 0
 
 
