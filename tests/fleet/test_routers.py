@@ -15,8 +15,11 @@ pytest.importorskip("fastapi")
 from benchmarks.fleet_bench import Result, Workload, run_policy
 
 # An odd number of conversations: with an even one, round robin in lockstep would send each
-# conversation to the same replica on every turn by accident.
-WORKLOAD = Workload(conversations=5, turns=3, max_tokens=4, system=True, tiny=True)
+# conversation to the same replica on every turn by accident. Replies of 24 tokens keep the
+# requests in flight long enough for chat's closed loop (a client waits for its reply) to
+# show in the routers' load signal, as with a real model; 4-token replies finish before the
+# next request arrives, and cache_aware then routed no better than round robin.
+WORKLOAD = Workload(conversations=5, turns=4, max_tokens=24, system=True, tiny=True)
 
 
 def needs(package: str) -> None:
