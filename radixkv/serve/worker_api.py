@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -137,7 +137,7 @@ def _flush(llm: LLM) -> str | None:
 def _server_info(server: OpenAIServer) -> dict[str, Any]:
     """SGLang's /server_info: its server arguments and scheduler info, the fields routers read."""
     llm, config = server.llm, server.config
-    sched = llm.scheduler_config
+    settings = llm.config
     max_total_tokens = llm.cache.num_blocks * llm.cache.block_size
     return {
         "model_path": llm.model_name,
@@ -146,14 +146,14 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
         "dp_size": 1,
         "tp_size": 1,
         "page_size": llm.cache.block_size,
-        "context_length": llm.max_model_len,
+        "context_length": settings.max_model_len,
         "max_total_tokens": max_total_tokens,
-        "max_prefill_tokens": sched.max_num_batched_tokens,
-        "chunked_prefill_size": sched.chunked_prefill_size,
-        "max_running_requests": sched.max_num_seqs,
-        "max_req_input_len": llm.max_model_len - 1,
-        "schedule_policy": sched.policy,
-        "disable_radix_cache": not sched.enable_prefix_cache,
+        "max_prefill_tokens": settings.max_num_batched_tokens,
+        "chunked_prefill_size": settings.chunked_prefill_size,
+        "max_running_requests": settings.max_num_seqs,
+        "max_req_input_len": settings.max_model_len - 1,
+        "schedule_policy": settings.policy,
+        "disable_radix_cache": not settings.enable_prefix_cache,
         "max_queued_requests": config.max_queued_requests,
         "internal_states": [],
         "version": _version(),
@@ -205,7 +205,7 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
         strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {
             "count": len(tokens),
-            "max_model_len": server.llm.max_model_len,
+            "max_model_len": server.llm.config.max_model_len,
             "tokens": tokens,
             "token_strs": strs,
         }
@@ -231,7 +231,7 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
             "object": "model",
             "created": 0,
             "owned_by": "radixkv",
-            "max_model_len": server.llm.max_model_len,
+            "max_model_len": server.llm.config.max_model_len,
         }
 
 

@@ -191,7 +191,7 @@ def test_tokenize_chat_and_prompt_in_vllms_schema(server: Any) -> None:
     ids = render_chat(server.llm.tokenizer, messages)
     assert out == {
         "count": len(ids),
-        "max_model_len": server.llm.max_model_len,
+        "max_model_len": server.llm.config.max_model_len,
         "tokens": ids,
         "token_strs": None,
     }
