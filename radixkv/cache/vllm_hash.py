@@ -7,10 +7,13 @@ replica's events if they carry vLLM's hashes. vLLM computes them so
 `generate_block_hash_extra_keys`; `vllm/utils/hashing.py`: `sha256_cbor`):
 
     sha256_cbor(x) = sha256(canonical CBOR of x)           (cbor2.dumps(x, canonical=True))
-    NONE_HASH      = sha256_cbor(PYTHONHASHSEED)            the seed as a text string; vLLM
-                                                            draws 32 random bytes without one
+    NONE_HASH      = sha256_cbor(seed)                      the seed as a text string:
+                                                            PYTHONHASHSEED, else "vllm-none-hash"
+                                                            (vLLM 0.33, for sha256 and sha256_cbor)
     h_i            = sha256_cbor((h_{i-1} or NONE_HASH, tuple(block i's token ids), extra_i))
-    extra_0        = (cache_salt,) for a salted request, else None; extra_i = None for i > 0
+    extra_0        = (("cache_salt", cache_salt),) for a salted request, else None;
+                     extra_i = None for i > 0 (vLLM 0.33 tags each extra key with its source;
+                     its KV events carry them untagged, `(cache_salt,)`, in `extra_keys`)
     event hash     = int.from_bytes(h_i, "big") & (2**64 - 1)
                      (vLLM's int form of block hashes, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
@@ -23,7 +26,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
+
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for sha256_cbor without PYTHONHASHSEED
 _MASK64 = (1 << 64) - 1
 _NULL = b"\xf6"
 
@@ -68,7 +75,7 @@ def chain(
 ) -> list[bytes]:
     """The digests of the consecutive full blocks of `token_ids` (a whole number of blocks),
     chained from `parent` (NONE_HASH for a sequence's first block); `first_extra` is the extra
-    keys of the first of them (vLLM: `(cache_salt,)` on a salted request's block 0)."""
+    keys of the first of them (vLLM: `salt_keys(cache_salt)` on a salted request's block 0)."""
     assert len(token_ids) % block_size == 0, "chain takes whole blocks"
     digests = []
     extra = first_extra
@@ -83,3 +90,36 @@ def chain(
 def wire_hash(digest: bytes) -> int:
     """The block hash an event carries: the digest's low 64 bits."""
     return int.from_bytes(digest, "big") & _MASK64
+
+
+def salt_keys(cache_salt: str | None) -> tuple | None:
+    """Block 0's extra keys for a request with `cache_salt` (None or "": unsalted, as in vLLM)."""
+    return (("cache_salt", cache_salt),) if cache_salt else None
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstBlock:
+    """The parent handed to a namespace's first block: vLLM puts the salt in its extra keys."""
+
+    cache_salt: str | None
+
+
+class Sha256CborHasher:
+    """The `BlockHasher` (`radixkv.cache.events`) of vLLM's chain: nodes hold the 32-byte
+    digests, events their low 64 bits. A namespace is vLLM's cache salt."""
+
+    def __init__(self, seed: str = DEFAULT_SEED) -> None:
+        self.none_hash = none_hash(seed)
+
+    def first_parent(self, namespace: str | None) -> _FirstBlock:
+        return _FirstBlock(namespace)
+
+    def block(self, parent: bytes | _FirstBlock, tokens_le: bytes) -> bytes:
+        block = tuple(np.frombuffer(tokens_le, "<u4").tolist())
+        if isinstance(parent, _FirstBlock):
+            return sha256_cbor((self.none_hash, block, salt_keys(parent.cache_salt)))
+        return sha256_cbor((parent, block, None))
+
+    @staticmethod
+    def wire(digest: bytes) -> int:
+        return wire_hash(digest)

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from radixkv.cache import vllm_hash
+from radixkv.cache import PrefixCache, vllm_hash
+from radixkv.cache.events import BlockStored, make_block_hasher
 
 cbor2 = pytest.importorskip("cbor2")
 
@@ -24,7 +25,7 @@ def vllm_chain(seed: str, token_ids: list[int], block_size: int, salt: str | Non
     none_hash = vllm_sha256_cbor(seed)
     parent, hashes = None, []
     for i in range(len(token_ids) // block_size):
-        extra = (salt,) if i == 0 and salt else None
+        extra = (("cache_salt", salt),) if i == 0 and salt else None  # vLLM 0.33 tags keys
         block = tuple(token_ids[i * block_size : (i + 1) * block_size])
         parent = vllm_sha256_cbor((parent or none_hash, block, extra))
         hashes.append(int.from_bytes(parent, "big") & (2**64 - 1))
@@ -54,7 +55,7 @@ def test_cbor_is_cbor2_canonical(value: object) -> None:
 )
 def test_chain_is_vllms(seed: str, block_size: int, token_ids: list[int], salt: str | None) -> None:
     whole = token_ids[: len(token_ids) // block_size * block_size]
-    first_extra = (salt,) if salt else None
+    first_extra = vllm_hash.salt_keys(salt)
     digests = vllm_hash.chain(vllm_hash.none_hash(seed), whole, block_size, first_extra=first_extra)
     assert [vllm_hash.wire_hash(d) for d in digests] == vllm_chain(seed, whole, block_size, salt)
 
@@ -80,3 +81,49 @@ def test_pinned_values() -> None:
 def test_cbor_refuses_what_the_chain_never_holds(bad: object) -> None:
     with pytest.raises(TypeError):
         vllm_hash.cbor(bad)
+
+
+def test_default_seed_is_vllms() -> None:
+    # vLLM 0.33 seeds sha256_cbor with "vllm-none-hash" when PYTHONHASHSEED is unset
+    assert vllm_hash.DEFAULT_SEED == "vllm-none-hash"
+    hasher = make_block_hasher("sha256_cbor")
+    assert hasher.none_hash == vllm_sha256_cbor("vllm-none-hash")
+
+
+@given(
+    seed=st.sampled_from([None, "0", "42"]),
+    block_size=st.sampled_from([1, 4, 16]),
+    prompts=st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=40), min_size=1, max_size=4),
+    salt=st.none() | st.text(min_size=1, max_size=12),
+)
+def test_a_caches_events_carry_vllms_hashes(
+    seed: str | None, block_size: int, prompts: list[list[int]], salt: str | None
+) -> None:
+    """A cache recording with the sha256_cbor hasher announces, for every inserted sequence,
+    the hashes vLLM computes for it: the events' chains rebuilt per path equal vllm_chain."""
+    cache = PrefixCache(64, block_size, kv_events=make_block_hasher("sha256_cbor", seed))
+    announced: dict[int, tuple[int, ...]] = {}  # wire hash -> the path's token ids up to it
+    for tokens in prompts:
+        table = cache.admit(tokens, max_hit=len(tokens), namespace=salt)
+        assert table is not None
+        cache.commit(table, tokens)
+        cache.close(table)
+        cache.check_integrity()
+        for event in cache.take_events():
+            assert isinstance(event, BlockStored)  # nothing is evicted in 64 blocks
+            path = () if event.parent_block_hash is None else announced[event.parent_block_hash]
+            assert event.namespace == (salt if event.parent_block_hash is None else None)
+            for i, h in enumerate(event.block_hashes):
+                path += event.token_ids[i * block_size : (i + 1) * block_size]
+                announced[h] = path
+        whole = tokens[: len(tokens) // block_size * block_size]
+        expected = vllm_chain(seed or "vllm-none-hash", whole, block_size, salt)
+        for i, h in enumerate(expected):
+            assert announced[h] == tuple(whole[: (i + 1) * block_size])
+
+
+def test_block_hash_names_are_checked() -> None:
+    with pytest.raises(ValueError, match="block_hash must be one of"):
+        make_block_hasher("sha1")
+    with pytest.raises(ValueError, match="applies to block_hash='sha256_cbor' only"):
+        make_block_hasher("xxh64", "0")
