@@ -11,16 +11,13 @@ policy: the fraction of prompt tokens served from cache and its ratio to one rep
 ceiling: one cache sees every conversation), each replica's share of requests (from the
 replicas' own /metrics), and output tokens/s and its ratio to one replica's.
 
-Policies: `one-replica` (the baseline, no router), the routers of `examples/fleet/fleet.py`, and
-`dynamo-indexer` is left out (an indexer, not a router). The run re-executes itself under
-`unshare -n` where that works, so that `vllm-kv-aware`'s publishers may bind.
+Policies: `one-replica` (the baseline, no router) and the routers of `examples/fleet/fleet.py`;
+`dynamo-indexer` is left out (an indexer, not a router).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -159,11 +156,18 @@ def replica_counts(url: str) -> tuple[int, int, int]:
 
 
 def run_policy(
-    policy: str, workload: Workload, replicas: int, serve_args: Sequence[str], model: str
+    policy: str,
+    workload: Workload,
+    replicas: int,
+    serve_args: Sequence[str],
+    model: str,
+    log_dir: Path | None = None,
 ) -> Result:
+    """Run `workload` through `policy` on fresh replicas (their and the router's logs in
+    `log_dir`: a temporary folder if None)."""
     kind = "none" if policy == "one-replica" else policy
     n = 1 if policy == "one-replica" else replicas
-    with fleet.start_fleet(kind, n, serve_args, model=model) as f:
+    with fleet.start_fleet(kind, n, serve_args, model=model, log_dir=log_dir) as f:
         url = f.url or f.replicas[0].url
         usages, seconds = run_conversations(url, model, workload)
         counts = [replica_counts(r.url) for r in f.replicas]
@@ -220,14 +224,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if "vllm-kv-aware" in args.policies and not fleet.in_namespace():
-        if not fleet.namespace_available():
-            print("vllm-kv-aware needs unshare -n; leaving it out", file=sys.stderr)
-            args.policies.remove("vllm-kv-aware")
-        else:
-            cmd = [sys.executable, "-m", "benchmarks.fleet_bench", *(argv or sys.argv[1:])]
-            env = {**os.environ, fleet.IN_NAMESPACE_ENV: "1"}
-            return subprocess.call(fleet.namespace_command(cmd), cwd=REPO, env=env)
     serve_args = [] if args.model is None else ["--model", args.model]
     systems = {"both": [True, False], "shared": [True], "none": [False]}[args.system]
     print(

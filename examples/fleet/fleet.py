@@ -10,11 +10,14 @@ and prints where to send requests; Ctrl-C stops everything. Options after `--` g
 `radixkv serve` (e.g. `-- --model PATH --block-size 32`). The routers come from
 `scripts/setup_routers.sh` (`make test` runs it): one venv each under `.venv-routers/`.
 
-Programs that bind every interface run in a network namespace that has only loopback
-(`unshare -n`, as root): Dynamo's indexer binds its HTTP port on 0.0.0.0 with no host flag, and a
-replica's KV-event publisher binds `tcp://*:PORT` (radixkv's `--kv-events` connects to any other
-TCP address). The `dynamo-indexer` and `vllm-kv-aware` recipes therefore re-run themselves under
-`unshare -n`; talk to them from inside it (`nsenter`, or run your client there too).
+A replica's KV-event publisher binds `tcp://127.0.0.1:PORT` (`--kv-events`; vllm-router and
+Dynamo connect to it) in vLLM's current layout. Dynamo's indexer binds its HTTP port on 0.0.0.0
+with no host flag, so the `dynamo-indexer` recipe re-runs itself in a network namespace that has
+only loopback (`unshare -n`, as root); talk to it from inside (`nsenter`, or run your client
+there too).
+
+The routers log at `info`; RADIXKV_ROUTER_LOG_LEVEL=debug shows vllm-router's routing decisions
+(for kv_aware, the prefix each worker was credited from its events).
 
 This file is also the harness of `benchmarks/fleet_bench.py` and the fleet tests.
 """
@@ -71,7 +74,8 @@ ROUTER_KINDS = (
     "session-hash",
 )
 RECIPES = (*ROUTER_KINDS, "dynamo-indexer")
-NEEDS_NAMESPACE = ("vllm-kv-aware", "dynamo-indexer")  # publishers bind tcp://*
+NEEDS_NAMESPACE = ("dynamo-indexer",)  # binds 0.0.0.0
+NEEDS_EVENTS = ("vllm-kv-aware", "dynamo-indexer")
 
 
 def router_python(package: str) -> Path | None:
@@ -218,7 +222,7 @@ def replica_command(port: int, events_port: int | None, serve_args: Sequence[str
     cmd = [sys.executable, "-m", "radixkv", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--num-threads", "1", "--log-level", "warning"]
     if events_port is not None:
-        cmd += ["--kv-events", f"tcp://*:{events_port}"]  # binds: inside a namespace only
+        cmd += ["--kv-events", f"tcp://127.0.0.1:{events_port}"]  # bound, loopback only
     return cmd + list(serve_args)
 
 
@@ -250,7 +254,7 @@ def router_command(
                 cmd += ["--kv-event-source", f"{r.url}={r.events_endpoint}"]
             cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
-    return cmd + ["--log-level", "info"]
+    return cmd + ["--log-level", os.environ.get("RADIXKV_ROUTER_LOG_LEVEL", "info")]
 
 
 def indexer_command(port: int, replicas: Sequence[Replica], block_size: int) -> list[str]:
@@ -287,8 +291,8 @@ def start_fleet(
 ) -> Iterator[Fleet]:
     """Start `num_replicas` replicas and router `kind` (or "dynamo-indexer", or "none");
     stop them all on exit. `model` is the name the replicas serve (`--served-model-name`)."""
-    events = kind in NEEDS_NAMESPACE
-    if events and not in_namespace():
+    events = kind in NEEDS_EVENTS
+    if kind in NEEDS_NAMESPACE and not in_namespace():
         raise RuntimeError(f"{kind} binds every interface: run it under unshare -n")
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="radixkv-fleet-"))
     processes: list[Process] = []

@@ -3,8 +3,11 @@ what the clients were told, and cache-aware routing beats round robin on the sam
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import fleet
 import pytest
@@ -28,16 +31,30 @@ def needs(package: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model_dir: Callable[[str], Path]) -> Callable[[str], Result]:
-    results: dict[str, Result] = {}
+def run(
+    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Result, Path]]:
+    """policy -> its result and its logs' folder (each policy runs once per module)."""
+    results: dict[str, tuple[Result, Path]] = {}
 
-    def run_once(policy: str) -> Result:
+    def run_once(policy: str) -> tuple[Result, Path]:
         if policy not in results:
             serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
-            results[policy] = run_policy(policy, WORKLOAD, 2, serve_args, "tiny")
+            log_dir = tmp_path_factory.mktemp(f"fleet-{policy}")
+            # vllm-router logs its decisions (kv_aware: the prefix credited) at debug
+            with mock.patch.dict(os.environ, {"RADIXKV_ROUTER_LOG_LEVEL": "debug"}):
+                result = run_policy(policy, WORKLOAD, 2, serve_args, "tiny", log_dir)
+            results[policy] = result, log_dir
         return results[policy]
 
     return run_once
+
+
+def credited_prefixes(router_log: Path) -> list[int]:
+    """The prefix tokens vllm-router credited to the chosen worker, per kv_aware decision
+    (logged at debug: RADIXKV_ROUTER_LOG_LEVEL)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", router_log.read_text(errors="replace"))
+    return [int(n) for n in re.findall(r"KV prefix decision .*?credited_prefix_tokens=(\d+)", text)]
 
 
 def assert_complete_and_counted(result: Result) -> None:
@@ -49,15 +66,19 @@ def assert_complete_and_counted(result: Result) -> None:
     assert result.output_tokens == total * WORKLOAD.max_tokens
 
 
-@pytest.mark.parametrize("policy", ["sglang-cache-aware", "vllm-cache-aware"])
+@pytest.mark.parametrize("policy", ["sglang-cache-aware", "vllm-cache-aware", "vllm-kv-aware"])
 def test_cache_aware_router_completes_and_beats_round_robin(
     run: Callable[[str], Result], policy: str
 ) -> None:
     needs("vllm-router")
     needs("sglang-router" if policy.startswith("sglang") else "vllm-router")
-    result, baseline = run(policy), run("round-robin")
+    (result, logs), (baseline, _) = run(policy), run("round-robin")
     assert_complete_and_counted(result)
     assert_complete_and_counted(baseline)
     assert all(n > 0 for n in baseline.per_replica)
     assert min(result.per_replica) > 0, "cache-aware routing used one replica only"
     assert result.cached_fraction > baseline.cached_fraction
+    if policy == "vllm-kv-aware":  # it routed on the replicas' events, read as they are
+        credited = credited_prefixes(logs / "router.log")
+        assert len(credited) >= WORKLOAD.conversations * WORKLOAD.turns  # one per worker
+        assert max(credited) > 0, "the router's index held none of the replicas' blocks"
