@@ -18,6 +18,7 @@ Policies: `one-replica` (the baseline, no router) and the routers of `examples/f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -79,6 +80,7 @@ class Result:
     per_replica: list[int]  # finished requests per replica, from its /metrics
     replica_prompt_tokens: int  # summed over the replicas' /metrics
     replica_cached_tokens: int
+    load_1min: float = 0.0  # the machine's 1-minute load average as the workload ended
 
     @property
     def cached_fraction(self) -> float:
@@ -182,18 +184,28 @@ def run_policy(
         per_replica=[c[0] for c in counts],
         replica_prompt_tokens=sum(c[1] for c in counts),
         replica_cached_tokens=sum(c[2] for c in counts),
+        load_1min=os.getloadavg()[0],
     )
+
+
+def nearest_baseline(results: Sequence[Result], i: int) -> Result | None:
+    """The one-replica run of the same prompt kind nearest in time to run `i` (the earlier of
+    two equally near): on a shared machine the load drifts, so a policy listed between
+    one-replica runs (`--policies one-replica A one-replica B ...`) is compared with its
+    neighbour."""
+    same = [j for j, r in enumerate(results) if r.policy == "one-replica"]
+    same = [j for j in same if results[j].system == results[i].system]
+    return results[min(same, key=lambda j: (abs(j - i), j))] if same else None
 
 
 def report(results: Sequence[Result]) -> str:
     lines = [
         "| routing | system prompt | cached fraction | vs one replica | requests per replica "
-        "| max share | output tok/s | vs one replica |",
-        "|---|---|---|---|---|---|---|---|",
+        "| max share | output tok/s | vs one replica | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r.system: r for r in results if r.policy == "one-replica"}
-    for r in results:
-        one = base.get(r.system)
+    for i, r in enumerate(results):
+        one = nearest_baseline(results, i)
         frac = (
             f"{r.cached_fraction / one.cached_fraction:.2f}x"
             if one and one.cached_fraction
@@ -204,7 +216,7 @@ def report(results: Sequence[Result]) -> str:
         lines.append(
             f"| {r.policy} | {'shared' if r.system else 'none'} | {r.cached_fraction:.3f} | "
             f"{frac} | {' / '.join(map(str, r.per_replica))} | {share:.0%} | "
-            f"{r.output_tok_s:.1f} | {speed} |"
+            f"{r.output_tok_s:.1f} | {speed} | {r.load_1min:.1f} |"
         )
     return "\n".join(lines)
 
@@ -239,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"  {policy:20s} system={'shared' if system else 'none':6s} "
                 f"cached {result.cached_fraction:.3f}  per replica {result.per_replica}  "
-                f"{result.output_tok_s:.1f} tok/s",
+                f"{result.output_tok_s:.1f} tok/s  load {result.load_1min:.1f}",
                 flush=True,
             )
             results.append(result)
