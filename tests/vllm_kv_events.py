@@ -1,9 +1,11 @@
-"""vLLM 0.33's KV-event structs (`vllm/distributed/kv_events.py`), mirrored field for field
-(order, types, defaults and struct options) for decoding what radixkv publishes, as a router
-built on vLLM's definitions decodes it; and the older releases' `array_like` events."""
+"""vLLM 0.33 as a consumer sees it: its KV-event structs (`vllm/distributed/kv_events.py`),
+mirrored field for field (order, types, defaults and struct options) for decoding what radixkv
+publishes, as a router built on vLLM's definitions decodes it, with the older releases'
+`array_like` events; and its sha256_cbor block hashes, computed as vLLM computes them."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgspec
@@ -78,3 +80,25 @@ STRUCTS = {
 }
 DECODERS = {layout: msgspec.msgpack.Decoder(type=t[0]) for layout, t in STRUCTS.items()}
 DECODER = DECODERS["map"]  # the publisher's default layout
+
+
+def vllm_chain(
+    seed: str, token_ids: list[int], block_size: int, salt: str | None = None
+) -> list[int]:
+    """vLLM 0.33's event hashes of a request's full blocks under sha256_cbor: `hash_block_tokens`
+    over `cbor2.dumps(canonical=True)` (vllm/utils/hashing.py), NONE_HASH from the seed
+    (`init_none_hash`), a salt tagged in block 0's extra keys (`generate_block_hash_extra_keys`),
+    the low 64 bits on the wire (`maybe_convert_block_hash`)."""
+    import cbor2
+
+    def sha256_cbor(value: object) -> bytes:
+        return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+    none_hash = sha256_cbor(seed)
+    parent, hashes = None, []
+    for i in range(len(token_ids) // block_size):
+        extra = (("cache_salt", salt),) if i == 0 and salt else None
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        parent = sha256_cbor((parent or none_hash, block, extra))
+        hashes.append(int.from_bytes(parent, "big") & (2**64 - 1))
+    return hashes

@@ -9,6 +9,7 @@ import hashlib
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm_kv_events import vllm_chain
 
 from radixkv.cache import PrefixCache, vllm_hash
 from radixkv.cache.events import BlockStored, make_block_hasher
@@ -18,18 +19,6 @@ cbor2 = pytest.importorskip("cbor2")
 
 def vllm_sha256_cbor(value: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
-
-
-def vllm_chain(seed: str, token_ids: list[int], block_size: int, salt: str | None) -> list[int]:
-    """vLLM's block hashes of a request, as its KV events carry them (int form)."""
-    none_hash = vllm_sha256_cbor(seed)
-    parent, hashes = None, []
-    for i in range(len(token_ids) // block_size):
-        extra = (("cache_salt", salt),) if i == 0 and salt else None  # vLLM 0.33 tags keys
-        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = vllm_sha256_cbor((parent or none_hash, block, extra))
-        hashes.append(int.from_bytes(parent, "big") & (2**64 - 1))
-    return hashes
 
 
 values = st.recursive(

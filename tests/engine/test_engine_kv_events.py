@@ -4,7 +4,6 @@ holds of it; an endpoint publishes vLLM batches; the feed between them."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import zmq
 from router_index import BlockHashIndex
 from tiny_llama import random_prompts
-from vllm_kv_events import DECODER, VllmBlockStored
+from vllm_kv_events import DECODER, VllmBlockStored, vllm_chain
 
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, KVEvent
@@ -70,22 +69,6 @@ def replay() -> list[tuple[int, bytes]]:
         replies.append((int.from_bytes(seq, "big"), payload))
     dealer.close(linger=0)
     return replies
-
-
-def vllm_chain(seed: str, token_ids: list[int], block_size: int) -> list[int]:
-    """vLLM 0.33's event hashes of an unsalted request under sha256_cbor
-    (`hash_block_tokens` over `cbor2.dumps(canonical=True)`, NONE_HASH from the seed)."""
-    cbor2 = pytest.importorskip("cbor2")
-
-    def sha256_cbor(value: object) -> bytes:
-        return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
-
-    parent, hashes = sha256_cbor(seed), []
-    for i in range(len(token_ids) // block_size):
-        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = sha256_cbor((parent, block, None))
-        hashes.append(int.from_bytes(parent, "big") & (2**64 - 1))
-    return hashes
 
 
 @pytest.mark.parametrize("seed", [None, "0"])

@@ -76,7 +76,7 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
 
 def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -> None:
     import zmq
-    from vllm_kv_events import DECODER, VllmBlockStored
+    from vllm_kv_events import DECODER, VllmBlockStored, vllm_chain
 
     from radixkv import SamplingParams
     from radixkv.serve.cli import build_llm, build_parser, engine_services
@@ -97,6 +97,9 @@ def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -
     assert topic == b"replica-1"
     events = DECODER.decode(payload).events  # vLLM 0.33's structs
     assert events and all(isinstance(e, VllmBlockStored) for e in events)
+    # 21 tokens written (the last sampled one has no KV): 5 full blocks, vLLM's hashes
+    hashes = [h for e in events for h in e.block_hashes]
+    assert hashes == vllm_chain("vllm-none-hash", list(range(5, 25)), 4)
     sub.close(linger=0)
     for close in services:
         close()
