@@ -12,7 +12,7 @@ Torch-free, so the command line's help can show the defaults without loading tor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache import check_size
@@ -39,13 +39,8 @@ _SIZES = {
     "num_threads": 1,
 }
 _SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager", "kv_events_connect")
-# Settings of the events' wire, which only an address has; the values that say "not set".
-_WIRE_DEFAULTS = {
-    "kv_events_layout": "map",
-    "kv_events_topic": "",
-    "kv_events_replay": None,
-    "kv_events_connect": False,
-}
+# Settings of the events' wire, which only an address has.
+_WIRE_SETTINGS = ("kv_events_layout", "kv_events_topic", "kv_events_replay", "kv_events_connect")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +137,9 @@ class EngineConfig:
         if self.block_hash_seed is not None and not isinstance(self.block_hash_seed, str):
             raise TypeError(f"block_hash_seed must be a str, got {self.block_hash_seed!r}")
         make_block_hasher(self.block_hash, self.block_hash_seed)  # ValueError for a bad pair
-        for name, unset in _WIRE_DEFAULTS.items():
-            if getattr(self, name) != unset and not isinstance(self.kv_events, str):
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in _WIRE_SETTINGS:
+            if getattr(self, name) != defaults[name] and not isinstance(self.kv_events, str):
                 raise ValueError(f"{name} needs kv_events to be a ZeroMQ address")
         if self.block_hash != "xxh64" and self.kv_events is None:
             raise ValueError("block_hash needs kv_events")
