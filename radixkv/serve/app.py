@@ -52,6 +52,7 @@ from radixkv.serve.protocol import (
     usage,
 )
 from radixkv.serve.stop_strings import StopStringMatcher
+from radixkv.serve.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -406,6 +407,7 @@ def create_app(
     _add_error_handlers(app, server)
     _add_info_routes(app, server)
     _add_completion_routes(app, server)
+    add_worker_routes(app, server)
     return app
 
 
