@@ -40,7 +40,6 @@ from radixkv.serve.protocol import APIError, bad_request
 
 if TYPE_CHECKING:
     from radixkv.engine.llm import LLM
-    from radixkv.serve.app import Job
     from radixkv.serve.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
@@ -59,7 +58,8 @@ class OpenAIServer(Protocol):
 
     def chat_prompt(self, messages: Any) -> list[int]: ...
     def completion_prompt(self, prompt: str | tuple[int, ...]) -> list[int]: ...
-    async def prepare(self, raw: bytes, *, chat: bool) -> Job: ...
+    # app.Job (prompt_ids, params, fields); named by app.py, which imports this module
+    async def prepare(self, raw: bytes, *, chat: bool) -> Any: ...
 
 
 class TokenizeRequest(BaseModel):
@@ -198,7 +198,8 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = _model(TokenizeRequest, request)
-        tokens = _tokenize(server, body)
+        # Templating and tokenizing off the event loop, as the completion routes do them.
+        tokens = await asyncio.to_thread(_tokenize, server, body)
         tokenizer = server.llm.tokenizer
         strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {
@@ -248,7 +249,7 @@ def _model(kind: type[BaseModel], request: Request) -> Any:
         raise bad_request(f"{param}: {error['msg']}", param) from None
 
 
-def _generate_request(kind: str, job: Job) -> dict[str, Any]:
+def _generate_request(kind: str, job: Any) -> dict[str, Any]:
     """vLLM's GenerateRequest (`vllm/entrypoints/serve/disagg/protocol.py`): what the request
     would run, as the engine takes it."""
     params, fields = job.params, job.fields
