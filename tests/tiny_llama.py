@@ -65,6 +65,29 @@ def build_model(kind: str, seed: int = 0, max_position_embeddings: int = 1024):
     return LlamaForCausalLM(config).eval()
 
 
+def build_qwen2(seed: int = 0):
+    """A tiny Qwen2 (biased q/k/v projections): a model class the runner does not fuse, which
+    keeps transformers' modules and the generic attention hooks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
 def random_prompts(
     seed: int, num: int, *, shared_prefix: int = 0, min_len: int = 3, max_len: int = 40
 ) -> list[list[int]]:

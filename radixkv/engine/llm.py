@@ -78,6 +78,8 @@ class LLM:
     blocks, or what `kv_cache_bytes` holds, or (CPU) 512 MiB / (CUDA) 80 % of free device memory.
     `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
     OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
+    `max_model_len`: the longest sequence (prompt + output) the engine serves; None: the model's
+    maximum. It also sets the width of the decode graphs' block tables, copied every step.
     `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
     `prefill_first`: a step that admits new requests runs no decodes (`SchedulerConfig`): sooner
     first tokens for a server, a little less throughput for a batch.
@@ -107,6 +109,7 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 1024,
         chunked_prefill_size: int = 512,
+        max_model_len: int | None = None,
         policy: str = "lpm",
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
@@ -128,7 +131,7 @@ class LLM:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.max_model_len = _max_model_len(self.model.config.get_text_config())
+        self.max_model_len = _max_model_len(self.model.config.get_text_config(), max_model_len)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -153,6 +156,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        self.runner.warm_up()
         self.cache = PrefixCache(n_blocks, block_size)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.kv_events = None if kv_events is None else publish_kv_events(self.cache, kv_events)
@@ -483,13 +487,20 @@ def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(t) for t in ids))
 
 
-def _max_model_len(cfg: Any) -> int:
+def _max_model_len(cfg: Any, requested: int | None) -> int:
+    """The engine's longest sequence: `requested`, which may not exceed the model's maximum."""
     n = int(getattr(cfg, "max_position_embeddings", None) or 8192)
     window = getattr(cfg, "sliding_window", None)
     # The paged attention is full causal attention: it equals a sliding-window model's
     # attention only while the whole context fits in the window (Mistral-style configs).
     uniform = getattr(cfg, "use_sliding_window", True) and not getattr(cfg, "layer_types", None)
-    return min(n, int(window)) if window and uniform else n
+    n = min(n, int(window)) if window and uniform else n
+    if requested is None:
+        return n
+    requested = check_size(requested, "max_model_len", low=1)
+    if requested > n:
+        raise ValueError(f"max_model_len={requested} exceeds the model's maximum of {n} tokens")
+    return requested
 
 
 def _set_cpu_threads(num_threads: int | None) -> None:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_llama import build_model
+from tiny_llama import build_model, build_qwen2
 
 from radixkv.engine.model_runner import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -20,10 +20,11 @@ from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutpu
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["gqa", "mha"])
+@pytest.fixture(scope="module", params=["gqa", "mha", "qwen2"])
 def models(request):
-    """(model for the runner, an independent eager copy as the reference)."""
-    model = build_model(request.param)
+    """(model for the runner, an independent eager copy as the reference). The Llamas run the
+    fused modules, the Qwen2 transformers' own modules through the generic attention hooks."""
+    model = build_qwen2() if request.param == "qwen2" else build_model(request.param)
     reference = copy.deepcopy(model)  # deep copy: the runner switches its config's attention
     reference.set_attn_implementation("eager")
     return model, reference
@@ -173,6 +174,20 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     assert len(stored) == len(attended) == model.config.num_hidden_layers
     # one metadata object, shared by every layer's store and attention
     assert len({id(args[4]) for args in stored} | {id(args[3]) for args in attended}) == 1
+
+
+def test_only_plain_llamas_get_the_fused_modules(models):
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
+
+    from radixkv.engine.fused_llama import FusedLlamaRMSNorm, PagedLlamaAttention
+
+    model, _ = models
+    runner = ModelRunner(model, block_size=4, num_blocks=8)
+    is_llama = type(model).__name__ == "LlamaForCausalLM"
+    assert runner.fused_modules == is_llama
+    classes = {type(m) for m in model.modules()}
+    assert (PagedLlamaAttention in classes) == (FusedLlamaRMSNorm in classes) == is_llama
+    assert LlamaAttention not in classes and LlamaRMSNorm not in classes  # all swapped, or none
 
 
 def test_kv_cache_layout(models):
