@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -59,7 +60,7 @@ class _Tracked:
     """Engine-side record of one request, kept until its front door has taken the output."""
 
     request: Request
-    generator: torch.Generator | None
+    generator: random.Random | None
     detok: IncrementalDetokenizer
     t_submit: float
     sink: Callable[[RequestUpdate], None] | None  # where its updates go (generate needs none)
@@ -327,7 +328,7 @@ class LLM:
                 request = Request(rid, tokens, p, eos_token_ids=eos, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 added.append(rid)
-                gen = None if p.greedy else make_generator(seed, self.runner.device)
+                gen = None if p.greedy else make_generator(seed)
                 detok = IncrementalDetokenizer(self.tokenizer)
                 self._tracked[rid] = _Tracked(request, gen, detok, time.perf_counter(), sink)
         except BaseException:

@@ -1,12 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each request with its own RNG.
+"""Token sampling: greedy, temperature, top-k, top-p, each request with its own random stream.
 
-Masking is vectorised over the batch (per-row temperature / k / p as tensors); the final draw is
-per row because every request owns a `torch.Generator` seeded from its own seed, so a seeded
-request samples the same tokens whatever else shares its batch.
+Masking is vectorised over the batch (per-row temperature / k / p as tensors), and so is the draw.
+Every request owns a `random.Random` seeded from its own seed, which gives one uniform number per
+sampled token on the host; the batch's tokens then come from one inverse-CDF lookup on the device
+(per row, the first token whose cumulative probability passes the row's number), after one small
+copy of the numbers. A seeded request draws the same numbers whatever else shares its batch, so it
+samples the same tokens, on the CPU and on a GPU alike.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
@@ -14,14 +18,15 @@ import torch
 from radixkv.scheduler.sampling_params import SamplingParams
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+def make_generator(seed: int) -> random.Random:
+    """A request's random stream: one number per sampled token."""
+    return random.Random(seed)
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[random.Random | None],
 ) -> list[int]:
     """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
     takes the argmax and needs no generator; every other row needs one."""
@@ -31,13 +36,30 @@ def sample(
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
-        for j, i in enumerate(sampled_rows):
+        uniforms = []
+        for i in sampled_rows:
             gen = generators[i]
             assert gen is not None, f"row {i} samples but has no generator"
-            tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+            uniforms.append(gen.random())
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        tokens[rows] = _draw(probs, torch.tensor(uniforms, device=logits.device))
     return tokens.tolist()
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose cumulative probability exceeds
+    `uniforms[row]` (in [0, 1)) times the row's total. probs: [n, vocab] -> token ids [n].
+
+    A token of zero probability is never drawn: its cumulative value is set to its predecessor's
+    (a parallel scan on a GPU may leave it an ulp-wide step above), and a number that rounds up to
+    the total picks the last token with mass."""
+    cdf = probs.cumsum(dim=-1)
+    cdf = torch.where(probs > 0, cdf, float("-inf")).cummax(dim=-1).values
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, uniforms.to(cdf.dtype)[:, None] * total, right=True)
+    last_with_mass = torch.searchsorted(cdf, total)
+    return torch.minimum(picked, last_with_mass).squeeze(1)
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
