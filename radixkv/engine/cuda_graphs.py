@@ -23,6 +23,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -65,6 +66,22 @@ def graph_max_blocks(max_model_len: int, block_size: int, num_blocks: int) -> in
 def is_decode_step(rows: Sequence[ScheduledRequest]) -> bool:
     """Every row is one new token whose logits are sampled: the shape a decode graph captures."""
     return all(len(r.token_ids) == 1 and r.sample for r in rows)
+
+
+def capture_graph(
+    fn: Callable[[], torch.Tensor], device: torch.device, pool: object | None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn` run once off the capture stream (it compiles the Triton kernels and runs lazy inits),
+    then captured into a graph sharing the memory `pool`: (the graph, the output it writes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -134,15 +151,7 @@ class DecodeGraphs:
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
             views, metadata = split_step(layout, host, self.static, kv_cache_shape)
-            # Warm-up off the capture stream: compiles the Triton kernels, runs lazy inits.
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                forward(views, metadata)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = forward(views, metadata)
+            graph, logits = capture_graph(partial(forward, views, metadata), device, pool)
             pool = graph.pool()
             self._graphs[bucket] = (graph, logits)
             logger.debug("captured decode graph for batch %d", bucket)

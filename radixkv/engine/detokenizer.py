@@ -93,7 +93,7 @@ class IncrementalDetokenizer:
                 piece = stream.step(backend, token)
                 if piece:
                     pieces.append(piece)
-        except Exception as exc:  # noqa: BLE001 - e.g. "invalid prefix": the stream lost its place
+        except Exception as exc:  # e.g. "invalid prefix": the stream lost its place
             logger.debug("DecodeStream failed (%r); decoding the whole text from now on", exc)
             self._stream, self._full_decode = None, True
             return self._push_full()
