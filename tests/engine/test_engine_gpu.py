@@ -145,3 +145,32 @@ def test_steps_never_sync_and_graphs_equal_eager():
         torch.testing.assert_close(graph_step, eager_step, rtol=1e-5, atol=1e-5)
     # Padded graph batches may pick other matmul kernels: equal up to rounding.
     torch.testing.assert_close(runners[False].k_cache, runners[True].k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_nothing_compiles_after_the_warm_up_on_cuda(tiny_model_dir):
+    """`LLM()` compiles every Triton variant its steps use: prefills, prefix hits with
+    copy-on-write, mixed steps, graph replays of every bucket, eager decode past the largest
+    bucket, long contexts that split, sampled rows. Counted by Triton's own compile hook."""
+    from radixkv.kernels import compile_counter
+
+    counter = compile_counter()
+    assert counter is not None
+    llm = LLM(
+        str(tiny_model_dir("gqa")),
+        device="cuda",
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=6,
+    )
+    assert llm.runner.fused_modules and llm.runner.decode_graphs is not None
+    start = counter.count
+    prompts = random_prompts(3, 12, shared_prefix=40, max_len=60)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8))
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    llm.generate(
+        prompts, [sampled if i % 2 else SamplingParams(max_tokens=i + 3) for i in range(12)]
+    )
+    long_prompt = random_prompts(4, 1, min_len=900, max_len=900)
+    llm.generate(long_prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert counter.count == start, f"compiled after start-up: {counter.names_since(start)}"
