@@ -110,6 +110,7 @@ class DecodeGraphs:
         # bucket -> (its graph, the logits buffer the graph writes)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # decode steps computed by a graph (a statistic)
+        self.capture_s = 0.0  # seconds the capture took, compiles included (a statistic)
         self._capture_all(forward, kv_cache_shape)
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
@@ -156,5 +157,5 @@ class DecodeGraphs:
             self._graphs[bucket] = (graph, logits)
             logger.debug("captured decode graph for batch %d", bucket)
         torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - t0
-        logger.info("captured %d decode graphs in %.2f s", len(self.buckets), elapsed)
+        self.capture_s = time.perf_counter() - t0
+        logger.info("captured %d decode graphs in %.2f s", len(self.buckets), self.capture_s)
