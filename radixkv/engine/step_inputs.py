@@ -8,7 +8,9 @@ for a CUDA-graph bucket, pad rows up to the bucket), `InputStager` owns the host
 reused on CUDA (copied with `non_blocking=True`), a fresh array on the CPU (the tensors are views of
 it, nothing is copied), and `split_step` builds the step's attention metadata over the copy.
 int32 throughout: the kernels take int32 block tables and lengths, and the embedding, rotary
-positions and logits index accept int32 ids.
+positions and logits index accept int32 ids. The regions' offsets move with the step's shape, so
+their alignment does too: the Triton kernels are marked not to specialize on the alignment of these
+pointers (one compiled variant for every step; see `radixkv.kernels.triton_paged_attention`).
 
 A pad row is a decode row that writes nothing and reads something harmless: token 0 at position 0,
 slot -1 (`store_kv` skips it), seq_len 1 over block 0 of its (zeroed) block-table row; its output

@@ -19,7 +19,7 @@ import pytest
 from tiny_llama import random_prompts
 
 import radixkv.engine.llm as llm_module
-from radixkv import LLM, RequestUpdate, SamplingParams
+from radixkv import LLM, RequestUpdate, SamplingParams, kernels
 from radixkv.engine.attention import PagedKVCache
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 
@@ -93,7 +93,8 @@ def fault(llm: LLM, point: str, at: int, exc: BaseException) -> Iterator[list[bo
             mp.setattr(llm.cache, point, around(getattr(llm.cache, point), True))
         elif point == "forward":
             hook = llm.model.model.layers[1].register_forward_pre_hook(lambda *_: trip())
-        elif point == "kv-store":
+        elif point == "kv-store":  # the fused Llama layers' store, or the generic hook's
+            mp.setattr(kernels, "rope_store_kv_step", around(kernels.rope_store_kv_step, True))
             mp.setattr(PagedKVCache, "update", around(PagedKVCache.update, True))
         elif point == "sample":
             mp.setattr(llm_module, "sample", around(llm_module.sample, True))

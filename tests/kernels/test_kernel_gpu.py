@@ -178,7 +178,9 @@ def test_step_kernels_from_host_metadata_gpu(paged_batch, block_size):
 
 
 # Below, each dtype meets one size: every dtype and every size run once, one compile each.
-@pytest.mark.parametrize(("dtype", "block_size"), zip(DTYPES, [1, 16, 256], strict=True), ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "block_size"), list(zip(DTYPES, [1, 16, 256], strict=True)), ids=str
+)
 def test_store_kv_gpu(dtype, block_size):
     num_blocks, heads, head_dim, num_tokens = 64, 8, 128, 500
     shape = (num_blocks, block_size, heads, head_dim)
@@ -211,7 +213,9 @@ def test_copy_blocks_gpu(block_size):
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("dtype", "hidden"), zip(DTYPES, [576, 2048, 8192], strict=True), ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "hidden"), list(zip(DTYPES, [576, 2048, 8192], strict=True)), ids=str
+)
 def test_rms_norm_gpu(assert_close, dtype, hidden):
     x = (torch.randn(1, 300, hidden, device="cuda") * 3).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
