@@ -154,8 +154,11 @@ def pack_step(
     tables[:n][used] = np.fromiter(
         chain.from_iterable(r.block_table for r in rows), np.int32, int(widths.sum())
     )
-    token_row = np.repeat(np.arange(n), q_lens)
-    pos = np.arange(t) + np.repeat(starts - cu[:-1], q_lens)  # start + index within the row
+    if t == n:  # decode rows only (every graph replay): one token each, at its start
+        token_row, pos = np.arange(n), starts
+    else:
+        token_row = np.repeat(np.arange(n), q_lens)
+        pos = np.arange(t) + np.repeat(starts - cu[:-1], q_lens)  # start + index within the row
     v["input_ids"][:t] = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int32, t)
     v["positions"][:t] = pos
     v["slot_mapping"][:t] = tables[token_row, pos // B] * B + pos % B
