@@ -12,8 +12,10 @@ swaps the class of every `LlamaRMSNorm` and `LlamaAttention` for a subclass here
                    kernels.paged_attention_step over the paged cache, then o_proj
 
 Weights, parameter names and every other module stay transformers'. Any other model class keeps
-transformers' modules and the generic hooks of `attention.py`. On the CPU the kernels are the torch
-references, which compute what transformers computes op for op (the same bits).
+transformers' modules and the generic hooks of `attention.py`, and so does every model on the
+torch backend (the CPU): the kernels' torch references compute what transformers computes op for
+op (the same bits, tested), only with a few more Python calls per layer (1.5 % of a CPU decode
+step of SmolLM2).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ Layers of the runner:
   The step's integer inputs travel in one buffer, one host->device copy (`step_inputs`).
 * On CUDA, unless `enforce_eager`, decode steps replay a CUDA graph captured at start-up per
   batch-size bucket (`cuda_graphs`); prefill and mixed steps, and every step on the CPU, run eager.
-* Llama models get fused RMSNorm and RoPE + K/V store modules (`fused_llama`); other models keep
-  transformers' modules and the generic attention hooks.
+* On Triton (CUDA), Llama models get fused RMSNorm and RoPE + K/V store modules (`fused_llama`);
+  other models, and every model on the torch backend, keep transformers' modules and the generic
+  attention hooks.
 * `warm_up()` (the engine calls it once) runs a prefill, a mixed and a decode step so the Triton
   kernels compile every variant before the first request; a compile after that is logged as a
   warning with the step's shape (`radixkv.kernels.compile_counter`).
@@ -151,7 +152,10 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
         model.set_attn_implementation(register_attention())
-        self.fused_modules = fuse_llama_modules(model)
+        # The fused Llama modules run where their kernels are Triton; on the torch backend
+        # transformers' own modules are the same computation, and cheaper to call.
+        on_triton = kernels.backend_for(self.device) == "triton"
+        self.fused_modules = on_triton and fuse_llama_modules(model)
         # transformers renamed the forward's cache argument (`past_key_values` -> `cache`, the old
         # name goes in 5.40): pass the one this version declares.
         params = inspect.signature(model.forward).parameters
@@ -166,7 +170,6 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         # Triton's compile counter, when the kernels run on Triton (on the CPU nothing compiles,
         # and triton need not be imported at all).
-        on_triton = kernels.backend_for(self.device) == "triton"
         self._compiles = kernels.compile_counter() if on_triton else None
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager:

@@ -176,13 +176,18 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     assert len({id(args[4]) for args in stored} | {id(args[3]) for args in attended}) == 1
 
 
-def test_only_plain_llamas_get_the_fused_modules(models):
+@pytest.mark.interpreter
+@pytest.mark.parametrize("build", [lambda: build_model("gqa"), build_qwen2], ids=["llama", "qwen2"])
+def test_only_plain_llamas_on_triton_get_the_fused_modules(build):
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
 
     from radixkv.engine.fused_llama import FusedLlamaRMSNorm, PagedLlamaAttention
+    from radixkv.kernels import use_backend
 
-    model, _ = models
-    runner = ModelRunner(model, block_size=4, num_blocks=8)
+    model = build()
+    assert not ModelRunner(model, block_size=4, num_blocks=8).fused_modules  # torch backend
+    with use_backend("triton"):
+        runner = ModelRunner(model, block_size=4, num_blocks=8)
     is_llama = type(model).__name__ == "LlamaForCausalLM"
     assert runner.fused_modules == is_llama
     classes = {type(m) for m in model.modules()}
@@ -214,14 +219,16 @@ def test_plan_num_blocks():
 
 @pytest.mark.interpreter
 def test_runner_through_the_triton_kernels(models):
-    """The same steps through the Triton kernels (interpreted on CPU): the runner's tensors meet
-    the launchers' shape / dtype / stride checks, not only the reference's."""
+    """The same steps through the Triton kernels (interpreted on CPU), on a fresh copy of the
+    model (the runner swaps a Llama's fused modules in): the runner's tensors meet the
+    launchers' shape / dtype / stride checks, not only the reference's."""
     pytest.importorskip("triton")
     from radixkv.kernels import use_backend
 
+    model, reference = models
     with use_backend("triton"):
-        test_packed_prefill_chunks_and_decode(models, block_size=4)
-        test_copy_on_write_of_a_partial_block(models)
+        test_packed_prefill_chunks_and_decode((copy.deepcopy(model), reference), block_size=4)
+        test_copy_on_write_of_a_partial_block((copy.deepcopy(model), reference))
 
 
 def test_cpu_runs_eager_and_enforce_eager_must_be_a_bool(models):
