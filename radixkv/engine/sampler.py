@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 
 
 def make_generator(seed: int) -> random.Random:

@@ -19,6 +19,7 @@ from kernel_variants import VariantRecorder, radixkv_kernels
 from tiny_llama import build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.step_inputs import layout_for, pack_step, split_step
 from radixkv.kernels import paged_attention_step, store_kv_step, use_backend
@@ -114,7 +115,7 @@ def test_a_compile_after_start_up_is_logged_with_the_step(model_dir, caplog, mon
     counter = compile_counter()
     assert counter is not None
     with use_backend("triton"):
-        runner = ModelRunner(build_model("gqa"), block_size=BLOCK, num_blocks=16)
+        runner = ModelRunner(build_model("gqa"), EngineConfig(block_size=BLOCK, num_blocks=16))
         runner.warm_up()
         execute = runner._execute
 

@@ -15,6 +15,7 @@ import torch
 from tiny_llama import build_model
 
 from radixkv.engine import cuda_graphs
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.kernels import use_backend
@@ -53,9 +54,8 @@ def graph_runner(monkeypatch):
     runners = []
     with use_backend("triton"):
         for graphs in (True, False):
-            runner = ModelRunner(
-                build_model("gqa") if graphs else model, block_size=BLOCK, num_blocks=32
-            )
+            config = EngineConfig(block_size=BLOCK, num_blocks=32)
+            runner = ModelRunner(build_model("gqa") if graphs else model, config)
             if graphs:
                 runner.decode_graphs = DecodeGraphs(
                     runner._forward, runner.stager, runner.kv_cache_shape, 3, max_model_len=40

@@ -102,6 +102,7 @@ def test_bad_sampling_params(kwargs, error, match):
     ("params", "error", "match"),
     [
         ({"max_tokens": 4}, TypeError, "SamplingParams"),
+        ("greedy", TypeError, "SamplingParams"),
         ([SamplingParams()], ValueError, "1 SamplingParams for 2 prompts"),
         ([SamplingParams(), "greedy"], TypeError, r"params\[1\]"),
     ],
@@ -147,8 +148,6 @@ def test_unknown_model_path(tmp_path):
         (dict(device="gpu0"), ValueError, "device must be a torch device"),
         (dict(device=1.5), TypeError, "device must be a torch device"),
         (dict(device=f"cuda:{torch.cuda.device_count()}"), ValueError, "CUDA devices"),
-        (dict(max_model_len=0), ValueError, "max_model_len"),
-        (dict(max_model_len=1025), ValueError, "exceeds the model's maximum of 1024"),
     ],
 )
 def test_bad_engine_arguments(tiny_model_dir, kwargs, error, match):
@@ -171,9 +170,7 @@ def test_seed_range_is_named(tiny_model_dir):
 SIZES = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "seed")
 
 
-@pytest.mark.parametrize(
-    "name", [*SIZES, "chunked_prefill_size", "kv_cache_bytes", "max_model_len"]
-)
+@pytest.mark.parametrize("name", [*SIZES, "chunked_prefill_size", "kv_cache_bytes"])
 def test_size_arguments_are_checked_alike(tiny_model_dir, name):
     with pytest.raises(TypeError, match=f"{name} must be an int, got str"):
         LLM(str(tiny_model_dir("gqa")), **{name: "8"})
@@ -185,17 +182,7 @@ def test_numpy_ints_are_sizes_everywhere(tiny_model_dir):
     sizes = dict(block_size=4, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, seed=3)
     llm = LLM(str(tiny_model_dir("gqa")), **{k: np.int64(v) for k, v in sizes.items()})
     assert llm.cache.num_blocks == 64 and type(llm.cache.num_blocks) is int
-    assert llm.cache.block_size == 4 and llm.scheduler_config.max_num_seqs == 2
-    assert type(llm.cache.block_size) is int and type(llm.seed) is int
+    assert llm.cache.block_size == 4 and llm.config.max_num_seqs == 2
+    assert type(llm.cache.block_size) is int and type(llm.config.seed) is int
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.token_ids) == 2
-
-
-def test_max_model_len_is_the_engines_limit(tiny_model_dir):
-    """Below the model's 1024 positions, it bounds what a request may hold (prompt + output)."""
-    llm = LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=64, max_model_len=20)
-    assert llm.max_model_len == llm.scheduler_config.max_model_len == 20
-    with pytest.raises(ValueError, match="20"):
-        llm.generate([list(range(6, 27))], SamplingParams(max_tokens=1))  # 21 prompt tokens
-    (out,) = llm.generate([list(range(6, 16))], SamplingParams(max_tokens=50, ignore_eos=True))
-    assert len(out.prompt_token_ids) + len(out.token_ids) <= 20
