@@ -63,6 +63,12 @@ OPTIONS = (
         to_field=_torch_dtype,
     ),
     Option("--enforce-eager", "enforce_eager", "no CUDA-graph decode (GPU only)", type=None),
+    Option(
+        "--async-scheduling",
+        "async_scheduling",
+        "schedule the next step while the device runs this one (default: on with CUDA)",
+        type=None,
+    ),
     Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),
     Option("--seed", "seed", "seed of sampled requests without their own"),
     Option(

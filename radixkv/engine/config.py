@@ -34,7 +34,8 @@ _SIZES = {
     "max_model_len": 1,
     "num_threads": 1,
 }
-_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager")
+_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager", "async_scheduling")
+_AUTO = ("async_scheduling",)  # the switches that may be None (chosen by the device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,11 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA if present, else the CPU
     dtype: torch.dtype | None = None  # None: fp32 on a CPU, the checkpoint's dtype on CUDA
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
+    # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
+    # while the device runs this one; sampled tokens are read one step late, the output is the
+    # same. None: on with CUDA; off on a CPU, whose forward runs on the host itself, so there is
+    # nothing to overlap and only the bookkeeping would be paid.
+    async_scheduling: bool | None = None
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
     num_threads: int | None = None
@@ -99,8 +105,9 @@ class EngineConfig:
                 object.__setattr__(self, name, check_size(value, name, low=low))
         object.__setattr__(self, "seed", check_seed(self.seed))
         for name in _SWITCHES:
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and (value is not None or name not in _AUTO):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         names = tuple(POLICIES)  # a tuple: `in` a dict raises a bare TypeError for a list
         if self.policy not in names:
             raise ValueError(f"policy must be one of {names}, got {self.policy!r}")

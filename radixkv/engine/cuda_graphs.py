@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 # forward(views of a split step buffer, its metadata) -> logits [1, T, vocab]
 DecodeForward = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
+# Writes input tokens that are still on the device into a step's device `input_ids` (overlapped
+# steps: `radixkv.engine.overlap`).
+TokenFeed = Callable[[torch.Tensor], None]
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -122,9 +125,10 @@ class DecodeGraphs:
             and max(len(r.block_table) for r in rows) <= self.max_blocks
         )
 
-    def run(self, rows: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def run(self, rows: Sequence[ScheduledRequest], feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the bucket of `rows` (`can_run` must hold). Returns the logits of the real rows,
-        [len(rows), vocab], a view valid until the next replay."""
+        [len(rows), vocab], a view valid until the next replay. `feed` writes device-side input
+        tokens into the static `input_ids` before the replay."""
         bucket = choose_bucket(len(rows), self.buckets)
         assert bucket is not None, f"no bucket for {len(rows)} rows"
         graph, logits = self._graphs[bucket]
@@ -132,6 +136,8 @@ class DecodeGraphs:
         host = self.stager.host(layout.total)
         pack_step(rows, (), self.block_size, layout, host.numpy())
         self.stager.to_device(host, out=self.static)
+        if feed is not None:
+            feed(self.static[:bucket])  # one token per row: the bucket's input_ids come first
         graph.replay()
         self.num_replays += 1
         return logits[0, : len(rows)]

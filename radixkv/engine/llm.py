@@ -8,6 +8,8 @@ One step loop, three front doors:
         │
         ▼
     step: schedule() ─► ModelRunner.execute() ─► sample() ─► update_from_output() ─► detokenize
+          (with `async_scheduling`, the next step is launched before this one's tokens are read:
+          `radixkv.engine.overlap`)
 
 Requests of every door advance together in each step. A fault anywhere in a step fails the
 requests of that step (finish reason "error"), returns their blocks and locks, and the engine
@@ -36,6 +38,7 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
+from radixkv.engine.overlap import OverlappedSteps
 from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
@@ -110,8 +113,11 @@ class LLM:
         self.model_name = loaded.name
         model_len = _max_model_len(self.model.config.get_text_config())
         max_len = min(config.max_model_len or model_len, model_len)
-        self.config = replace(config, max_model_len=max_len)
-        if next(self.model.parameters()).device.type == "cpu":
+        device_type = next(self.model.parameters()).device.type
+        overlap = config.async_scheduling
+        overlap = device_type == "cuda" if overlap is None else overlap
+        self.config = replace(config, max_model_len=max_len, async_scheduling=overlap)
+        if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
         self.runner.warm_up()
@@ -120,6 +126,7 @@ class LLM:
         self.cache = PrefixCache(self.runner.num_blocks, config.block_size, kv_events=cache_events)
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else KVEventFeed(events)
+        self._overlap = OverlappedSteps(self.scheduler, self.runner) if overlap else None
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
@@ -184,6 +191,8 @@ class LLM:
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
         self.scheduler.check_integrity()
+        if self._overlap is not None:
+            self._overlap.check_integrity()
         assert not self._stepping and not self._orphans, self._orphans
         unfinished = {rid for rid, t in self._tracked.items() if t.output is None}
         live = self.scheduler.running_requests + self.scheduler.waiting_requests
@@ -324,8 +333,26 @@ class LLM:
                 self.kv_events.publish(self.cache.take_events())
 
     def _step(self, step_ids: list[str]) -> None:
-        """schedule -> forward -> sample -> update -> detokenize; `step_ids` gets the ids of the
-        step's rows as soon as they are known."""
+        """One step, overlapped or not, then its sampled tokens to their requests: detokenize,
+        finish, emit. `step_ids` gets the ids of the requests a fault would concern as soon as
+        they are known."""
+        if self._overlap is not None:
+            took = self._overlap.step(step_ids, self._sampling_of)
+        else:
+            took = self._synchronous_step(step_ids)
+        now = time.perf_counter()
+        for req, token in took:
+            t = self._tracked[req.request_id]
+            t.t_first_token = t.t_first_token or now
+            t.t_last_token = now
+            text = t.detok.push((token,))
+            if req.is_finished:
+                text += t.detok.finish()
+                self._finish(t, str(req.finish_reason))
+            self._emit(t, (token,), text)
+
+    def _synchronous_step(self, step_ids: list[str]) -> list[tuple[Request, int]]:
+        """schedule -> forward -> sample -> update: each request of the step and its token."""
         out = self.scheduler.schedule()
         step_ids.extend(row.request_id for row in out.rows)
         if out.is_empty:
@@ -337,15 +364,11 @@ class LLM:
         records = [self._tracked[rid] for rid in sample_ids]
         tokens = sample(logits, [t.params for t in records], [t.generator for t in records])
         self.scheduler.update_from_output(out, dict(zip(sample_ids, tokens, strict=True)))
-        now = time.perf_counter()
-        for t, token in zip(records, tokens, strict=True):
-            t.t_first_token = t.t_first_token or now
-            t.t_last_token = now
-            text = t.detok.push((token,))
-            if t.request.is_finished:
-                text += t.detok.finish()
-                self._finish(t, str(t.request.finish_reason))
-            self._emit(t, (token,), text)
+        return [(t.request, token) for t, token in zip(records, tokens, strict=True)]
+
+    def _sampling_of(self, request_id: str) -> tuple[SamplingParams, random.Random | None]:
+        t = self._tracked[request_id]
+        return t.params, t.generator
 
     def _fail(self, step_ids: list[str], exc: BaseException) -> None:
         """Fail the requests of a faulty step: every live one when it failed before its rows were

@@ -42,7 +42,7 @@ import torch
 from radixkv import kernels
 from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.cuda_graphs import DecodeGraphs
+from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.fused_llama import fuse_llama_modules
 from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step, split_step
 from radixkv.kernels import AttentionMetadata
@@ -196,11 +196,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> torch.Tensor:
+    def execute(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step. Returns fp32 logits [num_sampled_rows, vocab] for the rows with
-        `sample=True`, in row order."""
+        `sample=True`, in row order. `feed`, when given, writes input tokens still on the device
+        (an overlapped step's placeholders) into the step's device `input_ids` before the
+        forward."""
         assert not step.is_empty, "execute() needs at least one scheduled row"
-        logits = self._execute(step)
+        logits = self._execute(step, feed)
         counter = self._compiles
         if counter is not None and counter.count > self._compiles_seen:
             names = counter.names_since(self._compiles_seen)
@@ -215,18 +217,20 @@ class ModelRunner:
             self._compiles_seen = counter.count
         return logits
 
-    def _execute(self, step: SchedulerOutput) -> torch.Tensor:
+    def _execute(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(step.rows):
             if step.copies:  # the copies alone, before the replay
                 layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
                 self._copy_blocks(layout.split(self._stage((), step.copies, layout)[1]))
             # A copy: the graph overwrites its output buffer on the next replay.
-            return graphs.run(step.rows).to(torch.float32, copy=True)
-        return self._execute_eager(step)
+            return graphs.run(step.rows, feed).to(torch.float32, copy=True)
+        return self._execute_eager(step, feed)
 
-    def _execute_eager(self, step: SchedulerOutput) -> torch.Tensor:
+    def _execute_eager(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         views, meta = self.build_inputs(step)
+        if feed is not None:
+            feed(views["input_ids"])
         if step.copies:
             self._copy_blocks(views)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.

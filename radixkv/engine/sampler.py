@@ -30,9 +30,19 @@ def sample(
 ) -> list[int]:
     """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
     takes the argmax and needs no generator; every other row needs one."""
-    assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
     if not params:  # a step of non-final prefill chunks: `.tolist()` may wait for the GPU
         return []
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[random.Random | None],
+) -> torch.Tensor:
+    """`sample` without reading the tokens back: int64 [num_rows] on the logits' device. On CUDA
+    nothing waits for the device (the host numbers travel through pinned memory)."""
+    assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -41,10 +51,19 @@ def sample(
             gen = generators[i]
             assert gen is not None, f"row {i} samples but has no generator"
             uniforms.append(gen.random())
-        rows = torch.tensor(sampled_rows, device=logits.device)
+        rows = _on(logits.device, sampled_rows, torch.int64)
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
-        tokens[rows] = _draw(probs, torch.tensor(uniforms, device=logits.device))
-    return tokens.tolist()
+        tokens[rows] = _draw(probs, _on(logits.device, uniforms, torch.float32))
+    return tokens
+
+
+def _on(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA through pinned memory, without a
+    synchronization: a pageable copy would wait for the work queued before it."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -67,7 +86,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     logits: [n, vocab] -> probabilities [n, vocab] (renormalised, zero outside the kept set)."""
     vocab = logits.shape[1]
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temps = _on(dev, [p.temperature for p in params], torch.float32)
     # Shifted so the best logit is 0: a temperature too small for fp32 (1e-50 rounds to 0, or
     # underflows the quotient) then sends the others to -inf, the greedy limit, instead of NaN.
     logits = logits.float()
@@ -81,11 +100,11 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # index order, so top-k=1 and a tiny top-p pick the same token as argmax.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)[None, :]
-    k = torch.tensor(top_ks, device=dev)[:, None]
+    k = _on(dev, top_ks, torch.int64)[:, None]
     drop = rank >= k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    p = torch.tensor(top_ps, dtype=torch.float32, device=dev)[:, None]
+    p = _on(dev, top_ps, torch.float32)[:, None]
     # Keep a token when the mass strictly before it is < top_p: the most likely token always stays.
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop = drop | (mass_before >= p)

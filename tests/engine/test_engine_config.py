@@ -28,6 +28,7 @@ from radixkv.options import OPTIONS, add_engine_options, engine_settings
         ("enable_prefix_cache", 1, TypeError),
         ("prefill_first", "yes", TypeError),
         ("enforce_eager", "no", TypeError),
+        ("async_scheduling", "on", TypeError),
         ("defer_shared_prefix_tokens", -1, ValueError),
         ("defer_shared_prefix_tokens", 1.5, TypeError),
         ("defer_shared_prefix_tokens", True, TypeError),
@@ -86,6 +87,7 @@ def test_each_option_reaches_its_field() -> None:
     argv = ["--block-size", "8", "--cache-mb", "3", "--no-prefix-cache", "--max-num-seqs", "2"]
     argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
     argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
+    argv += ["--no-async-scheduling"]
     argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
     settings = _parse(argv)
     assert settings == {
@@ -100,6 +102,7 @@ def test_each_option_reaches_its_field() -> None:
         "device": "cpu",
         "dtype": torch.bfloat16,
         "enforce_eager": True,
+        "async_scheduling": False,
         "num_threads": 1,
         "seed": 5,
         "kv_events": "tcp://*:5557",
