@@ -13,7 +13,9 @@ token ids, distinct per call, so the prefix cache never serves a timed prefill.
 
 `--against REV` runs this script over the package of git revision REV and over this tree's,
 alternately, `--rounds` times each (each run prints its medians as JSON with `--json`), and prints
-the best run of each side and their ratio: both sides face the same machine load.
+the best run of each side and their ratio: both sides face the same machine load. `--overlap-ab`
+does the same with this tree's engine, steps synchronous (before) and overlapped (after); an
+overlapped run has one more step at the end (it reads the last token), timed with the decode.
 
 A second table isolates the kernel layer of one step at the model's shapes: every layer's store_kv +
 paged_attention called with loose tensors (values validated, reference plan rebuilt in each layer)
@@ -68,10 +70,12 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def measure(repeats: int, new_tokens: int, prefill_tokens: int) -> dict[str, list[tuple]]:
+def measure(
+    repeats: int, new_tokens: int, prefill_tokens: int, overlap: bool | None = None
+) -> dict[str, list[tuple]]:
     """measurement name -> [(wall, cpu)] of `repeats` runs, each after one untimed warm-up."""
     torch.set_num_threads(1)
-    llm = LLM(num_threads=1)
+    llm = LLM(num_threads=1) if overlap is None else LLM(num_threads=1, async_scheduling=overlap)
     timer = StepTimer(llm)
     rng = random.Random(0)
 
@@ -80,8 +84,8 @@ def measure(repeats: int, new_tokens: int, prefill_tokens: int) -> dict[str, lis
         params = SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True)
         prompts = _prompts(rng, batch, 16, llm.vocab_size)
         steps = timer.run(lambda: llm.generate(prompts, params))[1:]
-        assert len(steps) == new_tokens, len(steps)
-        return tuple(batch * len(steps) / sum(s[i] for s in steps) for i in (0, 1))
+        assert len(steps) in (new_tokens, new_tokens + 1), len(steps)  # + 1: overlapped
+        return tuple(batch * new_tokens / sum(s[i] for s in steps) for i in (0, 1))
 
     def prefill() -> tuple[float, float]:
         """seconds of every step of a prompt's prefill (generating one token)."""
@@ -106,34 +110,34 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def compare(rev: str, args: argparse.Namespace) -> None:
-    """This script over REV's package and over this tree's, alternately; best run of each."""
+def compare(title: str, sides: dict[str, tuple[str, list[str]]], args: argparse.Namespace) -> None:
+    """This script once per side (name -> (package folder, extra arguments)), alternately,
+    `--rounds` times each; prints the best run of each side and their ratio."""
     script = Path(__file__).resolve()
     argv = ["--json", "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens)]
     argv += ["--prefill-tokens", str(args.prefill_tokens)]
-    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-    with exported(rev) as export:
-        sides = {"before": str(export), "after": str(script.parent.parent)}
-        for _ in range(args.rounds):
-            for side, src in sides.items():
-                env = {**os.environ, "PYTHONPATH": src}
-                out = subprocess.run(
-                    [sys.executable, "-P", str(script), *argv],
-                    cwd=tempfile.gettempdir(),  # not the repo root: kernels/ stays unimportable
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-                runs[side].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{rev} (before) vs this tree (after), CPU time medians, best of {args.rounds} runs")
-    print("| measurement | before | after | after / before |")
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side, (src, extra) in sides.items():
+            env = {**os.environ, "PYTHONPATH": src}
+            out = subprocess.run(
+                [sys.executable, "-P", str(script), *argv, *extra],
+                cwd=tempfile.gettempdir(),  # not the repo root: kernels/ stays unimportable
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            runs[side].append(json.loads(out.strip().splitlines()[-1]))
+    before, after = sides
+    print(f"{title}, CPU time medians, best of {args.rounds} runs")
+    print(f"| measurement | {before} | {after} | {after} / {before} |")
     print("|---|---|---|---|")
-    for name in runs["after"][0]:
+    for name in runs[after][0]:
         best = max if "tok/s" in name else min
-        before = best(r[name] for r in runs["before"])
-        after = best(r[name] for r in runs["after"])
-        print(f"| {name} | {before:.3f} | {after:.3f} | {after / before:.3f} |")
+        a = best(r[name] for r in runs[before])
+        b = best(r[name] for r in runs[after])
+        print(f"| {name} | {a:.3f} | {b:.3f} | {b / a:.3f} |")
 
 
 def main() -> None:
@@ -144,11 +148,26 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV", help="compare with a git revision")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side with --against")
     parser.add_argument("--json", action="store_true", help="print CPU-time medians as JSON")
+    parser.add_argument(
+        "--async-scheduling", choices=("on", "off"), help="overlapped steps (default: the engine's)"
+    )
+    parser.add_argument(
+        "--overlap-ab", action="store_true", help="compare synchronous and overlapped steps"
+    )
     args = parser.parse_args()
+    tree = str(Path(__file__).resolve().parent.parent)
     if args.against:
-        compare(args.against, args)
+        with exported(args.against) as export:
+            sides = {"before": (str(export), []), "after": (tree, [])}
+            compare(f"{args.against} (before) vs this tree (after)", sides, args)
         return
-    results = measure(args.repeats, args.new_tokens, args.prefill_tokens)
+    if args.overlap_ab:
+        sides = {"sync": (tree, ["--async-scheduling", "off"])}
+        sides["overlapped"] = (tree, ["--async-scheduling", "on"])
+        compare("this tree, steps synchronous vs overlapped", sides, args)
+        return
+    overlap = None if args.async_scheduling is None else args.async_scheduling == "on"
+    results = measure(args.repeats, args.new_tokens, args.prefill_tokens, overlap)
     llm = results.pop("_llm")
     if args.json:
         print(json.dumps({k: statistics.median(r[1] for r in v) for k, v in results.items()}))

@@ -174,10 +174,13 @@ class System:
 
 
 class RadixKV(System):
-    def __init__(self, model: Any, cfg: BenchConfig, *, cache: bool) -> None:
+    """The engine; `overlap=False` runs its steps synchronously (the CUDA default overlaps)."""
+
+    def __init__(self, model: Any, cfg: BenchConfig, *, cache: bool, overlap: bool = True) -> None:
         from radixkv import LLM
 
         self.name = f"radixkv cache {'on' if cache else 'off'}"
+        self.name += "" if overlap else ", steps not overlapped"
         self.llm = LLM(
             model,
             device=cfg.device,
@@ -187,6 +190,7 @@ class RadixKV(System):
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             chunked_prefill_size=cfg.chunked_prefill_size,
+            async_scheduling=None if overlap else False,
         )
 
     def generate(self, prompts: Prompts, max_new: int) -> Generated:
@@ -277,6 +281,7 @@ class HFBatch(System):
 SYSTEMS: dict[str, Callable[[Any, BenchConfig], System]] = {
     "on": lambda m, cfg: RadixKV(m, cfg, cache=True),
     "off": lambda m, cfg: RadixKV(m, cfg, cache=False),
+    "sync": lambda m, cfg: RadixKV(m, cfg, cache=True, overlap=False),
     "generate": lambda m, cfg: HFGenerate(m),
     "batch": lambda m, cfg: HFBatch(m, cfg.hf_batch_options),
 }

@@ -6,6 +6,8 @@
 1. Host time per step phase over the decode workload (64 x 512 -> 256): schedule, execute (pack,
    copy, then a graph replay or eager launches), sample (waits for the GPU, then the draw and
    `.tolist()`), update, and the rest of the engine's step; medians over the full-batch decodes.
+   The engine runs its steps synchronously here (`async_scheduling=False`), so each phase shows:
+   these are the host costs that overlapped steps hide (gpu_bench's `sync` system vs `on`).
 2. GPU time of one graph replay per bucket at a 640-token context (CUDA only).
 3. The kernels of one bucket-64 replay by category (torch.profiler): GEMMs, radixkv's Triton
    kernels, everything else, and the largest (on the CPU: one eager decode step's ops).
@@ -60,6 +62,7 @@ def build_engine(tiny: bool) -> tuple[Any, Any]:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         chunked_prefill_size=cfg.chunked_prefill_size,
+        async_scheduling=False,
     )
     print(f"LLM() with KV cache, warm-up and graph capture: {time.perf_counter() - t0:.1f} s")
     return llm, cfg

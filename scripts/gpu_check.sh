@@ -11,7 +11,8 @@
 #   install  pip install -e . without dependencies or an index: the machine's torch stays
 #   pytest   pytest -m gpu (collects without the serve extras, which the GPU machine lacks)
 #   kernels  benchmarks/kernel_bench.py --quick
-#   bench    benchmarks/gpu_bench.py --systems on,off,on: both workloads, cache on and off, then
+#   bench    benchmarks/gpu_bench.py --systems on,sync,off,on: both workloads, cache on with steps
+#            overlapped (the CUDA default) and not, cache off, then
 #            on again with Triton's disk cache warm; JIT compiles in timed runs are counted
 #   profile  benchmarks/step_profile.py: host time per step phase, replay time per bucket,
 #            kernel-time split, the turn-6 prefill
@@ -29,7 +30,7 @@ for arg in "$@"; do
     case $arg in
         --dry-run) DRY=1 ;;
         env | install | pytest | kernels | bench | profile) STAGES+=("$arg") ;;
-        -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown stage or option '$arg'" >&2; exit 2 ;;
     esac
 done
@@ -127,7 +128,7 @@ fi
 if wanted bench; then
     tiny=()
     ((DRY)) && tiny=(--tiny)
-    run_stage bench 210 60 -- "$PY" benchmarks/gpu_bench.py "${tiny[@]}" --systems on,off,on
+    run_stage bench 270 60 -- "$PY" benchmarks/gpu_bench.py "${tiny[@]}" --systems on,sync,off,on
     excerpt bench "^(##|\|)" 30
 fi
 

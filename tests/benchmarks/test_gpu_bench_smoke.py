@@ -43,6 +43,15 @@ def test_tiny_run_prints_one_table_and_the_goals(bench, capsys):
     assert "| chat time, cache on / off | <= 0.60 |" in out
 
 
+def test_overlapped_and_synchronous_steps_agree(bench, capsys):
+    """The `sync` system (steps not overlapped) beside the others, as gpu_check.sh runs it."""
+    assert bench.main(["--tiny", "--systems", "on,sync,off"]) == 0
+    out = capsys.readouterr().out
+    names = "radixkv cache on | radixkv cache on, steps not overlapped | radixkv cache off"
+    assert f"| metric | {names} | on vs sync, x | on vs off, x |" in out
+    assert "| replies equal to radixkv cache off (share) | 1.00 | 1.00 | 1.00 |" in out
+
+
 def test_workloads_have_the_configured_shape(bench):
     cfg = bench.TINY
     model = bench.build_model(cfg)
