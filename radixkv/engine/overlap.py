@@ -142,10 +142,10 @@ class OverlappedSteps:
                 src.append(i)
         if not dst:
             return None
-        return _token_feed(self._stager, dst, src, previous.tokens)
+        return token_feed(self._stager, dst, src, previous.tokens)
 
 
-def _token_feed(
+def token_feed(
     stager: InputStager, dst: Sequence[int], src: Sequence[int], tokens: torch.Tensor
 ) -> TokenFeed:
     """`input_ids[dst[i]] = tokens[src[i]]` on the device, with no synchronization."""

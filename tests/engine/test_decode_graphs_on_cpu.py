@@ -18,6 +18,8 @@ from radixkv.engine import cuda_graphs
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs
 from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.overlap import token_feed
+from radixkv.engine.step_inputs import InputStager
 from radixkv.kernels import use_backend
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
@@ -93,4 +95,31 @@ def test_graph_replays_equal_eager_steps(graph_runner):
             got = graphs_runner.execute(step)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             assert graphs.num_replays - replays == (1 if i in (1, 2, 3) else 0), i
+    torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
+    """Overlapped steps' placeholders, fed on the device from the previous step's sampled tokens
+    (`radixkv.engine.overlap`), compute what the real tokens do: in a replay's static inputs and
+    in an eager mixed step (the placeholder ends a decode row beside a prefill chunk)."""
+    graphs_runner, eager_runner = graph_runner
+    a, b, c = list(range(10, 19)), list(range(30, 35)), list(range(50, 56))
+    prefill = SchedulerOutput(rows=(row("a", a, 0, [3, 7, 1]), row("b", b, 0, [5, 2])))
+    real = SchedulerOutput(rows=(row("a", [40], 9, [3, 7, 1]), row("b", [41], 5, [5, 2])))
+    held = SchedulerOutput(rows=(row("a", [0], 9, [3, 7, 1]), row("b", [0], 5, [5, 2])))
+    mixed_real = SchedulerOutput(rows=(row("c", c, 0, [8, 9]), row("a", [42], 10, [3, 7, 1])))
+    mixed_held = SchedulerOutput(rows=(row("c", c, 0, [8, 9]), row("a", [0], 10, [3, 7, 1])))
+    sampled = torch.tensor([41, 40, 42])  # the previous step's tokens, in its own row order
+    stager = InputStager(torch.device("cpu"))
+    with use_backend("triton"):
+        for runner in (eager_runner, graphs_runner):
+            runner.execute(prefill)
+        replays = graphs_runner.decode_graphs.num_replays
+        expected = eager_runner.execute(real)
+        got = graphs_runner.execute(held, token_feed(stager, [0, 1], [1, 0], sampled))
+        assert graphs_runner.decode_graphs.num_replays == replays + 1
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        expected = eager_runner.execute(mixed_real)
+        got = graphs_runner.execute(mixed_held, token_feed(stager, [6], [2], sampled))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)
