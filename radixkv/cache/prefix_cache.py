@@ -55,7 +55,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.events import EventRecorder, KVEvent
+from radixkv.cache.events import XXH64, BlockHasher, EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
@@ -188,17 +188,24 @@ class PrefixCache:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, eviction: str = "gdsf", kv_events: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        eviction: str = "gdsf",
+        kv_events: bool | BlockHasher = False,
     ) -> None:
         """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed
         block, aged; see `radixkv.cache.eviction`) or "lru"; ValueError for another.
-        `kv_events`: record KV events for `take_events()` (see `radixkv.cache.events`)."""
+        `kv_events`: record KV events for `take_events()` (see `radixkv.cache.events`), block
+        hashes by xxh64 for True, by the given `BlockHasher` (`make_block_hasher`) otherwise."""
         if eviction not in EVICTION_ORDERS:
             raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
-        self._events = EventRecorder(self.block_size) if kv_events else None
+        hasher = XXH64 if kv_events is True else kv_events
+        self._events = EventRecorder(self.block_size, hasher) if hasher else None
         order = EVICTION_ORDERS[eviction](self.block_size)
         self._tree = RadixTree(self._pool, order, self._events)
         self._private: set[int] = set()
