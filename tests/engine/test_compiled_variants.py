@@ -119,12 +119,12 @@ def test_a_compile_after_start_up_is_logged_with_the_step(model_dir, caplog, mon
         runner.warm_up()
         execute = runner._execute
 
-        def compiling_execute(step):
+        def compiling_execute(step, feed=None):
             # What Triton does on a cache miss: the pre-compile hook, then the post-compile one.
             info = type("JitFunctionInfo", (), {"name": "_late_kernel"})()
             knobs.runtime.jit_cache_hook(key="k", repr="_late_kernel[...]", fn=info)
             knobs.runtime.jit_post_compile_hook(key="k", repr="_late_kernel[...]", fn=info)
-            return execute(step)
+            return execute(step, feed)
 
         monkeypatch.setattr(runner, "_execute", compiling_execute)
         rows = tuple(_decode_rows(2, 3, first_block=0))
