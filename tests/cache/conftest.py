@@ -9,31 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
+from checked import Checked as CheckedCache
 
 from radixkv import InsertResult, MatchResult, PrefixCache
-
-
-class CheckedCache:
-    """Proxy of a PrefixCache that runs check_integrity() after every public method call."""
-
-    def __init__(self, cache: PrefixCache) -> None:
-        self.inner = cache
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
-
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.inner.check_integrity()
-
-        return checked
 
 
 @dataclass(frozen=True)
