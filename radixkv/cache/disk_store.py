@@ -49,6 +49,7 @@ import os
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +83,8 @@ class BlockKey:
     """What names one full block on disk and what loading it checks."""
 
     block_hash: int  # the chained xxh64 of the KV events: the file's name
-    # the chain's input before this block: the previous block's hash, the namespace seed for a
-    # first block, None for a first block of the shared namespace
+    # the previous block's hash; None for a first block (whose hash the namespace seeds), as the
+    # KV events say it
     parent_hash: int | None
     tokens: bytes  # the block's token ids, little-endian uint32
     prefix_digest: bytes  # blake2b-256 over the namespace and every token up to this block's end
@@ -104,17 +105,18 @@ def chain_keys(
     nbytes = 4 * block_size
     assert len(tokens_le) % nbytes == 0, "chain_keys takes whole blocks"
     if after is None:
-        parent = None if namespace is None else namespace_seed(namespace)
+        parent, seed = None, None if namespace is None else namespace_seed(namespace)
         digest = namespace_digest(namespace)
     else:
         parent, digest = after.block_hash, after.prefix_digest
+        seed = parent
     keys = []
     for start in range(0, len(tokens_le), nbytes):
         tokens = tokens_le[start : start + nbytes]
-        h = hash_block(parent, tokens)
+        h = hash_block(seed, tokens)
         digest = hashlib.blake2b(digest + tokens, digest_size=_DIGEST_BYTES).digest()
         keys.append(BlockKey(h, parent, tokens, digest))
-        parent = h
+        parent = seed = h
     return keys
 
 
@@ -160,7 +162,8 @@ class DiskStore:
 
     Invariants (recomputed by `check_integrity`): the LRU index holds exactly the indexed files,
     each once, under its current key; `num_bytes` is their count times the file size and stays
-    within `budget_bytes`; no tick is ahead of the clock.
+    within `budget_bytes` (files pinned for a planned read may hold it above, and then nothing
+    else is indexed); no tick is ahead of the clock.
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class DiskStore:
         self.budget_bytes = budget_bytes
         self.directory = Path(root) / self.fingerprint.hex()[:32]
         self._entries: dict[int, _Entry] = {}
+        self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
         self._lru = EvictionIndex(lru_key)
         self._clock = 0
         self._ids = itertools.count()
@@ -211,19 +215,15 @@ class DiskStore:
         return len(self._entries) * self.file_nbytes
 
     def contains(self, block_hash: int) -> bool:
-        """Whether a file of this hash is there (indexed, or written since by another process,
-        then indexed now). It may still turn out to hold another prefix or be damaged: `get`
-        decides."""
+        """Whether a file of this hash is there (indexed, or written since by another process:
+        indexed when it is read). It may still turn out to hold another prefix or be damaged:
+        `get` decides. Changes nothing."""
         if block_hash in self._entries:
             return True
         try:
-            size = os.stat(self._path(block_hash)).st_size
+            return os.stat(self._path(block_hash)).st_size == self.file_nbytes
         except OSError:
             return False
-        if size != self.file_nbytes:
-            return False  # damaged: `get` or the next open removes it
-        self._touch(block_hash)
-        return True
 
     def probe(self, keys: Sequence[BlockKey]) -> int:
         """How many of `keys`, from the first, have a file (`contains`)."""
@@ -239,6 +239,8 @@ class DiskStore:
         warning, and it is removed)."""
         view = memoryview(out).cast("B")
         assert view.nbytes == self.block_nbytes, f"{view.nbytes} != {self.block_nbytes}"
+        if self._pinned[key.block_hash]:
+            self.unpin([key.block_hash])
         path = self._path(key.block_hash)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -274,7 +276,9 @@ class DiskStore:
         if self.contains(h):
             self._touch(h)
             return True
-        self.evict(self.num_bytes + self.file_nbytes - self.budget_bytes)
+        need = self.num_bytes + self.file_nbytes - self.budget_bytes
+        if need > 0 and self.evict(need) < need:
+            return False  # no room: every other file is about to be read
         path = self._path(h)
         tmp = path.with_name(
             f".{path.stem}.{_HOST}.{os.getpid()}.{next(self._tmp_ids)}{SUFFIX}{TMP_SUFFIX}"
@@ -311,18 +315,33 @@ class DiskStore:
         self._counts["num_stored_bytes"] += self.block_nbytes
         return True
 
-    def evict(self, num_bytes: int) -> int:
-        """Remove least recently used files until `num_bytes` are freed (or none is left); returns
-        the bytes freed. A file already removed by another process counts as freed."""
-        freed = 0
-        while freed < num_bytes and self._lru:
-            entry = self._lru.pop_first()
+    def evict(self, num_bytes: int, keep: int | None = None) -> int:
+        """Remove least recently used files until `num_bytes` are freed (or none is left but
+        pinned ones, and `keep`); returns the bytes freed. A file already removed by another
+        process counts as freed."""
+        victims = []
+        for entry in self._lru:
+            if len(victims) * self.file_nbytes >= num_bytes:
+                break
+            if entry.block_hash not in self._pinned and entry.block_hash != keep:
+                victims.append(entry)
+        for entry in victims:
+            self._lru.discard(entry)
             del self._entries[entry.block_hash]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(entry.block_hash))
-            freed += self.file_nbytes
             self._counts["num_evicted"] += 1
-        return freed
+        return len(victims) * self.file_nbytes
+
+    def pin(self, block_hashes: Sequence[int]) -> None:
+        """Keep these files from eviction until each is read once (`get`) or unpinned: a cache
+        that planned to read them may plan writes first, which make room."""
+        self._pinned.update(block_hashes)
+
+    def unpin(self, block_hashes: Sequence[int]) -> None:
+        """Release pins whose reads will not happen."""
+        self._pinned.subtract(block_hashes)
+        self._pinned = +self._pinned  # drop counts at zero
 
     def discard(self, block_hash: int) -> None:
         """Remove the file of `block_hash`, if any (this process's index and the disk)."""
@@ -358,7 +377,8 @@ class DiskStore:
                 raise AssertionError(f"file {entry.block_hash:016x} indexed under a stale key")
             if entry.tick > self._clock:
                 raise AssertionError(f"file {entry.block_hash:016x} tick ahead of the clock")
-        if self.num_bytes > self.budget_bytes:
+        unpinned = [h for h in self._entries if not self._pinned[h]]
+        if self.num_bytes > self.budget_bytes and unpinned:
             raise AssertionError(f"{self.num_bytes} bytes indexed > budget {self.budget_bytes}")
 
     # ---------------------------------------------------------------- internals
@@ -383,9 +403,12 @@ class DiskStore:
     def _touch(self, block_hash: int) -> None:
         """The file becomes the most recently used (indexed if it was not: written just now, or
         by another process), and the index is kept within the budget."""
-        self._forget(block_hash)
+        entry = self._entries.pop(block_hash, None)
+        if entry is not None:
+            self._lru.discard(entry)
         self._index(block_hash, self._tick())
-        self.evict(self.num_bytes - self.budget_bytes)
+        self.evict(self.num_bytes - self.budget_bytes, keep=block_hash)
+        self.evict(self.num_bytes - self.budget_bytes)  # only pinned files left: this one too
 
     def _read_into(self, f: Any, key: BlockKey, view: memoryview) -> str | None:
         """Read an open block file into `view`, checking it against `key`: None if it is the

@@ -67,6 +67,8 @@ class TierIO:
         except BaseException:
             for move in moves[done:]:
                 poisoned.record(move, False)
+                if isinstance(move, DiskRead) and self.disk is not None:
+                    self.disk.unpin([key.block_hash for key in move.keys])  # reads that won't be
             raise
         return poisoned
 

@@ -91,7 +91,8 @@ def test_keys_are_the_kv_events_chain_and_continue_where_they_left_off() -> None
         keys = chain_keys(namespace, toks, B)
         seed = None if namespace is None else namespace_seed(namespace)
         assert [k.block_hash for k in keys] == chain_hashes(seed, toks, B)
-        assert keys[0].parent_hash == seed
+        # as the KV events say it: a first block has no parent (its namespace seeds its hash)
+        assert keys[0].parent_hash is None
         assert [k.parent_hash for k in keys[1:]] == [k.block_hash for k in keys[:-1]]
         assert [k.tokens for k in keys] == [toks[4 * B * i : 4 * B * (i + 1)] for i in range(5)]
         # Hashing the next full blocks past what is known: the same keys.
@@ -262,6 +263,35 @@ def test_the_budget_evicts_least_recently_used_files_first(
     assert {p.stem for p in block_files(tmp_path)} == {f"{k.block_hash:016x}" for k in (a, d, e)}
     assert store.num_bytes == 3 * FILE == sum(p.stat().st_size for p in block_files(tmp_path))
     assert store.stats().num_evicted == 2
+
+
+def test_a_file_pinned_for_a_planned_read_is_not_evicted(make_store: MakeStore) -> None:
+    """A cache plans a read, then writes that make room: the file it will read must stay. With no
+    room but pinned files, a write is refused (nothing stored) rather than evicting them."""
+    store = make_store(budget_files=2)
+    a, b, c = keys_of("t", 3)
+    for key in (a, b):
+        store.put(key, payload(key))
+    store.pin([a.block_hash, b.block_hash])
+    assert not store.put(c, payload(c)) and store.num_files == 2
+    np.testing.assert_array_equal(load(store, a), payload(a))  # the read releases a's pin
+    assert store.put(c, payload(c))  # a goes (b is still pinned)
+    assert [store.contains(k.block_hash) for k in (a, b, c)] == [False, True, True]
+    store.unpin([b.block_hash])
+    store.put(a, payload(a))
+    assert [store.contains(k.block_hash) for k in (a, b, c)] == [True, False, True]
+
+
+def test_probing_changes_nothing_and_a_read_indexes_another_processes_file(
+    make_store: MakeStore,
+) -> None:
+    mine, other = make_store(), make_store()
+    key = keys_of("t", 1)[0]
+    other.put(key, payload(key))
+    assert mine.contains(key.block_hash) and mine.probe([key]) == 1
+    assert mine.num_files == 0  # a probe is read-only
+    np.testing.assert_array_equal(load(mine, key), payload(key))
+    assert mine.num_files == 1
 
 
 def test_recency_survives_a_restart_and_a_smaller_budget_evicts_the_oldest(
