@@ -15,6 +15,9 @@ match(prompt, max_tokens=len-1) ─► acquire ─► allocate(uncached + reply 
    ▼
 insert(prompt + reply[:-1]) ─► release ─► free what the caller still owns
 ```
+(radixkv's own contract runs the same steps: `admit(prompt + reply[:-1], max_hit=len(prompt)-1)`
+matches, locks and allocates, in one eviction pass as the others do, `commit` inserts, `close`
+releases and frees.)
 A window of `--window` requests is in flight (admitted, then finished in trace order), so locked
 paths and eviction pressure are real. A request that depends on an earlier one (the next chat turn
 contains the previous reply; a branch continues its parent's text) is admitted only once that one
@@ -49,7 +52,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from radixkv.cache.prefix_cache import LockHandle, PrefixCache
+from radixkv.cache.prefix_cache import BlockTable, PrefixCache
 
 try:
     from benchmarks.flat_hash_cache import FlatHashCache, FlatMatch, token_bytes
@@ -259,7 +262,7 @@ class Ticket:
     request: Request
     num_cached_tokens: int
     block_table: list[int]  # one block per block index of request.written
-    handle: LockHandle | None = None  # radixkv
+    table: BlockTable | None = None  # radixkv
     block_hashes: tuple[int, ...] = ()  # flat
     locked_node: Any = None  # page radix: the node its hit locks
     num_private_pages: int = 0  # page radix
@@ -287,6 +290,9 @@ class _EvictionCounts:
     cache: Any
     num_dropped_tokens = 0
     peak_held_blocks = 0
+    # Tokens past the prompt admitted with it (radixkv admits what the request will write, its
+    # reply included, and counts them all as query tokens)
+    num_reply_tokens_admitted = 0
 
     def num_evicted_blocks(self) -> int:
         return self.cache.stats().num_evicted_blocks
@@ -308,31 +314,20 @@ class RadixAdapter(_EvictionCounts):
         cache = self.cache
         num_prompt = request.num_prompt_tokens
         # NOTE: the last prompt token is always computed (its logits sample the first reply token).
-        m = cache.match(request.prompt, max_tokens=num_prompt - 1)
-        num_blocks = -(-(len(request.tokens) - 1) // self.block_size)
-        # Private blocks: the copy-on-write target of a partial last block, then the uncached part.
-        num_private = num_blocks - m.num_full_blocks
-        if not cache.can_allocate(num_private):  # locking the match only lowers what is evictable
+        # Private blocks for everything written, the reply's included: the copy-on-write target
+        # of a partial hit block (`table.copy`, the kernels' job), then the uncached part.
+        table = cache.admit(request.written, max_hit=num_prompt - 1)
+        if table is None:  # the fit is checked read-only: nothing counted, nothing changed
             return None
-        handle = cache.acquire(m)
-        private = cache.allocate(num_private)
-        if private is None:
-            cache.release(handle)
-            self.aborted_query_tokens += m.num_query_tokens
-            self.aborted_hit_tokens += m.num_cached_tokens
-            return None
-        # (The CoW copy of m.num_partial_slots slots into private[0] is the kernels' job.)
-        held = cache.num_blocks - cache.num_free_blocks
-        self.peak_held_blocks = max(self.peak_held_blocks, held)
-        table = list(m.block_ids[: m.num_full_blocks]) + private
-        return Ticket(request, m.num_cached_tokens, table, handle=handle)
+        self.num_reply_tokens_admitted += len(request.written) - num_prompt
+        held = self.cache.stats()
+        self.peak_held_blocks = max(self.peak_held_blocks, held.num_blocks - held.num_free_blocks)
+        return Ticket(request, table.num_cached_tokens, list(table.blocks), table=table)
 
     def finish(self, ticket: Ticket) -> None:
-        cache = self.cache
-        result = cache.insert(ticket.request.written, ticket.block_table, handle=ticket.handle)
-        cache.release(result.handle)
-        if result.owned_block_ids:
-            cache.free(result.owned_block_ids)
+        assert ticket.table is not None
+        self.cache.commit(ticket.table, ticket.request.written)
+        self.cache.close(ticket.table)
 
     def check_idle(self) -> None:
         self.cache.check_integrity()
@@ -584,7 +579,7 @@ def merge_fastest(best: RunResult, run: RunResult) -> RunResult:
 # Scaling: per-operation cost against a full cache of 10^3 .. 10^6 blocks
 
 
-SCALING_OPS = ("match", "acq+ins+rel", "allocate(4)", "evict(4)")
+SCALING_OPS = ("match", "request", "allocate(4)", "evict(4)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -615,11 +610,9 @@ class _ScalingDriver:
 
     @property
     def num_free_blocks(self) -> int:
-        return (
-            self.radix.num_free_blocks
-            if self.cache_name == "radixkv"
-            else self.flat.num_free_blocks
-        )
+        if self.cache_name == "radixkv":
+            return self.radix.stats().num_free_blocks
+        return self.flat.num_free_blocks
 
     def num_cached_blocks(self) -> int:
         if self.cache_name == "radixkv":
@@ -638,36 +631,27 @@ class _ScalingDriver:
         return clock() - t0
 
     def request(self, tokens: np.ndarray) -> tuple[int, int] | None:
-        """Insert a whole sequence the way a request does: match, acquire, allocate, insert,
-        release, free. Returns (ns of acquire+insert+release+free, ns of allocate), or None if it
-        did not fit."""
+        """Insert a whole sequence the way a request does (radixkv: admit, commit, close; flat:
+        match, acquire, allocate, insert, release). Returns (ns of the whole request, ns of its
+        allocation: radixkv's admit, which matches, locks and allocates; flat's allocate), or
+        None if it did not fit."""
         clock = time.perf_counter_ns
-        num_blocks = -(-len(tokens) // self.block_size)
         if self.cache_name == "radixkv":
             cache = self.radix
-            m = cache.match(tokens, max_tokens=len(tokens) - 1)
             t0 = clock()
-            handle = cache.acquire(m)
+            table = cache.admit(tokens, max_hit=len(tokens) - 1)
             t1 = clock()
-            private = cache.allocate(num_blocks - m.num_full_blocks)
-            t2 = clock()
-            if private is None:
-                cache.release(handle)
+            if table is None:
                 return None
-            result = cache.insert(
-                tokens, list(m.block_ids[: m.num_full_blocks]) + private, handle=handle
-            )
-            cache.release(result.handle)
-            if result.owned_block_ids:
-                cache.free(result.owned_block_ids)
-            t3 = clock()
-            return (t1 - t0) + (t3 - t2), t2 - t1
+            cache.commit(table, tokens)
+            cache.close(table)
+            return clock() - t0, t1 - t0
         flat = self.flat
-        fm = flat.match(tokens, max_tokens=len(tokens) - 1)
         t0 = clock()
+        fm = flat.match(tokens, max_tokens=len(tokens) - 1)
         flat.acquire(fm)
         t1 = clock()
-        private = flat.allocate(num_blocks - len(fm.block_ids))
+        private = flat.allocate(-(-len(tokens) // self.block_size) - len(fm.block_ids))
         t2 = clock()
         if private is None:
             flat.release(fm.block_ids)
@@ -675,8 +659,7 @@ class _ScalingDriver:
         table = list(fm.block_ids) + private
         flat.cache_full_blocks(tokens, table, fm.block_hashes, num_cached_blocks=len(fm.block_ids))
         flat.release(table)
-        t3 = clock()
-        return (t1 - t0) + (t3 - t2), t2 - t1
+        return clock() - t0, t2 - t1
 
     def evict(self, num_blocks: int) -> int:
         clock = time.perf_counter_ns
@@ -758,10 +741,11 @@ class ScalingBench:
         round (at most num_ops * 2 blocks before the allocate phase) cannot evict.
 
         * match: a filled sequence (at most seq_len - 1 tokens served).
-        * acq+ins+rel: a request = prefix of a filled sequence + 16 new tokens; acquire, insert,
-          release and free timed (its match and allocate are not).
-        * allocate(4): 4 blocks out of a full cache (evicting 4); then (untimed) a new 64-token
-          sequence is inserted into them so the cache stays full.
+        * request: prefix of a filled sequence + 16 new tokens, its whole life timed (match to
+          release).
+        * allocate(4): 4 blocks out of a full cache (evicting 4) for a new 64-token sequence
+          (radixkv: its admit, which also walks and locks); then (untimed) it is inserted into
+          them so the cache stays full.
         * evict(4): evict 4 blocks, then (untimed) refill them the same way.
         """
         driver, rng = self.driver, self.rng
@@ -778,7 +762,7 @@ class ScalingBench:
             cut = int(rng.integers(self.seq_len // 4, self.seq_len))
             timed = driver.request(np.concatenate([base[:cut], self._fresh(16)]))
             assert timed is not None, "a small request must fit in a full, unlocked cache"
-            op_ns["acq+ins+rel"].append(timed[0])
+            op_ns["request"].append(timed[0])
         refill = 4 * self.block_size
         for _ in range(warmup + num_ops):
             timed = driver.request(self._fresh(refill))  # its allocate(4) evicts 4 blocks

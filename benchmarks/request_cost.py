@@ -14,14 +14,20 @@ side, so both face the same machine load).
 N conversations x T turns after one system prompt: prompt_t = written_{t-1} + last reply token +
 user_t, so prompts grow to ~1-2k tokens and every turn hits the previous one's cache. Requests go
 turn by turn over all conversations (turn t of each, then t + 1), so a conversation's path is cold
-when its next turn comes. Each request runs the whole lifecycle, every call timed:
+when its next turn comes. Each request runs the whole lifecycle of the cache's contract, every
+call timed:
 
-    match(prompt, max_tokens=len-1) -> acquire -> allocate(1) for the copy-on-write of a partial
-    last block -> allocate(uncached) -> insert(written, table, handle=) -> release -> free
+    admit(prompt, max_hit=len-1)    match, lock, copy-on-write block, the prompt's uncached blocks
+    grow(table, n)                  the reply's blocks
+    commit(table, written)          insert, adopt, dedupe
+    close(table)                    unlock, free what is still private
+
+(Revisions before this contract ran match -> acquire -> allocate -> insert(handle=) -> release ->
+free: `--against` runs each revision's own copy of this script, so totals compare.)
 
 `written` = prompt + reply[:-1] (the last sampled token has no KV). With `--tokens packed` the
 client appends to a PackedTokens per conversation, and building the prompt and `written` is
-timed with `match`. Inputs are built before the timed runs, and the cache is large enough that
+timed with `admit`. Inputs are built before the timed runs, and the cache is large enough that
 nothing is evicted. The runs are identical,
 so each request keeps its fastest of `--repeat` runs (other tenants of a shared machine only
 add time); the table gives medians over the requests with 1k-2k-token prompts.
@@ -43,7 +49,7 @@ import numpy as np
 
 from radixkv import PackedTokens, PrefixCache
 
-CALLS = ("match", "acquire", "allocate", "insert", "release", "free")
+CALLS = ("admit", "grow", "commit", "close")
 VOCAB_SIZE = 32000
 
 
@@ -105,25 +111,16 @@ def run(
             prompt = packed_history.get(conv, PackedTokens()) + new
             written = prompt + reply[:-1]
             packed_history[conv] = written + reply[-1:]
-        m = cache.match(prompt, max_tokens=len(prompt) - 1)
+        table = cache.admit(prompt, max_hit=len(prompt) - 1)
         t1 = clock()
-        handle = cache.acquire(m)
+        assert table is not None, "the cache is sized to never evict"
+        cache.grow(table, -(-len(written) // block_size) - len(table.blocks))
         t2 = clock()
-        table = list(m.block_ids)
-        if m.last_block_partial:
-            (table[-1],) = cache.allocate(1)  # copy-on-write target
-        fresh = cache.allocate(-(-len(written) // block_size) - len(table))
-        assert fresh is not None, "the cache is sized to never evict"
-        table += fresh
+        cache.commit(table, written)
         t3 = clock()
-        result = cache.insert(written, table, handle=handle)
+        cache.close(table)
         t4 = clock()
-        cache.release(result.handle)
-        t5 = clock()
-        if result.owned_block_ids:
-            cache.free(result.owned_block_ids)
-        t6 = clock()
-        ns[i] = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+        ns[i] = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
     cache.check_integrity()
     return ns
 

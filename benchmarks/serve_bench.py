@@ -329,9 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     model_path = args.model
     if model_path is None:
-        from radixkv.engine.model_loader import ensure_default_model
+        from radixkv.bundled_model import ensure_converted
 
-        model_path = str(ensure_default_model())
+        model_path = str(ensure_converted())
 
     def say(msg: str) -> None:
         print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)

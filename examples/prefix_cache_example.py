@@ -3,7 +3,8 @@
 Runs in well under a second on any machine: no model, no torch. The story: two requests share a
 37-token system prompt; with 16-token blocks the second one gets all 37 tokens from the cache (a
 flat block-hash map would give it 32), copies the 5 valid slots of the partial block into a fresh
-block, and computes only its own suffix.
+block, and computes only its own suffix. Each request lives in one `BlockTable`: admit, grow,
+commit, close.
 """
 
 from __future__ import annotations
@@ -15,35 +16,24 @@ from radixkv import PrefixCache
 BLOCK = 16
 
 
-def blocks_for(num_tokens: int) -> int:
-    return math.ceil(num_tokens / BLOCK)
-
-
 def serve(cache: PrefixCache, prompt: list[int], reply: list[int]) -> None:
-    """One request's life: match, lock, copy-on-write, allocate, (compute), insert, release."""
+    """One request's life: admit (match, lock, copy-on-write, allocate), grow, commit, close."""
     # NOTE: the last prompt token is always computed, so there are logits to sample from.
-    match = cache.match(prompt, max_tokens=len(prompt) - 1)  # read-only: safe for scoring
-    handle = cache.acquire(match)  # lock the path before allocating (allocation may evict)
-    table = list(match.block_ids)
-    copies = []
-    if match.last_block_partial:
-        # Never write into a shared block: copy its valid slots into a private one.
-        (fresh,) = cache.allocate(1) or []
-        copies.append((table[-1], fresh, match.num_partial_slots))
-        table[-1] = fresh
-    written = prompt + reply[:-1]  # the last sampled token has no KV yet
-    new = cache.allocate(blocks_for(len(written)) - len(table))
-    if new is None:
-        raise RuntimeError("cache too small for this request")
-    table += new
+    table = cache.admit(prompt, max_hit=len(prompt) - 1)
+    if table is None:
+        raise RuntimeError("cache too small for this request")  # or wait for others to finish
+    copies = [table.copy] if table.copy else []  # never write into a shared block: copy first
     print(
-        f"prompt {len(prompt):3d} tokens: {match.num_cached_tokens:3d} cached,"
-        f" {len(prompt) - match.num_cached_tokens:3d} computed, copy-on-write {copies or 'none'}"
+        f"prompt {len(prompt):3d} tokens: {table.num_cached_tokens:3d} cached,"
+        f" {len(prompt) - table.num_cached_tokens:3d} computed, copy-on-write {copies or 'none'}"
     )
-    # ... a model would now write KV for positions [num_cached_tokens, len(written)) into `table`
-    result = cache.insert(written, table, handle=handle)  # adopt blocks, free duplicates
-    cache.release(result.handle)
-    cache.free(result.owned_block_ids)  # whatever the tree did not adopt
+    # ... a model would now copy, then write KV for the prompt from num_cached_tokens on into
+    # table.blocks, and decode the reply, growing the table as it goes:
+    written = prompt + reply[:-1]  # the last sampled token has no KV yet
+    if not cache.grow(table, math.ceil(len(written) / BLOCK) - len(table.blocks)):
+        raise RuntimeError("cache too small for this reply")  # or preempt
+    cache.commit(table, written)  # the tree adopts the blocks, frees duplicates
+    cache.close(table)  # unlock, free whatever the tree did not adopt
     cache.check_integrity()
 
 

@@ -3,10 +3,12 @@
 Layers, each importing only those below it:
 
     radixkv.cache      pure Python: block pool, radix tree, PrefixCache
-    radixkv.scheduler  continuous batching over the cache (requests, sampling params)
+    radixkv.scheduler  continuous batching over the cache
     radixkv.kernels    paged KV-cache kernels (Triton on CUDA, torch reference on CPU)
-    radixkv.engine     LLM: model loading, model runner, sampler (torch + transformers)
+    radixkv.kv_events  KV events on the wire (ZeroMQ, vLLM's format), over the cache alone
+    radixkv.engine     LLM, its config and sampling params, model runner, sampler
     radixkv.chat       chat session, terminal UI
+    radixkv.serve      the OpenAI-compatible HTTP server
 """
 
 from __future__ import annotations
@@ -16,16 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.cache import (
     BlockPool,
-    BlockPoolStats,
+    BlockTable,
     CacheStats,
-    InsertResult,
-    LockHandle,
     MatchResult,
     NodeView,
     PackedTokens,
     PrefixCache,
 )
-from radixkv.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixkv.chat import ChatReply, ChatSession
@@ -36,18 +35,17 @@ if TYPE_CHECKING:
         RequestOutput,
         RequestStats,
         RequestUpdate,
+        SamplingParams,
         StreamDelta,
     )
 
 __all__ = [
     "LLM",
     "BlockPool",
-    "BlockPoolStats",
+    "BlockTable",
     "CacheStats",
     "ChatReply",
     "ChatSession",
-    "InsertResult",
-    "LockHandle",
     "MatchResult",
     "ModelLoadError",
     "ModelNotFoundError",
@@ -61,8 +59,8 @@ __all__ = [
     "StreamDelta",
 ]
 
-# Names of the torch layers, imported on first use so that `from radixkv import PrefixCache` never
-# loads torch and transformers.
+# Names of the engine and chat layers, imported on first use so that `from radixkv import
+# PrefixCache` loads neither the scheduler nor torch and transformers.
 _ENGINE_NAMES = {
     "LLM": "radixkv.engine",
     "ModelLoadError": "radixkv.engine",
@@ -70,6 +68,7 @@ _ENGINE_NAMES = {
     "RequestOutput": "radixkv.engine",
     "RequestStats": "radixkv.engine",
     "RequestUpdate": "radixkv.engine",
+    "SamplingParams": "radixkv.engine",
     "StreamDelta": "radixkv.engine",
     "ChatReply": "radixkv.chat",
     "ChatSession": "radixkv.chat",

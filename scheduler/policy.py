@@ -35,16 +35,11 @@ class LongestPrefixMatchPolicy(FcfsPolicy):
 
         def num_cached_tokens(r: Request) -> int:
             return cache.match(
-                r.all_token_ids, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
+                r.packed_tokens, max_tokens=r.num_tokens - 1, namespace=r.cache_salt
             ).num_cached_tokens
 
         return sorted(waiting, key=num_cached_tokens, reverse=True)
 
 
-POLICIES = {"fcfs": FcfsPolicy, "lpm": LongestPrefixMatchPolicy}
-
-
-def make_policy(name: str) -> FcfsPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {name!r}")
-    return POLICIES[name]()
+# The names a config's `policy` may take (the engine's config checks it is one of them).
+POLICIES: dict[str, type[FcfsPolicy]] = {"fcfs": FcfsPolicy, "lpm": LongestPrefixMatchPolicy}

@@ -14,17 +14,17 @@ The scheduler owns the block bookkeeping fields; everything else is read-only to
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 
 from radixkv.cache.prefix_cache import BlockTable
 from radixkv.cache.tokens import PackedTokens
-from radixkv.scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    FINISHED_STOPPED = "finished_stopped"  # a stop token or EOS was sampled
+    FINISHED_STOPPED = "finished_stopped"  # a stop token (or EOS) was sampled
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"  # its step failed (an exception in the engine)
@@ -45,8 +45,13 @@ _FINISH_REASONS = {  # the finished statuses and the finish reason each reports
 class Request:
     """A prompt, the tokens generated so far, and the scheduler's bookkeeping for it.
 
-    Tokens are kept as `PackedTokens`: validated once (a caller that hands PackedTokens, as the
-    engine does, is not checked again) and read by the cache as they are.
+    Built by the engine from input it has validated: a prompt of 1 to max_model_len - 1 token ids
+    (a `PackedTokens` is taken as is; a list, as tests pass, is packed), `max_tokens` >= 1, and
+    `stop_token_ids`, every token that ends generation (the engine adds the model's EOS ids to the
+    request's own stop tokens unless it ignores EOS). Nothing is checked again here.
+
+    `all_token_ids` (prompt + output) is an `array('I')` that sampled tokens are appended to in
+    amortized O(1); `packed_tokens` is the same tokens as the cache reads them without a copy.
 
     Invariants while RUNNING (checked by `Scheduler.check_integrity`):
     * `num_computed_tokens < len(all_token_ids)` and `table` (the cache's `BlockTable`) covers at
@@ -59,32 +64,23 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        eos_token_ids: Sequence[int] = (),
+        max_tokens: int,
+        stop_token_ids: Iterable[int] = (),
         *,
         cache_salt: str | None = None,
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        for t in eos_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"eos token ids must be ints >= 0, got {t!r}")
         self.request_id = request_id
-        self.prompt_token_ids = PackedTokens(prompt_token_ids)  # no copy, no check of PackedTokens
-        self.params = params
-        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.prompt_token_ids = PackedTokens(prompt_token_ids)  # no copy of a PackedTokens
+        self.max_tokens = max_tokens  # new tokens to generate at most
+        self.stop_token_ids = frozenset(stop_token_ids)
         # The cache namespace: requests share cached KV only with requests of the same salt.
         self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
         self.output_token_ids: list[int] = []
-        self.all_token_ids: PackedTokens = self.prompt_token_ids  # prompt + output
+        self.all_token_ids = array("I", self.prompt_token_ids.tobytes())  # prompt + output
+        self._packed = self.prompt_token_ids  # all_token_ids when it was last packed
         self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
         self.num_cached_tokens = 0  # cache hit at the first admission
         self.last_num_cached_tokens = 0  # cache hit at the latest admission (after preemption)
@@ -101,6 +97,15 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def packed_tokens(self) -> PackedTokens:
+        """`all_token_ids` as a PackedTokens, repacked only when tokens were appended since it was
+        last read (tokens are only ever appended: an equal length means equal tokens). A waiting
+        request, scored by the policy every step, is packed once."""
+        if len(self._packed) != len(self.all_token_ids):
+            self._packed = PackedTokens.frombytes(self.all_token_ids.tobytes())
+        return self._packed
+
+    @property
     def num_tokens_to_compute(self) -> int:
         return len(self.all_token_ids) - self.num_computed_tokens
 
@@ -110,16 +115,14 @@ class Request:
 
     def max_num_tokens(self, max_model_len: int) -> int:
         """Longest `all_token_ids` can become: generation stops at max_tokens or max_model_len."""
-        room = max(1, max_model_len - self.num_prompt_tokens)
-        return self.num_prompt_tokens + min(self.params.max_tokens, room)
+        return min(self.num_prompt_tokens + self.max_tokens, max_model_len)
 
     def append_output_token(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and finish the request if it stops generation."""
         assert self.status is RequestStatus.RUNNING, f"{self}: append while not running"
         self.output_token_ids.append(token_id)
-        self.all_token_ids += (token_id,)
-        p = self.params
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+        self.all_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
             self.set_finished(RequestStatus.FINISHED_STOPPED)
         elif self.num_tokens >= self.max_num_tokens(max_model_len):
             self.set_finished(RequestStatus.FINISHED_LENGTH)

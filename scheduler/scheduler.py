@@ -36,10 +36,10 @@ import logging
 from collections.abc import Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
-from radixkv.cache.tokens import MAX_TOKEN_ID, common_prefix_len
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
-from radixkv.scheduler.policy import make_policy
+from radixkv.scheduler.policy import POLICIES
 from radixkv.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -52,20 +52,25 @@ def _cdiv(a: int, b: int) -> int:
 class Scheduler:
     """Continuous-batching scheduler. Deterministic: no wall clock, no randomness.
 
+    Its callers are trusted: the engine validates requests at its door and hands back exactly the
+    tokens its rows sampled. Misuse (a live id added again, an output updated twice) is an assert.
+
     Invariants (recomputed by `check_integrity`):
     * every live request is either in the waiting queue (no block table) or running;
     * at most `max_num_seqs` running; each running request's table covers its written tokens, its
       blocks are distinct and no block is private to two requests;
-    * the scheduler is its cache's only user: every private block and lock handle of the cache
+    * the scheduler is its cache's only user: every private block and lock of the cache
       belongs to a running request, so with nothing running nothing is in use (no leak).
     """
 
-    def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, cache: PrefixCache, config: SchedulerConfig) -> None:
+        assert config.max_model_len is not None, "the engine sets max_model_len from its model"
         self.cache = cache
-        self.config = config if config is not None else SchedulerConfig()
+        self.config = config
+        self._max_len = config.max_model_len
         self._block_size = cache.block_size
         self._use_cache = self.config.enable_prefix_cache
-        self._policy = make_policy(self.config.policy)
+        self._policy = POLICIES[config.policy]()
         # Every live request, by id: waiting in FCFS order (preempted ones put back at the front),
         # running in admission order.
         self._waiting: dict[str, Request] = {}
@@ -105,24 +110,13 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. ValueError if it can never run (longer than the model's context or
-        than the whole cache), has an empty prompt, or reuses a live id."""
-        if not isinstance(request, Request):
-            raise TypeError(f"expected a Request, got {type(request).__name__}")
-        rid = request.request_id
-        if self.get_request(rid) is not None:
-            raise ValueError(f"request {rid!r}: this id is already queued or running")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids:
-            raise ValueError(f"request {rid!r}: only a new request can be added ({request.status})")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: empty prompt")
-        max_len = self.config.max_model_len
-        if num_prompt > max_len:
-            raise ValueError(
-                f"request {rid!r}: prompt of {num_prompt} tokens is longer than the model's "
-                f"context (max_model_len={max_len})"
-            )
+        """Queue a new request (a fresh id, a prompt shorter than `max_model_len`: the engine's
+        door checked both). ValueError, nothing queued, if it can never run: its tokens' KV would
+        need more blocks than the whole cache has."""
+        rid, num_prompt, max_len = request.request_id, request.num_prompt_tokens, self._max_len
+        assert self.get_request(rid) is None, f"request {rid!r} is already queued or running"
+        assert request.status is RequestStatus.WAITING and not request.output_token_ids, request
+        assert 0 < num_prompt < max_len, f"{request}: the door lets 1 to {max_len - 1} tokens in"
         # NOTE: the last token of a finished sequence has no KV, hence the - 1.
         max_kv_tokens = request.max_num_tokens(max_len) - 1
         num_blocks = _cdiv(max_kv_tokens, self._block_size)
@@ -156,8 +150,7 @@ class Scheduler:
 
         Each non-empty output must be passed to `update_from_output` before the next call.
         """
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called again before update_from_output()")
+        assert self._in_flight is None, "schedule() called again before update_from_output()"
         self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
@@ -207,19 +200,8 @@ class Scheduler:
 
         Rows of requests aborted since `schedule()` are ignored (their sampled token too).
         """
-        if output.rows and output is not self._in_flight:
-            raise ValueError("output is not the pending result of the last schedule()")
-        sampling = {r.request_id for r in output.rows if r.sample}
-        if set(sampled) != sampling:
-            raise ValueError(
-                f"sampled tokens must be given exactly for the rows with sample=True: missing "
-                f"{sorted(sampling - set(sampled))}, unexpected {sorted(set(sampled) - sampling)}"
-            )
-        for rid, t in sampled.items():
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
-                raise ValueError(
-                    f"{rid!r}: sampled token must be an int in [0, {MAX_TOKEN_ID}], got {t!r}"
-                )
+        assert not output.rows or output is self._in_flight, "not the last schedule()'s output"
+        assert sampled.keys() == {r.request_id for r in output.rows if r.sample}, sampled
         if output.rows:
             self._in_flight = None
 
@@ -232,7 +214,7 @@ class Scheduler:
             is_prefill = row.start_position < req.num_prefill_tokens
             req.num_computed_tokens += len(row.token_ids)
             if row.sample:
-                req.append_output_token(sampled[row.request_id], self.config.max_model_len)
+                req.append_output_token(sampled[row.request_id], self._max_len)
             if self._use_cache and (is_prefill or req.is_finished):
                 self._insert_written(req, writes_on=not req.is_finished)
             if req.is_finished:
@@ -285,7 +267,7 @@ class Scheduler:
         assert table is not None and n > 0, f"{req}: a running request has a table and wrote KV"
         last = _cdiv(n, self._block_size) - 1
         old_tail = table.blocks[last]
-        self.cache.commit(table, req.all_token_ids[:n])
+        self.cache.commit(table, req.packed_tokens[:n])
         # NOTE: a request writes the rest of a partial tail block after inserting it. That is
         # safe only in the block it wrote itself (the tree vouches for the inserted slots alone;
         # another owner's block has later slots of its own), so the cache must hand it back: it
@@ -363,13 +345,13 @@ class Scheduler:
         has grown by at least the threshold and it is not deferred for that prefix again (unless
         its writer was aborted, or finished and the prefix was evicted: then it may compute it).
         """
-        tokens = req.all_token_ids
+        tokens = req.packed_tokens
         # NOTE: a hit is capped at len - 1 (the last prompt token is always computed), so only
         # that much of a shared prefix can ever be gained by waiting.
         cap = len(tokens) - 1
         threshold = self.config.defer_shared_prefix_tokens
         shared = max(  # only requests of its own namespace can serve it
-            common_prefix_len(tokens, other.all_token_ids, min(end, cap))
+            common_prefix_len(tokens, other.packed_tokens, min(end, cap))
             if other.cache_salt == req.cache_salt
             else 0
             for other, end in in_batch
@@ -388,7 +370,7 @@ class Scheduler:
         """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None if
         the blocks are not there, and then the cache is untouched: no query counted, no recency
         refreshed (the fit is checked read-only before anything is locked)."""
-        tokens = req.all_token_ids
+        tokens = req.packed_tokens
         # NOTE: the last token is always computed, so there are logits to sample from.
         max_hit = (len(tokens) - 1 if use_hit else 0) if self._use_cache else None
         table = self.cache.admit(tokens, max_hit=max_hit, namespace=req.cache_salt)
@@ -440,15 +422,15 @@ class Scheduler:
             assert _cdiv(req.num_computed_tokens, B) <= len(blocks) <= _cdiv(req.num_tokens, B), req
             assert len(set(blocks)) == len(blocks), f"{req}: {blocks}"
             assert all(0 <= b < self.cache.num_blocks for b in blocks), blocks
-            assert (table.handle is not None) == use_cache, req
+            assert table.locked == use_cache, req
             private += table.private
         assert len(set(private)) == len(private), f"a block private to two requests: {private}"
         # NOTE: the scheduler is the only user of its cache: every private block and every lock
-        # handle of the cache belongs to a running request.
+        # of the cache belongs to a running request.
         stats = self.cache.stats()
         in_use = stats.num_in_use_blocks
         assert stats.num_private_blocks == len(private), (len(private), stats)
-        assert stats.num_live_handles == (len(self._running) if use_cache else 0), stats
+        assert stats.num_locked_tables == (len(self._running) if use_cache else 0), stats
         assert len(private) <= in_use and (self._running or in_use == 0), (len(private), stats)
         if not use_cache:
             assert in_use == len(private) == stats.num_blocks - stats.num_free_blocks, stats

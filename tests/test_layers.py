@@ -1,7 +1,10 @@
 """The package layout: dependencies point one way and no file imports itself in a circle.
 
 Every import counts, type-checking and function-level ones included. The layers, lowest first:
-cache <- scheduler <- engine <- chat (and serve); kernels <- engine.
+cache <- scheduler <- engine <- options <- chat, serve; kernels <- engine; bundled_model (the
+default model's one-time conversion, no radixkv import) <- engine; cache <- kv_events (the KV-event
+transport) <- engine. `serve` never imports `chat`, and no layer imports the package's lazy public
+module `radixkv/__init__.py`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ ALLOWED = {
     "cache": set(),
     "scheduler": {"cache"},
     "kernels": set(),
-    "engine": {"cache", "scheduler", "kernels"},
-    "chat": {"cache", "scheduler", "engine"},
-    "serve": {"cache", "scheduler", "engine", "chat"},
+    "bundled_model": set(),
+    "kv_events": {"cache"},
+    "engine": {"cache", "scheduler", "kernels", "bundled_model", "kv_events"},
+    "options": {"engine"},  # the command-line table of the engine's settings
+    "chat": {"cache", "scheduler", "engine", "options"},
+    "serve": {"cache", "scheduler", "engine", "options"},
 }
 
 
@@ -80,11 +86,31 @@ def test_imports_point_down_the_layers(module: str) -> None:
     assert layer is not None
     for dep in GRAPH[module]:
         dep_layer = layer_of(dep)
-        if dep == "radixkv":
-            pytest.fail(f"{module} imports the top-level radixkv package (import the layer)")
         assert dep_layer == layer or dep_layer in ALLOWED[layer], (
             f"{module} ({layer}) imports {dep} ({dep_layer})"
         )
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m)))
+def test_no_layer_imports_the_lazy_public_module(module: str) -> None:
+    # `radixkv/__init__.py` re-exports every layer's names for users; a layer importing it would
+    # depend on the layers above it.
+    assert "radixkv" not in GRAPH[module], f"{module} imports radixkv/__init__.py"
+
+
+@pytest.mark.parametrize(
+    ("low", "high"), [("serve", "chat"), ("engine", "chat"), ("engine", "serve")]
+)
+def test_front_doors_stay_apart(low: str, high: str) -> None:
+    found = [
+        m for m in MODULES if layer_of(m) == low and any(layer_of(d) == high for d in GRAPH[m])
+    ]
+    assert not found, f"{found} import {high}"
+
+
+def test_every_file_belongs_to_a_layer() -> None:
+    unplaced = [m for m in MODULES if m not in ("radixkv", "radixkv.__main__") and not layer_of(m)]
+    assert not unplaced, f"add a layer for {unplaced}"
 
 
 def test_no_import_cycles() -> None:
@@ -121,3 +147,20 @@ def test_the_cache_stays_pure_python() -> None:
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in ("torch", "transformers", "triton"), (module, n)
+
+
+def test_the_cache_alone_loads_no_scheduler_and_sampling_params_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nimport radixkv.cache\n"
+        "assert not [m for m in sys.modules if m.startswith('radixkv.scheduler')], 'scheduler'\n"
+        "from radixkv import SamplingParams\nfrom radixkv.engine import EngineConfig\n"
+        "assert 'torch' not in sys.modules, 'torch'\n"
+    )
+    # From the tests folder: the repository root (with its top-level kernels/) stays off sys.path.
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,33 +1,35 @@
 """The prefix cache: pure Python, imports nothing else from radixkv.
 
 pool.py          BlockPool: physical blocks, owner counts, free list
-tokens.py        PackedTokens, token validation, the common-prefix helper
+node.py          TreeNode: one node of the radix tree
+tokens.py        the door's checks: PackedTokens, token validation, sizes; the common-prefix helper
 tree.py          RadixTree: token paths per namespace, block ownership, locks, insert plan/commit
 eviction.py      the sorted set of evictable leaves
-prefix_cache.py  PrefixCache: the facade (argument checks, handles, stats, integrity)
+events.py        KV events: chained block hashes and the recorder the owner drains
+prefix_cache.py  PrefixCache: the one contract (match; admit / grow / commit / close a
+                 BlockTable), stats, integrity
 """
 
-from radixkv.cache.pool import BlockPool, BlockPoolStats
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from radixkv.cache.pool import BlockPool
 from radixkv.cache.prefix_cache import (
     BlockTable,
     CacheStats,
-    InsertResult,
-    LockHandle,
     MatchResult,
     NodeView,
     PrefixCache,
     hit_rate,
 )
-from radixkv.cache.tokens import PackedTokens, common_prefix_len
-from radixkv.cache.validation import check_size
+from radixkv.cache.tokens import PackedTokens, check_size, common_prefix_len
 
 __all__ = [
+    "AllBlocksCleared",
     "BlockPool",
-    "BlockPoolStats",
+    "BlockRemoved",
+    "BlockStored",
     "BlockTable",
     "CacheStats",
-    "InsertResult",
-    "LockHandle",
+    "KVEvent",
     "MatchResult",
     "NodeView",
     "PackedTokens",

@@ -26,39 +26,21 @@ Two policies, both fully deterministic (logical clock, node id last):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from sortedcontainers import SortedList
 
+from radixkv.cache.node import TreeNode
 
-class EvictableNode(Protocol):
-    """What the index reads and writes of a tree node (the tree's nodes satisfy it)."""
-
-    node_id: int
-    tick: int
-    evict_key: Any
+EvictionKey = Callable[[TreeNode], Any]
 
 
-EvictionKey = Callable[[EvictableNode], Any]
-
-
-class SegmentNode(EvictableNode, Protocol):
-    """A node whose segment, blocks, parent and GDSF base `gdsf_priority` reads."""
-
-    parent: SegmentNode | None
-    start: int
-    end: int
-    blocks: list[int]
-    head_shared: bool
-    gdsf_base: int
-
-
-def lru_key(node: EvictableNode) -> tuple[int, int]:
+def lru_key(node: TreeNode) -> tuple[int, int]:
     """Least recently used first; the older node (smaller id) first among equal ticks."""
     return (node.tick, node.node_id)
 
 
-def gdsf_priority(node: SegmentNode, block_size: int) -> int:
+def gdsf_priority(node: TreeNode, block_size: int) -> int:
     """`node.gdsf_base` + the tokens of the node's path in its last block (end > start): what
     evicting that block loses. A head block shared with the parent counts from the block's start:
     it is freed only once the parent's tail in it goes as well. (A head shared with a higher
@@ -73,11 +55,11 @@ def gdsf_priority(node: SegmentNode, block_size: int) -> int:
     )
 
 
-def gdsf_key(block_size: int) -> Callable[[SegmentNode], tuple[int, int, int]]:
+def gdsf_key(block_size: int) -> Callable[[TreeNode], tuple[int, int, int]]:
     """The GDSF policy for blocks of `block_size` tokens: key `(gdsf_priority, tick, node_id)`
     (see the module docstring)."""
 
-    def key(node: SegmentNode) -> tuple[int, int, int]:
+    def key(node: TreeNode) -> tuple[int, int, int]:
         return (gdsf_priority(node, block_size), node.tick, node.node_id)
 
     return key
@@ -104,16 +86,16 @@ class EvictionIndex:
     def __init__(self, key: EvictionKey = lru_key) -> None:
         self.key = key
         self._keys: SortedList = SortedList()
-        self._nodes: dict[Any, EvictableNode] = {}
+        self._nodes: dict[Any, TreeNode] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def __iter__(self) -> Iterator[EvictableNode]:
+    def __iter__(self) -> Iterator[TreeNode]:
         """Members in eviction order (first = next victim)."""
         return (self._nodes[k] for k in self._keys)
 
-    def add(self, node: EvictableNode) -> None:
+    def add(self, node: TreeNode) -> None:
         assert node.evict_key is None, f"node {node.node_id} is already evictable"
         k = self.key(node)
         assert k not in self._nodes, f"eviction key {k!r} of node {node.node_id} is not unique"
@@ -121,7 +103,7 @@ class EvictionIndex:
         self._keys.add(k)
         self._nodes[k] = node
 
-    def discard(self, node: EvictableNode) -> None:
+    def discard(self, node: TreeNode) -> None:
         """Remove `node` if it is a member."""
         k = node.evict_key
         if k is not None:
@@ -129,16 +111,10 @@ class EvictionIndex:
             del self._nodes[k]
             node.evict_key = None
 
-    def first(self) -> EvictableNode:
+    def first(self) -> TreeNode:
         """The next victim (the set must not be empty)."""
         return self._nodes[self._keys[0]]
 
-    def pop_first(self) -> EvictableNode:
-        """Remove and return the next victim (the set must not be empty)."""
-        node = self._nodes.pop(self._keys.pop(0))
-        node.evict_key = None
-        return node
-
-    def items(self) -> list[tuple[Any, EvictableNode]]:
+    def items(self) -> list[tuple[Any, TreeNode]]:
         """(key, node) pairs in eviction order, for integrity checks and displays."""
         return [(k, self._nodes[k]) for k in self._keys]

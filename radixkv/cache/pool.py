@@ -3,24 +3,15 @@
 The pool knows nothing about tokens or trees. A block is either *free* (no owner, on the free list
 exactly once) or *used* (one owner or more). Who the owners are (tree nodes, requests) is the
 business of `PrefixCache`; the pool only counts them and recycles a block when the last one goes.
+Its caller (the cache) is trusted: ids and counts are its own, so preconditions are asserts and
+`check_integrity()` recomputes the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from radixkv.cache.validation import check_size
-
-
-@dataclass(frozen=True, slots=True)
-class BlockPoolStats:
-    num_blocks: int
-    block_size: int
-    num_free_blocks: int
-    num_used_blocks: int  # one owner or more
-    num_allocated_total: int  # blocks handed out by allocate() since construction
-    num_freed_total: int  # blocks returned to the free list since construction
+from radixkv.cache.tokens import check_size
 
 
 class BlockPool:
@@ -39,91 +30,55 @@ class BlockPool:
     together are handed out again in the order given: tests stay readable and runs deterministic.
     """
 
-    __slots__ = ("_free", "_num_allocated", "_num_freed", "_refs", "block_size", "num_blocks")
+    __slots__ = ("_free", "_refs", "block_size", "num_blocks")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
+        """Raises TypeError/ValueError for a size that is not an int >= 1."""
         self.num_blocks: int = check_size(num_blocks, "num_blocks", low=1)
         self.block_size: int = check_size(block_size, "block_size", low=1)
         self._refs: list[int] = [0] * self.num_blocks
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # next out: the last
-        self._num_allocated = 0
-        self._num_freed = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
     def ref_count(self, block_id: int) -> int:
-        """Current number of owners of `block_id` (0 = free). TypeError/ValueError for a bad id."""
-        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
-            self._check_id(block_id)
+        """Current number of owners of `block_id` (0 = free)."""
         return self._refs[block_id]
 
-    def is_free(self, block_id: int) -> bool:
-        return self.ref_count(block_id) == 0
-
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Take `num_blocks` free blocks, one owner each.
-
-        Returns None, with nothing changed, when fewer are free. Raises TypeError/ValueError for a
-        count that is not an int >= 0.
-        """
-        n = check_size(num_blocks, "num_blocks", low=0)
+        """Take `num_blocks` free blocks, one owner each; None, nothing changed, when fewer are
+        free."""
+        assert num_blocks >= 0, num_blocks
         free = self._free
-        if n > len(free):
+        if num_blocks > len(free):
             return None
-        ids = free[len(free) - n :]
-        del free[len(free) - n :]
+        ids = free[len(free) - num_blocks :]
+        del free[len(free) - num_blocks :]
         ids.reverse()
         for b in ids:
             self._refs[b] = 1
-        self._num_allocated += n
         return ids
 
     def add_owner(self, block_id: int) -> None:
-        """One more owner of a used block. ValueError if the block is free (allocate it instead)."""
-        if not self.ref_count(block_id):
-            raise ValueError(f"block {block_id} is free: a free block cannot gain an owner")
+        """One more owner of a used block (a free one is allocated, not owned)."""
+        assert self._refs[block_id] > 0, f"block {block_id} is free: it cannot gain an owner"
         self._refs[block_id] += 1
 
     def release(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one owner of each block, last first, so that blocks freed together are handed out
         again in the order given and a table's tail is freed before its head. Returns the blocks
-        that became free, in the order freed.
-
-        Validates everything first: TypeError/ValueError (nothing changed) if an id is not an int
-        in range, is repeated, or is already free.
-        """
-        refs, n = self._refs, self.num_blocks
-        for b in block_ids:
-            if type(b) is not int or not 0 <= b < n:
-                self._check_id(b)
-            if not refs[b]:
-                raise ValueError(f"block {b} is already free")
-        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
-            raise ValueError(f"block_ids contains a repeated id: {list(block_ids)}")
+        that became free, in the order freed."""
+        refs = self._refs
         freed = []
         for b in reversed(block_ids):
+            assert refs[b] > 0, f"block {b} is already free"
             refs[b] -= 1
             if refs[b] == 0:
                 freed.append(b)
         self._free += freed
-        self._num_freed += len(freed)
         return freed
-
-    def stats(self) -> BlockPoolStats:
-        return BlockPoolStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            num_free_blocks=len(self._free),
-            num_used_blocks=self.num_used,
-            num_allocated_total=self._num_allocated,
-            num_freed_total=self._num_freed,
-        )
 
     def check_integrity(self, owners: dict[int, int] | None = None) -> None:
         """Recompute the invariants; raises AssertionError naming the first violation. With
@@ -139,9 +94,3 @@ class BlockPool:
                 raise AssertionError(f"block {b} has ref count {r} but is {state} the free list")
             if owners is not None and r != owners.get(b, 0):
                 raise AssertionError(f"block {b} ref count {r} != {owners.get(b, 0)} owners")
-
-    def _check_id(self, block_id: object) -> None:
-        if isinstance(block_id, bool) or not isinstance(block_id, int):
-            raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")

@@ -1,12 +1,15 @@
-"""Token ids as the cache stores them: native uint32 bytes, validated once.
+"""The cache's door: token ids as the cache stores them (native uint32 bytes, validated once)
+and the one check of every size or count argument.
 
 `PackedTokens` is the public form; `pack_tokens` validates any sequence of ints into those bytes;
 `common_prefix_len` is the one longest-common-prefix helper (token lists, tuples, PackedTokens or
-uint32 memoryviews of packed bytes).
+uint32 memoryviews of packed bytes); `check_size` gives every size argument one wording (the
+scheduler and the engine use it too).
 """
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence, Set
@@ -35,7 +38,7 @@ def pack_tokens(tokens: Sequence[int], name: str = "tokens") -> bytes:
         return tokens.tobytes()
     if isinstance(tokens, np.ndarray):
         return _pack_ndarray(tokens, name)
-    return uint32_array(tokens, name, "a token id").tobytes()
+    return _pack_sequence(tokens, name)
 
 
 def unpack_tokens(packed: bytes) -> list[int]:
@@ -46,7 +49,7 @@ class PackedTokens(Sequence[int]):
     """Token ids validated once and packed the way the cache stores them (native uint32).
 
     Immutable. Every `PrefixCache` call that takes tokens reads one as is: no validation, no copy,
-    so a caller that hands the same tokens to several calls (`match` the prompt, then `insert`
+    so a caller that hands the same tokens to several calls (`admit` the prompt, then `commit`
     prompt + reply; a chat, turn after turn) pays validation once per token. `+` appends
     (validating the other operand only), a slice with step 1 is a PackedTokens, `tobytes()` gives
     the packed bytes. Raises like `match` for ids that are not ints in [0, 2**32).
@@ -140,9 +143,24 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = No
     return lo
 
 
-def uint32_array(values: Sequence[int], name: str, what: str) -> array:
-    """`values` as array('I'): C unsigned ints accept exactly the ints in [0, 2**32), so type,
-    sign and range are checked in one C pass. TypeError/ValueError naming the culprit."""
+def check_size(value: object, name: str, *, low: int) -> int:
+    """`value` as an int >= low; TypeError for a non-int (bool included), ValueError below `low`."""
+    if type(value) is int and value >= low:  # the common case, on every request: one check
+        return value
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        number = operator.index(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if number < low:
+        raise ValueError(f"{name} must be >= {low}, got {number}")
+    return number
+
+
+def _pack_sequence(values: Sequence[int], name: str) -> bytes:
+    """`values` as native uint32 bytes: C unsigned ints accept exactly the ints in [0, 2**32), so
+    type, sign and range are checked in one C pass. TypeError/ValueError naming the culprit."""
     if type(values) not in (list, tuple) and (
         isinstance(values, (str, bytes, bytearray, memoryview, Set, Mapping))
         or not hasattr(values, "__len__")
@@ -150,14 +168,14 @@ def uint32_array(values: Sequence[int], name: str, what: str) -> array:
     ):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     try:
-        return array("I", values)
+        return array("I", values).tobytes()
     except (TypeError, OverflowError):
         pass
     for i, v in enumerate(values):  # slow path, only to name the culprit
         if not hasattr(v, "__index__"):
             raise TypeError(f"{name}[{i}] = {v!r} is not an int ({type(v).__name__})") from None
         if not 0 <= int(v) <= MAX_TOKEN_ID:
-            raise ValueError(f"{name}[{i}] = {int(v)} is not {what} in [0, {MAX_TOKEN_ID}]")
+            raise ValueError(f"{name}[{i}] = {int(v)} is not a token id in [0, {MAX_TOKEN_ID}]")
     raise TypeError(f"{name} could not be read as ints")  # pragma: no cover
 
 

@@ -23,59 +23,22 @@ pool and one eviction order; a namespace root with no children and no lock is dr
 
 Tokens are stored packed (`bytes`, native uint32) and compared with memcmp (`bytes.startswith`) a
 whole node at a time; only the node where a walk diverges looks for the first mismatch.
+
+The tree's one caller is `PrefixCache`, which checks what users hand it: here, preconditions are
+asserts and `check_integrity()` recomputes every invariant.
 """
 
 from __future__ import annotations
 
 import itertools
-import struct
-from array import array
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from radixkv.cache.events import BlockEvents
+from radixkv.cache.events import EventRecorder
 from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_priority
+from radixkv.cache.node import TreeNode
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
-
-
-@dataclass(slots=True, eq=False)
-class TreeNode:
-    """One compressed node: tokens at absolute positions [start, end) and their block ids.
-
-    `blocks[j]` is the block of index `start // B + j`; there are `(end-1)//B - start//B + 1`.
-    `head_shared` is True when `blocks[0]` is also owned by an ancestor (at the same index): a split
-    inside a block, or a request writing on into the partial tail block of its earlier insert.
-    Every other block of a node is owned by no ancestor, so a node is the *shallowest* owner of
-    `len(blocks) - head_shared` blocks (its "own" blocks).
-    """
-
-    node_id: int
-    parent: TreeNode | None = field(default=None, repr=False)  # None for a namespace root
-    start: int = 0
-    end: int = 0
-    tokens: bytes = field(default=b"", repr=False)  # packed uint32, (end - start) tokens
-    blocks: list[int] = field(default_factory=list)
-    head_shared: bool = False
-    # keyed by first token
-    children: dict[int, TreeNode] = field(default_factory=dict, repr=False)
-    lock_ref: int = 0  # live lock handles on this node or a descendant
-    tick: int = 0  # last acquire/insert that ended here, or at a descendant since evicted
-    evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
-    namespace: str | None = None  # the namespace of a root (None on every other node)
-    gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
-    # chained hashes of the full blocks ending here (events)
-    block_hashes: list[int] | None = field(default=None, repr=False)
-
-    @property
-    def num_own_blocks(self) -> int:
-        return len(self.blocks) - self.head_shared
-
-    @property
-    def first_token(self) -> int:
-        return struct.unpack_from("=I", self.tokens)[0]
-
 
 # A walk's result: m matched tokens, the deepest node touched, the blocks of indices < ceil(m/B)
 Walk = tuple[int, TreeNode, list[int]]
@@ -83,16 +46,14 @@ Walk = tuple[int, TreeNode, list[int]]
 
 @dataclass(slots=True)
 class InsertPlan:
-    """What `RadixTree.commit_insert` does, validated by `plan_insert` before anything changes."""
+    """What `RadixTree.commit_insert` does, worked out by `plan_insert` before anything changes."""
 
     node: TreeNode  # deepest node of the cached prefix [0, p); split at p if p < node.end
     num_cached: int  # p: tokens of the insert already on the tree
     table: list[int]  # canonical block table of [0, n) once committed
-    new_ids: list[int]  # private blocks the new leaf adopts (indices p // B ..)
+    new_ids: list[int]  # blocks the new leaf adopts (indices p // B ..)
     duplicates: list[int]  # private blocks holding what the tree has: freed at commit
-    kept: int | None  # the caller's private partial last block it keeps writing into
-    path_ids: tuple[int, ...] | None  # the path's blocks, where they differ from `table`
-    co_owned: int | None  # a path block the new leaf co-owns as its head (mid-block start)
+    co_owned: int | None = None  # a path block the new leaf co-owns as its head (mid-block start)
 
 
 class RadixTree:
@@ -103,8 +64,8 @@ class RadixTree:
       parent's `end`, is keyed in its parent's `children` by its first token, and holds exactly the
       block ids of the indices its segment touches;
     * every root but the shared one (namespace None) has a child or a lock;
-    * `lock_ref` of a node = live handles on it or on a descendant (so locks cover whole paths);
-    * ticks are lazy: an acquire/insert stamps only the node it ends at; a node dropped by eviction
+    * `lock_ref` of a node = locks on it or on a descendant (so locks cover whole paths);
+    * ticks are lazy: an admit/commit stamps only the node it ends at; a node dropped by eviction
       hands its tick to its parent (max). So when a node becomes a leaf its tick is the last use of
       anything in its subtree, exactly as if every use had stamped the whole path, at O(1) a use;
     * all owners of a block own it at the same block index and lie under its shallowest owner;
@@ -112,22 +73,23 @@ class RadixTree:
     * the eviction index holds exactly the unlocked non-root leaves, each under its current key;
       `gdsf_base` is lazy like ticks (a node's is the largest of its subtree's last uses);
     * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
-    * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree.
-
-    `version` changes on every structural mutation (split, new leaf, eviction, trim, a namespace
-    dropped): a match taken at an older version may point at nodes that moved.
+    * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree;
+    * with `events`, every node's block hashes are its path's chain (`EventRecorder`).
     """
 
-    def __init__(self, pool: BlockPool, eviction_key: EvictionKey) -> None:
-        """`eviction_key`: the eviction order (`radixkv.cache.eviction`)."""
+    def __init__(
+        self, pool: BlockPool, eviction_key: EvictionKey, events: EventRecorder | None
+    ) -> None:
+        """`eviction_key`: the eviction order (`radixkv.cache.eviction`); `events`: where KV
+        events are recorded (None: nowhere, and nothing is hashed)."""
         self.pool = pool
         self.block_size = pool.block_size
         self._node_ids = itertools.count(1)  # 0 is the shared root's
         self.roots: dict[str | None, TreeNode] = {None: TreeNode(0)}
         self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
-        self.events = BlockEvents(self.block_size, self._iter_attached)
-        self.version = self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
+        self.events = events
+        self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
 
     @property
     def root(self) -> TreeNode:
@@ -135,7 +97,7 @@ class RadixTree:
         return self.roots[None]
 
     def open_root(self, namespace: str | None) -> TreeNode:
-        """The root of `namespace`, made if it has none (that changes no match: version kept)."""
+        """The root of `namespace`, made if it has none."""
         if namespace not in self.roots:
             self.roots[namespace] = TreeNode(next(self._node_ids), namespace=namespace)
         return self.roots[namespace]
@@ -152,26 +114,11 @@ class RadixTree:
         `blocks` the block ids of indices 0 .. ceil(m/B)-1, each from the deepest path node
         touching that index within [0, m).
         """
-        root = self.roots.get(namespace)
-        if root is None:
+        node = self.roots.get(namespace)
+        if node is None:
             return 0, None, []
-        return self.walk_from(root, 0, [], qb, limit)
-
-    def walk_from(self, node: TreeNode, pos: int, blocks: list[int], qb: bytes, limit: int) -> Walk:
-        """`walk(qb, limit)` for a caller that already knows tokens [0, pos) of `qb` lie on the
-        path to `node` (node.start < pos <= node.end, or a root and pos == 0) and holds their
-        `blocks` (indices 0 .. ceil(pos/B)-1, extended in place): same result, without reading
-        the known prefix again. Mutates nothing in the tree."""
         B = self.block_size
-        if pos < node.end and pos < limit:
-            # Resume inside `node` (never a root: it ends at 0); blocks up to index (pos-1)//B
-            # are collected already.
-            matched = self._match_in(node, pos, qb, limit)
-            first = node.start // B
-            blocks += node.blocks[(pos - 1) // B + 1 - first : (pos + matched - 1) // B + 1 - first]
-            pos += matched
-            if pos < node.end:  # diverged inside the node, or reached the limit there
-                return pos, node, blocks
+        pos, blocks = 0, []
         qv = memoryview(qb).cast("I")
         while pos < limit:
             child = node.children.get(qv[pos])  # child.start == pos
@@ -181,7 +128,7 @@ class RadixTree:
             if end <= limit and qb.startswith(child.tokens, TOKEN_BYTES * pos):
                 child_blocks = child.blocks  # the common step: the whole node agrees, one memcmp
             else:
-                end = pos + self._match_in(child, pos, qb, limit)
+                end = pos + self._match_in(child, qb, limit)
                 child_blocks = child.blocks[: (end - 1) // B - pos // B + 1]
             if pos % B:
                 blocks[-1:] = child_blocks  # the deeper node's copy of the shared index wins
@@ -194,13 +141,12 @@ class RadixTree:
         return pos, node, blocks
 
     @staticmethod
-    def _match_in(node: TreeNode, pos: int, qb: bytes, limit: int) -> int:
-        """How many tokens of `node` from position `pos` on agree with `qb`, up to `limit`."""
-        k = min(node.end, limit) - pos
-        offset = TOKEN_BYTES * (pos - node.start)
-        seg = node.tokens[offset : offset + TOKEN_BYTES * k]
+    def _match_in(node: TreeNode, qb: bytes, limit: int) -> int:
+        """How many tokens of `node` agree with `qb` from the node's start on, up to `limit`."""
+        pos, k = node.start, min(node.end, limit) - node.start
+        seg = node.tokens[: TOKEN_BYTES * k]
         if qb.startswith(seg, TOKEN_BYTES * pos):
-            return k  # the common step: the whole segment agrees, one memcmp
+            return k  # the whole (limited) segment agrees, one memcmp
         qv = memoryview(qb).cast("I")[pos : pos + k]
         return common_prefix_len(qv, memoryview(seg).cast("I"))
 
@@ -217,100 +163,60 @@ class RadixTree:
 
     # ---------------------------------------------------------------- insertion
     def plan_insert(
-        self,
-        walked: Walk,
-        num_tokens: int,
-        ids: array,
-        block_ids: object,
-        private: set[int],
+        self, walked: Walk, num_tokens: int, ids: tuple[int, ...], private: set[int]
     ) -> InsertPlan:
-        """Validate an insert of `num_tokens` tokens with block table `ids`, given the walk of its
-        tokens (`walked`: cached prefix p, its deepest node, the tree's blocks). Mutates nothing;
-        raises ValueError naming the first block id that is neither the tree's nor private.
+        """Plan an insert of `num_tokens` tokens whose KV lies in the blocks `ids` (one per block
+        index), given the walk of its tokens (`walked`: cached prefix p, its deepest node, the
+        tree's blocks). Mutates nothing.
 
-        Per block index i: covered by the tree (positions all < p), the caller's block must be the
-        tree's, a private duplicate (freed at commit; the partial last block when nothing is new
-        is kept, the caller writes on there) or a shallower path node's block at that index (the
-        caller's own earlier tail). New indices need private blocks, except the first when p is
-        mid-block: a path node's block there is co-owned.
+        Per block index i: covered by the tree (positions all < p), the caller's block is the
+        tree's, a private duplicate (freed at commit) or a shallower path node's block at that
+        index (the caller's own earlier tail); the partial last block when nothing is new stays
+        the caller's, whichever it is (it writes on there). New indices hold private blocks,
+        except the first when p is mid-block, which may be a path node's block there (the
+        caller's own earlier tail): co-owned.
         """
         p, node, canonical = walked
-        n, B = num_tokens, self.block_size
-        num_idx = len(ids)
-        covered = num_idx if p == n else p // B
+        covered = len(ids) if p == num_tokens else p // self.block_size
         del canonical[covered:]
-        new_ids = ids[covered:].tolist()
-        # A table built from the match holds the tree's own ints: compared by identity.
-        if type(block_ids) is list:
-            as_cached = block_ids[:covered] == canonical
-        elif type(block_ids) is tuple:
-            as_cached = block_ids[:covered] == tuple(canonical)
-        else:
-            as_cached = ids[:covered] == array("I", canonical)
-        # The blocks of a tree path are distinct, so when the covered part is the tree's, only the
-        # new part can repeat an id.
-        if len(set(new_ids)) != len(new_ids) or (not as_cached and len(set(ids)) != num_idx):
-            raise ValueError(f"block_ids contains a repeated id: {ids.tolist()}")
-        plan = InsertPlan(node, p, canonical, new_ids, [], None, None, None)
-        if not as_cached:
-            self._plan_covered(plan, ids.tolist(), covered, n, private)
-        if new_ids and not private.issuperset(new_ids):
-            for j, b in enumerate(new_ids):
-                if b in private:
-                    continue
-                if j == 0 and p % B and self.path_block_at(node, covered, p, b):
-                    plan.co_owned = b
-                    continue
-                self.check_block_range(covered + j, b)
-                raise ValueError(
-                    f"block_ids[{covered + j}] = {b} is not held privately by the caller (never"
-                    " allocated, freed, or owned by the tree elsewhere); new tokens need private"
-                    " blocks"
-                )
+        plan = InsertPlan(node, p, canonical, list(ids[covered:]), [])
+        if ids[:covered] != tuple(canonical):
+            self._plan_covered(plan, ids, covered, num_tokens, private)
+        new = plan.new_ids
+        if new and new[0] not in private:
+            assert p % self.block_size and self.path_block_at(node, covered, p, new[0]), new
+            plan.co_owned = new[0]
+        assert private.issuperset(new[plan.co_owned is not None :]), f"not private: {new}"
         return plan
 
     def _plan_covered(
-        self, plan: InsertPlan, ids: list[int], covered: int, n: int, private: set[int]
+        self, plan: InsertPlan, ids: tuple[int, ...], covered: int, n: int, private: set[int]
     ) -> None:
         """The covered indices of a table that differs from the tree's (see `plan_insert`)."""
         canonical = plan.table
         partial_tail = len(ids) - 1 if plan.num_cached == n and n % self.block_size else -1
-        if partial_tail >= 0:
-            plan.path_ids = tuple(canonical)  # before the table keeps the caller's tail block
         for i in range(covered):
             b = ids[i]
             if b == canonical[i]:
                 continue
-            if b in private:
-                if i == partial_tail:
-                    plan.kept = canonical[i] = b
-                else:
-                    plan.duplicates.append(b)
-            elif b < self.pool.num_blocks and self.path_block_at(plan.node, i, plan.num_cached, b):
-                if i == partial_tail:
-                    canonical[i] = b
-            else:
-                self.check_block_range(i, b)
-                raise ValueError(
-                    f"block_ids[{i}] = {b} is neither the cached block {canonical[i]} at block"
-                    f" index {i} nor a block the caller holds privately"
-                )
+            assert b in private or self.path_block_at(plan.node, i, plan.num_cached, b), (i, b)
+            if i == partial_tail:
+                canonical[i] = b
+            elif b in private:
+                plan.duplicates.append(b)
 
     def commit_insert(
-        self, plan: InsertPlan, qb: bytes, old_node: TreeNode | None, tick: int
+        self, plan: InsertPlan, qb: bytes, old_node: TreeNode, tick: int
     ) -> tuple[TreeNode, bool]:
-        """Apply a plan: split at p, lock the path (moving the lock of `old_node`, if given), add
-        the new leaf owning `plan.new_ids`. The caller frees `plan.duplicates` and gives up its
-        private claim on `plan.new_ids`. Returns (the locked node, whether the leaf's parent
-        dropped its partial tail for the leaf's copy)."""
+        """Apply a plan: split at p, move the lock of `old_node` onto the path, add the new leaf
+        owning `plan.new_ids`. The caller frees `plan.duplicates` and gives up its private claim
+        on `plan.new_ids`. Returns (the locked node, whether the leaf's parent dropped its partial
+        tail for the leaf's copy)."""
         node, p, B = plan.node, plan.num_cached, self.block_size
         n = len(qb) // TOKEN_BYTES
         if p < node.end and p < n:
             node = self.split(node, p)
-        if old_node is None:
-            self.lock_path(node, tick)
-        else:
-            self.move_lock(old_node, node, tick)
+        self.move_lock(old_node, node, tick)
         if n == p:
             return node, False
         superseded = False
@@ -333,9 +239,9 @@ class RadixTree:
     def split(self, node: TreeNode, p: int) -> TreeNode:
         """Split `node` [s, e) at absolute position s < p < e; returns the NEW prefix node [s, p).
 
-        `node` itself becomes the suffix [p, e), so handles and references to it stay valid; the
+        `node` itself becomes the suffix [p, e), so locks and references to it stay valid; the
         prefix copies its lock_ref and tick. When p % B != 0 the block holding p is owned by both
-        halves (ref count +1). Ownership counts are unchanged otherwise; bumps `version`.
+        halves (ref count +1). Ownership counts are unchanged otherwise.
         """
         parent, s, B = node.parent, node.start, self.block_size
         assert parent is not None and s < p < node.end, (node, p)
@@ -345,7 +251,8 @@ class RadixTree:
             next(self._node_ids), parent, s, p, node.tokens[:cut], blocks, node.head_shared
         )
         prefix.lock_ref, prefix.tick, prefix.gdsf_base = node.lock_ref, node.tick, node.gdsf_base
-        self.events.split(prefix, node, p)
+        if self.events is not None:
+            self.events.split(prefix, node, p)
         member = node.evict_key is not None
         self.index.discard(node)  # the suffix's key reads its start: re-keyed below
         parent.children[node.first_token] = prefix
@@ -360,7 +267,6 @@ class RadixTree:
         if member:
             self.index.add(node)
         self.num_nodes += 1
-        self.version += 1
         return prefix
 
     def supersede_tail(self, node: TreeNode, block: int) -> int | None:
@@ -376,8 +282,8 @@ class RadixTree:
         * `node.end` is mid-block (the leaf's first index is `node`'s last index);
         * `node` has no child (no other branch co-owns or reads the old block);
         * `node.lock_ref == 1`: the only lock in its subtree is the one the caller has already moved
-          or taken onto `node` for the new leaf (no other live handle, hence no request that may
-          still read or write the old block, records it);
+          onto `node` for the new leaf (no other lock, hence no request that may still read or
+          write the old block, holds it);
         * the old block's ref count is 1 (`node` alone owns it: not an ancestor's block too).
         `node` stays locked, so the evictable count does not change; the caller attaches the leaf
         with `head_shared=True` (`node` now owns `block` at that index) and has not yet taken
@@ -398,7 +304,7 @@ class RadixTree:
     ) -> TreeNode:
         """Add a locked leaf under `parent`, whose path the caller has locked; the parent ends
         where the leaf starts and has no child with its first token. The caller has taken
-        ownership of `blocks` for the leaf (transferred or co-owned). Bumps `version`."""
+        ownership of `blocks` for the leaf (transferred or co-owned)."""
         start = parent.end
         end = start + len(tokens) // TOKEN_BYTES
         leaf = TreeNode(next(self._node_ids), parent, start, end, tokens, blocks, head_shared)
@@ -409,8 +315,8 @@ class RadixTree:
         parent.children[first] = leaf
         self.num_nodes += 1
         self.num_cached_tokens += leaf.end - leaf.start
-        self.version += 1
-        self.events.stored(leaf)
+        if self.events is not None:
+            self.events.stored(leaf)
         return leaf
 
     # ------------------------------------------------------------------ locking
@@ -479,7 +385,6 @@ class RadixTree:
         """Forget a namespace root with nothing cached and no lock (the shared root stays)."""
         if root.namespace is not None and not root.children and root.lock_ref == 0:
             del self.roots[root.namespace]
-            self.version += 1
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> tuple[list[int], int]:
@@ -501,7 +406,6 @@ class RadixTree:
                 num_tokens += self._trim(leaf, need, freed)
             else:
                 num_tokens += self._remove_leaf(leaf, freed)
-            self.version += 1
         self.num_cached_tokens -= num_tokens
         return freed, num_tokens
 
@@ -511,7 +415,8 @@ class RadixTree:
         B = self.block_size
         new_end = (leaf.start // B + len(leaf.blocks) - num_blocks) * B
         assert leaf.start < new_end < leaf.end
-        self.events.removed(leaf, new_end // B - leaf.start // B)
+        if self.events is not None:
+            self.events.removed(leaf, new_end // B - leaf.start // B)
         self.index.discard(leaf)
         removed = leaf.end - new_end
         leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
@@ -528,8 +433,9 @@ class RadixTree:
     def _remove_leaf(self, leaf: TreeNode, freed: list[int]) -> int:
         """Remove an evictable leaf whole; its parent may become an evictable leaf (or, a root,
         be dropped). Returns the tokens removed."""
-        self.index.pop_first()
-        self.events.removed(leaf, 0)
+        self.index.discard(leaf)
+        if self.events is not None:
+            self.events.removed(leaf, 0)
         parent = leaf.parent
         assert parent is not None
         del parent.children[leaf.first_token]
@@ -547,7 +453,7 @@ class RadixTree:
 
     def clear(self) -> None:
         """Drop every cached path (no node may be locked): all blocks go back to the pool, the
-        inflation restarts, subscribers get one `AllBlocksCleared`. Bumps `version`."""
+        inflation restarts, one `AllBlocksCleared` is recorded."""
         assert all(root.lock_ref == 0 for root in self.roots.values()), "clear with live locks"
         for node in self._iter_attached():
             self.pool.release(node.blocks)
@@ -558,8 +464,8 @@ class RadixTree:
         self.index = EvictionIndex(self.index.key)
         self.inflation = 0
         self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
-        self.version += 1
-        self.events.cleared()
+        if self.events is not None:
+            self.events.cleared()
 
     def _iter_attached(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -587,16 +493,20 @@ class RadixTree:
         return last
 
     # ------------------------------------------------------------------ checks
-    def check_integrity(self, handles_on: Mapping[int, int], clock: int) -> dict[int, int]:
+    def check_integrity(self, locks_on: Mapping[int, int], clock: int) -> dict[int, int]:
         """Recompute the invariants in the class docstring; raise AssertionError on a violation.
 
-        `handles_on` maps node id -> live handles on that node; `clock` is the last tick handed out.
+        `locks_on` maps node id -> locks on that node; `clock` is the last tick handed out.
         Returns block id -> number of owning nodes, for the caller's ref-count check.
         """
         order = self._check_structure()
-        self._check_locks_and_index(order, handles_on, clock)
+        self._check_locks_and_index(order, locks_on, clock)
         owners = self._check_ownership(order)
-        self.events.check_integrity(n for n in order if n.parent is not None)
+        attached = [n for n in order if n.parent is not None]
+        if self.events is not None:
+            self.events.check_integrity(attached)
+        elif any(n.block_hashes is not None for n in attached):
+            _fail("a node holds block hashes, yet no events are recorded")
         return owners
 
     def _check_structure(self) -> list[TreeNode]:
@@ -635,29 +545,29 @@ class RadixTree:
         return order
 
     def _check_locks_and_index(
-        self, order: list[TreeNode], handles_on: Mapping[int, int], clock: int
+        self, order: list[TreeNode], locks_on: Mapping[int, int], clock: int
     ) -> None:
-        """lock_ref = handles in the subtree (reverse pre-order visits children first); ticks and
+        """lock_ref = locks in the subtree (reverse pre-order visits children first); ticks and
         GDSF bases not ahead; the eviction index holds the unlocked non-root leaves, each under
         its current key, and no other node carries a key."""
         subtree: dict[int, int] = {}
         leaves: set[int] = set()
         for node in reversed(order):
             nid = node.node_id
-            subtree[nid] = handles_on.get(nid, 0) + sum(
+            subtree[nid] = locks_on.get(nid, 0) + sum(
                 subtree[c.node_id] for c in node.children.values()
             )
             if node.lock_ref != subtree[nid]:
-                _fail(f"node {nid} lock_ref {node.lock_ref} != {subtree[nid]} handles in subtree")
+                _fail(f"node {nid} lock_ref {node.lock_ref} != {subtree[nid]} locks in subtree")
             if node.tick > clock or node.gdsf_base > self.inflation:
                 _fail(f"node {nid} tick or GDSF base ahead of {clock}, {self.inflation}: {node!r}")
             if node.lock_ref == 0 and not node.children and node.parent is not None:
                 leaves.add(nid)
             elif node.evict_key is not None:
                 _fail(f"node {nid} carries an eviction key but is not an unlocked leaf")
-        unknown = set(handles_on) - set(subtree)
+        unknown = set(locks_on) - set(subtree)
         if unknown:
-            _fail(f"live handles point at detached nodes {sorted(unknown)}")
+            _fail(f"locks point at detached nodes {sorted(unknown)}")
         members = self.index.items()
         got = {n.node_id for _, n in members}
         if len(got) != len(members) or got != leaves:
@@ -697,11 +607,6 @@ class RadixTree:
         if by_own != evictable:
             _fail(f"own-block sum {by_own} over unlocked nodes != evictable blocks {evictable}")
         return owners
-
-    # ---------------------------------------------------------------- internals
-    def check_block_range(self, i: int, b: int) -> None:
-        if not 0 <= b < self.pool.num_blocks:
-            raise ValueError(f"block_ids[{i}] = {b} is out of range [0, {self.pool.num_blocks})")
 
 
 def _fail(msg: str) -> None:

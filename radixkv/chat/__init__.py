@@ -1,7 +1,6 @@
 """Multi-turn chat over the engine: the session, the terminal UI, the tree view.
 
-The session loads torch, so it is imported on first use: `radixkv --help` and `radixkv serve
---help` (whose options come from `radixkv.chat.options`) answer at once.
+The session loads torch, so it is imported on first use: `radixkv --help` answers at once.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ commands: /tree draws the radix tree, /stats prints cache counters, /reset start
 conversation (the cache keeps the old one until it is evicted), /quit leaves.
 
 Ctrl-C during a reply stops it and returns to the prompt: the interrupted turn (message and
-partial reply) is not kept, the conversation before it is. Ctrl-C anywhere else (at the prompt,
-while loading or converting the model) ends the program with one line. Sampling defaults to the
-model's generation config (SmolLM2: temperature 0.2, top-p 0.9), greedy when it has none.
+partial reply) is not kept, the conversation before it is. The engine step in flight runs to its
+end first (`_ctrl_c_held`): an interrupt raised at an arbitrary point could cut a cache update in
+half. Ctrl-C anywhere else (at the prompt, while loading or converting the model) ends the program
+with one line. Sampling defaults to the model's generation config (SmolLM2: temperature 0.2,
+top-p 0.9), greedy when it has none.
 Runs offline (HF_HUB_OFFLINE=1) unless HF_HUB_OFFLINE=0 is set.
 """
 
@@ -20,19 +22,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
-from radixkv.chat.options import add_engine_options, engine_kwargs
+from radixkv.options import add_engine_options, engine_settings
 
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
     from radixkv.engine.outputs import RequestStats
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine.sampling_params import SamplingParams
 
 HELP_COMMANDS = "/tree  /stats  /reset  /quit"
 
@@ -121,7 +125,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     hf_logging.set_verbosity_error()
     try:
         with _Progress(err) as progress:
-            llm = LLM(args.model, **engine_kwargs(args), progress=progress)
+            llm = LLM(args.model, progress=progress, **engine_settings(args))
         params = chat_sampling(args, llm.model.generation_config)
         session = ChatSession(llm, system=args.system, params=params)
     except (ModelLoadError, ValueError, TypeError) as exc:
@@ -151,7 +155,7 @@ def chat_sampling(args: argparse.Namespace, generation_config: object | None) ->
     """The chat's SamplingParams: each option given on the command line, else the model's
     generation config when it samples (`do_sample`), else greedy. Raises ValueError /
     TypeError for out-of-range values."""
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine.sampling_params import SamplingParams
 
     def pick(given: object, key: str, unset: float) -> object:
         if given is not None:
@@ -166,7 +170,6 @@ def chat_sampling(args: argparse.Namespace, generation_config: object | None) ->
         temperature=pick(args.temperature, "temperature", 1.0),  # type: ignore[arg-type]
         top_p=pick(args.top_p, "top_p", 1.0),  # type: ignore[arg-type]
         top_k=int(pick(args.top_k, "top_k", 0)),  # type: ignore[call-overload]
-        seed=args.seed,
     )
 
 
@@ -185,17 +188,23 @@ def _reply(session: ChatSession, message: str, out: TextIO, err: TextIO) -> None
         print(f"radixkv: {exc}", file=err, flush=True)
         return
     print("assistant> ", end="", file=out, flush=True)
-    try:
-        for piece in pieces:
-            print(piece, end="", file=out, flush=True)
-    except KeyboardInterrupt:
-        pieces.close()
-        print("\n(reply interrupted; this turn is not kept. Ctrl-C at the prompt quits)", file=out)
-        return
-    except Exception as exc:
-        pieces.close()
-        print(f"\nradixkv: the reply failed ({type(exc).__name__}: {exc})", file=err, flush=True)
-        return
+    with _ctrl_c_held() as held:  # also over the abort, which returns the reply's blocks
+        try:
+            for piece in pieces:
+                if held:  # raised here, between engine steps
+                    raise KeyboardInterrupt
+                print(piece, end="", file=out, flush=True)
+        except KeyboardInterrupt:
+            pieces.close()
+            print(
+                "\n(reply interrupted; this turn is not kept. Ctrl-C at the prompt quits)", file=out
+            )
+            return
+        except Exception as exc:
+            pieces.close()
+            failure = f"{type(exc).__name__}: {exc}"
+            print(f"\nradixkv: the reply failed ({failure})", file=err, flush=True)
+            return
     print(file=out)
     print(status_line(session.last_reply.stats), file=out, flush=True)  # type: ignore[union-attr]
     if session.dropped_turns:
@@ -205,6 +214,25 @@ def _reply(session: ChatSession, message: str, out: TextIO, err: TextIO) -> None
             file=out,
             flush=True,
         )
+
+
+@contextmanager
+def _ctrl_c_held() -> Iterator[list[int]]:
+    """Hold the Ctrl-Cs (SIGINT) that arrive inside the block in the returned list, for the caller
+    to act on between engine steps. Only on the main thread (the one that receives signals) and
+    while Python's own handler is installed; elsewhere a Ctrl-C is raised where it lands."""
+    held: list[int] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield held
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def status_line(stats: RequestStats) -> str:

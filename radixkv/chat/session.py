@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from radixkv.cache.tokens import common_prefix_len
 from radixkv.engine import LLM, ModelLoadError
 from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class ChatSession:
         """The prompt for `message` and how many of the oldest turns it drops so that a reply of
         `params.max_tokens` tokens (at most half the context) still fits. With every turn dropped
         the prompt may still be too long: the engine then rejects it (ValueError)."""
-        context = self.llm.max_model_len
+        context = self.llm.config.max_model_len
         room = min(params.max_tokens, context // 2)
         num_turns = len(self._history) // 2
         for dropped in range(num_turns + 1):

@@ -1,15 +1,46 @@
-"""The engine: `LLM` runs a Hugging Face causal LM over the prefix cache (torch + transformers)."""
+"""The engine: `LLM` runs a Hugging Face causal LM over the prefix cache (torch + transformers).
 
-from radixkv.engine.llm import LLM, RequestUpdate
-from radixkv.engine.model_loader import ModelLoadError, ModelNotFoundError
-from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
+Names are imported on first use: `EngineConfig` and `SamplingParams` load no torch, so the command
+line's help and `from radixkv import SamplingParams` stay fast.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixkv.engine.config import EngineConfig
+    from radixkv.engine.llm import LLM, RequestUpdate
+    from radixkv.engine.model_loader import ModelLoadError, ModelNotFoundError
+    from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
+    from radixkv.engine.sampling_params import SamplingParams
+
+_MODULES = {  # name -> the module that defines it
+    "EngineConfig": "config",
+    "LLM": "llm",
+    "ModelLoadError": "model_loader",
+    "ModelNotFoundError": "model_loader",
+    "RequestOutput": "outputs",
+    "RequestStats": "outputs",
+    "RequestUpdate": "llm",
+    "SamplingParams": "sampling_params",
+    "StreamDelta": "outputs",
+}
 __all__ = [
     "LLM",
+    "EngineConfig",
     "ModelLoadError",
     "ModelNotFoundError",
     "RequestOutput",
     "RequestStats",
     "RequestUpdate",
+    "SamplingParams",
     "StreamDelta",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"radixkv.engine.{_MODULES[name]}"), name)
+    raise AttributeError(f"module 'radixkv.engine' has no attribute {name!r}")

@@ -12,33 +12,34 @@ One step loop, three front doors:
 Requests of every door advance together in each step. A fault anywhere in a step fails the
 requests of that step (finish reason "error"), returns their blocks and locks, and the engine
 keeps serving. `LLM` is not thread-safe: one thread calls it.
+
+The doors validate what users pass (prompts, sampling params, salts, settings) once; everything
+below them (scheduler, cache, runner) trusts it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from radixkv.cache import PackedTokens, PrefixCache, check_size
+from radixkv.cache import PackedTokens, PrefixCache
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
-from radixkv.engine.kv_events import KVEventsTarget, check_kv_events, publish_kv_events
 from radixkv.engine.model_loader import Progress, load_model
-from radixkv.engine.model_runner import KVCacheSpec, ModelRunner, plan_num_blocks
+from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, StreamDelta
 from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
-from radixkv.scheduler import Request, Scheduler, SchedulerConfig
-from radixkv.scheduler.sampling_params import SamplingParams, check_seed
+from radixkv.engine.sampling_params import SamplingParams
+from radixkv.kv_events import KVEventFeed, check_kv_events
+from radixkv.scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class _Tracked:
     """Engine-side record of one request, kept until its front door has taken the output."""
 
     request: Request
+    params: SamplingParams
     generator: torch.Generator | None
     detok: IncrementalDetokenizer
     t_submit: float
@@ -74,16 +76,10 @@ class LLM:
 
     `model`: None (the embedded SmolLM2-135M-Instruct, converted once into the user cache dir),
     a local folder, a Hugging Face id, or a loaded `PreTrainedModel` (its attention implementation
-    is switched to the paged one). `block_size` tokens per KV block; the KV pool holds `num_blocks`
-    blocks, or what `kv_cache_bytes` holds, or (CPU) 512 MiB / (CUDA) 80 % of free device memory.
-    `num_threads` (CPU only): torch threads; None = half the cores (1 on a 2-core machine), because
-    OpenMP spin-waiting collapses when a co-tenant keeps the other cores busy.
-    `enforce_eager`: no CUDA graphs for decode steps (the CPU always runs eager).
-    `prefill_first`: a step that admits new requests runs no decodes (`SchedulerConfig`): sooner
-    first tokens for a server, a little less throughput for a batch.
-    `kv_events`: None, or where the prefix cache's KV events go (`radixkv.engine.kv_events`): a
-    ZeroMQ address such as "tcp://*:5557" (vLLM's wire format, for cache-aware routers) or a
-    callable taking each event; `self.kv_events.close()` stops them.
+    is switched to the paged one). `tokenizer`: one to use instead of the model's. `progress`:
+    called with a line per stage of the default model's one-time conversion. `settings`: the
+    fields of `EngineConfig` (block size and cache size, scheduler bounds, device, dtype, seed, KV
+    events, ...), checked before the model loads; `llm.config` is the config it runs with.
 
     Raises ModelLoadError (a ValueError; its subclass ModelNotFoundError when nothing is found)
     for any model that cannot be loaded: a missing folder or id, corrupt or truncated weights,
@@ -100,62 +96,28 @@ class LLM:
         model: str | os.PathLike[str] | Any | None = None,
         *,
         tokenizer: Any | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        enable_prefix_cache: bool = True,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 1024,
-        chunked_prefill_size: int = 512,
-        policy: str = "lpm",
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        seed: int = 0,
-        num_threads: int | None = None,
         progress: Progress | None = None,
-        enforce_eager: bool = False,
-        prefill_first: bool = False,
-        kv_events: KVEventsTarget | None = None,
+        **settings: Any,
     ) -> None:
-        block_size = check_size(block_size, "block_size", low=1)
-        check_kv_events(kv_events)
-        self.seed = check_seed(seed)
-        if num_threads is not None:
-            num_threads = check_size(num_threads, "num_threads", low=1)
+        config = EngineConfig(**settings)  # TypeError naming an unknown setting
+        check_kv_events(config.kv_events)
         loaded = load_model(
-            model, tokenizer=tokenizer, device=device, dtype=dtype, progress=progress
+            model, tokenizer=tokenizer, device=config.device, dtype=config.dtype, progress=progress
         )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.max_model_len = _max_model_len(self.model.config.get_text_config())
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            policy=policy,
-            enable_prefix_cache=enable_prefix_cache,
-            max_model_len=self.max_model_len,
-            prefill_first=prefill_first,
-        )
-        param = next(self.model.parameters())
-        if param.device.type == "cpu":
-            _set_cpu_threads(num_threads)
-        spec = KVCacheSpec.from_model(self.model, block_size, param.dtype)
-        n_blocks = plan_num_blocks(
-            spec, param.device, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes
-        )
-        self.runner = ModelRunner(
-            self.model,
-            block_size=block_size,
-            num_blocks=n_blocks,
-            enforce_eager=enforce_eager,
-            max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
-        self.cache = PrefixCache(n_blocks, block_size)
-        self.scheduler = Scheduler(self.cache, self.scheduler_config)
-        self.kv_events = None if kv_events is None else publish_kv_events(self.cache, kv_events)
+        model_len = _max_model_len(self.model.config.get_text_config())
+        max_len = min(config.max_model_len or model_len, model_len)
+        self.config = replace(config, max_model_len=max_len)
+        if next(self.model.parameters()).device.type == "cpu":
+            _set_cpu_threads(config.num_threads)
+        self.runner = ModelRunner(self.model, self.config)
+        events = config.kv_events
+        cache_events = events is not None
+        self.cache = PrefixCache(self.runner.num_blocks, config.block_size, kv_events=cache_events)
+        self.scheduler = Scheduler(self.cache, self.config)
+        self.kv_events = None if events is None else KVEventFeed(events)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
@@ -187,8 +149,9 @@ class LLM:
         Never raises because of a fault inside the step: the requests of a failed step come back
         with `error` set (finish reason "error"), their blocks and locks returned. On a
         KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
-        re-raised (their updates come with the next call). A Ctrl-C that arrives during a step
-        (main thread) is raised when the step is over, never in the middle of a cache update."""
+        re-raised (their updates come with the next call). The engine installs no signal handler:
+        a caller on the main thread that wants a Ctrl-C to wait for the end of the step, rather
+        than land in the middle of a cache update, holds SIGINT itself (as the chat CLI does)."""
         self._run_step()
         updates = list(self._outbox)
         self._outbox.clear()  # in place: the requests' sinks append to this very list
@@ -242,7 +205,7 @@ class LLM:
         the vocabulary, a prompt that can never fit, or params of the wrong type or count. Raises
         the exception of a step that failed one of its requests (the others are aborted).
         """
-        packed = pack_prompts(prompts, self.encode, self.vocab_size, self.max_model_len)
+        packed = pack_prompts(prompts, self.encode, self.vocab_size, self.config.max_model_len)
         ids = self._submit(packed, params_list(params, len(packed)), None, cache_salt)
         try:
             records = [self._tracked[rid] for rid in ids]
@@ -312,20 +275,24 @@ class LLM:
         sink: Callable[[RequestUpdate], None] | None,
         cache_salt: str | None,
     ) -> list[str]:
-        """Queue every request or none: one the scheduler refuses rolls back those before it."""
+        """Queue every request or none: one the scheduler refuses (it can never fit the cache)
+        rolls back those before it. The prompts and params come checked from the door."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         added: list[str] = []
         try:
             for tokens, p in zip(prompts, params, strict=True):
-                rid = f"req-{self._num_submitted}"  # never reused, not even after a rollback
-                seed = _derive_seed(self.seed, self._num_submitted) if p.seed is None else p.seed
+                index = self._num_submitted
                 self._num_submitted += 1
-                eos = () if p.ignore_eos else self.eos_token_ids
-                request = Request(rid, tokens, p, eos_token_ids=eos, cache_salt=cache_salt)
+                rid = f"req-{index}"  # never reused, not even after a rollback
+                seed = _derive_seed(self.config.seed, index) if p.seed is None else p.seed
+                stop = p.stop_tokens(self.eos_token_ids)
+                request = Request(rid, tokens, p.max_tokens, stop, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 added.append(rid)
                 gen = None if p.greedy else make_generator(seed, self.runner.device)
                 detok = IncrementalDetokenizer(self.tokenizer)
-                self._tracked[rid] = _Tracked(request, gen, detok, time.perf_counter(), sink)
+                self._tracked[rid] = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
         except BaseException:
             for rid in added:
                 self._discard(rid)
@@ -339,8 +306,7 @@ class LLM:
         step_ids: list[str] = []
         self._stepping = True
         try:
-            with _ctrl_c_after_the_step():
-                self._step(step_ids)
+            self._step(step_ids)
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)  # the caller's to report: INFO only
             level = logging.INFO if interrupted else logging.ERROR
@@ -352,6 +318,8 @@ class LLM:
             self._stepping = False
             while self._orphans:
                 self._discard(self._orphans.pop())
+            if self.kv_events is not None:
+                self.kv_events.publish(self.cache.take_events())
 
     def _step(self, step_ids: list[str]) -> None:
         """schedule -> forward -> sample -> update -> detokenize; `step_ids` gets the ids of the
@@ -365,7 +333,7 @@ class LLM:
         logits = self.runner.execute(out)
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
-        tokens = sample(logits, [t.request.params for t in records], [t.generator for t in records])
+        tokens = sample(logits, [t.params for t in records], [t.generator for t in records])
         self.scheduler.update_from_output(out, dict(zip(sample_ids, tokens, strict=True)))
         now = time.perf_counter()
         for t, token in zip(records, tokens, strict=True):
@@ -440,32 +408,10 @@ class LLM:
                 return
 
     def _pack_one(self, prompt: str | Sequence[int]) -> list[PackedTokens]:
-        packed = pack_prompts(prompt, self.encode, self.vocab_size, self.max_model_len)
+        packed = pack_prompts(prompt, self.encode, self.vocab_size, self.config.max_model_len)
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
-
-
-@contextmanager
-def _ctrl_c_after_the_step() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that arrives during the step and raise its KeyboardInterrupt when
-    the step is over: raised at an arbitrary point, it could cut a cache mutation in half. Only
-    on the main thread (the only one that receives signals) and while Python's own handler is
-    installed; elsewhere the step runs as it is."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:  # also when the step failed: the user's Ctrl-C must not be lost
-            raise KeyboardInterrupt
 
 
 def _derive_seed(engine_seed: int, index: int) -> int:

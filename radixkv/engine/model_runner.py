@@ -4,7 +4,7 @@ Layers of the runner:
 
 * `KVCacheSpec` / `plan_num_blocks`: the shape of one KV block of the model and how many fit the
   memory budget (CPU: `kv_cache_bytes`, default 512 MiB; CUDA: a fraction of free device memory).
-* `ModelRunner`: owns the KV tensors, stacked over layers as
+* `ModelRunner`: sizes and owns the KV tensors, stacked over layers as
   `[num_layers, num_blocks, block_size, kv_heads, head_dim]` (K and V separately), switches the
   model to the ``"radixkv"`` attention (see `radixkv.engine.attention`), and runs `execute(step)`:
 
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from radixkv import kernels
-from radixkv.cache import check_size
 from radixkv.engine.attention import PagedKVCache, register_attention
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs
 from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step, split_step
 from radixkv.kernels import AttentionMetadata
@@ -85,17 +85,17 @@ def plan_num_blocks(
     kv_cache_bytes: int | None = None,
 ) -> int:
     """Number of KV blocks: `num_blocks` if given, else what `kv_cache_bytes` holds, else (CUDA) a
-    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises TypeError for a
-    size that is not an int, ValueError when the budget holds no block."""
+    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises ValueError when
+    the budget holds no block (the sizes themselves were checked by `EngineConfig`)."""
     if num_blocks is not None:
-        return check_size(num_blocks, "num_blocks", low=1)
+        return num_blocks
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
             kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
         else:
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    n = check_size(kv_cache_bytes, "kv_cache_bytes", low=0) // spec.bytes_per_block
+    n = kv_cache_bytes // spec.bytes_per_block
     if n < 1:
         raise ValueError(
             f"kv_cache_bytes={kv_cache_bytes} holds no KV block ({spec.bytes_per_block} bytes each)"
@@ -106,33 +106,28 @@ def plan_num_blocks(
 class ModelRunner:
     """Runs scheduler steps on a Hugging Face causal LM with a paged KV cache.
 
+    Reads `config`'s block_size, num_blocks / kv_cache_bytes (`plan_num_blocks` sizes the pool:
+    `num_blocks` is what it holds), enforce_eager, and for the decode graphs max_num_seqs (their
+    batch sizes) and max_model_len (their block-table width; None: what the pool holds); a step
+    past either runs eager.
+
     Invariants: `k_cache` / `v_cache` have shape [num_layers, num_blocks, block_size, kv_heads,
     head_dim] on the model's device in the model's dtype; the model's attention implementation is
     ``"radixkv"`` for as long as the runner lives; `decode_graphs` is None on the CPU and with
     `enforce_eager`.
-
-    `max_num_seqs` bounds the decode graphs' batch sizes, `max_model_len` (default: what the pool
-    holds) their block-table width; a step past either runs eager.
     """
 
     def __init__(
-        self,
-        model: Any,
-        *,
-        block_size: int,
-        num_blocks: int,
-        enforce_eager: bool = False,
-        max_num_seqs: int = 16,
-        max_model_len: int | None = None,
-        validate_steps: bool | None = None,
+        self, model: Any, config: EngineConfig, *, validate_steps: bool | None = None
     ) -> None:
-        if not isinstance(enforce_eager, bool):
-            raise TypeError(f"enforce_eager must be a bool, got {type(enforce_eager).__name__}")
         self.model = model
         param = next(model.parameters())
         self.device = param.device
+        self.block_size = block_size = config.block_size
         spec = KVCacheSpec.from_model(model, block_size, param.dtype)
-        self.block_size = block_size
+        self.num_blocks = num_blocks = plan_num_blocks(
+            spec, self.device, num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes
+        )
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         if validate_steps is None:
             validate_steps = os.environ.get("RADIXKV_VALIDATE_STEPS", "0") not in ("", "0")
@@ -157,12 +152,12 @@ class ModelRunner:
         )
         self.stager = InputStager(self.device)
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not enforce_eager:
-            if max_model_len is None:  # no sequence can outgrow the pool
-                max_model_len = num_blocks * block_size
+        if self.device.type == "cuda" and not config.enforce_eager:
+            # Without a max_model_len no sequence can outgrow the pool.
+            max_len = config.max_model_len or num_blocks * block_size
             with torch.inference_mode():
                 self.decode_graphs = DecodeGraphs(
-                    self._forward, self.stager, self.kv_cache_shape, max_num_seqs, max_model_len
+                    self._forward, self.stager, self.kv_cache_shape, config.max_num_seqs, max_len
                 )
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixkv.cache import PackedTokens
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 

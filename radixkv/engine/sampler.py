@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

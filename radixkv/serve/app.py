@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.engine.llm import LLM, RequestUpdate
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.engine_loop import EngineLoop, RequestStream
 from radixkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.serve.protocol import (
@@ -131,7 +131,7 @@ class OpenAIServer:
             )
         if body.n != 1:
             raise bad_request(f"only n=1 is supported, got n={body.n}", "n")
-        context = self.llm.max_model_len
+        context = self.llm.config.max_model_len
         room = context - num_prompt_tokens
         if room < 1:
             raise bad_request(
@@ -385,7 +385,7 @@ def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
                     "object": "model",
                     "created": 0,
                     "owned_by": "radixkv",
-                    "max_model_len": server.llm.max_model_len,
+                    "max_model_len": server.llm.config.max_model_len,
                 }
             ],
         }

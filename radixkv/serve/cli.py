@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from radixkv.chat.options import add_engine_options, engine_kwargs
+from radixkv.options import add_engine_options, engine_settings
 
 if TYPE_CHECKING:
     from radixkv.engine import LLM
@@ -25,58 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) "
         "over the prefix-cached engine.",
     )
-    add_engine_options(parser)
+    # Prefill first by default: a server's clients wait for their first token.
+    add_engine_options(parser, prefill_first=True)
     parser.add_argument(
         "--served-model-name", default=None, help="the `model` clients send (default: its name)"
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--max-num-seqs", type=int, default=16, help="requests running at once (default 16)"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)"
-    )
-    parser.add_argument(
-        "--chunked-prefill-size", type=int, default=512, help="prompt tokens per request per step"
-    )
-    parser.add_argument(
-        "--policy",
-        default="lpm",
-        choices=["lpm", "fcfs"],
-        help="waiting order: longest cached prefix first (default) or arrival",
-    )
-    parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "float16", "bfloat16"],
-        help="model dtype (default: the engine's)",
-    )
-    parser.add_argument(
-        "--enforce-eager", action="store_true", help="no CUDA-graph decode (GPU only)"
-    )
-    parser.add_argument(
-        "--num-threads", type=int, default=None, help="CPU torch threads (default: half the cores)"
-    )
-    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=256,
         help="requests waiting for admission before new ones get 503 (default 256)",
-    )
-    parser.add_argument(
-        "--prefill-first",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a step that admits new requests runs no decodes: sooner first tokens, a little "
-        "less throughput (default: on)",
-    )
-    parser.add_argument(
-        "--kv-events",
-        default=None,
-        metavar="ENDPOINT",
-        help="publish KV events for cache-aware routers on this ZeroMQ endpoint, e.g. tcp://*:5557",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
@@ -119,24 +79,9 @@ def _zmq_error() -> type[Exception]:
 
 def build_llm(args: argparse.Namespace) -> LLM:
     """The engine the parsed options describe. Raises what `LLM` raises."""
-    import torch
-
     from radixkv.engine import LLM
 
-    return LLM(
-        args.model,
-        **engine_kwargs(args),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        policy=args.policy,
-        device=args.device,
-        dtype=None if args.dtype is None else getattr(torch, args.dtype),
-        enforce_eager=args.enforce_eager,
-        num_threads=args.num_threads,
-        kv_events=args.kv_events,
-        prefill_first=args.prefill_first,
-    )
+    return LLM(args.model, **engine_settings(args))
 
 
 def engine_services(llm: LLM) -> list[Callable[[], None]]:

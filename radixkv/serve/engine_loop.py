@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from radixkv.engine.llm import LLM, RequestUpdate
-from radixkv.scheduler.sampling_params import SamplingParams
+from radixkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,13 @@ TRACES = {t.name: t for t in make_traces(seed=0, quick=True)}
 
 def _check_accounting(result: RunResult) -> None:
     """The driver's hit count agrees with the cache's own statistics (minus acquisitions undone
-    because the allocation did not fit), and every prompt token is either cached or computed."""
+    because the allocation did not fit, and reply tokens admitted with their prompt), and every
+    prompt token is either cached or computed."""
     adapter = result.adapter
     stats = adapter.cache.stats()
     assert result.num_computed_tokens + result.num_cached_tokens == result.num_prompt_tokens
-    assert stats.num_query_tokens - adapter.aborted_query_tokens == result.num_prompt_tokens
+    queries = stats.num_query_tokens - adapter.num_reply_tokens_admitted
+    assert queries - adapter.aborted_query_tokens == result.num_prompt_tokens
     assert stats.num_hit_tokens - adapter.aborted_hit_tokens == result.num_cached_tokens
     assert stats.num_evicted_blocks == result.num_evicted_blocks
     assert 0 <= result.num_cached_tokens < result.num_prompt_tokens

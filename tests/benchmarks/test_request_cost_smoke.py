@@ -28,7 +28,7 @@ def test_request_cost_runs(bench, capsys, tokens: str) -> None:
     argv = ["--tokens", tokens, "--conversations", "3", "--turns", "7", "--repeat", "2"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"21 requests ({tokens} tokens" in out and "per call: match" in out
+    assert f"21 requests ({tokens} tokens" in out and "per call: admit" in out
 
 
 def test_chat_turns_extend_the_previous_turn(bench) -> None:

@@ -1,8 +1,9 @@
-"""Caller mistakes raise TypeError/ValueError naming the problem, before anything changes."""
+"""The cache's door (`match`, `admit`, the token ids `commit` reads, `evict`, the constructor):
+caller mistakes raise TypeError/ValueError naming the problem, before anything changes. Inside
+the contract, misuse of a table is an assert."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from radixkv import LockHandle, MatchResult, PrefixCache
+from radixkv import BlockTable, PrefixCache
 
 CACHED = list(range(100, 120))  # 20 tokens, B = 4: blocks 0..4
 
@@ -18,39 +19,20 @@ CACHED = list(range(100, 120))  # 20 tokens, B = 4: blocks 0..4
 @dataclass
 class World:
     cache: Any  # CheckedCache
-    other: PrefixCache
-    handle: LockHandle  # live
-    released: LockHandle
-    foreign_handle: LockHandle
-    private: list[int]
-    tree_block: int
-    free_block: int
-    stale: MatchResult
-    foreign_match: MatchResult
+    table: BlockTable  # open, locking CACHED
+    closed: BlockTable
+    unlocked: BlockTable  # open, admitted without the cache
 
 
 @pytest.fixture
 def world(make_cache) -> World:
     cache = make_cache(16, 4)
-    stale = cache.match(CACHED)
-    r = cache.insert(CACHED, cache.allocate(5))  # blocks 0..4, locked by r.handle
-    released = cache.acquire(cache.match(CACHED))
-    cache.release(released)
-    private = cache.allocate(2)  # 5, 6
-    other = PrefixCache(16, 4)
-    foreign_handle = other.acquire(other.match([1]))
-    return World(
-        cache=cache,
-        other=other,
-        handle=r.handle,
-        released=released,
-        foreign_handle=foreign_handle,
-        private=private,
-        tree_block=2,
-        free_block=9,
-        stale=stale,
-        foreign_match=other.match([1]),
-    )
+    table = cache.admit(CACHED, max_hit=0)
+    cache.commit(table, CACHED)  # blocks 0..4, locked by `table`
+    closed = cache.admit(CACHED, max_hit=19)
+    cache.close(closed)
+    unlocked = cache.admit([1, 2], max_hit=None)
+    return World(cache=cache, table=table, closed=closed, unlocked=unlocked)
 
 
 def snapshot(cache: PrefixCache) -> tuple[Any, ...]:
@@ -60,9 +42,8 @@ def snapshot(cache: PrefixCache) -> tuple[Any, ...]:
         [cache._pool.ref_count(b) for b in range(cache.num_blocks)],
         list(cache._pool._free),
         sorted(cache._private),
-        sorted(cache._live),
+        sorted((t.blocks, t.node is None) for t in cache._open),
         cache._clock,
-        cache.version,
     )
 
 
@@ -87,153 +68,32 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("match bad namespace", lambda w: w.cache.match([1], namespace=3), TypeError, "namespace"),
     ("match max_tokens < 0", lambda w: w.cache.match([1], max_tokens=-1), ValueError, ">= 0"),
     ("match max_tokens float", lambda w: w.cache.match([1], max_tokens=1.5), TypeError, "int"),
-    # acquire
-    ("acquire non-match", lambda w: w.cache.acquire("m"), TypeError, "MatchResult"),
-    ("acquire stale", lambda w: w.cache.acquire(w.stale), ValueError, "stale match"),
-    ("acquire foreign", lambda w: w.cache.acquire(w.foreign_match), ValueError, "this cache"),
-    ("acquire forged", lambda w: w.cache.acquire(MatchResult(1, 0, (), 0)), ValueError, "this"),
+    # admit: the same checks, and the hit cap
+    ("admit negative id", lambda w: w.cache.admit([5, -6], max_hit=1), ValueError, r"\[1\] = -6"),
+    ("admit float id", lambda w: w.cache.admit([5, 6.0], max_hit=1), TypeError, r"\[1\] = 6.0"),
+    ("admit set tokens", lambda w: w.cache.admit({5}, max_hit=0), TypeError, "got set"),
+    ("admit str tokens", lambda w: w.cache.admit("ab", max_hit=None), TypeError, "sequence"),
     (
-        "acquire replaced fields",  # F9: a forged copy of a real match
-        lambda w: w.cache.acquire(
-            dataclasses.replace(w.cache.match(CACHED), num_cached_tokens=5, block_ids=(0, 1))
-        ),
-        ValueError,
-        "edited",
+        "admit bad namespace",
+        lambda w: w.cache.admit([1], max_hit=0, namespace=b"t"),
+        TypeError,
+        "namespace must be a str or None, got bytes",
     ),
+    ("admit max_hit < 0", lambda w: w.cache.admit([1], max_hit=-1), ValueError, "max_hit"),
+    ("admit max_hit str", lambda w: w.cache.admit([1], max_hit="1"), TypeError, "max_hit"),
+    ("admit max_hit bool", lambda w: w.cache.admit([1], max_hit=True), TypeError, "got bool"),
+    # commit reads token ids as the door does: a bad one changes nothing
     (
-        "acquire replaced namespace",
-        lambda w: w.cache.acquire(dataclasses.replace(w.cache.match(CACHED), namespace="t")),
+        "commit bad token",
+        lambda w: w.cache.commit(w.table, [*CACHED, -6]),
         ValueError,
-        "edited",
+        r"tokens\[20\] = -6",
     ),
-    # release
-    ("release twice", lambda w: w.cache.release(w.released), ValueError, "not a live handle"),
-    ("release foreign", lambda w: w.cache.release(w.foreign_handle), ValueError, "another cache"),
-    ("release forged", lambda w: w.cache.release(LockHandle(1, 20)), ValueError, "not a live"),
-    ("release None", lambda w: w.cache.release(None), TypeError, "LockHandle"),
-    # allocate / evict / can_allocate sizes
-    ("allocate < 0", lambda w: w.cache.allocate(-1), ValueError, "num_blocks must be >= 0"),
-    ("allocate float", lambda w: w.cache.allocate(2.5), TypeError, "num_blocks must be an int"),
-    ("allocate str", lambda w: w.cache.allocate("3"), TypeError, "num_blocks must be an int"),
-    ("allocate bool", lambda w: w.cache.allocate(True), TypeError, "got bool"),
+    ("commit set tokens", lambda w: w.cache.commit(w.table, {5}), TypeError, "got set"),
+    # evict
     ("evict < 0", lambda w: w.cache.evict(-2), ValueError, "num_blocks must be >= 0"),
     ("evict None", lambda w: w.cache.evict(None), TypeError, "num_blocks must be an int"),
-    ("can_allocate < 0", lambda w: w.cache.can_allocate(-1), ValueError, ">= 0"),
-    (
-        "can_allocate reserve non-match",
-        lambda w: w.cache.can_allocate(1, reserve="m"),
-        TypeError,
-        "match must be a MatchResult",
-    ),
-    (
-        "can_allocate reserve stale",
-        lambda w: w.cache.can_allocate(1, reserve=w.stale),
-        ValueError,
-        "stale match",
-    ),
-    (
-        "can_allocate reserve foreign",
-        lambda w: w.cache.can_allocate(1, reserve=w.foreign_match),
-        ValueError,
-        "this cache",
-    ),
-    (
-        "can_allocate reserve forged",
-        lambda w: w.cache.can_allocate(1, reserve=MatchResult(1, 0, (), 0)),
-        ValueError,
-        "this cache",
-    ),
-    # free: only private blocks, each once
-    ("free tree block", lambda w: w.cache.free([w.tree_block]), ValueError, "not held privately"),
-    ("free free block", lambda w: w.cache.free([w.free_block]), ValueError, "not held privately"),
-    ("free mixed", lambda w: w.cache.free([w.private[0], 2]), ValueError, r"\[2\] are not held"),
-    ("free out of range", lambda w: w.cache.free([16]), ValueError, r"\[0\] = 16 is out of range"),
-    ("free negative", lambda w: w.cache.free([-1]), ValueError, "out of range"),
-    ("free repeated", lambda w: w.cache.free([w.private[0]] * 2), ValueError, "repeated"),
-    ("free float id", lambda w: w.cache.free([w.private[0], 1.5]), TypeError, r"\[1\] = 1.5"),
-    ("free non-sequence", lambda w: w.cache.free(3), TypeError, "sequence of ints"),
-    ("free set", lambda w: w.cache.free(set(w.private)), TypeError, "got set"),
-    # insert
-    (
-        "insert too few ids",
-        lambda w: w.cache.insert([*CACHED, 1], [0, 1, 2, 3, 4]),
-        ValueError,
-        r"has 5 entries; 21 tokens with block_size 4 need exactly ceil\(21/4\) = 6",
-    ),
-    (
-        "insert too many ids",
-        lambda w: w.cache.insert([1, 2], w.private),
-        ValueError,
-        "need exactly",
-    ),
-    (
-        "insert id out of range",
-        lambda w: w.cache.insert([*CACHED, 1], [0, 1, 2, 3, 4, 99]),
-        ValueError,
-        r"block_ids\[5\] = 99 is out of range \[0, 16\)",
-    ),
-    (
-        "insert free block for new tokens",
-        lambda w: w.cache.insert([*CACHED, 1], [0, 1, 2, 3, 4, w.free_block]),
-        ValueError,
-        r"block_ids\[5\] = 9 is not held privately",
-    ),
-    (
-        "insert tree block at a new index",
-        lambda w: w.cache.insert([*CACHED, 1], [0, 1, 2, 3, 4, 1]),
-        ValueError,
-        r"block_ids\[5\] = 1 is not held privately",
-    ),
-    (
-        "insert tree block at the wrong covered index",
-        lambda w: w.cache.insert(CACHED[:8], [1, 0]),
-        ValueError,
-        r"block_ids\[0\] = 1 is neither the cached block 0",
-    ),
-    (
-        "insert foreign block at a covered index",
-        lambda w: w.cache.insert([*CACHED, 7, 7], [0, w.free_block, 2, 3, 4, w.private[0]]),
-        ValueError,
-        r"block_ids\[1\] = 9 is neither the cached block 1",
-    ),
-    (
-        "insert repeated private id among covered and new indices",
-        lambda w: w.cache.insert([*CACHED[:4], 9, 9, 9, 9], [w.private[0], w.private[0]]),
-        ValueError,
-        "repeated",
-    ),
-    (
-        "insert repeated private id",
-        lambda w: w.cache.insert([5, 6, 7, 8, 9], [w.private[0]] * 2),
-        ValueError,
-        "repeated",
-    ),
-    (
-        "insert bad token",
-        lambda w: w.cache.insert([5, -6], [w.private[0]]),
-        ValueError,
-        r"tokens\[1\] = -6",
-    ),
-    (
-        "insert non-int block id",
-        lambda w: w.cache.insert([5, 6], ["x"]),
-        TypeError,
-        r"block_ids\[0\] = 'x' is not an int",
-    ),
-    ("insert set tokens", lambda w: w.cache.insert({5}, [w.private[0]]), TypeError, "got set"),
-    ("insert dict ids", lambda w: w.cache.insert([5], {w.private[0]: 0}), TypeError, "got dict"),
-    (
-        "insert released handle",
-        lambda w: w.cache.insert([5, 6], [w.private[0]], handle=w.released),
-        ValueError,
-        "not a live handle",
-    ),
-    (
-        "insert foreign handle",
-        lambda w: w.cache.insert([5, 6], [w.private[0]], handle=w.foreign_handle),
-        ValueError,
-        "not a live handle",
-    ),
+    ("evict float", lambda w: w.cache.evict(2.5), TypeError, "num_blocks must be an int"),
 ]
 
 
@@ -250,10 +110,28 @@ def test_valid_calls_still_work_after_rejections(world: World) -> None:
     for _, call, exc, _msg in CASES:
         with pytest.raises(exc):
             call(world)
-    r = world.cache.insert([*CACHED, 1, 2], [0, 1, 2, 3, 4, world.private[0]], handle=world.handle)
-    assert r.num_new_tokens == 2
-    world.cache.release(r.handle)
-    world.cache.free([world.private[1]])
+    assert world.cache.grow(world.table, 1)
+    world.cache.commit(world.table, [*CACHED, 1, 2])
+    assert world.cache.stats().num_inserted_tokens == 22
+    world.cache.close(world.table)
+    world.cache.close(world.unlocked)
+    assert world.cache.stats().num_in_use_blocks == 0
+
+
+MISUSES: list[tuple[str, Call]] = [
+    ("close twice", lambda w: w.cache.inner.close(w.closed)),
+    ("close another cache's table", lambda w: PrefixCache(16, 4).close(w.table)),
+    ("commit an unlocked table", lambda w: w.cache.inner.commit(w.unlocked, [1, 2])),
+    ("commit past the table", lambda w: w.cache.inner.commit(w.table, [*CACHED, 1])),
+    ("grow a closed table", lambda w: w.cache.inner.grow(w.closed, 1)),
+    ("grow by a negative count", lambda w: w.cache.inner.grow(w.table, -1)),
+]
+
+
+@pytest.mark.parametrize("call", [m[1] for m in MISUSES], ids=[m[0] for m in MISUSES])
+def test_misusing_a_table_is_an_assert(world: World, call: Call) -> None:
+    with pytest.raises(AssertionError):
+        call(world)
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ def test_admit_copies_a_partial_hit_and_close_returns_everything(make_cache) -> 
     cache.commit(first, PROMPT)
     assert first.private == set()  # the tree adopted every block
     cache.close(first)
-    assert first.blocks == () and first.handle is None
+    assert first.blocks == () and not first.locked
     s = cache.stats()
-    assert s.num_in_use_blocks == 0 and s.num_live_handles == 0 and s.num_private_blocks == 0
+    assert s.num_in_use_blocks == 0 and s.num_locked_tables == 0 and s.num_private_blocks == 0
 
     second = cache.admit(PROMPT + [50, 51], max_hit=12)
     assert second is not None and second.num_cached_tokens == 11
@@ -36,15 +36,15 @@ def test_admit_copies_a_partial_hit_and_close_returns_everything(make_cache) -> 
 def test_admit_without_the_cache_locks_nothing(make_cache) -> None:
     cache = make_cache(4, 4)
     table = cache.admit(PROMPT, max_hit=None)
-    assert table is not None and table.handle is None and table.private == set(table.blocks)
+    assert table is not None and not table.locked and table.private == set(table.blocks)
     assert cache.admit(PROMPT, max_hit=None) is None  # 1 block left: nothing changed
     assert cache.stats().num_queries == 0
     cache.close(table)
-    assert cache.num_free_blocks == 4
+    assert cache.stats().num_free_blocks == 4
 
 
 def test_a_fault_while_admitting_leaves_no_lock(monkeypatch) -> None:
-    cache = PrefixCache(16, 4)  # not the checking proxy: admit must call the patched allocate
+    cache = PrefixCache(16, 4)  # not the checking proxy: admit must call the patched _allocate
     first = cache.admit(PROMPT, max_hit=10)
     cache.commit(first, PROMPT)
     cache.close(first)
@@ -52,9 +52,9 @@ def test_a_fault_while_admitting_leaves_no_lock(monkeypatch) -> None:
     def interrupted(num_blocks: int) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cache, "allocate", interrupted)
+    monkeypatch.setattr(cache, "_allocate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cache.admit(PROMPT + [50], max_hit=11)  # locks its hit, then allocation is interrupted
     s = cache.stats()
-    assert s.num_live_handles == 0 and s.num_in_use_blocks == 0 and s.num_private_blocks == 0
+    assert s.num_locked_tables == 0 and s.num_in_use_blocks == 0 and s.num_private_blocks == 0
     cache.check_integrity()

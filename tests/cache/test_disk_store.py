@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from checked import Checked
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from lifecycle import CheckedCache as Checked
 
 from radixkv.cache.disk_store import (
     CHECKSUM,

@@ -1,19 +1,17 @@
-"""KV events: block hash chain, the Python subscriber API, the router-side index."""
+"""KV events: block hash chain, the recorded queue the owner drains, the router-side index."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import xxhash
+from router_index import BlockHashIndex
 
+from radixkv import PrefixCache
 from radixkv.cache.events import (
     AllBlocksCleared,
-    BlockHashIndex,
     BlockRemoved,
     BlockStored,
     KVEvent,
-    KVEventStream,
     chain_hashes,
     hash_block,
     namespace_seed,
@@ -39,45 +37,47 @@ def test_namespaces_seed_different_chains() -> None:
     assert len({plain[0], a[0], b[0]}) == 3
 
 
-def test_subscribers_get_events_in_order_until_closed() -> None:
-    stream = KVEventStream()
-    assert not stream.active
-    got_a: list[KVEvent] = []
-    got_b: list[KVEvent] = []
-    sub_a = stream.subscribe(got_a.append)
-    with stream.subscribe(got_b.append) as sub_b:
-        assert stream.active and sub_b.active
-        stream.emit(BlockRemoved((1,)))
-        stream.emit(AllBlocksCleared())
-    assert not sub_b.active
-    stream.emit(BlockRemoved((2,)))
-    sub_a.close()
-    sub_a.close()  # idempotent
-    stream.emit(BlockRemoved((3,)))
-    assert not stream.active
-    assert got_a == [BlockRemoved((1,)), AllBlocksCleared(), BlockRemoved((2,))]
-    assert got_b == [BlockRemoved((1,)), AllBlocksCleared()]
+def test_the_hash_function_is_pluggable_in_one_place() -> None:
+    def tagged(parent: int | None, tokens_le: bytes) -> int:
+        return hash((parent, tokens_le)) % 2**64
+
+    assert chain_hashes(None, le([1, 2, 3, 4]), 2, tagged) == [
+        tagged(None, le([1, 2])),
+        tagged(tagged(None, le([1, 2])), le([3, 4])),
+    ]
 
 
-def test_a_failing_subscriber_is_logged_and_others_still_served(caplog) -> None:
-    stream = KVEventStream()
-
-    def broken(event: KVEvent) -> None:
-        raise RuntimeError("router down")
-
-    got: list[KVEvent] = []
-    stream.subscribe(broken)
-    stream.subscribe(got.append)
-    with caplog.at_level(logging.ERROR, logger="radixkv.cache.events"):
-        stream.emit(AllBlocksCleared())
-    assert got == [AllBlocksCleared()]
-    assert stream.num_callback_errors == 1
-    assert "router down" in caplog.text
+def put(cache: PrefixCache, tokens: list[int]) -> None:
+    table = cache.admit(tokens, max_hit=0)
+    cache.commit(table, tokens)
+    cache.close(table)
 
 
-def test_subscribe_rejects_a_non_callable() -> None:
-    with pytest.raises(TypeError, match="callback must be callable"):
-        KVEventStream().subscribe(42)  # type: ignore[arg-type]
+def test_events_are_taken_in_order_and_the_queue_is_emptied() -> None:
+    cache = PrefixCache(4, 2, kv_events=True)
+    assert cache.take_events() == []
+    put(cache, [1, 2, 3, 4])
+    h = chain_hashes(None, le([1, 2, 3, 4]), 2)
+    cache.evict(1)
+    assert cache.reset()
+    assert cache.take_events() == [
+        BlockStored(tuple(h), None, (1, 2, 3, 4), 2),
+        BlockRemoved((h[1],)),
+        AllBlocksCleared(),
+    ]
+    assert cache.take_events() == []
+
+
+def test_a_cache_built_without_events_records_and_hashes_nothing() -> None:
+    cache = PrefixCache(8, 2)
+    put(cache, [1, 2, 3, 4, 5])
+    cache.evict(1)
+    cache.reset()
+    assert cache._events is None and cache._tree.events is None
+    assert cache.take_events() == []
+    put(cache, [1, 2, 3, 4, 5])
+    assert all(node.block_hashes is None for node, _ in cache._tree.iter_nodes())
+    cache.check_integrity()
 
 
 def test_index_follows_stores_removals_and_clears() -> None:

@@ -6,24 +6,19 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lifecycle import put
 
 from radixkv.cache import PrefixCache
 from radixkv.cache.eviction import EvictionIndex, gdsf_key, gdsf_priority
 from radixkv.cache.tree import TreeNode
 
 
-def put(cache, tokens: list[int]) -> tuple[int, ...]:
-    """Insert `tokens` with freshly allocated blocks (no match) and unlock; the canonical table."""
-    blocks = cache.allocate(-(-len(tokens) // cache.block_size))
-    result = cache.insert(tokens, blocks)
-    cache.release(result.handle)
-    cache.free(result.owned_block_ids)
-    return result.block_ids
-
-
 def touch(cache, tokens: list[int]) -> None:
-    """A request that uses the cached prefix of `tokens` and finishes: refreshes its recency."""
-    cache.release(cache.acquire(cache.match(tokens)))
+    """A request that uses the cached prefix of `tokens` and finishes: refreshes its recency.
+    (Its hit ends on a block boundary in these tests: it needs no copy-on-write block.)"""
+    hit = cache.match(tokens).num_cached_tokens
+    assert hit % cache.block_size == 0
+    cache.close(cache.admit(tokens[:hit], max_hit=hit))
 
 
 A = [10, 11, 12, 13, 14, 15, 16, 17]
@@ -60,25 +55,25 @@ def test_locked_paths_are_never_evicted(make_cache) -> None:
     cache = make_cache(16, 4)
     for s in (A, B, C):
         put(cache, s)
-    h = cache.acquire(cache.match(A))
+    table = cache.admit(A, max_hit=8)
     assert cache.evict(100) == [3, 2, 5, 4]  # everything but A; fewer than asked
     assert cache.evict(1) == []
     assert cache.match(A).num_cached_tokens == 8
-    assert (cache.num_evictable_blocks, cache.num_in_use_blocks) == (0, 2)
-    cache.release(h)
-    assert cache.num_evictable_blocks == 2
+    assert (cache.stats().num_evictable_blocks, cache.stats().num_in_use_blocks) == (0, 2)
+    cache.close(table)
+    assert cache.stats().num_evictable_blocks == 2
     assert cache.evict(5) == [1, 0]
-    assert cache.num_free_blocks == 16 and cache.stats().num_nodes == 0
+    assert cache.stats().num_free_blocks == 16 and cache.stats().num_nodes == 0
 
 
 def test_a_lock_on_a_prefix_keeps_it_after_its_children_go(make_cache) -> None:
     cache = make_cache(16, 4)
     put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
     put(cache, [1, 2, 3, 4, 9, 9, 9, 9])  # splits at 4: prefix [0,4) with two children
-    h = cache.acquire(cache.match([1, 2, 3, 4, 0]))  # locks the prefix node only
+    table = cache.admit([1, 2, 3, 4], max_hit=4)  # locks the prefix node only
     assert cache.evict(10) == [1, 3]  # both children go, the locked prefix stays
     assert cache.stats().num_nodes == 1
-    cache.release(h)  # now an unlocked leaf: it joins the evictable set
+    cache.close(table)  # now an unlocked leaf: it joins the evictable set
     assert cache.evict(10) == [0]
 
 
@@ -92,11 +87,11 @@ def test_a_lock_on_a_prefix_keeps_it_after_its_children_go(make_cache) -> None:
 def test_parent_joins_when_its_last_child_is_gone(make_cache, touch_prefix, expected) -> None:
     cache = make_cache(16, 4)
     P = [1, 2, 3, 4]
-    assert put(cache, [*P, 5, 6, 7, 8]) == (0, 1)  # tick 1
-    assert put(cache, [*P, 9, 9, 9, 9]) == (0, 3)  # tick 2: block 2 duplicated block 0, freed
-    assert put(cache, [50, 51, 52, 53]) == (2,)  # Q, tick 3 (reuses the freed block 2)
+    assert put(cache, [*P, 5, 6, 7, 8]) == (0, 1)  # committed at tick 2
+    assert put(cache, [*P, 9, 9, 9, 9]) == (0, 3)  # tick 4: block 2 duplicated block 0, freed
+    assert put(cache, [50, 51, 52, 53]) == (2,)  # Q, tick 6 (reuses the freed block 2)
     if touch_prefix:
-        touch(cache, [*P, 0])  # tick 4 on the prefix node only
+        touch(cache, [*P, 0])  # tick 7 on the prefix node only
     freed = [cache.evict(1) for _ in range(4)]
     assert freed == [[b] for b in expected]
 
@@ -107,7 +102,7 @@ def test_parent_is_not_evictable_while_it_has_a_child(make_cache) -> None:
     put(cache, [1, 2, 3, 4, 9, 9, 9, 9])
     put(cache, [60, 61, 62, 63])  # newest leaf
     assert cache.evict(1) == [1]  # oldest child
-    # the prefix (tick 2) is older than [60..63] (tick 3) but still has a child: the child goes next
+    # the prefix (tick 4) is older than [60..63] (tick 6) but still has a child: the child goes next
     assert cache.evict(1) == [3]
     assert cache.evict(1) == [0]
     assert cache.evict(1) == [2]
@@ -157,44 +152,50 @@ def test_ties_are_broken_by_node_id() -> None:
     assert index.first().node_id == 3 and older.evict_key is None
 
 
-def test_allocate_evicts_on_demand_and_only_what_it_needs(make_cache) -> None:
+def fresh(num_blocks: int) -> list[int]:
+    """Tokens cached nowhere that fill `num_blocks` blocks of 4."""
+    return list(range(1000, 1000 + 4 * num_blocks))
+
+
+def test_allocation_evicts_on_demand_and_only_what_it_needs(make_cache) -> None:
     cache = make_cache(8, 4)
     put(cache, A)  # blocks 0, 1
     put(cache, B)  # blocks 2, 3
-    assert cache.num_free_blocks == 4
-    got = cache.allocate(5)  # one short: A (LRU) is trimmed by one block, not dropped
-    assert got == [1, 4, 5, 6, 7]
+    assert cache.stats().num_free_blocks == 4
+    got = cache.admit(fresh(5), max_hit=None)  # one short: A (LRU) is trimmed by one block
+    assert got.blocks == (1, 4, 5, 6, 7)
     assert cache.match(A).num_cached_tokens == 4
     before = (cache.stats(), list(cache.nodes()))
-    assert cache.allocate(4) is None  # 0 free + 3 evictable < 4: nothing changes
+    assert cache.admit(fresh(4), max_hit=None) is None  # 0 free + 3 evictable < 4: no change
+    assert not cache.grow(got, 4)
     assert (cache.stats(), list(cache.nodes())) == before
-    assert cache.can_allocate(3) and not cache.can_allocate(4)
-    assert cache.allocate(3) == [2, 3, 0]  # evicted A [0], then B [3, 2]
+    assert cache.grow(got, 3)
+    assert got.blocks[5:] == (2, 3, 0)  # evicted A [0], then B [3, 2]
     assert cache.stats().num_nodes == 0
-    cache.free(got)
-    assert cache.num_free_blocks == 5
+    cache.close(got)
+    assert cache.stats().num_free_blocks == 8
 
 
-def test_can_allocate_with_reserve_counts_what_the_lock_pins(make_cache) -> None:
+def test_admission_counts_what_locking_the_hit_pins(make_cache) -> None:
     cache = make_cache(8, 4)
     put(cache, A)  # blocks 0, 1
     put(cache, B)  # blocks 2, 3
-    m = cache.match([*A[:6], 50])  # ends inside A's node: locking it pins both of A's blocks
-    before = (cache.stats(), list(cache.nodes()), cache.version)
-    assert cache.can_allocate(8)  # 4 free + 4 evictable
-    assert cache.can_allocate(6, reserve=m) and not cache.can_allocate(7, reserve=m)
-    assert (cache.stats(), list(cache.nodes()), cache.version) == before  # read-only
-    h = cache.acquire(m)
-    assert cache.allocate(7) is None
-    got = cache.allocate(6)
-    assert got is not None and cache.match(A).num_cached_tokens == 8
-    cache.free(got)
+    hit = A[:6]  # ends inside A's node: locking it pins both of A's blocks
+    before = (cache.stats(), list(cache.nodes()), cache._clock)
+    # 4 free + 4 evictable - 2 pinned = 6 blocks; the hit's partial block needs a copy.
+    assert cache.admit([*hit, *fresh(6)[:23]], max_hit=6) is None  # 29 tokens: 8 - 1 hit + 1
+    assert (cache.stats(), list(cache.nodes()), cache._clock) == before  # read-only
+    table = cache.admit([*hit, *fresh(5)[:19]], max_hit=6)  # 25 tokens: 7 - 1 hit + 1 copy
+    assert table is not None and table.num_cached_tokens == 6 and len(table.blocks) == 7
+    assert cache.match(A).num_cached_tokens == 8  # B was evicted, not A
     # Already locked: the path pins nothing more.
-    m = cache.match(A)
-    assert cache.can_allocate(6, reserve=m) and not cache.can_allocate(7, reserve=m)
-    cache.release(h)
-    assert cache.can_allocate(6, reserve=cache.match(B)) and cache.can_allocate(8)
-    assert not cache.can_allocate(9, reserve=cache.match([99]))  # a miss pins nothing
+    assert cache.stats().num_free_blocks + cache.stats().num_evictable_blocks == 0
+    cache.close(table)
+    # A miss pins nothing: 6 free + 2 evictable.
+    assert cache.admit(fresh(9), max_hit=8) is None
+    both = cache.admit(fresh(8), max_hit=8)
+    assert both is not None and both.num_cached_tokens == 0
+    cache.close(both)
 
 
 def test_evict_zero_and_empty_cache(make_cache) -> None:
@@ -203,7 +204,7 @@ def test_evict_zero_and_empty_cache(make_cache) -> None:
     assert cache.evict(3) == []
     put(cache, A)
     assert cache.evict(0) == []
-    assert cache.num_evictable_blocks == 2
+    assert cache.stats().num_evictable_blocks == 2
 
 
 def test_gdsf_order_fewest_tokens_per_block_first_and_everything_ages(make_cache) -> None:
@@ -279,7 +280,7 @@ class GdsfModel:
         self.inflation_at = {0: 0}  # tick -> the inflation when that tick was stamped
 
     def tick(self) -> None:
-        """An acquire or an insert: one tick, stamped at the current inflation."""
+        """An admit or a commit: one tick, stamped at the current inflation."""
         self.clock += 1
         self.inflation_at[self.clock] = self.inflation
 
@@ -374,26 +375,30 @@ def test_gdsf_matches_a_reference_model(make_cache, serve, block_size, ops) -> N
     cache = make_cache(2 * (max_tokens // block_size + 1), block_size)
     model = GdsfModel(block_size)
     sequences: list[list[int]] = []
-    fresh = iter(range(1000, 10**6))
+    fresh_tokens = iter(range(1000, 10**6))
     for kind, which, cut, new, extra in ops:
         base = sequences[which % len(sequences)] if sequences else []
-        if kind in ("serve", "evict"):
-            want = extra
+        hit = cache.match(base[: max(cut, 1)]).num_cached_tokens
+        if kind in ("serve", "evict", "touch"):
+            want = extra if kind == "evict" else 0
             if kind == "serve":
                 head = base[: min(cut, max_tokens - new - extra)]
-                prompt = [*head, *(next(fresh) for _ in range(new))]
-                written = prompt + [next(fresh) for _ in range(extra)]
-                want = max(0, -(-len(written) // block_size) + 1 - cache.num_free_blocks)
-            freed, segments = model.evict(cache, want)
-            assert cache.evict(want) == freed
+                prompt = [*head, *(next(fresh_tokens) for _ in range(new))]
+                written = prompt + [next(fresh_tokens) for _ in range(extra)]
+                want = -(-len(written) // block_size) + 1 - cache.stats().num_free_blocks
+            elif kind == "touch":  # the copy-on-write block of a partial hit
+                want = (hit % block_size != 0) - cache.stats().num_free_blocks
+            freed, segments = model.evict(cache, max(0, want))
+            assert cache.evict(max(0, want)) == freed
             assert node_segments(cache) == segments
         if kind == "serve":
             serve(cache, prompt, written[len(prompt) :])
-            model.tick()  # acquire
-            model.tick()  # insert
+            model.tick()  # admit
+            model.tick()  # commit
             sequences.append(written)
         elif kind == "touch" and base:
-            cache.release(cache.acquire(cache.match(base[: max(cut, 1)])))
+            hit = cache.match(base[: max(cut, 1)]).num_cached_tokens  # after the eviction
+            cache.close(cache.admit(base[:hit], max_hit=hit))
             model.tick()
 
 
@@ -406,18 +411,22 @@ def test_gdsf_a_leaf_sharing_its_block_with_a_grandparent_costs_its_own_tokens(m
     model = GdsfModel(4)
     head = [10, 11, 12, 13, 14, 15]
     (q,) = put(cache, [40, 41])  # a leaf whose last block holds 2 tokens: priority 2
+    model.tick()  # admit
+    model.tick()  # commit
+    own = cache.admit([*head, 20, 30], max_hit=0)  # R
     model.tick()
-    x0, x = cache.allocate(2)
-    own = cache.insert(head, [x0, x])  # R: [0,6), X its partial tail, which it writes on into
+    x0, x = own.blocks
+    cache.commit(own, head)  # R: [0,6), X its partial tail, which it writes on into
     model.tick()
-    other = cache.acquire(cache.match([*head, 20], max_tokens=6))  # another request, hit 6
+    other = cache.admit([*head, 20], max_hit=6)  # another request, hit 6
     model.tick()
-    (y,) = cache.allocate(1)  # its copy of X
-    cache.release(cache.insert([*head, 20], [x0, y], handle=other).handle)  # parent [6,7) owns Y
+    y = other.copy[1]  # its copy of X
+    cache.commit(other, [*head, 20])  # parent [6,7) owns Y
     model.tick()
-    leaf = cache.insert([*head, 20, 30], [x0, x], handle=own.handle)  # R wrote 20, 30 into X
+    cache.close(other)
+    cache.commit(own, [*head, 20, 30])  # R wrote 20, 30 into X
     model.tick()
-    cache.release(leaf.handle)
+    cache.close(own)
     assert node_segments(cache) == [(0, 2, (q,)), (0, 6, (x0, x)), (6, 7, (y,)), (7, 8, (x,))]
     # The leaf (1) goes before q (2), freeing nothing; then its parent (1) frees Y.
     freed, remaining = model.evict(cache, 1)

@@ -3,30 +3,29 @@ time, made through the private state the check recomputes, must raise AssertionE
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import pytest
+from lifecycle import put
 
 from radixkv import PrefixCache
 
 B = 4
 
 
-def busy_cache() -> tuple[PrefixCache, object]:
-    """Two paths that split inside a block, one of them locked, one private block, and an
-    evictable leaf."""
-    cache = PrefixCache(num_blocks=32, block_size=B)
+def busy_cache(kv_events: bool = False) -> PrefixCache:
+    """Two paths that split inside a block, one of them locked by an open table that holds a
+    private block, a second open table without a lock, and an evictable leaf."""
+    cache = PrefixCache(num_blocks=32, block_size=B, kv_events=kv_events)
     first = list(range(100, 114))  # 14 tokens
     second = [*first[:6], *range(200, 209)]  # diverges at 6, inside block 1
     for tokens in (first, second):
-        r = cache.insert(tokens, cache.allocate(-(-len(tokens) // B)))
-        cache.release(r.handle)
-        cache.free(r.owned_block_ids)
-    h = cache.acquire(cache.match(first, max_tokens=len(first) - 1))
-    cache.allocate(1)  # stays private
+        put(cache, tokens)
+    locked = cache.admit([*first, 7], max_hit=len(first) - 1)  # hit 13: 3 tree blocks + 1 copy
+    unlocked = cache.admit([1, 2], max_hit=None)  # one private block
+    assert locked is not None and locked.copy is not None and unlocked is not None
     cache.check_integrity()
-    return cache, h
+    return cache
 
 
 def _leaf(cache: PrefixCache):  # an evictable leaf
@@ -37,13 +36,20 @@ def _split_child(cache: PrefixCache):
     return next(n for n, depth in cache._tree.iter_nodes() if depth == 2)
 
 
-def _live_lock(cache: PrefixCache):
-    return next(iter(cache._live.items()))
+def _table(cache: PrefixCache, locked: bool = True):
+    return next(t for t in cache._open if t.locked == locked)
 
 
-def _replace_lock(cache: PrefixCache, **changes: object) -> None:
-    hid, lock = _live_lock(cache)
-    cache._live[hid] = dataclasses.replace(lock, **changes)
+def _swap_first_block(cache: PrefixCache, block: int) -> None:
+    table = _table(cache)
+    table.blocks = (block, *table.blocks[1:])
+
+
+def _move_private_first(cache: PrefixCache) -> None:
+    """The unlocked table's private block replaces the locked table's first (tree) block."""
+    locked, unlocked = _table(cache), _table(cache, locked=False)
+    locked.blocks = (unlocked.blocks[0], *locked.blocks[1:])
+    unlocked.blocks = ()
 
 
 CORRUPTIONS: dict[str, Callable[[PrefixCache], None]] = {
@@ -62,15 +68,44 @@ CORRUPTIONS: dict[str, Callable[[PrefixCache], None]] = {
     "head_shared": lambda c: setattr(_split_child(c), "head_shared", False),
     "private block owned by the tree": lambda c: c._private.add(_leaf(c).blocks[0]),
     "pool ref count": lambda c: c._pool.add_owner(_leaf(c).blocks[0]),
-    "lock's blocks": lambda c: _replace_lock(c, block_ids=(31,)),
-    "lock's tokens past its prefix": lambda c: _replace_lock(c, num_tokens=40),
-    "lock's namespace": lambda c: _replace_lock(c, namespace="elsewhere"),
+    "table's tree block off its path": lambda c: _swap_first_block(c, _leaf(c).blocks[-1]),
+    "table's namespace": lambda c: setattr(_table(c), "namespace", "elsewhere"),
+    "private block in no open table": lambda c: c._open.remove(_table(c, locked=False)),
+    "private block in two tables": lambda c: setattr(
+        _table(c, locked=False), "blocks", _table(c).blocks[-1:]
+    ),
+    "tree block in a table without a lock": lambda c: setattr(
+        _table(c, locked=False), "blocks", (_leaf(c).blocks[0], *_table(c, locked=False).blocks)
+    ),
+    "table locks another node": lambda c: setattr(_table(c), "node", _leaf(c)),
+    "private block before a tree block": _move_private_first,
 }
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
 def test_check_integrity_catches(corrupt: Callable[[PrefixCache], None]) -> None:
-    cache, _handle = busy_cache()  # kept: a dropped live handle is reported as a leak
+    cache = busy_cache()
     corrupt(cache)
     with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+EVENT_CORRUPTIONS: dict[str, Callable[[PrefixCache], None]] = {
+    "a stale block hash": lambda c: _split_child(c).block_hashes.__setitem__(0, 5),
+    "a node left unhashed": lambda c: setattr(_split_child(c), "block_hashes", None),
+}
+
+
+@pytest.mark.parametrize("corrupt", EVENT_CORRUPTIONS.values(), ids=EVENT_CORRUPTIONS.keys())
+def test_check_integrity_catches_wrong_block_hashes(corrupt) -> None:
+    cache = busy_cache(kv_events=True)
+    corrupt(cache)
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_a_cache_without_events_holds_no_hashes() -> None:
+    cache = busy_cache()
+    _split_child(cache).block_hashes = []
+    with pytest.raises(AssertionError, match="no events are recorded"):
         cache.check_integrity()

@@ -56,22 +56,19 @@ def test_bad_ids_are_named(make, exc: type, msg: str) -> None:
 
 
 def _lifecycle(cache, prompt, written) -> tuple:
-    """match (prefill cap), acquire, CoW + allocate, insert(handle=), release; what came out."""
+    """match (prefill cap), admit, grow, commit, close; what came out."""
     m = cache.match(prompt, max_tokens=len(prompt) - 1)
-    handle = cache.acquire(m)
-    table = list(m.block_ids)
-    if m.last_block_partial:
-        table[-1] = cache.allocate(1)[0]
-    table += cache.allocate(-(-len(written) // cache.block_size) - len(table))
-    result = cache.insert(written, table, handle=handle)
-    cache.release(result.handle)
-    cache.free(result.owned_block_ids)
-    return m, result
+    table = cache.admit(prompt, max_hit=len(prompt) - 1)
+    cache.grow(table, -(-len(written) // cache.block_size) - len(table.blocks))
+    cache.commit(table, written)
+    blocks = table.blocks
+    cache.close(table)
+    return m, blocks, cache.stats()
 
 
 def test_cache_calls_take_packed_tokens(make_cache) -> None:
-    """Same results with lists and with PackedTokens, including insert(handle=) resuming after
-    the prefix its handle locks (the prompt is a PackedTokens, written = prompt + reply)."""
+    """Same results with lists and with PackedTokens (the prompt is a PackedTokens, written =
+    prompt + reply)."""
     results = []
     for wrap in (list, PackedTokens):
         cache = make_cache(64, 4)
@@ -81,8 +78,8 @@ def test_cache_calls_take_packed_tokens(make_cache) -> None:
         second = _lifecycle(cache, prompt2, prompt2 + [4])
         results.append((first, second, cache.match(prompt + [1, 2, 3])))
     assert results[0] == results[1]
-    (_, (m, result), _) = results[1]
-    assert m.num_cached_tokens == 32 and result.num_new_tokens == 3
+    (_, (m, _, stats), _) = results[1]
+    assert m.num_cached_tokens == 32 and stats.num_inserted_tokens == 33 + 3
 
 
 def test_sets_and_dicts_are_rejected_their_order_is_undefined() -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import numpy as np
 import pytest
+from lifecycle import put
 
-from radixkv import LockHandle, NodeView, PrefixCache
+from radixkv import NodeView
 
 SYSTEM = list(range(1000, 1037))  # 37 tokens: two full 16-token blocks and 5 slots of a third
 
@@ -31,10 +29,11 @@ def test_empty_cache_matches_nothing_and_locks_the_root(make_cache) -> None:
         (),
         0,
     )
-    h = cache.acquire(m)
-    assert h.num_tokens == 0
+    table = cache.admit([1, 2, 3], max_hit=3)
+    assert table.num_cached_tokens == 0 and table.locked and table.blocks == (0,)
     assert next(cache.nodes()).lock_ref == 1
-    cache.release(h)
+    cache.close(table)
+    assert next(cache.nodes()).lock_ref == 0
     assert cache.match([]).num_cached_tokens == 0
 
 
@@ -42,7 +41,7 @@ def test_37_shared_tokens_all_hit_with_16_token_blocks(make_cache, serve) -> Non
     cache = make_cache(64, 16)
     first = serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])
     assert first.match.num_cached_tokens == 0
-    assert first.result.block_ids == (0, 1, 2)
+    assert first.block_ids == (0, 1, 2)
 
     m = cache.match([*SYSTEM, 5, 6, 7], max_tokens=39)
     assert m.num_cached_tokens == 37  # not 32: matching is token-granular
@@ -123,48 +122,47 @@ def test_co_owned_block_is_freed_only_when_both_owners_are_gone(make_cache, serv
 def test_concurrent_duplicates_are_freed_and_the_partial_tail_kept(make_cache) -> None:
     cache = make_cache(64, 16)
     prompt = list(range(100, 140))  # 40 tokens: 2 full blocks + 8 slots
-    h1 = cache.acquire(cache.match(prompt, max_tokens=39))
-    t1 = cache.allocate(3)
-    h2 = cache.acquire(cache.match(prompt, max_tokens=39))  # nothing cached yet: computes it all
-    t2 = cache.allocate(3)
-    assert (t1, t2) == ([0, 1, 2], [3, 4, 5])
-    r1 = cache.insert(prompt, t1, handle=h1)
-    assert (r1.num_new_tokens, r1.block_ids, r1.owned_block_ids) == (40, (0, 1, 2), ())
-    r2 = cache.insert(prompt, t2, handle=h2)
-    assert r2.num_new_tokens == 0
-    assert r2.num_freed_duplicates == 2  # blocks 3 and 4 duplicated full cached blocks
-    assert r2.block_ids == (0, 1, 5)  # the partial tail stays the caller's: it writes on there
-    assert r2.owned_block_ids == (5,)
-    assert cache._pool.is_free(3) and cache._pool.is_free(4)
-    assert r2.handle.num_tokens == 40
-    cache.release(r1.handle)
-    cache.release(r2.handle)
-    cache.free(r2.owned_block_ids)
-    assert cache.stats().num_duplicate_blocks_freed == 2
+    t1 = cache.admit(prompt, max_hit=39)
+    t2 = cache.admit(prompt, max_hit=39)  # nothing cached yet: computes it all
+    assert (t1.blocks, t2.blocks) == ((0, 1, 2), (3, 4, 5))
+    cache.commit(t1, prompt)
+    assert (cache.stats().num_inserted_tokens, t1.blocks, t1.private) == (40, (0, 1, 2), set())
+    cache.commit(t2, prompt)
+    s = cache.stats()
+    assert s.num_inserted_tokens == 40  # nothing new
+    assert s.num_duplicate_blocks_freed == 2  # blocks 3 and 4 duplicated full cached blocks
+    assert t2.blocks == (0, 1, 5)  # the partial tail stays the caller's: it writes on there
+    assert t2.private == {5}
+    assert refs(cache, 3, 4) == [0, 0]
+    assert s.num_locked_tables == 2
+    cache.close(t1)
+    cache.close(t2)
+    assert cache.stats().num_in_use_blocks == 0
 
 
 def test_full_duplicate_blocks_are_all_freed(make_cache) -> None:
     cache = make_cache(64, 16)
     prompt = list(range(100, 132))
-    r1 = cache.insert(prompt, cache.allocate(2))
-    r2 = cache.insert(prompt, cache.allocate(2))
-    assert (r2.block_ids, r2.owned_block_ids, r2.num_freed_duplicates) == ((0, 1), (), 2)
-    cache.release(r1.handle)
-    cache.release(r2.handle)
-    assert cache.num_free_blocks == 62
+    assert put(cache, prompt) == (0, 1)
+    t2 = cache.admit(prompt, max_hit=0)
+    cache.commit(t2, prompt)
+    assert (t2.blocks, t2.private, cache.stats().num_duplicate_blocks_freed) == ((0, 1), set(), 2)
+    cache.close(t2)
+    assert cache.stats().num_free_blocks == 62
 
 
 def test_writing_on_into_own_partial_tail_co_owns_it(make_cache) -> None:
     cache = make_cache(64, 16)
     tokens = list(range(200, 240))
-    r1 = cache.insert(tokens[:25], cache.allocate(2))  # leaf [0,25) owns blocks 0, 1
-    table = [*r1.block_ids, *cache.allocate(1)]  # keeps writing into block 1 (slots 9..15)
-    r2 = cache.insert(tokens, table, handle=r1.handle)
-    assert r2.block_ids == (0, 1, 2) and r2.owned_block_ids == ()
+    table = cache.admit(tokens, max_hit=0)  # blocks 0, 1, 2
+    cache.commit(table, tokens[:25])  # leaf [0,25) owns blocks 0, 1
+    assert table.private == {2}  # keeps writing into block 1 (slots 9..15), then 2
+    cache.commit(table, tokens)
+    assert table.blocks == (0, 1, 2) and table.private == set()
     assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 25, (0, 1)), (2, 1, 25, 40, (1, 2))]
     assert refs(cache, 0, 1, 2) == [1, 2, 1]
-    cache.release(r2.handle)
-    assert cache.num_evictable_blocks == 3
+    cache.close(table)
+    assert cache.stats().num_evictable_blocks == 3
     assert cache.evict(1) == [2]  # the leaf is trimmed to its head; block 1 still has two owners
     assert cache.evict(1) == [1]  # leaf [25,32) dropped (block 1 -> 1 owner), then trimmed [16,25)
 
@@ -172,48 +170,36 @@ def test_writing_on_into_own_partial_tail_co_owns_it(make_cache) -> None:
 def test_own_earlier_tail_is_kept_when_another_request_extended_the_path(make_cache) -> None:
     cache = make_cache(64, 16)
     tokens = list(range(300, 340))
-    r = cache.insert(tokens[:25], cache.allocate(2))  # request R: leaf [0,25) with blocks 0, 1
-    m = cache.match(tokens, max_tokens=39)  # request S: same tokens, hits 25
-    hs = cache.acquire(m)
-    s_table = [*m.block_ids[:-1], *cache.allocate(2)]  # CoW of block 1 -> 2; block 3 for [32,40)
-    rs = cache.insert(tokens, s_table, handle=hs)
-    assert rs.block_ids == (0, 2, 3)
+    r = cache.admit(tokens[:30], max_hit=0)  # request R: blocks 0, 1
+    cache.commit(r, tokens[:25])  # leaf [0,25)
+    s = cache.admit(tokens, max_hit=39)  # request S: same tokens, hits 25
+    assert s.blocks == (0, 2, 3) and s.copy == (1, 2, 9)  # CoW of block 1 -> 2; 3 for [32,40)
+    cache.commit(s, tokens)
+    assert s.blocks == (0, 2, 3)
     # R wrote positions 25..29 into its own block 1; the tree's deepest copy of index 1 is S's 2.
-    rr = cache.insert(tokens[:30], list(r.block_ids), handle=r.handle)
-    assert rr.num_new_tokens == 0
-    assert rr.block_ids == (0, 1)  # R keeps its own tail block, which it keeps writing into
-    assert rr.owned_block_ids == () and rr.num_freed_duplicates == 0
-    cache.release(rr.handle)
-    cache.release(rs.handle)
+    cache.commit(r, tokens[:30])
+    stats = cache.stats()
+    assert stats.num_inserted_tokens == 25 + 15  # R's second commit added nothing
+    assert r.blocks == (0, 1)  # R keeps its own tail block, which it keeps writing into
+    assert r.private == set() and stats.num_duplicate_blocks_freed == 0
+    cache.close(r)
+    cache.close(s)
 
 
-def test_stale_and_foreign_matches_are_rejected(make_cache) -> None:
-    cache = make_cache(64, 16)
-    other = PrefixCache(64, 16)
-    m = cache.match([1, 2, 3])
-    assert other.match([1, 2, 3]).matched.version == m.matched.version
-    with pytest.raises(ValueError, match="not produced by this cache"):
-        other.acquire(m)
-    cache.release(cache.insert([1, 2, 3], cache.allocate(1)).handle)
-    with pytest.raises(ValueError, match="stale match"):
-        cache.acquire(m)
-    cache.release(cache.acquire(cache.match([1, 2, 3])))
-    assert cache.stats().num_queries == 1
-
-
-def test_acquire_refreshes_the_whole_path_and_locks_it(make_cache, serve) -> None:
+def test_admit_refreshes_the_whole_path_and_locks_it(make_cache, serve) -> None:
     cache = make_cache(64, 16)
     serve(cache, [*SYSTEM, 1, 2, 3, 4], [7, 8])
     serve(cache, [*SYSTEM, 5, 6, 7])
-    h = cache.acquire(cache.match([*SYSTEM, 5, 6], max_tokens=39))
+    table = cache.admit([*SYSTEM, 5, 6], max_hit=39)  # hits 39: the CoW copy of block 3 is new
     views = {v.node_id: v for v in cache.nodes()}
     assert [views[i].lock_ref for i in (0, 2, 1, 3)] == [1, 1, 0, 1]
     assert views[3].last_access == views[2].last_access == views[0].last_access == 5
     assert views[1].last_access == 3
-    assert cache.num_in_use_blocks == 4  # blocks 0, 1, 2 (prefix) and 3 (locked branch)
-    assert cache.num_evictable_blocks == 0  # the old suffix owns only the shared block 2
-    cache.release(h)
-    assert cache.num_evictable_blocks == 4
+    # blocks 0, 1, 2 (prefix) and 3 (locked branch), and the private copy
+    assert cache.stats().num_in_use_blocks == 5
+    assert cache.stats().num_evictable_blocks == 0  # the old suffix owns only the shared block 2
+    cache.close(table)
+    assert cache.stats().num_evictable_blocks == 4
 
 
 def test_nodes_snapshot(make_cache, serve) -> None:
@@ -248,8 +234,12 @@ def test_round_trip_for_every_block_size(make_cache, serve, block_size: int) -> 
     cached = cache.stats().num_cached_tokens
     assert cached == 342 + 10 + 71
     freed = cache.evict(cache.num_blocks)
-    assert len(freed) == len(set(freed)) == cache.num_blocks - cache.num_free_blocks + len(freed)
-    assert cache.num_free_blocks == cache.num_blocks
+    assert (
+        len(freed)
+        == len(set(freed))
+        == cache.num_blocks - cache.stats().num_free_blocks + len(freed)
+    )
+    assert cache.stats().num_free_blocks == cache.num_blocks
     assert cache.stats().num_nodes == 0 and cache.stats().num_evicted_tokens == cached
 
 
@@ -259,41 +249,6 @@ def test_numpy_tokens_match_like_lists(make_cache, serve) -> None:
     for dtype in (np.int64, np.int32, np.uint16):
         m = cache.match(np.arange(1, 60, dtype=dtype))
         assert m.num_cached_tokens == 49 and m.block_ids == (0, 1, 2, 3)
-
-
-def test_release_twice_raises(make_cache) -> None:
-    cache = make_cache()
-    h = cache.acquire(cache.match([1]))
-    cache.release(h)
-    with pytest.raises(ValueError, match="not a live handle"):
-        cache.release(h)
-
-
-def test_leaked_handle_is_reported_and_stays_locked(make_cache) -> None:
-    cache = make_cache(16, 4)
-    r = cache.insert([1, 2, 3, 4, 5], cache.allocate(2))
-    handle_id = r.handle.handle_id
-    with pytest.warns(ResourceWarning, match=f"LockHandle {handle_id}"):
-        del r
-        gc.collect()
-    s = cache.stats()
-    assert (s.num_leaked_handles, s.num_live_handles) == (1, 1)
-    assert cache.evict(2) == []  # the leaked lock still protects the path
-    h = cache.acquire(cache.match([1]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cache.release(h)
-        del h
-        gc.collect()  # a released handle is not a leak
-    assert cache.stats().num_leaked_handles == 1
-
-
-def test_forged_handle_is_foreign(make_cache) -> None:
-    cache = make_cache()
-    real = cache.acquire(cache.match([1]))
-    with pytest.raises(ValueError, match="not a live handle"):
-        cache.release(LockHandle(real.handle_id, real.num_tokens))
-    cache.release(real)
 
 
 @pytest.mark.parametrize("length", [1, 2, 5, 63, 64, 65, 200, 1500])
@@ -316,7 +271,7 @@ def test_long_prompts_match_token_exactly(make_cache) -> None:
     cache = make_cache(512, 16)
     rng = np.random.default_rng(0)
     base = rng.integers(0, 50_000, 3000).tolist()
-    cache.release(cache.insert(base, cache.allocate(188)).handle)
+    put(cache, base)  # 188 blocks
     for cut in (1, 15, 16, 17, 1000, 2047, 2999):
         query = [*base[:cut], base[cut] + 1, *base[cut + 1 :]]
         m = cache.match(query)
@@ -354,30 +309,19 @@ def test_continuation_supersedes_the_parents_partial_tail(make_cache, serve) -> 
     that copy and the old tail block, which no path could read any more, is freed."""
     cache = make_cache(64, 16)
     tokens = list(range(500, 550))
-    assert serve(cache, tokens[:30]).result.block_ids == (0, 1)  # leaf [0,30): 14 slots of 1
+    assert serve(cache, tokens[:30]).block_ids == (0, 1)  # leaf [0,30): 14 slots of 1
     turn = serve(cache, tokens)
     assert turn.match.num_cached_tokens == 30 and turn.table == (0, 2, 3, 4)  # 2 = CoW of 1
-    assert turn.result.block_ids == (0, 2, 3, 4)
+    assert turn.block_ids == (0, 2, 3, 4)
     assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 30, (0, 2)), (2, 1, 30, 50, (2, 3, 4))]
     assert refs(cache, 0, 1, 2, 3, 4) == [1, 0, 2, 1, 1]
     assert cache.stats().num_superseded_tails_freed == 1
     assert cache.stats().num_duplicate_blocks_freed == 0
     # A hit ending inside the parent's tail reads the copy's leading slots (same KV as block 1).
     assert cache.match(tokens[:28]).block_ids == (0, 2)
-    assert cache.num_evictable_blocks == 4 and cache.num_free_blocks == 60
+    assert cache.stats().num_evictable_blocks == 4 and cache.stats().num_free_blocks == 60
     assert cache.evict(1) == [4]
     assert cache.evict(3) == [3, 2, 0]  # leaf's rest (2 stays: the parent owns it), then parent
-
-
-def test_continuation_without_a_handle_supersedes_too(make_cache) -> None:
-    cache = make_cache(64, 16)
-    tokens = list(range(500, 550))
-    cache.release(cache.insert(tokens[:30], cache.allocate(2)).handle)  # [0,30): blocks 0, 1
-    r = cache.insert(tokens[:40], [0, *cache.allocate(2)])  # 2 = copy of block 1's 14 slots
-    assert r.block_ids == (0, 2, 3) and r.owned_block_ids == ()
-    assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 30, (0, 2)), (2, 1, 30, 40, (2, 3))]
-    assert refs(cache, 1, 2) == [0, 2]
-    cache.release(r.handle)
 
 
 def test_tail_is_kept_when_the_parent_has_another_child(make_cache, serve) -> None:
@@ -401,21 +345,22 @@ def test_tail_is_kept_while_another_lock_reads_the_parent(make_cache, serve) -> 
     cache = make_cache(64, 16)
     tokens = list(range(500, 550))
     serve(cache, tokens[:30])
-    reader = cache.acquire(cache.match(tokens[:30]))  # another request holds the parent's path
+    reader = cache.admit(tokens[:16], max_hit=16)  # another request holds the parent's path
     turn = serve(cache, tokens)
     assert turn.table == (0, 2, 3, 4)
     assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 30, (0, 1)), (2, 1, 30, 50, (2, 3, 4))]
     assert refs(cache, 1, 2) == [1, 1]
     assert cache.stats().num_superseded_tails_freed == 0
-    cache.release(reader)
+    cache.close(reader)
 
 
 def test_tail_is_kept_when_an_ancestor_shares_it(make_cache, serve) -> None:
     cache = make_cache(64, 16)
     tokens = list(range(500, 550))
-    r1 = cache.insert(tokens[:20], cache.allocate(2))  # [0,20): blocks 0, 1
-    r2 = cache.insert(tokens[:25], list(r1.block_ids), handle=r1.handle)  # wrote on in block 1
-    cache.release(r2.handle)
+    table = cache.admit(tokens[:25], max_hit=0)  # blocks 0, 1
+    cache.commit(table, tokens[:20])  # [0,20)
+    cache.commit(table, tokens[:25])  # wrote on in block 1
+    cache.close(table)
     assert shape(cache) == [(0, None, 0, 0, ()), (1, 0, 0, 20, (0, 1)), (2, 1, 20, 25, (1,))]
     turn = serve(cache, tokens)  # hits 25 = the end of [20,25), whose only block 1 [0,20) owns
     assert turn.table == (0, 2, 3, 4)

@@ -1,23 +1,30 @@
-"""Random interleavings of the whole API against a reference model (hypothesis, stateful).
+"""Random interleavings of the whole contract against a reference model (hypothesis, stateful).
 
 The model keeps what the cache cannot check on its own:
 * the KV "contents" of every block slot (a hash of the token prefix that produced it), written by
-  simulated requests exactly where a model runner would write; every match and every insert result
-  is checked slot by slot, so a wrong block id or a write into a shared block is caught;
-* every sequence ever inserted (a match is at most the best common prefix with one of them, and
-  exactly that while nothing was evicted) and the prefixes held by live locks (a match is at least
-  the common prefix with each of them);
-* the private blocks each simulated request holds (they must equal the cache's private set).
+  simulated requests exactly where a model runner would write; every match and every table after
+  a commit is checked slot by slot, so a wrong block id or a write into a shared block is caught;
+* every sequence inserted since the last reset (a match is at most the best common prefix with
+  one of them, and exactly that while nothing was evicted) and the prefixes held by locking tables
+  (a match is at least the common prefix with each of them);
+* the private blocks of every open table, from the contract's rules alone (they must equal the
+  cache's own record);
+* whether an admission fits, from the evictable count recomputed after locking the hit on a copy
+  of the cache (`admit` decides read-only, before it locks anything).
 
-Requests behave like the scheduler: match with the prefill cap, lock, copy-on-write a partial block,
-allocate, write KV in chunks, insert growing prefixes (moving their lock), finish or abort.
-`check_integrity()` runs after every step; teardown releases everything and checks no block leaked.
+Requests behave like the scheduler: admit the prompt with the prefill cap (a copy-on-write of a
+partial hit block), write KV in chunks, grow for more, commit growing prefixes (moving their lock),
+finish or abort. Other tables lock a hit and hold it, or hold private blocks only. `reset` and
+`evict` interleave. `check_integrity()` runs after every step; teardown closes every table and
+checks no block leaked.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +40,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from radixkv import LockHandle, MatchResult, PackedTokens, PrefixCache
-from radixkv.cache.tokens import unpack_tokens
+from radixkv import BlockTable, MatchResult, PackedTokens, PrefixCache
+from radixkv.cache.tokens import pack_tokens, unpack_tokens
 
 VOCAB = 3  # tiny, so prefixes are shared and nodes split often
 MAX_LEN = 48
@@ -74,18 +81,17 @@ def ceil_div(a: int, b: int) -> int:
 class Request:
     tokens: list[int]  # everything it will ever write (prompt + reply)
     keys: list[int]
-    handle: LockHandle
-    locked: int  # its handle protects tokens[0:locked]
+    table: BlockTable
+    locked: int  # its lock protects tokens[0:locked]
     written: int  # KV written for tokens[0:written]
-    table: list[int]
     private: set[int] = field(default_factory=set)
 
 
 class Counted:
     """The cache under test: each operation is counted and followed by check_integrity(); every
-    other match / insert gets its tokens as a PackedTokens."""
+    other call that takes tokens gets them as a PackedTokens."""
 
-    OPERATIONS = frozenset({"match", "acquire", "release", "allocate", "free", "insert", "evict"})
+    OPERATIONS = frozenset({"match", "admit", "grow", "commit", "close", "evict", "reset"})
 
     def __init__(self, cache: PrefixCache) -> None:
         self.inner = cache
@@ -97,8 +103,10 @@ class Counted:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             operations["count"] += 1
-            if name in ("match", "insert") and operations["count"] % 2:
+            if name in ("match", "admit") and operations["count"] % 2:
                 args = (PackedTokens(args[0]), *args[1:])  # every other call: packed tokens
+            elif name == "commit" and operations["count"] % 2:
+                args = (args[0], PackedTokens(args[1]))
             try:
                 return attr(*args, **kwargs)
             finally:
@@ -120,11 +128,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.seen: list[list[int]] = []
         self.requests: dict[int, Request] = {}
         self.next_request = 0
-        self.loose: list[int] = []  # private blocks held outside requests
-        self.plain: list[tuple[LockHandle, list[int]]] = []  # acquire() handles + locked tokens
+        self.loose: list[BlockTable] = []  # tables of private blocks only (admitted unlocked)
+        self.plain: list[tuple[BlockTable, list[int]]] = []  # tables locking a hit + its tokens
 
     # ------------------------------------------------------------ model
-    def fresh(self, blocks: list[int]) -> None:
+    def fresh(self, blocks: Sequence[int]) -> None:
         """Newly allocated blocks hold garbage: forget what was there."""
         for b in blocks:
             self.kv[b] = [None] * self.B
@@ -180,85 +188,109 @@ class CacheMachine(RuleBasedStateMachine):
         assert m.num_partial_slots == got % self.B
         self.check_blocks(m.block_ids, prefix_keys(tokens), got)
 
+    def expected_fit(self, tokens: list[int], max_hit: int | None) -> bool:
+        """Whether `admit(tokens, max_hit=max_hit)` can get its blocks: on a copy of the cache,
+        lock the hit's path the way admission does, recompute the evictable count from scratch
+        (the tree's own integrity check) and compare free + evictable with the blocks needed."""
+        inner = copy.deepcopy(self.cache.inner)
+        tree, blocks, hit = inner._tree, [], 0
+        if max_hit is not None:
+            hit, node, blocks = tree.walk(pack_tokens(tokens), min(max_hit, len(tokens)))
+            node = node or tree.root
+            tree.lock_path(node, inner._clock + 1)
+            locks = Counter(t.node.node_id for t in inner._open if t.node is not None)
+            locks[node.node_id] += 1
+            tree.check_integrity(locks, inner._clock + 1)
+        need = ceil_div(len(tokens), self.B) - len(blocks) + (hit % self.B != 0)
+        return inner._pool.num_free + tree.num_evictable_blocks >= need
+
+    def admitted(self, table: BlockTable | None, fits: bool, hit: MatchResult | None) -> bool:
+        """Check an admission against the model: it fits exactly when expected, takes the hit,
+        copies a partial hit block, and everything else in it is fresh. Returns whether it got in
+        (the new blocks are then fresh in the model, the copy done)."""
+        assert (table is not None) == fits
+        if table is None:
+            return False
+        hit_blocks = () if hit is None else hit.block_ids
+        m = 0 if hit is None else hit.num_cached_tokens
+        assert table.num_cached_tokens == m and table.locked == (hit is not None)
+        num_full = len(hit_blocks) - (m % self.B != 0)
+        assert table.blocks[:num_full] == hit_blocks[:num_full]
+        new = table.blocks[num_full:]
+        assert table.private == set(new) and len(set(new)) == len(new)
+        self.fresh(new)
+        if m % self.B:
+            src, dst, slots = table.copy
+            assert (src, dst, slots) == (hit_blocks[-1], new[0], m % self.B)
+            self.kv[dst][:slots] = self.kv[src][:slots]
+        else:
+            assert table.copy is None
+        return True
+
     # --------------------------------------------------- request steps
     def admit(self, rng: random.Random) -> int | None:
-        """Match the prompt (prefill cap), lock, copy-on-write a partial block; the request id."""
+        """Admit a prompt (prefill cap): its hit, a copy of a partial hit block, the rest fresh."""
         tokens = self.tokens(rng)
         prompt = rng.randint(1, len(tokens))
         m = self.cache.match(tokens[:prompt], max_tokens=prompt - 1)
         self.check_match(tokens[:prompt], prompt - 1, m)
-        fits = self.can_allocate(1, m)  # the copy-on-write block, if a partial one is matched
-        handle = self.cache.acquire(m)
-        req = Request(
-            tokens=tokens,
-            keys=prefix_keys(tokens),
-            handle=handle,
-            locked=m.num_cached_tokens,
-            written=m.num_cached_tokens,
-            table=list(m.block_ids),
-        )
-        if m.last_block_partial:
-            got = self.cache.allocate(1)
-            assert (got is not None) == fits
-            if got is None:
-                self.cache.release(handle)
-                return None
-            self.fresh(got)
-            src, dst = req.table[-1], got[0]
-            self.kv[dst][: m.num_partial_slots] = self.kv[src][: m.num_partial_slots]
-            req.table[-1] = dst
-            req.private.add(dst)
+        fits = self.expected_fit(tokens[:prompt], prompt - 1)
+        table = self.cache.admit(tokens[:prompt], max_hit=prompt - 1)
+        if not self.admitted(table, fits, m):
+            return None
+        hit = m.num_cached_tokens
+        req = Request(tokens, prefix_keys(tokens), table, hit, hit, set(table.private))
         rid = self.next_request
         self.requests[rid] = req
         self.next_request += 1
         return rid
 
-    def can_allocate(self, n: int, m: MatchResult) -> bool:
-        """can_allocate(n, reserve=m), checked to be read-only (the caller checks it is exact)."""
-        cache = self.cache
-        before = (cache.stats(), cache.version, cache.inner._clock)
-        fits = cache.can_allocate(n, reserve=m)
-        assert (cache.stats(), cache.version, cache.inner._clock) == before
-        return fits
-
     def advance(self, req: Request, end: int) -> None:
-        """A forward step writes KV for tokens [written, end), allocating blocks as needed."""
-        need = ceil_div(end, self.B) - len(req.table)
-        if need > 0:
-            got = self.cache.allocate(need)
-            if got is None:
-                return
-            self.fresh(got)
-            req.table += got
-            req.private.update(got)
+        """A forward step writes KV for tokens [written, end), growing the table as needed."""
+        need = max(0, ceil_div(end, self.B) - len(req.table.blocks))
+        stats = self.cache.stats()
+        fits = stats.num_free_blocks + stats.num_evictable_blocks >= need
+        before = req.table.blocks
+        assert self.cache.grow(req.table, need) == fits
+        if not fits:
+            assert req.table.blocks == before
+            return
+        new = req.table.blocks[len(before) :]
+        assert req.table.blocks[: len(before)] == before and len(new) == need
+        self.fresh(new)
+        req.private.update(new)
         for j in range(req.written, end):
-            slot = self.kv[req.table[j // self.B]]
+            slot = self.kv[req.table.blocks[j // self.B]]
             assert slot[j % self.B] is None, "a request would overwrite KV it does not own"
             slot[j % self.B] = req.keys[j]
         req.written = end
 
     def store(self, req: Request, upto: int) -> None:
-        """Insert tokens[0:upto) (upto >= what its lock covers: it must keep its blocks)."""
+        """Commit tokens[0:upto) (upto >= what its lock covers: it must keep its blocks). By the
+        contract, the table's blocks of [0, upto) leave its private set, except a partial last
+        block when the tree held all of it already: the request writes on there."""
         n_idx = ceil_div(upto, self.B)
-        r = self.cache.insert(req.tokens[:upto], req.table[:n_idx], handle=req.handle)
-        assert r.handle.num_tokens == upto
-        assert len(r.block_ids) == n_idx
-        self.check_blocks(r.block_ids, req.keys, upto)
-        assert set(r.owned_block_ids) <= req.private
-        req.private -= set(req.table[:n_idx])
-        req.private |= set(r.owned_block_ids)
-        req.table[:n_idx] = r.block_ids
-        req.handle = r.handle
+        before = req.table.blocks
+        cached = self.cache.match(req.tokens[:upto]).num_cached_tokens
+        self.cache.commit(req.table, req.tokens[:upto])
+        after = req.table.blocks
+        assert len(after) == len(before) and after[n_idx:] == before[n_idx:]
+        self.check_blocks(after, req.keys, upto)
+        kept = n_idx - 1 if cached == upto and upto % self.B else None
+        if kept is not None:
+            assert after[kept] == before[kept], "the partial last block stays the request's"
+        req.private -= set(before[:n_idx]) - ({before[kept]} if kept is not None else set())
+        assert req.table.private == req.private
         req.locked = upto
         self.inserted.append(tuple(req.tokens[:upto]))
 
     def end(self, rid: int, store: bool) -> None:
-        """Finish (insert everything written) or abort; release the lock, free private blocks."""
+        """Finish (commit everything written) or abort; close the table."""
         req = self.requests.pop(rid)
         if store:
             self.store(req, req.written)
-        self.cache.release(req.handle)
-        self.cache.free(sorted(req.private))
+        self.cache.close(req.table)
+        assert req.table.blocks == () and not req.table.locked
 
     def step(self, rng: random.Random, rid: int) -> None:
         """One random scheduler action for a running request."""
@@ -283,9 +315,9 @@ class CacheMachine(RuleBasedStateMachine):
         rng = random.Random(seed)
         tokens = self.tokens(rng)
         cap = None if rng.random() < 0.3 else rng.randint(0, MAX_LEN)
-        before = (self.cache.stats(), self.cache.version, self.cache.inner._clock)
+        before = (self.cache.stats(), list(self.cache.nodes()), self.cache.inner._clock)
         m = self.cache.match(tokens, max_tokens=cap)
-        assert (self.cache.stats(), self.cache.version, self.cache.inner._clock) == before
+        assert (self.cache.stats(), list(self.cache.nodes()), self.cache.inner._clock) == before
         self.check_match(tokens, cap, m)
 
     @rule(seed=SEEDS)
@@ -311,63 +343,70 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(seed=SEEDS)
     def lock(self, seed: int) -> None:
-        tokens = self.tokens(random.Random(seed))
-        m = self.cache.match(tokens)
-        self.check_match(tokens, None, m)
-        self.plain.append((self.cache.acquire(m), tokens[: m.num_cached_tokens]))
-
-    @rule(seed=SEEDS)
-    def reserve(self, seed: int) -> None:
-        """can_allocate(n, reserve=m) == (allocate(n) is not None right after acquire(m))."""
+        """A table that locks the whole hit of some tokens (and copies a partial hit block)."""
         rng = random.Random(seed)
         tokens = self.tokens(rng)
         m = self.cache.match(tokens, max_tokens=rng.randint(0, len(tokens)))
-        n = rng.randint(0, 8)
-        fits = self.can_allocate(n, m)
-        handle = self.cache.acquire(m)
-        got = self.cache.allocate(n)
-        assert (got is not None) == fits
-        if got is not None:
-            self.fresh(got)
-            self.loose += got
-        if rng.random() < 0.5:  # keep the lock (more locked paths), or let it go
-            self.plain.append((handle, tokens[: m.num_cached_tokens]))
-        else:
-            self.cache.release(handle)
+        self.check_match(tokens, m.num_cached_tokens, m)
+        hit = tokens[: m.num_cached_tokens]
+        fits = self.expected_fit(hit, len(hit))
+        table = self.cache.admit(hit, max_hit=len(hit))
+        if self.admitted(table, fits, m):
+            self.plain.append((table, hit))
+
+    @rule(seed=SEEDS)
+    def hold(self, seed: int) -> None:
+        """A table of private blocks only (admitted without the cache), grown or not."""
+        rng = random.Random(seed)
+        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 3 * self.B))]
+        fits = self.expected_fit(tokens, None)
+        table = self.cache.admit(tokens, max_hit=None)
+        if self.admitted(table, fits, None):
+            self.loose.append(table)
+
+    @precondition(lambda self: self.loose or self.plain)
+    @rule(seed=SEEDS, n=st.integers(0, 6))
+    def grow(self, seed: int, n: int) -> None:
+        tables = [t for t, _ in self.plain] + self.loose
+        table = random.Random(seed).choice(tables)
+        stats, before = self.cache.stats(), table.blocks
+        fits = stats.num_free_blocks + stats.num_evictable_blocks >= n
+        assert self.cache.grow(table, n) == fits
+        new = table.blocks[len(before) :]
+        assert len(new) == (n if fits else 0) and table.private >= set(new)
+        self.fresh(new)
 
     @precondition(lambda self: self.plain)
     @rule(seed=SEEDS)
     def unlock(self, seed: int) -> None:
-        handle, _ = self.plain.pop(random.Random(seed).randrange(len(self.plain)))
-        self.cache.release(handle)
-
-    @rule(n=st.integers(0, 6))
-    def allocate(self, n: int) -> None:
-        can = self.cache.can_allocate(n)
-        before = self.cache.stats()
-        got = self.cache.allocate(n)
-        assert (got is not None) == can
-        if got is None:
-            assert self.cache.stats() == before
-            return
-        assert len(got) == n
-        self.fresh(got)
-        self.loose += got
+        table, _ = self.plain.pop(random.Random(seed).randrange(len(self.plain)))
+        self.cache.close(table)
 
     @precondition(lambda self: self.loose)
     @rule(seed=SEEDS)
     def free(self, seed: int) -> None:
-        rng = random.Random(seed)
-        chosen = rng.sample(self.loose, rng.randint(1, len(self.loose)))
-        self.cache.free(chosen)
-        self.loose = [b for b in self.loose if b not in chosen]
+        self.cache.close(self.loose.pop(random.Random(seed).randrange(len(self.loose))))
 
     @rule(n=st.integers(0, 20))
     def evict(self, n: int) -> None:
-        evictable = self.cache.num_evictable_blocks
+        evictable = self.cache.stats().num_evictable_blocks
         freed = self.cache.evict(n)
         assert len(freed) == min(n, evictable)
-        assert all(self.cache.inner._pool.is_free(b) for b in freed)
+        assert all(self.cache.inner._pool.ref_count(b) == 0 for b in freed)
+
+    @rule()
+    def reset(self) -> None:
+        locked = self.requests or self.plain
+        before = (self.cache.stats(), list(self.cache.nodes()))
+        done = self.cache.reset()
+        assert done == (not locked)
+        if not done:
+            assert (self.cache.stats(), list(self.cache.nodes())) == before
+            return
+        s = self.cache.stats()
+        assert s.num_nodes == s.num_cached_tokens == s.num_evictable_blocks == 0
+        assert s.num_free_blocks == s.num_blocks - s.num_private_blocks
+        self.inserted = []  # nothing inserted before is cached any more
 
     # ----------------------------------------------------------- checks
     @invariant()
@@ -376,26 +415,32 @@ class CacheMachine(RuleBasedStateMachine):
             return
         cache = self.cache
         cache.check_integrity()
-        mine = set(self.loose).union(*(r.private for r in self.requests.values()))
+        mine = set().union(*(r.private for r in self.requests.values()))
+        tables = self.loose + [t for t, _ in self.plain]
+        mine |= set().union(*(t.private for t in tables))
         assert cache.inner._private == mine
-        total = cache.num_free_blocks + cache.num_evictable_blocks + cache.num_in_use_blocks
-        assert total == cache.num_blocks
+        for table in self.loose:
+            assert table.private == set(table.blocks)
+        s = cache.stats()
+        assert s.num_free_blocks + s.num_evictable_blocks + s.num_in_use_blocks == s.num_blocks
+        assert s.num_locked_tables == len(self.requests) + len(self.plain)
 
     def teardown(self) -> None:
         if not self.B:
             return
         cache = self.cache
         for req in self.requests.values():
-            cache.release(req.handle)
-            cache.free(sorted(req.private))
-        for handle, _ in self.plain:
-            cache.release(handle)
-        cache.free(self.loose)
-        assert cache.num_in_use_blocks == 0 and cache.num_live_handles == 0
+            cache.close(req.table)
+        for table, _ in self.plain:
+            cache.close(table)
+        for table in self.loose:
+            cache.close(table)
+        s = cache.stats()
+        assert s.num_in_use_blocks == 0 and s.num_locked_tables == 0
         cache.evict(cache.num_blocks)
-        assert cache.num_free_blocks == cache.num_blocks
-        assert cache.num_nodes == 0 and cache.num_cached_tokens == 0
-        assert cache.stats().num_leaked_handles == 0
+        s = cache.stats()
+        assert s.num_free_blocks == cache.num_blocks
+        assert s.num_nodes == 0 and s.num_cached_tokens == 0
 
 
 CI_SETTINGS = settings(

@@ -184,6 +184,41 @@ def test_ctrl_c_in_a_reply_returns_to_the_prompt(tiny_model_dir, tmp_path, capsy
     assert re.search(r"blocks\s+256 x 4 tokens: \d+ free, \d+ cached, 0 in use", out)
 
 
+def test_a_real_ctrl_c_inside_a_cache_update_waits_for_the_step(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """A real SIGINT delivered in the middle of the scheduler's cache commit during a reply: the
+    commit runs to its end (a KeyboardInterrupt there could leave the tree half updated), the
+    reply stops when the step is over, and the chat goes on with every block returned."""
+    from radixkv.cache import PrefixCache
+
+    real_commit = PrefixCache.commit
+    started: list[bool] = []
+    finished: list[bool] = []
+
+    def commit_interrupted(self, *args, **kwargs):
+        if started:  # the first commit only: the first reply's prefill
+            return real_commit(self, *args, **kwargs)
+        started.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+        result = real_commit(self, *args, **kwargs)
+        finished.append(True)  # a KeyboardInterrupt raised above would skip this
+        return result
+
+    monkeypatch.setattr(PrefixCache, "commit", commit_interrupted)
+    lines = ["w20", "w30 w31", "w40", "/stats"]
+    code, out, err = _chat_in_process(
+        tiny_model_dir("gqa"), lines, tmp_path, capsys, "--system", "w10"
+    )
+    assert code == 0 and err == ""
+    assert started and finished == started  # the commit ran to its end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert out.count("(reply interrupted; this turn is not kept") == 1
+    assert out.index("(reply interrupted") < out.index("you> w30 w31")
+    assert len([line for line in out.splitlines() if STATUS.match(line)]) == 2
+    assert re.search(r"blocks\s+256 x 4 tokens: \d+ free, \d+ cached, 0 in use", out)
+
+
 def test_context_limit_notice(tmp_path, capsys):
     from tiny_llama import build_model, build_tokenizer
 

@@ -7,17 +7,10 @@ from radixkv.chat.tree_view import render_tree
 
 
 def _serve(cache: PrefixCache, tokens: list[int]) -> None:
-    match = cache.match(tokens)
-    handle = cache.acquire(match)
-    table = list(match.block_ids)
-    if match.last_block_partial:
-        (fresh,) = cache.allocate(1) or []
-        table[-1] = fresh
-    need = -(-len(tokens) // cache.block_size) - len(table)
-    table += cache.allocate(need) or []
-    result = cache.insert(tokens, table, handle=handle)
-    cache.release(result.handle)
-    cache.free(result.owned_block_ids)
+    table = cache.admit(tokens, max_hit=len(tokens))
+    assert table is not None
+    cache.commit(table, tokens)
+    cache.close(table)
 
 
 def test_tree_shows_shared_branches_locks_and_is_read_only() -> None:
@@ -25,7 +18,7 @@ def test_tree_shows_shared_branches_locks_and_is_read_only() -> None:
     shared = list(range(100, 110))  # 10 tokens: the branches split mid-block
     _serve(cache, [*shared, 1, 2, 3])
     _serve(cache, [*shared, 7, 8])
-    held = cache.acquire(cache.match([*shared, 7, 8]))
+    held = cache.admit([*shared, 7, 8], max_hit=12)
     before = cache.stats()
 
     picture = render_tree(cache.nodes(), decode=lambda ids: " ".join(map(str, ids)))
@@ -44,7 +37,7 @@ def test_tree_shows_shared_branches_locks_and_is_read_only() -> None:
     free_line = next(line for line in branch_lines if '"1 2 3"' in line)
     assert "locked x1" in held_line and "unlocked" in free_line
     assert "~" in free_line  # position 10 is inside block 2, owned by both halves
-    cache.release(held)
+    cache.close(held)
 
 
 def test_empty_tree_and_node_limit() -> None:

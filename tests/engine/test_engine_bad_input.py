@@ -102,6 +102,7 @@ def test_bad_sampling_params(kwargs, error, match):
     ("params", "error", "match"),
     [
         ({"max_tokens": 4}, TypeError, "SamplingParams"),
+        ("greedy", TypeError, "SamplingParams"),
         ([SamplingParams()], ValueError, "1 SamplingParams for 2 prompts"),
         ([SamplingParams(), "greedy"], TypeError, r"params\[1\]"),
     ],
@@ -181,7 +182,7 @@ def test_numpy_ints_are_sizes_everywhere(tiny_model_dir):
     sizes = dict(block_size=4, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, seed=3)
     llm = LLM(str(tiny_model_dir("gqa")), **{k: np.int64(v) for k, v in sizes.items()})
     assert llm.cache.num_blocks == 64 and type(llm.cache.num_blocks) is int
-    assert llm.cache.block_size == 4 and llm.scheduler_config.max_num_seqs == 2
-    assert type(llm.cache.block_size) is int and type(llm.seed) is int
+    assert llm.cache.block_size == 4 and llm.config.max_num_seqs == 2
+    assert type(llm.cache.block_size) is int and type(llm.config.seed) is int
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.token_ids) == 2

@@ -14,6 +14,7 @@ import torch
 from tiny_llama import build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
@@ -119,11 +120,9 @@ def test_steps_never_sync_and_graphs_equal_eager():
     runners = {
         eager: ModelRunner(
             model,
-            block_size=16,
-            num_blocks=16,
-            enforce_eager=eager,
-            max_num_seqs=4,
-            max_model_len=256,
+            EngineConfig(
+                block_size=16, num_blocks=16, enforce_eager=eager, max_num_seqs=4, max_model_len=256
+            ),
             validate_steps=False,
         )
         for eager in (True, False)

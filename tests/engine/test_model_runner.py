@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_llama import build_model
 
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
@@ -41,7 +42,7 @@ def row(rid, tokens, start, table, sample=True):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_packed_prefill_chunks_and_decode(models, block_size):
     model, reference = models
-    runner = ModelRunner(model, block_size=block_size, num_blocks=64)
+    runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=64))
     B = block_size
     a = list(range(10, 31))  # 21 tokens, prefilled in two chunks
     b = list(range(40, 49))  # 9 tokens, one chunk
@@ -88,7 +89,7 @@ def test_packed_prefill_chunks_and_decode(models, block_size):
 
 def test_only_unsampled_rows_return_no_logits(models):
     model, _ = models
-    runner = ModelRunner(model, block_size=4, num_blocks=8)
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_blocks=8))
     logits = runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3], sample=False),)))
     assert logits.shape == (0, model.config.vocab_size)
 
@@ -98,7 +99,7 @@ def test_the_forward_uses_no_deprecated_argument(models):
     """transformers deprecates `past_key_values` in favour of `cache`: a step warns about
     neither (the runner passes the name this version declares)."""
     model, _ = models
-    runner = ModelRunner(model, block_size=4, num_blocks=8)
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_blocks=8))
     logits = runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3]),)))
     assert logits.shape == (1, model.config.vocab_size)
 
@@ -107,7 +108,7 @@ def test_copy_on_write_of_a_partial_block(models):
     """c shares a's first 6 tokens: block 5 (full) is shared, the 2 valid slots of block 9 are
     copied into c's private block 11 before the forward."""
     model, reference = models
-    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_blocks=16))
     a = [11, 12, 13, 14, 15, 16, 17, 18]
     runner.execute(SchedulerOutput(rows=(row("a", a, 0, [5, 9]),)))
     c = [*a[:6], 99, 98, 97]
@@ -134,7 +135,7 @@ def test_a_step_is_one_host_copy_and_its_token_ids_are_checked_before_the_forwar
     """An eager step, copies included, crosses to the device in one copy; a token id past the
     embedding stops it before the forward writes any KV (on CUDA it would be a device assert)."""
     model, _ = models
-    runner = ModelRunner(model, block_size=4, num_blocks=16)
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_blocks=16))
     calls: list = []
     monkeypatch.setattr(runner.stager, "to_device", _recording(runner.stager.to_device, calls))
     a = [11, 12, 13, 14, 15, 16]
@@ -167,7 +168,9 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     monkeypatch.setattr(
         reference, "check_attention_step", _recording(metadata.check_attention_step, attended)
     )
-    runner = ModelRunner(model, block_size=4, num_blocks=16, validate_steps=validate_steps)
+    runner = ModelRunner(
+        model, EngineConfig(block_size=4, num_blocks=16), validate_steps=validate_steps
+    )
     runner.execute(SchedulerOutput(rows=(row("a", [5, 6, 7], 0, [3]), row("b", [8], 0, [4]))))
     assert len(validated) == int(validate_steps)
     assert len(stored) == len(attended) == model.config.num_hidden_layers
@@ -177,7 +180,7 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
 
 def test_kv_cache_layout(models):
     model, _ = models
-    runner = ModelRunner(model, block_size=8, num_blocks=10)
+    runner = ModelRunner(model, EngineConfig(block_size=8, num_blocks=10))
     cfg = model.config
     shape = (cfg.num_hidden_layers, 10, 8, cfg.num_key_value_heads, cfg.hidden_size // 4)
     assert runner.k_cache.shape == runner.v_cache.shape == shape
@@ -193,8 +196,8 @@ def test_plan_num_blocks():
     assert plan_num_blocks(spec, cpu) == DEFAULT_CPU_KV_CACHE_BYTES // spec.bytes_per_block
     with pytest.raises(ValueError, match="holds no KV block"):
         plan_num_blocks(spec, cpu, kv_cache_bytes=100)
-    with pytest.raises(ValueError, match="num_blocks"):
-        plan_num_blocks(spec, cpu, num_blocks=0)
+    with pytest.raises(ValueError, match="num_blocks"):  # sizes are checked at the door
+        EngineConfig(num_blocks=0)
 
 
 @pytest.mark.interpreter
@@ -211,7 +214,7 @@ def test_runner_through_the_triton_kernels(models):
 
 def test_cpu_runs_eager_and_enforce_eager_must_be_a_bool(models):
     model, _ = models
-    runner = ModelRunner(model, block_size=4, num_blocks=8, enforce_eager=False)
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_blocks=8, enforce_eager=False))
     assert runner.decode_graphs is None  # CUDA graphs exist on CUDA only
-    with pytest.raises(TypeError, match="enforce_eager"):
-        ModelRunner(model, block_size=4, num_blocks=8, enforce_eager="no")
+    with pytest.raises(TypeError, match="enforce_eager"):  # checked at the door
+        EngineConfig(block_size=4, num_blocks=8, enforce_eager="no")  # type: ignore[arg-type]

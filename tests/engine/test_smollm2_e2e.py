@@ -31,10 +31,10 @@ def reference_model(llm):
     """An independent copy of the same weights with transformers' own attention."""
     from transformers import AutoModelForCausalLM
 
-    from radixkv.engine.model_loader import default_model_dir
+    from radixkv.bundled_model import converted_dir
 
     return AutoModelForCausalLM.from_pretrained(
-        default_model_dir(), dtype=torch.float32, attn_implementation="sdpa"
+        converted_dir(), dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
 
 

@@ -39,6 +39,15 @@ def test_prefix_cache_example_gets_token_granular_hits(tmp_path: Path) -> None:
     assert re.match(r"evicted least-recently-used blocks \[\d+(, \d+){3}\]", lines[4])
 
 
+def test_kv_event_router_example_scores_what_the_cache_holds(tmp_path: Path) -> None:
+    lines = _run("kv_event_router.py", tmp_path).splitlines()
+    line = re.compile(r"request \d: the router scores (\d+) full blocks, the cache holds (\d+)")
+    scores = [line.match(text) for text in lines[:6]]
+    assert all(s is not None and s.group(1) == s.group(2) for s in scores)
+    assert min(int(s.group(1)) for s in scores if s) < 3, "some prompts were partly evicted"
+    assert re.match(r"\d+ block hashes known, [1-9]\d* blocks evicted", lines[6])
+
+
 @pytest.mark.slow
 def test_chat_example_hits_the_cache_on_later_turns(tmp_path: Path) -> None:
     out = _run("chat_example.py", tmp_path)

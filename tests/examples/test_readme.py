@@ -40,7 +40,8 @@ def test_readme_snippet_runs(index, tiny_model_dir, capsys):
         assert cache.match(list(range(100, 140))).num_cached_tokens == 40  # type: ignore[attr-defined]
 
 
-def test_readme_kv_events_snippet_runs(tiny_model_dir):
+def test_readme_kv_events_snippet_runs(tiny_model_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(README.parent))  # "run from the repository root"
     text = README.read_text()
     section = text[text.index("## KV events") :]
     (code,) = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ", 1)], re.DOTALL)

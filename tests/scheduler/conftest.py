@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from radixkv.cache.prefix_cache import PrefixCache
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.sampling_params import SamplingParams
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import SchedulerOutput
 from radixkv.scheduler.request import Request
-from radixkv.scheduler.sampling_params import SamplingParams
 from radixkv.scheduler.scheduler import Scheduler
 
 VOCAB = 1000
+MAX_MODEL_LEN = 8192  # the context of a harness that names none
 
 
 def fake_token(tokens: Sequence[int]) -> int:
@@ -33,10 +35,7 @@ def fake_token(tokens: Sequence[int]) -> int:
 
 
 def reference_output(
-    prompt: Sequence[int],
-    params: SamplingParams,
-    eos: Sequence[int] = (),
-    max_model_len: int = 8192,
+    prompt: Sequence[int], max_tokens: int, stop_token_ids: Iterable[int], max_model_len: int
 ) -> list[int]:
     """What the fake model generates for a prompt run alone, token by token."""
     tokens, out = list(prompt), []
@@ -44,9 +43,9 @@ def reference_output(
         t = fake_token(tokens)
         out.append(t)
         tokens.append(t)
-        if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
+        if t in stop_token_ids:
             return out
-        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+        if len(out) >= max_tokens or len(tokens) >= max_model_len:
             return out
 
 
@@ -153,6 +152,11 @@ class Harness:
     def config(self) -> SchedulerConfig:
         return self.scheduler.config
 
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None
+        return self.config.max_model_len
+
     def add(
         self,
         request_id: str,
@@ -162,7 +166,9 @@ class Harness:
         eos: Sequence[int] = (),
         **params: object,
     ) -> Request:
-        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos)
+        # The stop tokens as the engine gives them: the params' own, and EOS unless ignore_eos.
+        stop = SamplingParams(max_tokens=max_tokens, **params).stop_tokens(eos)  # type: ignore[arg-type]
+        req = Request(request_id, prompt, max_tokens, stop)
         self.scheduler.add_request(req)
         return req
 
@@ -265,7 +271,7 @@ class Harness:
     def reference(self, req: Request) -> list[int]:
         """The request's output when run alone, token by token."""
         return reference_output(
-            req.prompt_token_ids, req.params, req.eos_token_ids, self.config.max_model_len
+            req.prompt_token_ids, req.max_tokens, req.stop_token_ids, self.max_model_len
         )
 
     def assert_no_leak(self) -> None:
@@ -273,18 +279,19 @@ class Harness:
         s = self.cache.stats()
         assert not self.scheduler.has_unfinished()
         assert s.num_in_use_blocks == 0 and s.num_private_blocks == 0, s
-        assert s.num_live_handles == 0 and s.num_leaked_handles == 0, s
+        assert s.num_locked_tables == 0, s
         assert s.num_free_blocks == s.num_blocks - s.num_evictable_blocks, s
         self.scheduler.check_integrity()
 
 
 def make_harness(num_blocks: int = 64, block_size: int = 4, **config: object) -> Harness:
     cache = PrefixCache(num_blocks=num_blocks, block_size=block_size)
-    scheduler = Scheduler(cache, SchedulerConfig(**config))  # type: ignore[arg-type]
+    config = {"max_model_len": MAX_MODEL_LEN, **config}
+    scheduler = Scheduler(cache, EngineConfig(**config))  # type: ignore[arg-type]
     return Harness(scheduler, KVSim(cache))
 
 
 @pytest.fixture(scope="session")
 def harness() -> Callable[..., Harness]:
-    """Factory: harness(num_blocks=, block_size=, **SchedulerConfig fields)."""
+    """Factory: harness(num_blocks=, block_size=, **EngineConfig fields)."""
     return make_harness

@@ -14,9 +14,10 @@ import pytest
 
 from radixkv.scheduler.request import RequestStatus
 
-# Cache calls of schedule() (admission, growth, preemption) and of update_from_output(); "forward"
-# is a fault between the two, in the model.
-POINTS = ("match", "can_allocate", "acquire", "allocate", "insert", "release", "forward")
+# Cache calls of schedule() (admission, growth, preemption) and of update_from_output(), and the
+# allocation inside admit and grow (after admit has locked its hit); "forward" is a fault between
+# the two, in the model.
+POINTS = ("match", "admit", "_allocate", "grow", "commit", "close", "forward")
 
 
 class Injected(Exception):
@@ -89,9 +90,9 @@ def test_a_fault_anywhere_fails_only_what_its_step_touched(
             assert req.is_finished and sched.get_request(req.request_id) is None, req
         else:
             assert h.finished[req.request_id].output_token_ids == h.reference(req)
-    # An insert or a release can fault inside the update only, where nothing is pending to fail.
+    # A commit or a close can fault inside the update only, where nothing is pending to fail.
     errors = any(r.status is RequestStatus.FINISHED_ERROR for r in reqs)
-    assert errors or point in ("insert", "release")
+    assert errors or point in ("commit", "close")
     h.assert_no_leak()
 
 
@@ -104,7 +105,7 @@ def next_token(h: Any, request_id: str) -> int:
 def test_a_fault_releasing_a_preempted_request_fails_it_too(
     harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fault while a victim's lock is released (it has left the running set and is not yet
+    """A fault while a victim's table is closed (it has left the running set and is not yet
     waiting): `fail_step()` still finds it, fails it and returns its lock and blocks."""
     # Three requests decoding side by side in 14 blocks: the eighth step preempts r2.
     h = harness(num_blocks=14, block_size=4, max_num_batched_tokens=64)
@@ -117,9 +118,9 @@ def test_a_fault_releasing_a_preempted_request_fails_it_too(
     assert h.scheduler.num_running == 3 and not any(o.preempted_ids for o in h.outputs)
 
     def faulty(*args: object, **kwargs: object) -> None:
-        raise Injected("release")
+        raise Injected("close")
 
-    monkeypatch.setattr(h.cache, "release", faulty)
+    monkeypatch.setattr(h.cache, "close", faulty)
     with pytest.raises(Injected):
         h.scheduler.schedule()
     monkeypatch.undo()
@@ -132,7 +133,8 @@ def test_a_fault_releasing_a_preempted_request_fails_it_too(
 def test_a_fault_releasing_a_finished_request_leaks_nothing(
     harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fault while the update releases a request that just finished: aborting the step's rows
+    """A fault while the update closes the table of a request that just finished: aborting the
+    step's rows
     (as the engine does after a fault inside the update) still returns its lock and blocks."""
     h = harness(num_blocks=16, block_size=4)
     a, b = h.add("a", [1, 2, 3, 4, 5], max_tokens=1), h.add("b", [7, 8, 9], max_tokens=3)
@@ -141,12 +143,12 @@ def test_a_fault_releasing_a_finished_request_leaks_nothing(
     assert [r.request_id for r in out.rows] == ["a", "b"]
 
     def faulty(*args: object, **kwargs: object) -> None:
-        raise Injected("release")
+        raise Injected("close")
 
-    monkeypatch.setattr(h.cache, "release", faulty)
+    monkeypatch.setattr(h.cache, "close", faulty)
     sampled = {r.request_id: next_token(h, r.request_id) for r in out.rows}
     with pytest.raises(Injected):
-        sched.update_from_output(out, sampled)  # `a` finishes: its lock is released first
+        sched.update_from_output(out, sampled)  # `a` finishes: its table is closed first
     monkeypatch.undo()
     assert sched.fail_step() == []  # the update had begun: nothing is pending
     for row in out.rows:
@@ -158,16 +160,16 @@ def test_a_fault_releasing_a_finished_request_leaks_nothing(
 def test_an_abort_whose_release_faults_leaves_the_request_live(
     harness: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fault while an abort releases a running request's lock: the request stays where it was,
+    """A fault while an abort closes a running request's table: the request stays where it was,
     holding its table, so a later abort (or `fail_step`) still returns its lock and blocks."""
     h = harness(num_blocks=16, block_size=4)
     a = h.add("a", [1, 2, 3, 4, 5], max_tokens=4)
     h.step()
 
     def faulty(*args: object, **kwargs: object) -> None:
-        raise Injected("release")
+        raise Injected("close")
 
-    monkeypatch.setattr(h.cache, "release", faulty)
+    monkeypatch.setattr(h.cache, "close", faulty)
     with pytest.raises(Injected):
         h.scheduler.abort("a")
     monkeypatch.undo()

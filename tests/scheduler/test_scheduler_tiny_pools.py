@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixkv.scheduler.request import Request
-from radixkv.scheduler.sampling_params import SamplingParams
 
 MakeHarness = Callable[..., Any]
 
@@ -61,8 +60,7 @@ def test_every_request_completes_in_the_smallest_pool_that_fits(
     reqs: dict[int, list[Request]] = {}
     for i, (prefix, suffix, max_tokens, arrival) in enumerate(run["requests"]):
         prompt = (run["prefixes"][prefix] + suffix)[: max_len - 1] or [1]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        reqs.setdefault(arrival, []).append(Request(f"r{i}", prompt, params))
+        reqs.setdefault(arrival, []).append(Request(f"r{i}", prompt, max_tokens))
     everyone = [r for batch in reqs.values() for r in batch]
     num_blocks = max(blocks_needed(r, B, max_len) for r in everyone) + run["extra_blocks"]
     h = harness(

@@ -22,7 +22,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 def run_alone(llm: Any, prompt_ids: list[int], max_tokens: int) -> Any:
     """The greedy RequestOutput of one request run by itself."""
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine.sampling_params import SamplingParams
 
     (out,) = llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))
     return out

@@ -60,7 +60,7 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
     argv += ["32", "--policy", "fcfs", "--no-prefix-cache", "--dtype", "float32", "--seed", "7"]
     llm = build_llm(build_parser().parse_args(argv))
     config = llm.scheduler.config
-    assert (llm.cache.num_blocks, llm.cache.block_size, llm.seed) == (48, 8, 7)
+    assert (llm.cache.num_blocks, llm.cache.block_size, llm.config.seed) == (48, 8, 7)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 96)
     assert (config.chunked_prefill_size, config.policy) == (32, "fcfs")
     assert config.enable_prefix_cache is False
@@ -96,7 +96,10 @@ def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -
     sub.close(linger=0)
     for close in services:
         close()
-    assert not llm.cache.events.active
+    publisher = llm.kv_events.publisher
+    sent = publisher.num_batches_sent
+    llm.generate([list(range(30, 50))], SamplingParams(max_tokens=2))  # new full blocks...
+    assert publisher.num_batches_sent == sent  # ...no longer published
 
 
 def test_a_bad_kv_events_endpoint_exits_2(tiny_model_dir, capsys) -> None:

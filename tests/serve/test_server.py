@@ -166,7 +166,7 @@ def test_a_completion_prompt_over_the_context_gets_400_naming_the_prompt(server)
 def test_stop_token_ids_and_seeded_sampling_equal_the_request_run_alone(
     server, reference_llm
 ) -> None:
-    from radixkv.scheduler.sampling_params import SamplingParams
+    from radixkv.engine.sampling_params import SamplingParams
 
     client = server.client()
     ids = reference_llm.encode("w50 w51 w52")

@@ -1,10 +1,14 @@
-"""Per-request sampling settings, validated on construction so bad values never reach the engine."""
+"""Per-request sampling settings: the user's half of a request, validated on construction.
+
+Torch-free, like `radixkv.engine.config`: `from radixkv import SamplingParams` loads no model code.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from radixkv.cache.validation import check_size
+from radixkv.cache import check_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def stop_tokens(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+        """Every token that ends a request: its own stop tokens, and the model's EOS ids unless
+        `ignore_eos` (which never ignores an explicit stop token)."""
+        return self.stop_token_ids if self.ignore_eos else (*self.stop_token_ids, *eos_token_ids)
 
 
 def check_seed(seed: object) -> int:

@@ -1,4 +1,5 @@
-"""KV events on the wire: a ZeroMQ publisher in vLLM's KV-events format.
+"""KV events on the wire: a ZeroMQ publisher in vLLM's KV-events format, and the feed an engine
+hands its drained events to.
 
 Cache-aware routers (llm-d's KV-cache manager, NVIDIA Dynamo's KV router) subscribe to vLLM
 replicas over ZeroMQ and decode msgpack `KVEventBatch`es (`vllm/distributed/kv_events.py`).
@@ -31,8 +32,10 @@ With `replay_endpoint`, a ROUTER socket serves missed batches as vLLM's does: a 
 `[start sequence (8 bytes, big-endian)]` is answered with one `[seq, payload]` message per
 buffered batch from `start` on, then `[-1 (8 bytes, signed), b""]`.
 
-Events are handed over by the cache synchronously (`__call__`, a cheap queue put); a background
-thread groups everything queued since its last send into one batch, encodes and sends it.
+Events are handed over one by one (`__call__`, a cheap queue put: the engine drains its cache
+after each step); a background thread groups everything queued since its last send into one
+batch, encodes and sends it. This module imports only `radixkv.cache`: the transport is its own
+business, and the engine loads zmq and msgpack only for an address.
 """
 
 from __future__ import annotations
@@ -43,14 +46,12 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import count
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Subscription
-from radixkv.cache.prefix_cache import PrefixCache
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     import zmq
@@ -133,7 +134,7 @@ def _binds(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """Publishes KV events as vLLM `KVEventBatch`es on a ZeroMQ PUB socket.
 
-    Use it as a subscriber callback (`cache.events.subscribe(publisher)`, or `publish_kv_events`).
+    A callable taking one event (`LLM(kv_events=publisher)`, or an address, which makes one).
     `close()` flushes what is queued (up to `close_timeout_s`), stops the thread and closes the
     sockets; events handed over after `close()` are dropped. Raises ValueError for an endpoint
     that is not a ZeroMQ address and zmq.ZMQError when it cannot bind/connect (nothing started).
@@ -196,7 +197,7 @@ class ZmqEventPublisher:
         return self._pub.getsockopt_string(self._zmq.LAST_ENDPOINT)
 
     def __call__(self, event: KVEvent) -> None:
-        """Queue one event for the next batch (called by the cache, any thread)."""
+        """Queue one event for the next batch (any thread)."""
         if not self._closed:
             self._queue.put(event)
 
@@ -266,30 +267,13 @@ class ZmqEventPublisher:
             self._replay.close(linger=0)
 
 
-@dataclass(frozen=True, slots=True)
-class KVEventPublishing:
-    """A cache's events flowing to a subscriber (a `ZmqEventPublisher`, or any callback);
-    `close()` ends the subscription and closes the publisher, if there is one."""
-
-    subscription: Subscription
-    publisher: ZmqEventPublisher | None = None
-
-    def close(self) -> None:
-        self.subscription.close()
-        if self.publisher is not None:
-            self.publisher.close()
-
-
-class _HasCache(Protocol):
-    cache: PrefixCache  # an engine (`LLM`)
-
-
-KVEventsTarget = str | Callable[[KVEvent], None]
+KVEventsTarget = str | Callable[[KVEvent], None]  # a ZeroMQ address, or a callable
 
 
 def check_kv_events(kv_events: object) -> None:
-    """The engine's `kv_events` option: None, a ZeroMQ address or a callable. Raises TypeError
-    for anything else and ValueError for a string that is not a ZeroMQ address."""
+    """The engine's `kv_events` option: None, a ZeroMQ address or a callable taking each event.
+    Raises TypeError for anything else and ValueError for a string that is not a ZeroMQ
+    address."""
     if kv_events is None or callable(kv_events):
         return
     if not isinstance(kv_events, str):
@@ -300,21 +284,33 @@ def check_kv_events(kv_events: object) -> None:
     check_address("kv_events", kv_events)
 
 
-def publish_kv_events(
-    target: PrefixCache | _HasCache, kv_events: KVEventsTarget, **options: Any
-) -> KVEventPublishing:
-    """Send the KV events of `target` (an `LLM` or a `PrefixCache`) to `kv_events`: a ZeroMQ
-    address (e.g. `tcp://*:5557`, vLLM's wire format; `options` go to `ZmqEventPublisher`:
-    replay_endpoint, topic, data_parallel_rank, medium, ...) or a callable taking each event.
-
-    The one call a server needs for `--kv-events`. Events of what the cache already holds come
-    first. Raises like `check_kv_events` and `ZmqEventPublisher` (nothing started then).
+class KVEventFeed:
+    """Where an engine's drained KV events go: `target` (checked by `check_kv_events`) gets every
+    event, in order; an address becomes a `ZmqEventPublisher` (`options` go to it). A callback
+    that raises is logged and counted (`num_callback_errors`): the engine's step around it always
+    completes. `close()` stops delivery and closes the publisher. Raises like
+    `ZmqEventPublisher` (nothing started then).
     """
-    if kv_events is None:
-        raise TypeError("kv_events must be a ZeroMQ address or a callable, got None")
-    check_kv_events(kv_events)
-    cache = target if isinstance(target, PrefixCache) else target.cache
-    if isinstance(kv_events, str):
-        publisher = ZmqEventPublisher(kv_events, **options)
-        return KVEventPublishing(cache.events.subscribe(publisher), publisher)
-    return KVEventPublishing(cache.events.subscribe(kv_events))
+
+    def __init__(self, target: KVEventsTarget, **options: Any) -> None:
+        self.publisher = ZmqEventPublisher(target, **options) if isinstance(target, str) else None
+        self._callback: Callable[[KVEvent], None] | None = self.publisher or target
+        self.num_callback_errors = 0
+
+    def publish(self, events: Iterable[KVEvent]) -> None:
+        """Hand each event to the target (after `close()`: to nothing)."""
+        callback = self._callback
+        if callback is None:
+            return
+        for event in events:
+            try:
+                callback(event)
+            except Exception:
+                self.num_callback_errors += 1
+                logger.exception("KV event subscriber %r failed on %r", callback, event)
+
+    def close(self) -> None:
+        """Stop delivery and close the publisher. Idempotent."""
+        self._callback = None
+        if self.publisher is not None:
+            self.publisher.close()

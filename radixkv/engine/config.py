@@ -1,0 +1,108 @@
+"""`EngineConfig`: every setting of one engine, in one place, with one set of defaults.
+
+`LLM(model, **settings)` builds it from its keyword arguments, as nano-vllm builds its `Config`;
+the model runner and the scheduler (through its `SchedulerConfig` protocol) read it and trust it:
+each value is checked here, once, before a model is loaded. The command-line options of
+`radixkv chat` and `radixkv serve` map onto these fields (`radixkv.options`), so a new setting is a
+field here and a row there.
+
+Torch-free, so the command line's help can show the defaults without loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from radixkv.cache import check_size
+from radixkv.engine.sampling_params import check_seed
+from radixkv.scheduler.policy import POLICIES
+
+if TYPE_CHECKING:
+    import torch
+
+# (field, lowest value) of the int settings; the ones that may be None say so in their type.
+_SIZES = {
+    "block_size": 1,
+    "num_blocks": 1,
+    "kv_cache_bytes": 0,
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 1,
+    "chunked_prefill_size": 1,
+    "defer_shared_prefix_tokens": 0,
+    "max_model_len": 1,
+    "num_threads": 1,
+}
+_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The settings of an engine: its KV cache, its scheduler, its model runner.
+
+    Raises TypeError / ValueError naming the field for a value of the wrong type or range (numpy
+    ints are taken as ints). `LLM` keeps the config it runs with as `llm.config`, `max_model_len`
+    filled in from the model.
+    """
+
+    # The KV cache: blocks of `block_size` tokens; `num_blocks` of them, or as many as
+    # `kv_cache_bytes` holds, or (neither given) 512 MiB on a CPU, 80 % of a GPU's free memory.
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    # False: no match and no insert; every block is private and freed at finish. Used to check that
+    # output with the cache off equals output with it on.
+    enable_prefix_cache: bool = True
+
+    # The scheduler: the bounds of one step and the waiting order.
+    max_num_seqs: int = 16  # running requests at once (decoding or mid-prefill)
+    max_num_batched_tokens: int = 1024  # tokens computed per step, all rows together
+    chunked_prefill_size: int = 512  # prefill tokens per request per step
+    policy: str = "lpm"  # waiting order: "fcfs" (arrival) | "lpm" (longest cached prefix first)
+    # In-batch prefix caching (SGLang's deprioritise threshold): requests admitted in the same step
+    # insert nothing until the step is done, so N requests sharing an uncached prompt prefix would
+    # each compute it. A waiting request is held back for this step when a request admitted earlier
+    # in the step is computing at least this many tokens of its prefix beyond its own cache hit;
+    # next step it finds them cached. Costs the held-back request one step of time to first token,
+    # so a short overlap (below the threshold) is recomputed instead. 0 disables; no effect with
+    # the prefix cache off.
+    defer_shared_prefix_tokens: int = 32
+    # Prefill first (SGLang's default order): a step that admits waiting requests runs their
+    # prefill and the running requests' prefill chunks, and no decode rows; a step that admits
+    # nothing decodes as usual. New requests get their first token a step or more sooner, running
+    # ones wait that step (a little less throughput for a batch). Decodes are never held back for
+    # long: every admission adds a running request, so admission stops at `max_num_seqs` or when
+    # the pool is full, and then they run.
+    prefill_first: bool = False
+    # The context of one sequence: prompt + generated tokens. None: the model's; a value is capped
+    # at the model's.
+    max_model_len: int | None = None
+
+    # The model and its runner.
+    device: str | torch.device | None = None  # None: CUDA if present, else the CPU
+    dtype: torch.dtype | None = None  # None: fp32 on a CPU, the checkpoint's dtype on CUDA
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
+    # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
+    # spin-waiting collapses when a co-tenant keeps the other cores busy.
+    num_threads: int | None = None
+    seed: int = 0  # mixed with the submit order into the seed of a sampled request without one
+    # Where the prefix cache's KV events go: None, a ZeroMQ address such as "tcp://*:5557" (vLLM's
+    # wire format, for cache-aware routers) or a callable taking each event
+    # (`radixkv.kv_events`), drained after each step; `llm.kv_events.close()` stops them.
+    kv_events: str | Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in _SIZES.items():
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, check_size(value, name, low=low))
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        for name in _SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        names = tuple(POLICIES)  # a tuple: `in` a dict raises a bare TypeError for a list
+        if self.policy not in names:
+            raise ValueError(f"policy must be one of {names}, got {self.policy!r}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_bytes, not both")

@@ -1,0 +1,112 @@
+"""The engine options of `radixkv chat` and `radixkv serve`: one table, each row a command-line
+option and the `EngineConfig` field it sets. Defaults come from `EngineConfig` (a command may
+override some, as `serve` does for `prefill_first`); a new setting is a field there and a row here.
+
+Torch-free: `radixkv --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from radixkv.engine.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    flag: str
+    field: str  # the EngineConfig field it sets
+    help: str
+    type: Callable[[str], Any] | None = int  # None: an on/off switch (--x / --no-x)
+    choices: tuple[str, ...] | None = None
+    to_field: Callable[[Any], Any] | None = None  # the parsed value -> the field's value
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+OPTIONS = (
+    Option("--block-size", "block_size", "tokens per KV block"),
+    Option("--num-blocks", "num_blocks", "KV cache size in blocks"),
+    Option("--cache-mb", "kv_cache_bytes", "KV cache size in MiB", to_field=lambda mb: mb * 2**20),
+    Option("--prefix-cache", "enable_prefix_cache", "reuse cached prompt prefixes", type=None),
+    Option("--max-num-seqs", "max_num_seqs", "requests running at once"),
+    Option("--max-num-batched-tokens", "max_num_batched_tokens", "tokens per step"),
+    Option("--chunked-prefill-size", "chunked_prefill_size", "prompt tokens per request per step"),
+    Option(
+        "--policy",
+        "policy",
+        "waiting order: longest cached prefix first, or arrival",
+        type=str,
+        choices=("lpm", "fcfs"),
+    ),
+    Option(
+        "--prefill-first",
+        "prefill_first",
+        "a step that admits new requests runs no decodes: sooner first tokens, a little less"
+        " throughput",
+        type=None,
+    ),
+    Option("--device", "device", "torch device (default: CUDA if present)", type=str),
+    Option(
+        "--dtype",
+        "dtype",
+        "model dtype (default: fp32 on a CPU, the checkpoint's on CUDA)",
+        type=str,
+        choices=("float32", "float16", "bfloat16"),
+        to_field=_torch_dtype,
+    ),
+    Option("--enforce-eager", "enforce_eager", "no CUDA-graph decode (GPU only)", type=None),
+    Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),
+    Option("--seed", "seed", "seed of sampled requests without their own"),
+    Option(
+        "--kv-events",
+        "kv_events",
+        "publish KV events for cache-aware routers on this ZeroMQ endpoint, e.g. tcp://*:5557",
+        type=str,
+    ),
+)
+
+
+def add_engine_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add --model and every option of `OPTIONS` to `parser`. `defaults`: this command's own
+    defaults for some EngineConfig fields (the config's otherwise)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)",
+    )
+    config_defaults = {f.name: f.default for f in fields(EngineConfig)} | defaults
+    for opt in OPTIONS:
+        metavar = None if opt.choices else opt.flag[2:].upper().replace("-", "_")
+        kind: dict[str, Any] = {"type": opt.type, "choices": opt.choices, "metavar": metavar}
+        if opt.type is None:
+            kind = {"action": argparse.BooleanOptionalAction}
+        help_text = opt.help + _default_text(config_defaults[opt.field])
+        parser.add_argument(opt.flag, dest=opt.field, default=None, help=help_text, **kind)
+    parser.set_defaults(engine_defaults=defaults)
+
+
+def _default_text(default: object) -> str:
+    if default is None:  # the field's comment in EngineConfig says what None means
+        return ""
+    if isinstance(default, bool):
+        return f" (default: {'on' if default else 'off'})"
+    return f" (default: {default})"
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM` keyword arguments (EngineConfig fields) of the options given on the command line,
+    over the command's own defaults."""
+    settings = dict(args.engine_defaults)
+    for opt in OPTIONS:
+        value = getattr(args, opt.field)
+        if value is not None:
+            settings[opt.field] = value if opt.to_field is None else opt.to_field(value)
+    return settings

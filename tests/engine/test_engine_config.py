@@ -1,0 +1,146 @@
+"""EngineConfig: one set of defaults, checked once at the door; the command-line table that maps
+the options of `radixkv chat` and `radixkv serve` onto it; the one bound on a prompt's length."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+from radixkv import LLM, SamplingParams
+from radixkv.engine.config import EngineConfig
+from radixkv.options import OPTIONS, add_engine_options, engine_settings
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("max_num_seqs", 0, ValueError),
+        ("max_num_batched_tokens", -1, ValueError),
+        ("chunked_prefill_size", 0, ValueError),
+        ("max_model_len", 0, ValueError),
+        ("max_num_seqs", 2.0, TypeError),
+        ("max_num_seqs", True, TypeError),
+        ("policy", "lifo", ValueError),
+        ("policy", ["lpm"], ValueError),  # unhashable: still named, not a bare TypeError
+        ("enable_prefix_cache", 1, TypeError),
+        ("prefill_first", "yes", TypeError),
+        ("enforce_eager", "no", TypeError),
+        ("defer_shared_prefix_tokens", -1, ValueError),
+        ("defer_shared_prefix_tokens", 1.5, TypeError),
+        ("defer_shared_prefix_tokens", True, TypeError),
+        ("block_size", 0, ValueError),
+        ("num_blocks", 0, ValueError),
+        ("kv_cache_bytes", -1, ValueError),
+        ("num_threads", 0, ValueError),
+        ("seed", 2**64, ValueError),
+    ],
+)
+def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=field):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_is_frozen_and_takes_numpy_ints_as_ints() -> None:
+    cfg = EngineConfig(block_size=np.int64(8), max_model_len=np.int32(64))
+    assert (cfg.block_size, cfg.max_model_len) == (8, 64)
+    assert type(cfg.block_size) is int and type(cfg.max_model_len) is int
+    with pytest.raises(AttributeError):
+        cfg.max_num_seqs = 3  # type: ignore[misc]
+
+
+def test_one_cache_size_at_a_time() -> None:
+    with pytest.raises(ValueError, match="num_blocks or kv_cache_bytes"):
+        EngineConfig(num_blocks=8, kv_cache_bytes=2**20)
+
+
+def test_an_unknown_setting_is_named_before_anything_loads(tmp_path) -> None:
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(str(tmp_path / "no-such-model"), max_num_sequences=4)
+
+
+def _parse(argv: list[str], **defaults: object) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser, **defaults)
+    return engine_settings(parser.parse_args(argv))
+
+
+def test_every_option_sets_a_config_field() -> None:
+    names = {f.name for f in fields(EngineConfig)}
+    assert {opt.field for opt in OPTIONS} <= names
+    assert len({opt.flag for opt in OPTIONS}) == len(OPTIONS)
+
+
+def test_options_not_given_leave_the_config_defaults() -> None:
+    assert _parse([]) == {}
+    assert _parse([], prefill_first=True) == {"prefill_first": True}  # a command's own default
+    assert _parse(["--no-prefill-first"], prefill_first=True) == {"prefill_first": False}
+    EngineConfig(**_parse([]))  # and they build a config
+
+
+def test_each_option_reaches_its_field() -> None:
+    import torch
+
+    argv = ["--block-size", "8", "--cache-mb", "3", "--no-prefix-cache", "--max-num-seqs", "2"]
+    argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
+    argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
+    argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
+    settings = _parse(argv)
+    assert settings == {
+        "block_size": 8,
+        "kv_cache_bytes": 3 * 2**20,
+        "enable_prefix_cache": False,
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 64,
+        "chunked_prefill_size": 16,
+        "policy": "fcfs",
+        "prefill_first": True,
+        "device": "cpu",
+        "dtype": torch.bfloat16,
+        "enforce_eager": True,
+        "num_threads": 1,
+        "seed": 5,
+        "kv_events": "tcp://*:5557",
+    }
+    assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
+    assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}
+    EngineConfig(**settings)
+
+
+def test_help_shows_the_config_defaults(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser, prefill_first=True)
+    parser.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokens per KV block (default: 16)" in text
+    assert "requests running at once (default: 16)" in text
+    assert "tokens per step (default: 1024)" in text
+    assert "throughput (default: on)" in text  # prefill first: this command's default
+
+
+@pytest.fixture(scope="module")
+def short_context_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=64, max_model_len=16)
+
+
+def test_max_model_len_is_capped_at_the_model_s(tiny_model_dir, short_context_llm) -> None:
+    assert short_context_llm.config.max_model_len == 16
+    assert short_context_llm.scheduler.config is short_context_llm.config
+    big = LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=16, max_model_len=10**6)
+    assert big.config.max_model_len == 1024  # the tiny model's max_position_embeddings
+
+
+def test_a_prompt_must_leave_room_for_one_token(short_context_llm) -> None:
+    """The one bound on a prompt: shorter than max_model_len, since the context holds the prompt
+    and at least one generated token."""
+    llm = short_context_llm
+    with pytest.raises(ValueError, match="prompt 0 has 16 tokens; the model's context is 16"):
+        llm.generate([list(range(5, 21))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="context"):
+        llm.add_request(list(range(5, 21)))
+    assert not llm.has_unfinished_requests()
+    (out,) = llm.generate([list(range(5, 20))], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    llm.check_integrity()
