@@ -67,7 +67,8 @@ EVENT_LAYOUTS = ("array", "map")
 
 def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
     """One event as vLLM's tagged msgspec struct holds it: field -> value in declaration order,
-    the tag first. Raises TypeError for a non-event."""
+    the tag first; `medium` names the device pool (a lower tier's event names its own). Raises
+    TypeError for a non-event."""
     if isinstance(event, BlockStored):
         return {
             "type": "BlockStored",
@@ -76,11 +77,15 @@ def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "lora_id": None,
-            "medium": medium,
+            "medium": event.medium or medium,
             "lora_name": None,
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": medium}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium or medium,
+        }
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")

@@ -8,6 +8,10 @@ from three events, the ones vLLM publishes (`radixkv.kv_events` puts them on the
         consecutive full blocks of one path entered the cache; `parent_block_hash` is the hash
         of the block before the first (None: the first block of a sequence)
     BlockRemoved(block_hashes)          those blocks left the cache
+
+Each names its tier (`medium`, vLLM's field): None for the device pool (the publisher names it,
+"GPU" by default), "CPU" for the host tier (`radixkv.cache.tiers`). A block demoted from the
+device to the host is removed from one and stored in the other.
     AllBlocksCleared()                  everything left the cache
 
 Only FULL blocks are announced: a router indexes whole blocks, and a partial tail (which radixkv
@@ -64,6 +68,7 @@ class BlockStored:
     parent_block_hash: int | None  # the block before the first; None when the first is block 0
     token_ids: tuple[int, ...]  # len(block_hashes) * block_size ids: the blocks' tokens
     block_size: int
+    medium: str | None = None  # the tier ("CPU": host); None: the device pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,7 @@ class BlockRemoved:
     """Full blocks left the cache (deepest first along a path)."""
 
     block_hashes: tuple[int, ...]
+    medium: str | None = None  # the tier ("CPU": host); None: the device pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +189,7 @@ class EventRecorder:
         """The tokens of the full blocks ending in `node` and their hashes, chained from the
         last full block above it (whose hashes must be computed). Mutates nothing."""
         B = self.block_size
-        tokens = _path_bytes(node, node.start // B * B, node.end // B * B)
+        tokens = path_bytes(node, node.start // B * B, node.end // B * B)
         parent = self._last_hash(node.parent)
         return tokens, chain_hashes(parent, token_bytes_le(tokens), B, self.hash_fn)
 
@@ -199,7 +205,7 @@ class EventRecorder:
         return None if namespace is None else namespace_seed(namespace)
 
 
-def _path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
+def path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
     """Packed tokens of path positions [lo, hi) (hi <= node.end), read up the ancestors."""
     parts = []
     cursor: TreeNode | None = node
