@@ -184,7 +184,11 @@ class Scheduler:
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
-            tuple(rows), tuple(copies), tuple(preempted), tuple(self._aborted_ids)
+            tuple(rows),
+            tuple(copies),
+            tuple(preempted),
+            tuple(self._aborted_ids),
+            tuple(self.cache.take_transfers()),
         )
         self._aborted_ids.clear()
         if rows:

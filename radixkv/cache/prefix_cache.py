@@ -413,6 +413,19 @@ class PrefixCache:
             self._tiers.clear()
         return True
 
+    def persist(self) -> None:
+        """Plan copies of every full block the tree holds into the host tier and of the host
+        tier into the disk tier: what a process started later over the same directory finds.
+        Nothing leaves the device; a host tier smaller than the tree spills to disk on the way.
+        Nothing to do without a disk tier."""
+        tiers = self._tiers
+        if tiers is None or tiers.disk is None:
+            return
+        for node, _ in self._tree.iter_nodes():
+            if node.parent is not None:
+                self._demote(node, 0)
+        tiers.write_to_disk()
+
     def take_transfers(self) -> list[Transfer]:
         """The tier moves planned since the last call, in the order they must run: before the
         forward of the step that reads their blocks ([] without lower tiers)."""

@@ -146,6 +146,14 @@ class LowerTiers:
                 self._add(key, host)
             self.counts["num_offloaded_blocks"] += len(hosts)
 
+    def write_to_disk(self) -> None:
+        """Plan writing every host entry to disk (those already there are only refreshed)."""
+        entries = list(self.entries.values())
+        if self.disk is not None and entries:
+            keys = tuple(e.key for e in entries)
+            self.moves.append(DiskWrite(tuple(e.block for e in entries), keys))
+            self.counts["num_disk_writes"] += len(entries)
+
     def forget(self, host_blocks: Sequence[int]) -> None:
         """These host blocks hold garbage (a move failed): drop their entries."""
         bad = set(host_blocks)

@@ -137,17 +137,20 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
         file=out,
     )
     interactive = messages is None
-    for message in messages if messages is not None else _prompt_lines():
-        message = message.strip()
-        if not message:
-            continue
-        if not interactive:
-            print(f"you> {message}", file=out)
-        if message.startswith("/"):
-            if _command(message, llm, session, out):
-                break
-            continue
-        _reply(session, message, out, err)
+    try:
+        for message in messages if messages is not None else _prompt_lines():
+            message = message.strip()
+            if not message:
+                continue
+            if not interactive:
+                print(f"you> {message}", file=out)
+            if message.startswith("/"):
+                if _command(message, llm, session, out):
+                    break
+                continue
+            _reply(session, message, out, err)
+    finally:
+        llm.save_kv_cache()  # with --kv-cache-dir: a restarted chat finds its prefixes
     return 0
 
 

@@ -11,6 +11,7 @@ Torch-free, so the command line's help can show the defaults without loading tor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ _SIZES = {
     "defer_shared_prefix_tokens": 0,
     "max_model_len": 1,
     "num_threads": 1,
+    "host_cache_bytes": 0,
+    "disk_cache_bytes": 1,
 }
 _SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager")
 
@@ -92,6 +95,14 @@ class EngineConfig:
     # (`radixkv.kv_events`), drained after each step; `llm.kv_events.close()` stops them.
     kv_events: str | Callable[[Any], None] | None = None
 
+    # The tiers below the device pool (`radixkv.cache.tiers`): a host pool of `host_cache_bytes`
+    # (0: none; pinned on CUDA) takes the full blocks the device pool evicts, and a disk tier in
+    # the folder `kv_cache_dir` (None: none; it needs the host tier) of at most
+    # `disk_cache_bytes` takes what the host evicts and outlives the process.
+    host_cache_bytes: int = 0
+    kv_cache_dir: str | os.PathLike[str] | None = None
+    disk_cache_bytes: int = 8 * 2**30
+
     def __post_init__(self) -> None:
         for name, low in _SIZES.items():
             value = getattr(self, name)
@@ -106,3 +117,8 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {names}, got {self.policy!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, (str, os.PathLike)):
+                raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
+            if not self.host_cache_bytes:
+                raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")

@@ -38,8 +38,10 @@ from radixkv.engine.outputs import DeltaStream, RequestOutput, RequestStats, Str
 from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.tier_io import make_tier_io
 from radixkv.kv_events import KVEventFeed, check_kv_events
 from radixkv.scheduler import Request, Scheduler
+from radixkv.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +115,15 @@ class LLM:
         if next(self.model.parameters()).device.type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
+        self.tiers = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
         events = config.kv_events
-        cache_events = events is not None
-        self.cache = PrefixCache(self.runner.num_blocks, config.block_size, kv_events=cache_events)
+        self.cache = PrefixCache(
+            self.runner.num_blocks,
+            config.block_size,
+            kv_events=events is not None,
+            host_blocks=0 if self.tiers is None else self.tiers.host.num_blocks,
+            disk=None if self.tiers is None else self.tiers.disk,
+        )
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else KVEventFeed(events)
         self.vocab_size = self.runner.vocab_size
@@ -330,6 +338,7 @@ class LLM:
             raise RuntimeError(
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
+        failed = self._run_transfers(out) if out.transfers else set()
         logits = self.runner.execute(out)
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
@@ -337,6 +346,8 @@ class LLM:
         self.scheduler.update_from_output(out, dict(zip(sample_ids, tokens, strict=True)))
         now = time.perf_counter()
         for t, token in zip(records, tokens, strict=True):
+            if t.request.request_id in failed:
+                continue  # its row ran on garbage; the request got its error already
             t.t_first_token = t.t_first_token or now
             t.t_last_token = now
             text = t.detok.push((token,))
@@ -345,11 +356,48 @@ class LLM:
                 self._finish(t, str(t.request.finish_reason))
             self._emit(t, (token,), text)
 
+    def save_kv_cache(self) -> None:
+        """Write every cached full block to the disk tier, so that an engine started later over
+        the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
+        to do without a disk tier. Not during a step."""
+        assert not self._stepping, "save_kv_cache() inside a step"
+        self.cache.persist()
+        moves = self.cache.take_transfers()
+        if moves:
+            assert self.tiers is not None
+            try:
+                self.tiers.run(moves)
+            finally:
+                self.cache.forget_host_blocks(sorted(self.tiers.poisoned_so_far.host))
+            self.tiers.order_before_compute()
+
+    def _run_transfers(self, out: SchedulerOutput) -> set[str]:
+        """The step's tier moves, before its copies and forward. A move that fails leaves blocks
+        holding garbage: the cache forgets the host copies among them, and the requests whose
+        rows read one of the device blocks fail (their rows still run, and are ignored). Returns
+        the ids of those requests."""
+        tiers = self.tiers
+        assert tiers is not None, "the cache plans moves only with a host tier"
+        try:
+            poisoned = tiers.run(out.transfers)
+        finally:
+            self.cache.forget_host_blocks(sorted(tiers.poisoned_so_far.host))
+        tiers.order_before_compute()
+        if poisoned.device:
+            hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
+            logger.error("loading cached KV failed: failing %s", hit)
+            self._fail_requests(hit, RuntimeError("loading cached KV into the device failed"))
+            return set(hit)
+        return set()
+
     def _fail(self, step_ids: list[str], exc: BaseException) -> None:
         """Fail the requests of a faulty step: every live one when it failed before its rows were
         known, since then nothing tells which requests it touched."""
         self.scheduler.fail_step()
-        for rid in step_ids or list(self._tracked):
+        self._fail_requests(step_ids or list(self._tracked), exc)
+
+    def _fail_requests(self, request_ids: Sequence[str], exc: BaseException) -> None:
+        for rid in request_ids:
             t = self._tracked.get(rid)
             if t is not None and t.output is None:
                 self.scheduler.abort(rid)  # False where fail_step() failed it already

@@ -20,10 +20,17 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.disk_store import DiskStore
+from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Poisoned, Transfer
-from radixkv.engine.host_kv import KVCopier, KVCopy
+from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
+from radixkv.engine.kv_fingerprint import kv_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixkv.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,42 @@ class MoveTotals:
     nbytes: int = 0
     seconds: float = 0.0
     num_failed_blocks: int = 0
+
+
+def make_tier_io(
+    model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, config: EngineConfig
+) -> TierIO | None:
+    """The host pool, its copier and the disk store that `config` asks for, over the device pool
+    `k_cache` / `v_cache` ([num_layers, num_blocks, block_size, kv_heads, head_dim]); None without
+    a host tier. ValueError for a host or disk budget that holds no block."""
+    if not config.host_cache_bytes:
+        return None
+    num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
+    shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    dtype = k_cache.dtype
+    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
+    cuda = k_cache.device.type == "cuda"
+    host = HostKVPool(num_host_blocks, block_size=block_size, dtype=dtype, pin_memory=cuda, **shape)
+    disk = None
+    if config.kv_cache_dir is not None:
+        file_nbytes = HEADER.size + 4 * block_size + bytes_per_block + CHECKSUM.size
+        if config.disk_cache_bytes < file_nbytes:
+            raise ValueError(
+                f"disk_cache_bytes={config.disk_cache_bytes} holds no KV block file "
+                f"({file_nbytes} bytes each)"
+            )
+        fingerprint = kv_fingerprint(
+            model, block_size=block_size, dtype=dtype, device=k_cache.device, **shape
+        )
+        disk = DiskStore(
+            config.kv_cache_dir,
+            fingerprint,
+            block_size=block_size,
+            block_nbytes=bytes_per_block,
+            budget_bytes=config.disk_cache_bytes,
+        )
+    return TierIO(KVCopier(k_cache, v_cache, host), disk)
 
 
 class TierIO:

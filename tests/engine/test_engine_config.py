@@ -87,6 +87,7 @@ def test_each_option_reaches_its_field() -> None:
     argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
     argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
     argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
+    argv += ["--host-cache", "4GiB", "--kv-cache-dir", "kv", "--disk-cache", "1.5GB"]
     settings = _parse(argv)
     assert settings == {
         "block_size": 8,
@@ -103,10 +104,20 @@ def test_each_option_reaches_its_field() -> None:
         "num_threads": 1,
         "seed": 5,
         "kv_events": "tcp://*:5557",
+        "host_cache_bytes": 4 * 2**30,
+        "kv_cache_dir": "kv",
+        "disk_cache_bytes": 1_500_000_000,
     }
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}
     EngineConfig(**settings)
+
+
+@pytest.mark.parametrize("size", ["x4", "4XB", "GiB", "1.2.3", ""])
+def test_a_size_that_is_not_one_is_refused(size, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--host-cache", size])
+    assert "not a size" in capsys.readouterr().err
 
 
 def test_help_shows_the_config_defaults(capsys) -> None:
