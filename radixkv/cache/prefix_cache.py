@@ -59,12 +59,13 @@ from radixkv.cache.disk_store import BlockKey, DiskStore, chain_keys
 from radixkv.cache.events import EventRecorder, KVEvent, path_bytes, token_bytes_le
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.tiers import LowerTiers
+from radixkv.cache.tiers import HostEntry, LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
 from radixkv.cache.transfers import Transfer
 from radixkv.cache.tree import RadixTree, TreeNode
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
+_MISSING = HostEntry(-1, BlockKey(0, None, b"", b""), -1)  # what an absent host entry compares as
 _COUNTERS = (
     "num_queries",
     "num_query_tokens",
@@ -191,6 +192,7 @@ class NodeView:
     lock_ref: int
     last_access: int  # logical tick
     head_tokens: tuple[int, ...]  # first few tokens of the segment
+    num_host_blocks: int = 0  # of its full blocks, those with a copy in the host tier too
 
 
 class PrefixCache:
@@ -487,7 +489,15 @@ class PrefixCache:
                 lock_ref=node.lock_ref,
                 last_access=last_use[node.node_id],
                 head_tokens=tuple(unpack_tokens(node.tokens[: 4 * _HEAD_TOKENS])),
+                num_host_blocks=self._num_on_host(node),
             )
+
+    def _num_on_host(self, node: TreeNode) -> int:
+        tiers = self._tiers
+        if tiers is None or node.parent is None or not tiers.entries:
+            return 0
+        keys, _ = self._full_block_keys(node, 0)
+        return sum(tiers.entries.get(k.block_hash, _MISSING).key == k for k in keys)
 
     def check_integrity(self) -> None:
         """Recompute every invariant from scratch; raise AssertionError naming the first violation.
@@ -579,17 +589,24 @@ class PrefixCache:
     def _demote(self, node: TreeNode, keep: int) -> None:
         """`node`'s full blocks from its `keep`-th on are leaving the device (or, written
         through, may later): the lower tiers take copies of those they lack."""
-        B, tiers = self.block_size, self._tiers
-        assert tiers is not None
+        assert self._tiers is not None
+        keys, blocks = self._full_block_keys(node, keep)
+        if keys:
+            self._tiers.demote(keys, blocks)
+
+    def _full_block_keys(self, node: TreeNode, keep: int) -> tuple[list[BlockKey], list[int]]:
+        """The keys and device blocks of the full blocks ending in `node`, from its `keep`-th
+        block on. O(path length): the keys chain over the whole path."""
+        B = self.block_size
         first, full_end = node.start // B, node.end // B  # full blocks ending in node
         if first + keep >= full_end:
-            return
+            return [], []
         root = node
         while root.parent is not None:
             root = root.parent
         tokens_le = token_bytes_le(path_bytes(node, 0, full_end * B))
         keys = chain_keys(root.namespace, tokens_le, B)[first + keep :]
-        tiers.demote(keys, node.blocks[keep : full_end - first])
+        return keys, node.blocks[keep : full_end - first]
 
     def _fits(self, num_blocks: int, lock: TreeNode | None) -> bool:
         """Whether `num_blocks` can be allocated (evicting what it takes) once `lock`, if any, is
