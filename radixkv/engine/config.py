@@ -37,7 +37,7 @@ _SIZES = {
     "host_cache_bytes": 0,
     "disk_cache_bytes": 1,
 }
-_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager")
+_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager", "host_cache_write_through")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,9 @@ class EngineConfig:
     # the folder `kv_cache_dir` (None: none; it needs the host tier) of at most
     # `disk_cache_bytes` takes what the host evicts and outlives the process.
     host_cache_bytes: int = 0
+    # Copy every committed full block to the host at once, instead of when the device evicts it
+    # (write-back, the default: see benchmarks/RESULTS.md, tiers).
+    host_cache_write_through: bool = False
     kv_cache_dir: str | os.PathLike[str] | None = None
     disk_cache_bytes: int = 8 * 2**30
 

@@ -123,6 +123,7 @@ class LLM:
             kv_events=events is not None,
             host_blocks=0 if self.tiers is None else self.tiers.host.num_blocks,
             disk=None if self.tiers is None else self.tiers.disk,
+            write_through=config.host_cache_write_through,
         )
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else KVEventFeed(events)

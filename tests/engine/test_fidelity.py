@@ -29,6 +29,13 @@ VARIANTS = {
     "tiers-b1": dict(block_size=1, num_blocks=96, max_num_seqs=4, host_cache_bytes=2**20),
     "tiers-b4": dict(block_size=4, num_blocks=24, max_num_seqs=4, host_cache_bytes=2**20),
     "tiers-b16": dict(block_size=16, num_blocks=8, max_num_seqs=3, host_cache_bytes=2**20),
+    "tiers-write-through": dict(
+        block_size=4,
+        num_blocks=24,
+        max_num_seqs=4,
+        host_cache_bytes=2**20,
+        host_cache_write_through=True,
+    ),
     "tiers-disk-chunked": dict(
         block_size=4,
         num_blocks=24,
