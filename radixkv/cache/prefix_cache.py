@@ -59,13 +59,12 @@ from radixkv.cache.disk_store import BlockKey, DiskStore, chain_keys
 from radixkv.cache.events import EventRecorder, KVEvent, path_bytes, token_bytes_le
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.tiers import HostEntry, LowerTiers
+from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
 from radixkv.cache.transfers import Transfer
 from radixkv.cache.tree import RadixTree, TreeNode
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
-_MISSING = HostEntry(-1, BlockKey(0, None, b"", b""), -1)  # what an absent host entry compares as
 _COUNTERS = (
     "num_queries",
     "num_query_tokens",
@@ -497,7 +496,7 @@ class PrefixCache:
         if tiers is None or node.parent is None or not tiers.entries:
             return 0
         keys, _ = self._full_block_keys(node, 0)
-        return sum(tiers.entries.get(k.block_hash, _MISSING).key == k for k in keys)
+        return sum(map(tiers.holds, keys))
 
     def check_integrity(self) -> None:
         """Recompute every invariant from scratch; raise AssertionError naming the first violation.

@@ -79,14 +79,16 @@ class LowerTiers:
         return self.pool.num_blocks
 
     # ------------------------------------------------------------------ reading
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the host tier holds the block `key` names (not just one of its hash)."""
+        entry = self.entries.get(key.block_hash)
+        return entry is not None and entry.key == key
+
     def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, int]:
         """(h, d): keys[:h] are on the host, keys[h:h+d] on disk. The disk run is capped so that
         it can be staged through the host blocks not holding keys[:h]. Changes nothing."""
         h = 0
-        for key in keys:
-            entry = self.entries.get(key.block_hash)
-            if entry is None or entry.key != key:
-                break
+        while h < len(keys) and self.holds(keys[h]):
             h += 1
         d = 0
         if self.disk is not None and h < len(keys):
