@@ -240,15 +240,27 @@ def test_random_workload_through_all_three_tiers_under_pressure(
     tmp_path_factory: pytest.TempPathFactory, block_size: int, requests: list
 ) -> None:
     """Small device, host and disk budgets: demotions, spills to disk, disk reads and evictions
-    everywhere; every slot read holds its prefix's KV and the disk stays inside its budget."""
+    everywhere; every slot read holds its prefix's KV, the disk stays inside its budget, and the
+    host tier's KV events tell a router exactly what it holds."""
     B = block_size
     root = tmp_path_factory.mktemp("kv")
     device = 2 * -(-29 // B) + 1
-    sim = Sim(device, B, host_blocks=12 // B + 2, disk_dir=root, disk_files=24 // B + 3)
+    sim = Sim(
+        device, B, host_blocks=12 // B + 2, disk_dir=root, disk_files=24 // B + 3, kv_events=True
+    )
+    on_host: set[int] = set()  # the host tier's blocks as a router learns them from the events
     for ns, base, n, r in requests:
         prompt, reply = [int(t) for t in BASES[base][:n]], [int(t) for t in BASES[base][n : n + r]]
         sim.serve(prompt, reply, ns)
         assert sim.disk is not None and sim.disk.num_bytes <= sim.disk.budget_bytes
+        for event in sim.cache.take_events():
+            if isinstance(event, BlockStored) and event.medium == "CPU":
+                assert not on_host.intersection(event.block_hashes), "stored twice"
+                on_host.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.medium == "CPU":
+                assert on_host.issuperset(event.block_hashes), "removed, never stored"
+                on_host.difference_update(event.block_hashes)
+        assert on_host == set(sim.cache.inner._tiers.entries)
     assert sum(1 for _ in root.rglob("*.kv")) == sim.disk.num_files
 
 
