@@ -50,7 +50,7 @@ import socket
 import struct
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +185,11 @@ class DiskStore:
         self._entries: dict[int, _Entry] = {}
         self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
         self._lru = EvictionIndex(lru_key)
+        # Told when this process indexes a block (written, or read from another's file) and
+        # when it forgets one (evicted, removed, found gone or damaged): the KV events of the disk
+        # tier. The files found when the store opened are indexed without a word.
+        self.on_stored: Callable[[BlockKey], None] | None = None
+        self.on_removed: Callable[[int], None] | None = None
         self._clock = 0
         self._ids = itertools.count()
         self._tmp_ids = itertools.count()
@@ -258,7 +263,7 @@ class DiskStore:
             return False
         self._counts["num_hits"] += 1
         self._counts["num_loaded_bytes"] += self.block_nbytes
-        self._touch(key.block_hash)
+        self._touch(key)
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
         return True
@@ -274,7 +279,7 @@ class DiskStore:
         assert len(key.tokens) == 4 * self.block_size, "a key names one full block"
         h = key.block_hash
         if self.contains(h):
-            self._touch(h)
+            self._touch(key)
             return True
         need = self.num_bytes + self.file_nbytes - self.budget_bytes
         if need > 0 and self.evict(need) < need:
@@ -310,7 +315,7 @@ class DiskStore:
             level = logging.WARNING if self._counts["num_write_errors"] == 1 else logging.DEBUG
             logger.log(level, "KV block %016x not written to %s (%s)", h, self.directory, exc)
             return False
-        self._touch(h)
+        self._touch(key)
         self._counts["num_stored"] += 1
         self._counts["num_stored_bytes"] += self.block_nbytes
         return True
@@ -326,8 +331,7 @@ class DiskStore:
             if entry.block_hash not in self._pinned and entry.block_hash != keep:
                 victims.append(entry)
         for entry in victims:
-            self._lru.discard(entry)
-            del self._entries[entry.block_hash]
+            self._forget(entry.block_hash)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(entry.block_hash))
             self._counts["num_evicted"] += 1
@@ -399,13 +403,18 @@ class DiskStore:
         entry = self._entries.pop(block_hash, None)
         if entry is not None:
             self._lru.discard(entry)
+            if self.on_removed is not None:
+                self.on_removed(block_hash)
 
-    def _touch(self, block_hash: int) -> None:
+    def _touch(self, key: BlockKey) -> None:
         """The file becomes the most recently used (indexed if it was not: written just now, or
         by another process), and the index is kept within the budget."""
+        block_hash = key.block_hash
         entry = self._entries.pop(block_hash, None)
         if entry is not None:
             self._lru.discard(entry)
+        elif self.on_stored is not None:
+            self.on_stored(key)
         self._index(block_hash, self._tick())
         self.evict(self.num_bytes - self.budget_bytes, keep=block_hash)
         self.evict(self.num_bytes - self.budget_bytes)  # only pinned files left: this one too

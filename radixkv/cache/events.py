@@ -8,11 +8,12 @@ from three events, the ones vLLM publishes (`radixkv.kv_events` puts them on the
         consecutive full blocks of one path entered the cache; `parent_block_hash` is the hash
         of the block before the first (None: the first block of a sequence)
     BlockRemoved(block_hashes)          those blocks left the cache
+    AllBlocksCleared()                  everything left the cache
 
 Each names its tier (`medium`, vLLM's field): None for the device pool (the publisher names it,
-"GPU" by default), "CPU" for the host tier (`radixkv.cache.tiers`). A block demoted from the
-device to the host is removed from one and stored in the other.
-    AllBlocksCleared()                  everything left the cache
+"GPU" by default), "CPU" for the host tier and "DISK" for the disk tier (`radixkv.cache.tiers`).
+A block demoted from the device to the host is removed from one and stored in the other; the disk
+tier announces what this process writes or reads and forgets (not the files found at start).
 
 Only FULL blocks are announced: a router indexes whole blocks, and a partial tail (which radixkv
 caches, token-granular) would never match one of its block keys anyway.
@@ -68,7 +69,7 @@ class BlockStored:
     parent_block_hash: int | None  # the block before the first; None when the first is block 0
     token_ids: tuple[int, ...]  # len(block_hashes) * block_size ids: the blocks' tokens
     block_size: int
-    medium: str | None = None  # the tier ("CPU": host); None: the device pool
+    medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ class BlockRemoved:
     """Full blocks left the cache (deepest first along a path)."""
 
     block_hashes: tuple[int, ...]
-    medium: str | None = None  # the tier ("CPU": host); None: the device pool
+    medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,8 @@ from radixkv.cache.eviction import EvictionIndex, lru_key
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Transfer
 
-HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
+HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events; the disk's follows LMCache's
+DISK_MEDIUM = "DISK"
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +66,9 @@ class LowerTiers:
         self.block_size = block_size
         self.disk = disk
         self.events = events
+        if disk is not None and events is not None:
+            disk.on_stored = lambda key: self._record_stored(key, DISK_MEDIUM)
+            disk.on_removed = lambda h: events.queue.append(BlockRemoved((h,), DISK_MEDIUM))
         self.entries: dict[int, HostEntry] = {}  # block hash -> entry
         self.lru = EvictionIndex(lru_key)
         self.moves: list[Transfer] = []
@@ -210,11 +214,13 @@ class LowerTiers:
         entry = HostEntry(next(self._ids), key, block)
         self.entries[key.block_hash] = entry
         self._touch(entry)
+        self._record_stored(key, HOST_MEDIUM)
+
+    def _record_stored(self, key: BlockKey, medium: str) -> None:
         if self.events is not None:
-            parent = key.parent_hash
             tokens = tuple(np.frombuffer(key.tokens, "<u4").tolist())
-            stored = BlockStored((key.block_hash,), parent, tokens, self.block_size, HOST_MEDIUM)
-            self.events.queue.append(stored)
+            B, parent = self.block_size, key.parent_hash
+            self.events.queue.append(BlockStored((key.block_hash,), parent, tokens, B, medium))
 
     def _touch(self, entry: HostEntry) -> int:
         """The entry becomes the most recently used (and unpinned); returns its host block."""

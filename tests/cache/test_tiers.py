@@ -248,19 +248,22 @@ def test_random_workload_through_all_three_tiers_under_pressure(
     sim = Sim(
         device, B, host_blocks=12 // B + 2, disk_dir=root, disk_files=24 // B + 3, kv_events=True
     )
-    on_host: set[int] = set()  # the host tier's blocks as a router learns them from the events
+    # the lower tiers' blocks as a router learns them from the events
+    seen: dict[str, set[int]] = {"CPU": set(), "DISK": set()}
     for ns, base, n, r in requests:
         prompt, reply = [int(t) for t in BASES[base][:n]], [int(t) for t in BASES[base][n : n + r]]
         sim.serve(prompt, reply, ns)
         assert sim.disk is not None and sim.disk.num_bytes <= sim.disk.budget_bytes
         for event in sim.cache.take_events():
-            if isinstance(event, BlockStored) and event.medium == "CPU":
-                assert not on_host.intersection(event.block_hashes), "stored twice"
-                on_host.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved) and event.medium == "CPU":
-                assert on_host.issuperset(event.block_hashes), "removed, never stored"
-                on_host.difference_update(event.block_hashes)
-        assert on_host == set(sim.cache.inner._tiers.entries)
+            held = seen.get(getattr(event, "medium", None) or "")
+            if held is not None and isinstance(event, BlockStored):
+                assert not held.intersection(event.block_hashes), "stored twice"
+                held.update(event.block_hashes)
+            elif held is not None and isinstance(event, BlockRemoved):
+                assert held.issuperset(event.block_hashes), "removed, never stored"
+                held.difference_update(event.block_hashes)
+        assert seen["CPU"] == set(sim.cache.inner._tiers.entries)
+        assert seen["DISK"] == set(sim.disk._entries)
     assert sum(1 for _ in root.rglob("*.kv")) == sim.disk.num_files
 
 
