@@ -71,6 +71,7 @@ class _Tracked:
     t_last_token: float | None = None
     output: RequestOutput | None = None
     error: BaseException | None = None
+    failed_load: bool = False  # a load of cached KV for it failed once: the next failure fails it
 
 
 class LLM:
@@ -374,9 +375,10 @@ class LLM:
 
     def _run_transfers(self, out: SchedulerOutput) -> set[str]:
         """The step's tier moves, before its copies and forward. A move that fails leaves blocks
-        holding garbage: the cache forgets the host copies among them, and the requests whose
-        rows read one of the device blocks fail (their rows still run, and are ignored). Returns
-        the ids of those requests."""
+        holding garbage: the cache forgets the host copies among them, and a request whose row
+        reads one of the device blocks goes back to the waiting queue, to be admitted from what
+        the cache holds then (a block file another process evicted is a miss, not an error);
+        the second time, it fails. Their rows still run, and are ignored. Returns their ids."""
         tiers = self.tiers
         assert tiers is not None, "the cache plans moves only with a host tier"
         try:
@@ -386,8 +388,13 @@ class LLM:
         tiers.order_before_compute()
         if poisoned.device:
             hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
-            logger.error("loading cached KV failed: failing %s", hit)
-            self._fail_requests(hit, RuntimeError("loading cached KV into the device failed"))
+            failed = [rid for rid in hit if self._tracked[rid].failed_load]
+            for rid in hit:
+                self._tracked[rid].failed_load = True
+                if rid not in failed:
+                    self.scheduler.requeue(rid)
+            logger.warning("loading cached KV failed: requeued %s, failing %s", hit, failed)
+            self._fail_requests(failed, RuntimeError("loading cached KV into the device failed"))
             return set(hit)
         return set()
 
