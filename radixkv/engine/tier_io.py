@@ -61,7 +61,7 @@ def make_tier_io(
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
     shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     dtype = k_cache.dtype
-    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    bytes_per_block = 2 * k_cache[:, 0].nbytes  # K and V of one block over every layer
     num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
     cuda = k_cache.device.type == "cuda"
     host = HostKVPool(num_host_blocks, block_size=block_size, dtype=dtype, pin_memory=cuda, **shape)
