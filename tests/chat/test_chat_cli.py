@@ -21,6 +21,20 @@ STATUS = re.compile(
 )
 
 
+@pytest.fixture
+def ctrl_c_reaches_python():
+    """Python's own Ctrl-C handler, whatever this process inherited: a test suite started in the
+    background of a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored, and
+    Python then leaves it ignored, as a chat started that way should."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_as_python_starts_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     # Run from a scratch folder: the repository root must not be on sys.path: transformers
@@ -185,7 +199,7 @@ def test_ctrl_c_in_a_reply_returns_to_the_prompt(tiny_model_dir, tmp_path, capsy
 
 
 def test_a_real_ctrl_c_inside_a_cache_update_waits_for_the_step(
-    tiny_model_dir, tmp_path, capsys, monkeypatch
+    tiny_model_dir, tmp_path, capsys, monkeypatch, ctrl_c_reaches_python
 ):
     """A real SIGINT delivered in the middle of the scheduler's cache commit during a reply: the
     commit runs to its end (a KeyboardInterrupt there could leave the tree half updated), the
@@ -257,6 +271,7 @@ def test_sigint_in_a_reply_and_undecodable_stdin(tiny_model_dir, tmp_path: Path)
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_sigint_as_python_starts_it,
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"w10 \xff\nw10 w11\n/stats\n")
