@@ -36,8 +36,8 @@ from radixkv.cache.eviction import EvictionIndex, lru_key
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Transfer
 
-HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events; the disk's follows LMCache's
-DISK_MEDIUM = "DISK"
+HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
+DISK_MEDIUM = "DISK"  # vLLM names no disk tier: this name is ours
 
 
 @dataclass(slots=True, eq=False)
