@@ -9,26 +9,33 @@ Each ZeroMQ message is three frames, as vLLM sends them:
 
     topic (utf-8, "" by default) | sequence number (8 bytes, big-endian) | payload
 
-The payload is a `KVEventBatch` encoded the way vLLM's msgspec structs encode it:
+The payload is a `KVEventBatch` encoded the way vLLM's msgspec structs encode it (vLLM 0.33):
 
     EventBatch      array_like: [ts, events, data_parallel_rank]
     KVCacheEvent    tagged, tag first, in one of two layouts (`event_layout`):
-                    "array" (default): ["BlockStored", value, value, ...], vLLM releases'
+                    "map" (default): {"type": "BlockStored", field: value, ...}, the layout of
+                        current vLLM (0.33's `Decoder(type=KVEventBatch)` reads only this;
+                        vllm-router's kv_aware too);
+                    "array": ["BlockStored", value, value, ...], older vLLM releases'
                         `array_like` events, which llm-d's and AIBrix's readers decode; they
                         stop at lora_name, the last field every vLLM version declares without
-                        a default, so older and newer struct definitions both decode them;
-                    "map": {"type": "BlockStored", field: value, ...}, the layout of later
-                        vLLM revisions. (NVIDIA Dynamo's reader takes either.)
+                        a default. (NVIDIA Dynamo's reader takes either.)
     BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-                    lora_name  (then extra_keys, group_idx, ... which are left at their
-                    defaults and so omitted: omit_defaults=True)
-    BlockRemoved    block_hashes, medium
+                    lora_name, and in the map layout extra_keys (one entry per block: (salt,)
+                    on a salted path's block 0, else None) and group_idx (0, the one KV cache
+                    group); the later fields (kv_cache_spec_kind, locality, ownership,
+                    session_id, lookahead_token_ids ...) keep their defaults and so are
+                    omitted, as vLLM omits them (omit_defaults=True)
+    BlockRemoved    block_hashes, medium (map layout: group_idx 0)
     AllBlocksCleared  (no fields)
 
 Block hashes are sent as unsigned 64-bit ints (vLLM's integer form of `ExternalBlockHash`).
 `ts` is the wall-clock time of publication (seconds since the epoch, float64).
 
-With `replay_endpoint`, a ROUTER socket serves missed batches as vLLM's does: a request
+The PUB socket binds its endpoint (`tcp://127.0.0.1:5557`: loopback only; `tcp://*:5557`: every
+interface), so that routers which connect to their replicas (vllm-router's kv_aware, Dynamo) find
+it; `connect=True` connects it instead, to a consumer that binds. With `replay_endpoint`, a ROUTER
+socket serves missed batches as vLLM's does: a request
 `[start sequence (8 bytes, big-endian)]` is answered with one `[seq, payload]` message per
 buffered batch from `start` on, then `[-1 (8 bytes, signed), b""]`.
 
@@ -62,14 +69,19 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05  # how long the publisher thread waits for events before checking replays
 
 
-EVENT_LAYOUTS = ("array", "map")
+EVENT_LAYOUTS = ("map", "array")
+# Fields (tag included) every vLLM version declares without a default: the array layout's length.
+_ARRAY_LENGTH = {"BlockStored": 8, "BlockRemoved": 3, "AllBlocksCleared": 1}
 
 
 def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
-    """One event as vLLM's tagged msgspec struct holds it: field -> value in declaration order,
-    the tag first; `medium` names the device pool (a lower tier's event names its own). Raises
-    TypeError for a non-event."""
+    """One event as current vLLM's tagged msgspec struct encodes it: field -> value in
+    declaration order, the tag first, fields at their defaults left out; `medium` names the
+    device pool (a lower tier's event names its own). Raises TypeError for a non-event."""
     if isinstance(event, BlockStored):
+        extra_keys: list[tuple[str] | None] = [None] * len(event.block_hashes)
+        if event.namespace:  # vLLM: an unsalted request has no extra key, as does salt ""
+            extra_keys[0] = (event.namespace,)
         return {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
@@ -79,21 +91,21 @@ def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
             "lora_id": None,
             "medium": event.medium or medium,
             "lora_name": None,
+            "extra_keys": extra_keys,
+            "group_idx": 0,
         }
     if isinstance(event, BlockRemoved):
-        return {
-            "type": "BlockRemoved",
-            "block_hashes": list(event.block_hashes),
-            "medium": event.medium or medium,
-        }
+        hashes = list(event.block_hashes)
+        medium = event.medium or medium
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
 
 
-def check_event_layout(event_layout: str) -> None:
+def check_event_layout(event_layout: str, name: str = "event_layout") -> None:
     if event_layout not in EVENT_LAYOUTS:
-        raise ValueError(f"event_layout must be one of {EVENT_LAYOUTS}, got {event_layout!r}")
+        raise ValueError(f"{name} must be one of {EVENT_LAYOUTS}, got {event_layout!r}")
 
 
 def check_address(name: str, value: object) -> None:
@@ -108,14 +120,17 @@ def encode_batch(
     ts: float,
     data_parallel_rank: int,
     medium: str | None = "GPU",
-    event_layout: str = "array",
+    event_layout: str = "map",
 ) -> bytes:
     """The msgpack payload of one `KVEventBatch`, events in `event_layout` ("array" or "map").
     Mutates nothing; raises ValueError for another layout, TypeError for a non-event."""
     check_event_layout(event_layout)
     msgpack = _wire_module("msgpack")
     fields = [wire_fields(event, medium) for event in events]
-    wire = [list(f.values()) for f in fields] if event_layout == "array" else fields
+    if event_layout == "array":
+        wire: list[Any] = [list(f.values())[: _ARRAY_LENGTH[f["type"]]] for f in fields]
+    else:
+        wire = fields
     return msgpack.packb([float(ts), wire, data_parallel_rank], use_bin_type=True)
 
 
@@ -131,18 +146,15 @@ def _wire_module(name: str) -> Any:
         ) from exc
 
 
-def _binds(endpoint: str) -> bool:
-    """vLLM's convention: bind a wildcard, IPv6 or local endpoint; connect to anything else."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
 class ZmqEventPublisher:
     """Publishes KV events as vLLM `KVEventBatch`es on a ZeroMQ PUB socket.
 
     A callable taking one event (`LLM(kv_events=publisher)`, or an address, which makes one).
-    `close()` flushes what is queued (up to `close_timeout_s`), stops the thread and closes the
-    sockets; events handed over after `close()` are dropped. Raises ValueError for an endpoint
-    that is not a ZeroMQ address and zmq.ZMQError when it cannot bind/connect (nothing started).
+    The PUB socket binds `endpoint` (connects to it with `connect=True`); `topic` is the first
+    frame of every message (llm-d reads a replica's identity from it). `close()` flushes what is
+    queued (up to `close_timeout_s`), stops the thread and closes the sockets; events handed over
+    after `close()` are dropped. Raises ValueError for an endpoint that is not a ZeroMQ address
+    or an unknown layout, zmq.ZMQError when it cannot bind/connect (nothing started).
     """
 
     def __init__(
@@ -151,9 +163,10 @@ class ZmqEventPublisher:
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
+        connect: bool = False,
         data_parallel_rank: int = 0,
         medium: str | None = "GPU",
-        event_layout: str = "array",
+        event_layout: str = "map",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         close_timeout_s: float = 2.0,
@@ -178,10 +191,10 @@ class ZmqEventPublisher:
         self._replay: zmq.Socket | None = None
         try:
             self._pub.set_hwm(hwm)
-            if _binds(endpoint):
-                self._pub.bind(endpoint)
-            else:
+            if connect:
                 self._pub.connect(endpoint)
+            else:
+                self._pub.bind(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(replay_endpoint)

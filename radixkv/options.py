@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixkv.engine.config import EngineConfig
+from radixkv.engine.config import BLOCK_HASHES, EVENT_LAYOUTS, EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,44 @@ OPTIONS = (
     Option(
         "--kv-events",
         "kv_events",
-        "publish KV events for cache-aware routers on this ZeroMQ endpoint, e.g. tcp://*:5557",
+        "publish KV events for cache-aware routers on this ZeroMQ address, bound (e.g."
+        " tcp://127.0.0.1:5557; tcp://*:5557 binds every interface)",
+        type=str,
+    ),
+    Option(
+        "--kv-events-layout",
+        "kv_events_layout",
+        "event layout: current vLLM's tagged maps (vllm-router, Dynamo) or older vLLM's arrays"
+        " (llm-d)",
+        type=str,
+        choices=EVENT_LAYOUTS,
+    ),
+    Option("--kv-events-topic", "kv_events_topic", "ZeroMQ topic of the events", type=str),
+    Option(
+        "--kv-events-replay",
+        "kv_events_replay",
+        "bind this ZeroMQ address to serve missed event batches (vLLM's replay endpoint)",
+        type=str,
+    ),
+    Option(
+        "--kv-events-connect",
+        "kv_events_connect",
+        "connect to the --kv-events address instead of binding it",
+        type=None,
+    ),
+    Option(
+        "--block-hash",
+        "block_hash",
+        "block-hash chain of the KV events: radixkv's xxh64, or vLLM's sha256_cbor (for routers"
+        " that hash requests as vLLM does, such as llm-d)",
+        type=str,
+        choices=BLOCK_HASHES,
+    ),
+    Option(
+        "--block-hash-seed",
+        "block_hash_seed",
+        "sha256_cbor's seed: the PYTHONHASHSEED of the vLLM replicas it must match (default:"
+        " vLLM's, 'vllm-none-hash')",
         type=str,
     ),
     Option(
@@ -126,6 +163,8 @@ def add_engine_options(parser: argparse.ArgumentParser, **defaults: Any) -> None
 def _default_text(default: object) -> str:
     if default is None:  # the field's comment in EngineConfig says what None means
         return ""
+    if default == "":
+        return ' (default: "")'
     if isinstance(default, bool):
         return f" (default: {'on' if default else 'off'})"
     return f" (default: {default})"

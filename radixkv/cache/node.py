@@ -33,8 +33,9 @@ class TreeNode:
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
     namespace: str | None = None  # the namespace of a root (None on every other node)
     gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
-    # chained hashes of the full blocks ending here (only when the cache records KV events)
-    block_hashes: list[int] | None = field(default=None, repr=False)
+    # chained hashes of the full blocks ending here (only when the cache records KV events), in
+    # the recorder's hasher's own form (xxh64: uint64; sha256_cbor: 32-byte digests)
+    block_hashes: list[Any] | None = field(default=None, repr=False)
 
     @property
     def num_own_blocks(self) -> int:

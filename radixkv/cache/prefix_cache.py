@@ -56,7 +56,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from radixkv.cache.disk_store import BlockKey, DiskStore, chain_keys
-from radixkv.cache.events import EventRecorder, KVEvent, path_bytes, token_bytes_le
+from radixkv.cache.events import (
+    XXH64,
+    BlockHasher,
+    EventRecorder,
+    KVEvent,
+    path_bytes,
+    token_bytes_le,
+)
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tiers import LowerTiers
@@ -212,19 +219,21 @@ class PrefixCache:
         block_size: int,
         *,
         eviction: str = "gdsf",
-        kv_events: bool = False,
+        kv_events: bool | BlockHasher = False,
         host_blocks: int = 0,
         disk: DiskStore | None = None,
         write_through: bool = False,
     ) -> None:
         """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed
         block, aged; see `radixkv.cache.eviction`) or "lru"; ValueError for another.
-        `kv_events`: record KV events for `take_events()` (see `radixkv.cache.events`).
+        `kv_events`: record KV events for `take_events()` (see `radixkv.cache.events`), block
+        hashes by xxh64 for True, by the given `BlockHasher` (`make_block_hasher`) otherwise.
         `host_blocks`: the host tier's size in blocks (0: none); `disk`: the disk tier (it needs
         a host tier: its reads and writes go through host blocks). Evicted device blocks are
         demoted to the host (write-back); `write_through` copies every committed full block
         to the host at once instead, so an eviction finds it there. The moves are drained with
-        `take_transfers()` (see `radixkv.cache.tiers`)."""
+        `take_transfers()` (see `radixkv.cache.tiers`). The lower tiers' blocks are named by
+        xxh64 chains: their events are recorded only when the device's are hashed alike."""
         if eviction not in EVICTION_ORDERS:
             raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
         check_size(host_blocks, "host_blocks", low=0)
@@ -233,12 +242,14 @@ class PrefixCache:
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
-        self._events = EventRecorder(self.block_size) if kv_events else None
+        hasher = XXH64 if kv_events is True else kv_events
+        self._events = EventRecorder(self.block_size, hasher) if hasher else None
         order = EVICTION_ORDERS[eviction](self.block_size)
         self._tree = RadixTree(self._pool, order, self._events)
         self._tiers: LowerTiers | None = None
         if host_blocks:
-            self._tiers = LowerTiers(host_blocks, self.block_size, disk, self._events)
+            tier_events = self._events if hasher is XXH64 else None
+            self._tiers = LowerTiers(host_blocks, self.block_size, disk, tier_events)
             self._tree.on_evict = self._demote
         self._write_through = write_through and self._tiers is not None
         self._private: set[int] = set()

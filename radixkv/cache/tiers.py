@@ -220,7 +220,9 @@ class LowerTiers:
         if self.events is not None:
             tokens = tuple(np.frombuffer(key.tokens, "<u4").tolist())
             B, parent = self.block_size, key.parent_hash
-            self.events.queue.append(BlockStored((key.block_hash,), parent, tokens, B, medium))
+            self.events.queue.append(
+                BlockStored((key.block_hash,), parent, tokens, B, medium=medium)
+            )
 
     def _touch(self, entry: HostEntry) -> int:
         """The entry becomes the most recently used (and unpinned); returns its host block."""

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache import check_size
+from radixkv.cache.events import BLOCK_HASHES, make_block_hasher
 from radixkv.engine.sampling_params import check_seed
+from radixkv.kv_events import EVENT_LAYOUTS, check_address, check_event_layout, check_kv_events
 from radixkv.scheduler.policy import POLICIES
+
+__all__ = ["BLOCK_HASHES", "EVENT_LAYOUTS", "EngineConfig"]  # the choices of the options table
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +41,15 @@ _SIZES = {
     "host_cache_bytes": 0,
     "disk_cache_bytes": 1,
 }
-_SWITCHES = ("enable_prefix_cache", "prefill_first", "enforce_eager", "host_cache_write_through")
+_SWITCHES = (
+    "enable_prefix_cache",
+    "prefill_first",
+    "enforce_eager",
+    "kv_events_connect",
+    "host_cache_write_through",
+)
+# Settings of the events' wire, which only an address has.
+_WIRE_SETTINGS = ("kv_events_layout", "kv_events_topic", "kv_events_replay", "kv_events_connect")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,19 @@ class EngineConfig:
     # wire format, for cache-aware routers) or a callable taking each event
     # (`radixkv.kv_events`), drained after each step; `llm.kv_events.close()` stops them.
     kv_events: str | Callable[[Any], None] | None = None
+    # The wire, for an address (`radixkv.kv_events` explains each): the events' layout, "map"
+    # (current vLLM's, read by vllm-router and Dynamo) or "array" (older vLLM's, llm-d's); the
+    # topic frame (llm-d reads the replica's identity from it); an address that serves missed
+    # batches (vLLM's replay ROUTER socket, bound); connect to the address instead of binding it.
+    kv_events_layout: str = "map"
+    kv_events_topic: str = ""
+    kv_events_replay: str | None = None
+    kv_events_connect: bool = False
+    # The block-hash chain of the events: "xxh64" (radixkv's) or "sha256_cbor" (vLLM's, which
+    # llm-d computes request keys with), seeded as vLLM is by PYTHONHASHSEED (None: vLLM's
+    # default seed). `radixkv.cache.events.make_block_hasher`.
+    block_hash: str = "xxh64"
+    block_hash_seed: str | None = None
 
     # The tiers below the device pool (`radixkv.cache.tiers`): a host pool of `host_cache_bytes`
     # (0: none; pinned on CUDA) takes the full blocks the device pool evicts, and a disk tier in
@@ -125,3 +150,21 @@ class EngineConfig:
                 raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
             if not self.host_cache_bytes:
                 raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        check_kv_events(self.kv_events)
+        check_event_layout(self.kv_events_layout, "kv_events_layout")
+        if not isinstance(self.kv_events_topic, str):
+            raise TypeError(f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+        if self.kv_events_replay is not None:
+            check_address("kv_events_replay", self.kv_events_replay)
+        if self.block_hash_seed is not None and not isinstance(self.block_hash_seed, str):
+            raise TypeError(f"block_hash_seed must be a str, got {self.block_hash_seed!r}")
+        make_block_hasher(self.block_hash, self.block_hash_seed)  # ValueError for a bad pair
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in _WIRE_SETTINGS:
+            if getattr(self, name) != defaults[name] and not isinstance(self.kv_events, str):
+                raise ValueError(f"{name} needs kv_events to be a ZeroMQ address")
+        if self.block_hash != "xxh64" and self.kv_events is None:
+            raise ValueError("block_hash needs kv_events")

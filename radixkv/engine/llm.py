@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
+from radixkv.cache.events import make_block_hasher
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
 from radixkv.engine.model_loader import Progress, load_model
@@ -39,7 +40,7 @@ from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.tier_io import make_tier_io
-from radixkv.kv_events import KVEventFeed, check_kv_events
+from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
 
@@ -103,7 +104,6 @@ class LLM:
         **settings: Any,
     ) -> None:
         config = EngineConfig(**settings)  # TypeError naming an unknown setting
-        check_kv_events(config.kv_events)
         loaded = load_model(
             model, tokenizer=tokenizer, device=config.device, dtype=config.dtype, progress=progress
         )
@@ -118,16 +118,17 @@ class LLM:
         self.runner = ModelRunner(self.model, self.config)
         self.tiers = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
         events = config.kv_events
+        hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
         self.cache = PrefixCache(
             self.runner.num_blocks,
             config.block_size,
-            kv_events=events is not None,
+            kv_events=hasher,
             host_blocks=0 if self.tiers is None else self.tiers.host.num_blocks,
             disk=None if self.tiers is None else self.tiers.disk,
             write_through=config.host_cache_write_through,
         )
         self.scheduler = Scheduler(self.cache, self.config)
-        self.kv_events = None if events is None else KVEventFeed(events)
+        self.kv_events = None if events is None else _event_feed(config)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
@@ -468,6 +469,20 @@ class LLM:
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
+
+
+def _event_feed(config: EngineConfig) -> KVEventFeed:
+    """Where the cache's drained events go: a callable, or a publisher on an address."""
+    assert config.kv_events is not None
+    if not isinstance(config.kv_events, str):
+        return KVEventFeed(config.kv_events)
+    return KVEventFeed(
+        config.kv_events,
+        event_layout=config.kv_events_layout,
+        topic=config.kv_events_topic,
+        replay_endpoint=config.kv_events_replay,
+        connect=config.kv_events_connect,
+    )
 
 
 def _derive_seed(engine_seed: int, index: int) -> int:

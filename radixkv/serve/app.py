@@ -36,6 +36,7 @@ from radixkv.serve.protocol import (
     usage,
 )
 from radixkv.serve.stop_strings import StopStringMatcher
+from radixkv.serve.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,26 @@ class OpenAIServer:
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         return list(prompt)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and params a chat request runs with (its render is exactly this)."""
+        prompt = self.chat_prompt(body)
+        requested = body.max_completion_tokens
+        if requested is None:
+            requested = body.max_tokens
+        return prompt, self.sampling_params(body, len(prompt), requested, prompt_param="messages")
+
+    def prepare_completion(self, body: CompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and params a completion request runs with (and renders to)."""
+        prompt = self.completion_prompt(body)
+        params = self.sampling_params(
+            body,
+            len(prompt),
+            body.max_tokens,
+            prompt_param="prompt",
+            default=DEFAULT_COMPLETION_MAX_TOKENS,
+        )
+        return prompt, params
 
     def sampling_params(
         self,
@@ -344,6 +365,7 @@ def create_app(
     _add_error_handlers(app, server)
     _add_info_routes(app, server)
     _add_completion_routes(app, server)
+    add_worker_routes(app, server)
     return app
 
 
@@ -399,24 +421,13 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = _Arrival.of(request)
-        prompt = server.chat_prompt(body)
-        requested = body.max_completion_tokens
-        if requested is None:
-            requested = body.max_tokens
-        params = server.sampling_params(body, len(prompt), requested, prompt_param="messages")
+        prompt, params = server.prepare_chat(body)
         return await _respond(server, request, body, prompt, params, arrival, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = _Arrival.of(request)
-        prompt = server.completion_prompt(body)
-        params = server.sampling_params(
-            body,
-            len(prompt),
-            body.max_tokens,
-            prompt_param="prompt",
-            default=DEFAULT_COMPLETION_MAX_TOKENS,
-        )
+        prompt, params = server.prepare_completion(body)
         return await _respond(server, request, body, prompt, params, arrival, chat=False)
 
 

@@ -157,7 +157,8 @@ def test_namespaces_seed_the_chain_and_reset_clears_all() -> None:
     assert not set(shared) & set(salted)
     assert cache.take_events() == [
         BlockStored(tuple(shared), None, tuple(tokens), 2),
-        BlockStored(tuple(salted), None, tuple(tokens), 2),  # a first block: no parent on the wire
+        # a first block: no parent on the wire, the namespace for vLLM's extra keys
+        BlockStored(tuple(salted), None, tuple(tokens), 2, "tenant-a"),
     ]
     table = cache.admit(tokens, max_hit=4)
     assert not cache.reset()  # a locked table: nothing changes, nothing announced

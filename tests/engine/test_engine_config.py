@@ -36,6 +36,12 @@ from radixkv.options import OPTIONS, add_engine_options, engine_settings
         ("kv_cache_bytes", -1, ValueError),
         ("num_threads", 0, ValueError),
         ("seed", 2**64, ValueError),
+        ("kv_events_layout", "json", ValueError),
+        ("kv_events_topic", 7, TypeError),
+        ("kv_events_replay", "localhost:5558", ValueError),
+        ("kv_events_connect", 1, TypeError),
+        ("block_hash", "sha1", ValueError),
+        ("block_hash_seed", 0, TypeError),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
@@ -54,6 +60,32 @@ def test_config_is_frozen_and_takes_numpy_ints_as_ints() -> None:
 def test_one_cache_size_at_a_time() -> None:
     with pytest.raises(ValueError, match="num_blocks or kv_cache_bytes"):
         EngineConfig(num_blocks=8, kv_cache_bytes=2**20)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"kv_events_layout": "array"},
+        {"kv_events_topic": "replica-1"},
+        {"kv_events_replay": "tcp://127.0.0.1:5558"},
+        {"kv_events_connect": True},
+    ],
+)
+def test_wire_settings_need_an_address(setting: dict[str, object]) -> None:
+    (name,) = setting
+    with pytest.raises(ValueError, match=f"{name} needs kv_events to be a ZeroMQ address"):
+        EngineConfig(**setting)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(kv_events=print, **setting)  # type: ignore[arg-type]
+    EngineConfig(kv_events="tcp://127.0.0.1:5557", **setting)  # type: ignore[arg-type]
+
+
+def test_block_hash_needs_events_and_its_seed_needs_sha256_cbor() -> None:
+    with pytest.raises(ValueError, match="block_hash needs kv_events"):
+        EngineConfig(block_hash="sha256_cbor")
+    with pytest.raises(ValueError, match="block_hash_seed applies to"):
+        EngineConfig(kv_events=print, block_hash_seed="0")
+    EngineConfig(kv_events=print, block_hash="sha256_cbor", block_hash_seed="0")
 
 
 def test_an_unknown_setting_is_named_before_anything_loads(tmp_path) -> None:
@@ -88,6 +120,9 @@ def test_each_option_reaches_its_field() -> None:
     argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
     argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
     argv += ["--host-cache", "4GiB", "--kv-cache-dir", "kv", "--disk-cache", "1.5GB"]
+    argv += ["--kv-events-layout", "array", "--kv-events-topic", "pod-1", "--kv-events-connect"]
+    argv += ["--kv-events-replay", "tcp://*:5558", "--block-hash", "sha256_cbor"]
+    argv += ["--block-hash-seed", "42"]
     settings = _parse(argv)
     assert settings == {
         "block_size": 8,
@@ -107,6 +142,12 @@ def test_each_option_reaches_its_field() -> None:
         "host_cache_bytes": 4 * 2**30,
         "kv_cache_dir": "kv",
         "disk_cache_bytes": 1_500_000_000,
+        "kv_events_layout": "array",
+        "kv_events_topic": "pod-1",
+        "kv_events_connect": True,
+        "kv_events_replay": "tcp://*:5558",
+        "block_hash": "sha256_cbor",
+        "block_hash_seed": "42",
     }
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}

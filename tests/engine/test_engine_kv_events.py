@@ -7,15 +7,15 @@ from __future__ import annotations
 import logging
 import time
 
-import msgpack
 import pytest
 import zmq
 from router_index import BlockHashIndex
 from tiny_llama import random_prompts
+from vllm_kv_events import DECODER, VllmBlockStored, vllm_chain
 
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, KVEvent
-from radixkv.kv_events import KVEventFeed
+from radixkv.kv_events import END_SEQ, KVEventFeed
 
 B = 4
 
@@ -47,25 +47,65 @@ def test_an_engine_without_kv_events_records_none(tiny_model_dir) -> None:
     assert llm.cache.take_events() == []
 
 
-def test_an_endpoint_publishes_vllm_batches(tiny_model_dir) -> None:
-    endpoint = "inproc://radixkv-engine-kv-events"
-    llm = LLM(str(tiny_model_dir("gqa")), block_size=B, num_blocks=40, kv_events=endpoint)
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    time.sleep(0.2)  # inproc SUB joins at once; the pause only covers the connect
-    llm.generate(random_prompts(6, 2, min_len=12, max_len=20), SamplingParams(max_tokens=2))
-    kinds: list[str] = []
-    deadline = time.monotonic() + 10
-    while not kinds and time.monotonic() < deadline:
+def receive(sub: zmq.Socket, until: float) -> list[list[bytes]]:
+    """Every message that arrives before `until` (monotonic), after the first."""
+    messages: list[list[bytes]] = []
+    while time.monotonic() < until and (not messages or sub.poll(500)):
         if sub.poll(100):
-            _, seq, payload = sub.recv_multipart()
-            ts, events, rank = msgpack.unpackb(payload)
-            assert rank == 0 and ts > 0 and int.from_bytes(seq, "big") >= 0
-            kinds += [e[0] for e in events]  # tagged arrays: the tag first
+            messages.append(sub.recv_multipart())
+    return messages
+
+
+def replay() -> list[tuple[int, bytes]]:
+    """The batches the replica's replay endpoint serves from sequence number 0 on."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect("inproc://radixkv-engine-replay")
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    replies = []
+    while dealer.poll(10_000):
+        _, seq, payload = dealer.recv_multipart()
+        if seq == END_SEQ:
+            break
+        replies.append((int.from_bytes(seq, "big"), payload))
+    dealer.close(linger=0)
+    return replies
+
+
+@pytest.mark.parametrize("seed", [None, "0"])
+def test_a_bound_endpoint_publishes_what_vllm_decodes_with_vllms_hashes(tiny_model_dir, seed):
+    """Bound on loopback (the default) with a topic and sha256_cbor: every message decodes with
+    vLLM 0.33's structs, carries the topic, and the prompt's blocks have vLLM's hashes."""
+    llm = LLM(
+        str(tiny_model_dir("gqa")),
+        block_size=B,
+        num_blocks=40,
+        kv_events="tcp://127.0.0.1:*",
+        kv_events_topic="replica-7",
+        kv_events_replay="inproc://radixkv-engine-replay",
+        block_hash="sha256_cbor",
+        block_hash_seed=seed,
+    )
+    publisher = llm.kv_events.publisher
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"replica-7")
+    sub.connect(publisher.last_endpoint)  # connects: the replica bound it
+    time.sleep(0.5)  # a TCP SUB joins asynchronously; PUB drops what comes before
+    prompt = random_prompts(6, 1, min_len=17, max_len=17)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    messages = receive(sub, time.monotonic() + 10)
     sub.close(linger=0)
+    replayed = replay()
     llm.kv_events.close()
-    assert kinds and set(kinds) <= {"BlockStored", "BlockRemoved"}
+    assert messages and publisher.num_batches_sent == len(messages)
+    assert replayed == [(int.from_bytes(m[1], "big"), m[2]) for m in messages]
+    assert {m[0] for m in messages} == {b"replica-7"}
+    batches = [DECODER.decode(m[2]) for m in messages]  # every one decodes, or this raises
+    events = [e for b in batches for e in b.events]
+    assert all(b.data_parallel_rank == 0 for b in batches)
+    stored = [e for e in events if isinstance(e, VllmBlockStored)]
+    hashes = [h for e in stored for h in e.block_hashes]
+    assert hashes == vllm_chain(seed or "vllm-none-hash", prompt[:16], B)
+    assert all(e.group_idx == 0 and e.medium == "GPU" for e in stored)
 
 
 @pytest.mark.parametrize(

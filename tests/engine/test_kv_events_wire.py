@@ -1,10 +1,11 @@
 """KV events on the wire: the bytes decode with vLLM's own struct definitions, over real ZeroMQ.
 
-The msgspec structs below mirror `vllm/distributed/kv_events.py` field for field (order, types,
-defaults and struct options): a router built on vLLM's definitions decodes what radixkv sends.
-The batch is `array_like` (`[ts, events, data_parallel_rank]`); events come in both layouts vLLM
-has used: `array_like` tagged arrays (its releases; what llm-d's and AIBrix's readers decode) and
-tagged maps (later revisions). NVIDIA Dynamo's reader takes either.
+The msgspec structs of `vllm_kv_events` mirror `vllm/distributed/kv_events.py` of vLLM 0.33
+(the current release) field for field (order, types, defaults and struct options): a router
+built on vLLM's definitions decodes what radixkv sends. The batch is `array_like` (`[ts, events,
+data_parallel_rank]`); events are tagged maps by default (vLLM 0.33) or, as an option, the
+`array_like` tagged arrays of older releases (what llm-d's and AIBrix's readers decode). NVIDIA
+Dynamo's reader takes either.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ import numpy as np
 import pytest
 import zmq
 from router_index import BlockHashIndex
+from vllm_kv_events import (
+    DECODER,
+    DECODERS,
+    STRUCTS,
+    KVCacheEvent,
+    KVEventBatch,
+    VllmBlockRemoved,
+    VllmBlockStored,
+)
 
 from radixkv.cache import PrefixCache
 from radixkv.cache.events import (
@@ -28,71 +38,6 @@ from radixkv.cache.events import (
     chain_hashes,
 )
 from radixkv.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
-
-# ---- vLLM's definitions (vllm/distributed/kv_events.py), mirrored for decoding ----
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class VllmBlockStored(KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class VllmBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class VllmAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
-
-
-# The releases' layout: the same structs with `array_like=True` on the event base.
-class ArrayBlockStored(VllmBlockStored, array_like=True, tag="BlockStored"):
-    pass
-
-
-class ArrayBlockRemoved(VllmBlockRemoved, array_like=True, tag="BlockRemoved"):
-    pass
-
-
-class ArrayAllBlocksCleared(VllmAllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
-    pass
-
-
-class ArrayKVEventBatch(EventBatch):
-    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
-
-
-STRUCTS = {
-    "array": (ArrayKVEventBatch, ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared),
-    "map": (KVEventBatch, VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared),
-}
-DECODERS = {layout: msgspec.msgpack.Decoder(type=t[0]) for layout, t in STRUCTS.items()}
-DECODER = DECODERS["array"]  # the publisher's default layout
 
 B = 4
 TOKENS = [7, 0, 2**31, 2**32 - 1, 128, 255, 65535, 65536]  # every msgpack int width
@@ -105,12 +50,21 @@ EVENTS = [
 ]
 
 
-def vllm_events(medium: str | None, layout: str = "array") -> list[KVCacheEvent]:
+def vllm_events(medium: str | None, layout: str = "map") -> list[KVCacheEvent]:
+    """EVENTS as vLLM 0.33 builds them (`vllm/v1/core/block_pool.py`: one extra key entry per
+    block, group 0); the array layout's older structs carry neither."""
     _, stored, removed, cleared = STRUCTS[layout]
+    if layout == "array":
+        return [
+            stored(HASHES, None, TOKENS, B, None, medium, None),
+            stored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None),
+            removed([2**64 - 1, HASHES[1]], medium),
+            cleared(),
+        ]
     return [
-        stored(HASHES, None, TOKENS, B, None, medium, None),
-        stored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None),
-        removed([2**64 - 1, HASHES[1]], medium),
+        stored(HASHES, None, TOKENS, B, None, medium, None, [None, None], 0),
+        stored([2**64 - 1], HASHES[1], [1, 2, 3, 4], B, None, medium, None, [None], 0),
+        removed([2**64 - 1, HASHES[1]], medium, 0),
         cleared(),
     ]
 
@@ -135,17 +89,33 @@ def test_batch_decodes_with_vllm_structs_and_equals_their_encoding(
     assert batch.ts == 1757500000.25 and batch.data_parallel_rank == 3
     assert batch.events == vllm_events(medium, layout)
     if layout == "map":
-        # Byte for byte what vLLM's publisher (msgspec's encoder over these structs) sends.
+        # The values vLLM's publisher (msgspec's encoder over these structs) sends, the same
+        # fields in the same order (msgspec writes a struct's map header at a fixed width,
+        # msgpack at the shortest: the bytes differ there only).
         expected = KVEventBatch(
             ts=1757500000.25, events=vllm_events(medium, layout), data_parallel_rank=3
         )
-        assert payload == msgspec.msgpack.encode(expected)
+        assert in_order(payload) == in_order(msgspec.msgpack.encode(expected))
     else:
         # Arrays stop at lora_name, the last field every vLLM version declares without a
         # default: older structs (without the later fields) and newer ones (defaults filled in,
         # as the decode above shows) both read them.
         _, wire, _ = msgpack.unpackb(payload)
         assert [len(e) for e in wire] == [8, 8, 3, 1]
+
+
+def in_order(payload: bytes) -> Any:
+    """A msgpack payload as Python values, each map as its list of (key, value) pairs."""
+    return msgpack.unpackb(payload, object_pairs_hook=list)
+
+
+def test_a_salted_paths_first_block_carries_the_salt_as_vllm_does() -> None:
+    # vLLM 0.33 publishes block 0's cache salt untagged, one extra-keys entry per block
+    salted = BlockStored(tuple(HASHES), None, tuple(TOKENS), B, "tenant-a")
+    for layout in ("map", "array"):
+        payload = encode_batch([salted], ts=0.0, data_parallel_rank=0, event_layout=layout)
+        (event,) = DECODERS[layout].decode(payload).events
+        assert event.extra_keys == ([("tenant-a",), None] if layout == "map" else None)
 
 
 def test_an_unknown_layout_is_a_value_error() -> None:
@@ -300,10 +270,10 @@ def test_a_real_caches_events_survive_the_wire() -> None:
 
 def test_a_lower_tiers_event_keeps_its_own_medium() -> None:
     """The publisher's `medium` names the device pool; host and disk events carry theirs."""
-    events = [BlockStored((5,), None, (1, 2, 3, 4), B, "CPU"), BlockRemoved((5,), "DISK")]
-    batch = DECODER.decode(encode_batch(events, ts=1.0, data_parallel_rank=0, medium="GPU"))
-    _, stored, removed, _ = STRUCTS["array"]
-    assert batch.events == [
-        stored([5], None, [1, 2, 3, 4], B, None, "CPU", None),
-        removed([5], "DISK"),
+    events = [
+        BlockStored((5,), None, (1, 2, 3, 4), B, medium="CPU"),
+        BlockRemoved((5,), "DISK"),
+        BlockRemoved((6,)),
     ]
+    batch = DECODER.decode(encode_batch(events, ts=1.0, data_parallel_rank=0, medium="GPU"))
+    assert [e.medium for e in batch.events] == ["CPU", "DISK", "GPU"]

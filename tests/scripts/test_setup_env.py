@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$(dirname "$0")/../calls.log"
 """
+# scripts/setup_routers.sh (which skips what is up to date itself), recording each call.
+FAKE_ROUTERS = """#!/usr/bin/env bash
+echo called >> "$(dirname "$0")/../routers.log"
+"""
 
 
 def _checkout(tmp_path: Path) -> Path:
@@ -21,6 +25,9 @@ def _checkout(tmp_path: Path) -> Path:
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
     shutil.copy(ROOT / "scripts" / "setup_env.sh", repo / "scripts" / "setup_env.sh")
+    routers = repo / "scripts" / "setup_routers.sh"
+    routers.write_text(FAKE_ROUTERS)
+    routers.chmod(0o755)
     python = repo / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(FAKE_PYTHON)
@@ -53,6 +60,8 @@ def test_switching_between_chat_and_test_installs_once(tmp_path):
     assert len(phases) >= 3 and "ready" in phases[-1]
     for args in [(), ("--test",), (), ("--test",)]:
         assert _setup(repo, *args) == ("", [])
+    # The routers of the fleet tests are set up by every --test run, never by a runtime one.
+    assert (repo / "routers.log").read_text().splitlines() == ["called"] * 3
 
 
 def test_runtime_first_then_test_tools_then_a_changed_pyproject(tmp_path):

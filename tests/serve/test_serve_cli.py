@@ -75,15 +75,17 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
 
 
 def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -> None:
-    import msgpack
     import zmq
+    from vllm_kv_events import DECODER, VllmBlockStored, vllm_chain
 
     from radixkv import SamplingParams
     from radixkv.serve.cli import build_llm, build_parser, engine_services
 
     endpoint = "inproc://radixkv-serve-kv-events"
     argv = ["--model", str(tiny_model_dir("gqa")), "--block-size", "4", "--kv-events", endpoint]
+    argv += ["--kv-events-topic", "replica-1", "--block-hash", "sha256_cbor"]
     llm = build_llm(build_parser().parse_args(argv))
+    assert (llm.config.kv_events_topic, llm.config.block_hash) == ("replica-1", "sha256_cbor")
     services = engine_services(llm)
     assert services == [llm.kv_events.close]
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -91,8 +93,13 @@ def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -
     sub.connect(endpoint)
     llm.generate([list(range(5, 25))], SamplingParams(max_tokens=2))
     assert sub.poll(10_000), "a 20-token prompt stores full blocks: a batch must arrive"
-    _, _, payload = sub.recv_multipart()
-    assert {event[0] for event in msgpack.unpackb(payload)[1]} == {"BlockStored"}
+    topic, _, payload = sub.recv_multipart()
+    assert topic == b"replica-1"
+    events = DECODER.decode(payload).events  # vLLM 0.33's structs
+    assert events and all(isinstance(e, VllmBlockStored) for e in events)
+    # 21 tokens written (the last sampled one has no KV): 5 full blocks, vLLM's hashes
+    hashes = [h for e in events for h in e.block_hashes]
+    assert hashes == vllm_chain("vllm-none-hash", list(range(5, 25)), 4)
     sub.close(linger=0)
     for close in services:
         close()

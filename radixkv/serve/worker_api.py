@@ -1,0 +1,314 @@
+"""The worker endpoints that routers call on each replica, in the schemas the routers read.
+
+A replica behind a router is asked more than the OpenAI routes. What each router calls, read from
+their sources and seen on the wire:
+
+    sglang-router (sgl-model-gateway)
+        GET  /server_info, then /get_server_info   when a worker registers: model_path,
+             served_model_name (its labels), dp_size, max_total_tokens, version ...
+        GET  /model_info, then /get_model_info     model_path, tokenizer_path, is_generation,
+             model_type, architectures
+        GET  /get_load                             [{dp_rank, num_reqs, num_waiting_reqs,
+             num_tokens}] per data-parallel rank; the router sums num_tokens (power_of_two)
+        POST /flush_cache                          fanned out by the router's own /flush_cache
+    vllm-router (cache_aware, kv_aware)
+        POST /v1/chat/completions/render, /v1/completions/render   on every worker for every
+             request: vLLM's GenerateRequest, whose token_ids the router scores against its index
+        POST /tokenize                             the fallback when render is missing
+        GET  /get_server_info, /get_model_info, /health_generate   passed through to workers
+
+Render and tokenize go through `OpenAIServer.prepare_chat` / `prepare_completion`, the very code
+the completion routes run, so the ids a router scores are the ids the engine runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from radixkv.engine.sampling_params import SamplingParams
+from radixkv.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    bad_request,
+)
+
+if TYPE_CHECKING:
+    from radixkv.engine.llm import LLM
+    from radixkv.serve.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+HEALTH_CACHE_SALT = "radixkv-health-check"  # its one-token prompt never enters the shared cache
+
+
+class OpenAIServer(Protocol):
+    """What these routes use of `radixkv.serve.app.OpenAIServer` (which registers them)."""
+
+    llm: LLM
+    config: Any  # ServeConfig: model_name, max_queued_requests
+    engine: EngineLoop
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]: ...
+    def completion_prompt(self, body: CompletionRequest) -> list[int]: ...
+    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]: ...
+    def prepare_completion(self, body: CompletionRequest) -> tuple[list[int], SamplingParams]: ...
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's TokenizeCompletionRequest or TokenizeChatRequest (`prompt` xor `messages`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def add_worker_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """Register the router-facing endpoints on `app` (see the module docstring)."""
+    _add_sglang_routes(app, server)
+    _add_vllm_routes(app, server)
+
+
+# ---------------------------------------------------------------------------------- SGLang
+def _add_sglang_routes(app: FastAPI, server: OpenAIServer) -> None:
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return _server_info(server)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return _model_info(server)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        snap = server.engine.snapshot
+        waiting = server.engine.num_queued
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": snap.num_running + waiting,
+                "num_waiting_reqs": waiting,
+                # KV held by requests (cached-but-evictable blocks are capacity, not load)
+                "num_tokens": snap.num_in_use_blocks * server.llm.cache.block_size,
+            }
+        ]
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        refused = await asyncio.wrap_future(server.engine.call(_flush))
+        if refused is None:
+            return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+        # SGLang answers 400 when requests are running or waiting.
+        message = f"Cache not flushed: {refused}.\n"
+        return Response(message, status_code=400, media_type="text/plain")
+
+
+def _flush(llm: LLM) -> str | None:
+    """Reset the prefix cache when the engine is idle (engine thread). Returns why not, or None."""
+    if llm.has_unfinished_requests():
+        running, waiting = llm.scheduler.num_running, llm.num_waiting_requests
+        return f"{running} requests running and {waiting} waiting"
+    if not llm.cache.reset():
+        return "a request still holds cached blocks"
+    return None
+
+
+def _server_info(server: OpenAIServer) -> dict[str, Any]:
+    """SGLang's /server_info: its server arguments and scheduler info, the fields routers read."""
+    llm, config = server.llm, server.config
+    settings = llm.config
+    max_total_tokens = llm.cache.num_blocks * llm.cache.block_size
+    return {
+        "model_path": llm.model_name,
+        "tokenizer_path": llm.model_name,
+        "served_model_name": config.model_name,
+        "dp_size": 1,
+        "tp_size": 1,
+        "page_size": llm.cache.block_size,
+        "context_length": settings.max_model_len,
+        "max_total_tokens": max_total_tokens,
+        "max_prefill_tokens": settings.max_num_batched_tokens,
+        "chunked_prefill_size": settings.chunked_prefill_size,
+        "max_running_requests": settings.max_num_seqs,
+        "max_req_input_len": settings.max_model_len - 1,
+        "schedule_policy": settings.policy,
+        "disable_radix_cache": not settings.enable_prefix_cache,
+        "max_queued_requests": config.max_queued_requests,
+        "internal_states": [],
+        "version": _version(),
+    }
+
+
+def _model_info(server: OpenAIServer) -> dict[str, Any]:
+    """SGLang's /model_info."""
+    llm = server.llm
+    model_config = llm.model.config
+    return {
+        "model_path": llm.model_name,
+        "tokenizer_path": llm.model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": getattr(model_config, "model_type", None),
+        "architectures": list(getattr(model_config, "architectures", None) or []),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"radixkv-{version('radixkv')}"
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "radixkv"
+
+
+# ------------------------------------------------------------------------------------ vLLM
+def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        prompt, params = server.prepare_chat(body)
+        return _generate_request("chatcmpl", server, body, prompt, params)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        prompt, params = server.prepare_completion(body)
+        return [_generate_request("cmpl", server, body, prompt, params)]
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tokens = _tokenize(server, body)
+        tokenizer = server.llm.tokenizer
+        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": server.llm.config.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        _check_model(server, body.model)
+        vocab = server.llm.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}", "tokens")
+        return {"prompt": server.llm.decode(body.tokens)}
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return await _health_generate(server)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict[str, Any]:
+        _check_model(server, model_id)
+        return {
+            "id": server.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "radixkv",
+            "max_model_len": server.llm.config.max_model_len,
+        }
+
+
+def _generate_request(
+    kind: str,
+    server: OpenAIServer,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt: list[int],
+    params: SamplingParams,
+) -> dict[str, Any]:
+    """vLLM's GenerateRequest (`vllm/entrypoints/serve/disagg/protocol.py`): what the request
+    would run, as the engine takes it."""
+    sampling = asdict(params)
+    sampling["stop_token_ids"] = list(params.stop_token_ids)
+    return {
+        "request_id": f"{kind}-{uuid.uuid4().hex}",
+        "token_ids": prompt,
+        "features": None,
+        "sampling_params": sampling,
+        "model": body.model,
+        "stream": body.stream,
+        "stream_options": body.stream_options.model_dump() if body.stream_options else None,
+        "cache_salt": body.cache_salt,
+        "priority": 0,
+        "token_offsets": None,
+    }
+
+
+def _tokenize(server: OpenAIServer, body: TokenizeRequest) -> list[int]:
+    """vLLM's /tokenize: a chat through the chat template (with the assistant's turn opened,
+    exactly as generation renders it) or a prompt through the tokenizer."""
+    _check_model(server, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        if not body.add_generation_prompt or body.continue_final_message:
+            raise bad_request(
+                "only add_generation_prompt=true without continue_final_message is supported: "
+                "the chat prompt as generation renders it",
+                "add_generation_prompt",
+            )
+        if body.add_special_tokens:
+            raise bad_request("the chat template adds the special tokens", "add_special_tokens")
+        return server.chat_prompt(ChatCompletionRequest(messages=body.messages))
+    if body.add_special_tokens is False:
+        tokenizer = server.llm.tokenizer
+        if tokenizer is None:
+            raise bad_request("the model has no tokenizer", "prompt")
+        return list(tokenizer.encode(body.prompt, add_special_tokens=False))
+    return server.completion_prompt(CompletionRequest(prompt=body.prompt))
+
+
+def _check_model(server: OpenAIServer, model: str | None) -> None:
+    """404 for a model this server does not serve, as vLLM's `_check_model` answers."""
+    if model is not None and model != server.config.model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {server.config.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def _health_generate(server: OpenAIServer) -> Response:
+    """SGLang's /health_generate: 200 once the engine has produced a token for a one-token
+    request (proof that it steps), 503 if it does not within the timeout or is stopped."""
+    if not server.engine.is_alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    params = SamplingParams(max_tokens=1)
+    stream = await server.engine.submit([0], params, cache_salt=HEALTH_CACHE_SALT)
+    try:
+        update = await asyncio.wait_for(stream.updates.get(), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        logger.error("health_generate: no token within %.0f s", HEALTH_GENERATE_TIMEOUT_S)
+        return JSONResponse({"status": "no token from the engine"}, status_code=503)
+    finally:
+        server.engine.release(stream)
+    if isinstance(update, BaseException) or update.error is not None:
+        return JSONResponse({"status": "the engine failed"}, status_code=503)
+    return JSONResponse({"status": "ok"})
