@@ -192,7 +192,11 @@ class Scheduler:
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
-            tuple(rows), tuple(copies), tuple(preempted), tuple(self._aborted_ids)
+            tuple(rows),
+            tuple(copies),
+            tuple(preempted),
+            tuple(self._aborted_ids),
+            tuple(self.cache.take_transfers()),
         )
         self._aborted_ids.clear()
         if rows:
@@ -312,6 +316,16 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting = {req.request_id: req, **self._waiting}  # O(waiting): preemption is rare
+
+    def requeue(self, request_id: str) -> None:
+        """Send a request admitted in the step in flight back to the front of the waiting queue,
+        inserting nothing it was to read or write (a load into its blocks failed), so that its
+        next admission matches what the cache holds then. Its row of that step is ignored."""
+        req = self._running.pop(request_id)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self._waiting = {request_id: req, **self._waiting}
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
         """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on

@@ -11,6 +11,7 @@ Torch-free, so the command line's help can show the defaults without loading tor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ _SIZES = {
     "defer_shared_prefix_tokens": 0,
     "max_model_len": 1,
     "num_threads": 1,
+    "host_cache_bytes": 0,
+    "disk_cache_bytes": 1,
 }
 _SWITCHES = (
     "enable_prefix_cache",
@@ -44,6 +47,7 @@ _SWITCHES = (
     "enforce_eager",
     "async_scheduling",
     "kv_events_connect",
+    "host_cache_write_through",
 )
 _AUTO = ("async_scheduling",)  # the switches that may be None (chosen by the device)
 # Settings of the events' wire, which only an address has.
@@ -99,7 +103,8 @@ class EngineConfig:
     # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
     # same. None: on with CUDA; off on a CPU, whose forward runs on the host itself, so there is
-    # nothing to overlap and only the bookkeeping would be paid.
+    # nothing to overlap and only the bookkeeping would be paid. Off with a host tier: the
+    # overlapped step does not run tier moves yet.
     async_scheduling: bool | None = None
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
@@ -123,6 +128,17 @@ class EngineConfig:
     block_hash: str = "xxh64"
     block_hash_seed: str | None = None
 
+    # The tiers below the device pool (`radixkv.cache.tiers`): a host pool of `host_cache_bytes`
+    # (0: none; pinned on CUDA) takes the full blocks the device pool evicts, and a disk tier in
+    # the folder `kv_cache_dir` (None: none; it needs the host tier) of at most
+    # `disk_cache_bytes` takes what the host evicts and outlives the process.
+    host_cache_bytes: int = 0
+    # Copy every committed full block to the host at once, instead of when the device evicts it
+    # (write-back, the default: see benchmarks/RESULTS.md, tiers).
+    host_cache_write_through: bool = False
+    kv_cache_dir: str | os.PathLike[str] | None = None
+    disk_cache_bytes: int = 8 * 2**30
+
     def __post_init__(self) -> None:
         for name, low in _SIZES.items():
             value = getattr(self, name)
@@ -138,6 +154,13 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {names}, got {self.policy!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, (str, os.PathLike)):
+                raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
+            if not self.host_cache_bytes:
+                raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")
+        if self.async_scheduling and self.host_cache_bytes:
+            raise ValueError("async_scheduling cannot be on with a host tier (host_cache_bytes)")
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:

@@ -43,8 +43,10 @@ from radixkv.engine.overlap import OverlappedSteps
 from radixkv.engine.prompts import PromptInput, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.tier_io import make_tier_io
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Request, Scheduler
+from radixkv.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class _Tracked:
     t_last_token: float | None = None
     output: RequestOutput | None = None
     error: BaseException | None = None
+    failed_load: bool = False  # a load of cached KV for it failed once: the next failure fails it
 
 
 class LLM:
@@ -115,15 +118,24 @@ class LLM:
         max_len = min(config.max_model_len or model_len, model_len)
         device_type = next(self.model.parameters()).device.type
         overlap = config.async_scheduling
-        overlap = device_type == "cuda" if overlap is None else overlap
+        if overlap is None:
+            overlap = device_type == "cuda" and not config.host_cache_bytes
         self.config = replace(config, max_model_len=max_len, async_scheduling=overlap)
         if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
         self.runner.warm_up()
+        self.tiers = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
-        self.cache = PrefixCache(self.runner.num_blocks, config.block_size, kv_events=hasher)
+        self.cache = PrefixCache(
+            self.runner.num_blocks,
+            config.block_size,
+            kv_events=hasher,
+            host_blocks=0 if self.tiers is None else self.tiers.host.num_blocks,
+            disk=None if self.tiers is None else self.tiers.disk,
+            write_through=config.host_cache_write_through,
+        )
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else _event_feed(config)
         self._overlap = OverlappedSteps(self.scheduler, self.runner) if overlap else None
@@ -359,22 +371,70 @@ class LLM:
             raise RuntimeError(
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
+        failed = self._run_transfers(out) if out.transfers else set()
         logits = self.runner.execute(out)
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
         tokens = sample(logits, [t.params for t in records], [t.generator for t in records])
         self.scheduler.update_from_output(out, dict(zip(sample_ids, tokens, strict=True)))
-        return [(t.request, token) for t, token in zip(records, tokens, strict=True)]
+        return [
+            (t.request, token)
+            for t, token in zip(records, tokens, strict=True)
+            if t.request.request_id not in failed
+        ]  # a failed load's row ran on garbage
 
     def _sampling_of(self, request_id: str) -> tuple[SamplingParams, random.Random | None]:
         t = self._tracked[request_id]
         return t.params, t.generator
 
+    def save_kv_cache(self) -> None:
+        """Write every cached full block to the disk tier, so that an engine started later over
+        the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
+        to do without a disk tier. Not during a step."""
+        assert not self._stepping, "save_kv_cache() inside a step"
+        self.cache.persist()
+        moves = self.cache.take_transfers()
+        if moves:
+            assert self.tiers is not None
+            try:
+                self.tiers.run(moves)
+            finally:
+                self.cache.forget_host_blocks(sorted(self.tiers.poisoned_so_far.host))
+            self.tiers.order_before_compute()
+
+    def _run_transfers(self, out: SchedulerOutput) -> set[str]:
+        """The step's tier moves, before its copies and forward. A move that fails leaves blocks
+        holding garbage: the cache forgets the host copies among them, and a request whose row
+        reads one of the device blocks goes back to the waiting queue, to be admitted from what
+        the cache holds then (a block file another process evicted is a miss, not an error);
+        the second time, it fails. Their rows still run, and are ignored. Returns their ids."""
+        tiers = self.tiers
+        assert tiers is not None, "the cache plans moves only with a host tier"
+        try:
+            poisoned = tiers.run(out.transfers)
+        finally:
+            self.cache.forget_host_blocks(sorted(tiers.poisoned_so_far.host))
+        tiers.order_before_compute()
+        if poisoned.device:
+            hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
+            failed = [rid for rid in hit if self._tracked[rid].failed_load]
+            for rid in hit:
+                self._tracked[rid].failed_load = True
+                if rid not in failed:
+                    self.scheduler.requeue(rid)
+            logger.warning("loading cached KV failed: requeued %s, failing %s", hit, failed)
+            self._fail_requests(failed, RuntimeError("loading cached KV into the device failed"))
+            return set(hit)
+        return set()
+
     def _fail(self, step_ids: list[str], exc: BaseException) -> None:
         """Fail the requests of a faulty step: every live one when it failed before its rows were
         known, since then nothing tells which requests it touched."""
         self.scheduler.fail_step()
-        for rid in step_ids or list(self._tracked):
+        self._fail_requests(step_ids or list(self._tracked), exc)
+
+    def _fail_requests(self, request_ids: Sequence[str], exc: BaseException) -> None:
+        for rid in request_ids:
             t = self._tracked.get(rid)
             if t is not None and t.output is None:
                 self.scheduler.abort(rid)  # False where fail_step() failed it already

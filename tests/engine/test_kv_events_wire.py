@@ -267,3 +267,14 @@ def test_a_real_caches_events_survive_the_wire() -> None:
             wire.apply(from_wire(event))
         assert wire.hashes == direct.hashes
     assert cache.stats().num_evicted_blocks > 0
+
+
+def test_a_lower_tiers_event_keeps_its_own_medium() -> None:
+    """The publisher's `medium` names the device pool; host and disk events carry theirs."""
+    events = [
+        BlockStored((5,), None, (1, 2, 3, 4), B, medium="CPU"),
+        BlockRemoved((5,), "DISK"),
+        BlockRemoved((6,)),
+    ]
+    batch = DECODER.decode(encode_batch(events, ts=1.0, data_parallel_rank=0, medium="GPU"))
+    assert [e.medium for e in batch.events] == ["CPU", "DISK", "GPU"]
