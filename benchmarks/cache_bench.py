@@ -304,8 +304,17 @@ class _EvictionCounts:
 class RadixAdapter(_EvictionCounts):
     name = "radixkv"
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: str = "gdsf") -> None:
-        self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size, eviction=eviction)
+    def __init__(
+        self, num_blocks: int, block_size: int, eviction: str = "gdsf", host_ratio: int = 0
+    ) -> None:
+        """`host_ratio`: a host tier of that many times the device blocks (its moves are planned
+        and dropped: the hit rate is what a tier would give, the time what the planning costs)."""
+        self.cache = PrefixCache(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            eviction=eviction,
+            host_blocks=host_ratio * num_blocks,
+        )
         self.block_size = block_size
         self.aborted_query_tokens = 0
         self.aborted_hit_tokens = 0
@@ -317,6 +326,7 @@ class RadixAdapter(_EvictionCounts):
         # Private blocks for everything written, the reply's included: the copy-on-write target
         # of a partial hit block (`table.copy`, the kernels' job), then the uncached part.
         table = cache.admit(request.written, max_hit=num_prompt - 1)
+        cache.take_transfers()
         if table is None:  # the fit is checked read-only: nothing counted, nothing changed
             return None
         self.num_reply_tokens_admitted += len(request.written) - num_prompt
@@ -423,6 +433,7 @@ class PageRadixAdapter(_EvictionCounts):
 ADAPTERS: dict[str, Callable[[int, int], CacheAdapter]] = {
     "radixkv": RadixAdapter,
     "radixkv-lru": partial(RadixAdapter, eviction="lru"),  # the order GDSF replaced
+    "radixkv-host4": partial(RadixAdapter, host_ratio=4),  # + a host tier of 4x the device
     "flat": FlatAdapter,
     "page": partial(PageRadixAdapter, token_granular=False),
     "token": partial(PageRadixAdapter, token_granular=True),
@@ -806,7 +817,14 @@ def _fmt_int(n: float) -> str:
     return f"{int(n):,}"
 
 
-_SHORT = {"radixkv": "rkv", "radixkv-lru": "lru", "flat": "flat", "page": "page", "token": "tok"}
+_SHORT = {
+    "radixkv": "rkv",
+    "radixkv-lru": "lru",
+    "radixkv-host4": "host4",
+    "flat": "flat",
+    "page": "page",
+    "token": "tok",
+}
 
 
 def _grouped(results: Sequence[RunResult]) -> tuple[list[str], dict[tuple, dict[str, RunResult]]]:

@@ -3,12 +3,19 @@ of a 1024-token prefill, with one torch thread (two threads
 stall on OpenMP spin-waits whenever the other core is busy).
 
     .venv/bin/python benchmarks/cpu_step_bench.py [--repeats 5]
+    .venv/bin/python benchmarks/cpu_step_bench.py --against REV   # REV vs this tree, one run
 
 Every engine step (schedule + forward + sample) is timed twice: wall clock, and CPU time of the
 calling thread. On a shared machine the wall clock swings with the neighbours' load; with one torch
 thread all the work runs on the calling thread, so its CPU time is the steadier number. Each
 measurement is warmed up once (never timed) and repeated; the median is printed. Prompts are random
 token ids, distinct per call, so the prefix cache never serves a timed prefill.
+
+`--against REV` runs this script over the package of git revision REV and over this tree's,
+alternately, `--rounds` times each (each run prints its medians as JSON with `--json`), and prints
+the best run of each side and their ratio: both sides face the same machine load. `--overlap-ab`
+does the same with this tree's engine, steps synchronous (before) and overlapped (after); an
+overlapped run has one more step at the end (it reads the last token), timed with the decode.
 
 A second table isolates the kernel layer of one step at the model's shapes: every layer's store_kv +
 paged_attention called with loose tensors (values validated, reference plan rebuilt in each layer)
@@ -18,16 +25,25 @@ against one `AttentionMetadata` built per step and the `*_step` kernels (what th
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from radixkv import LLM, SamplingParams
 from radixkv.kernels import AttentionMetadata, reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, run with -P or not
+from revision import exported
 
 
 class StepTimer:
@@ -54,48 +70,114 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prefill-tokens", type=int, default=1024)
-    args = parser.parse_args()
+def measure(
+    repeats: int, new_tokens: int, prefill_tokens: int, overlap: bool | None = None
+) -> dict[str, list[tuple]]:
+    """measurement name -> [(wall, cpu)] of `repeats` runs, each after one untimed warm-up."""
     torch.set_num_threads(1)
-    llm = LLM(num_threads=1)
+    llm = LLM(num_threads=1) if overlap is None else LLM(num_threads=1, async_scheduling=overlap)
     timer = StepTimer(llm)
     rng = random.Random(0)
 
     def decode(batch: int) -> tuple[float, float]:
         """tokens/s of the decode steps (every step after the one prefill step)."""
-        params = SamplingParams(max_tokens=args.new_tokens + 1, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True)
         prompts = _prompts(rng, batch, 16, llm.vocab_size)
         steps = timer.run(lambda: llm.generate(prompts, params))[1:]
-        assert len(steps) == args.new_tokens, len(steps)
-        return tuple(batch * len(steps) / sum(s[i] for s in steps) for i in (0, 1))
+        assert len(steps) in (new_tokens, new_tokens + 1), len(steps)  # + 1: overlapped
+        return tuple(batch * new_tokens / sum(s[i] for s in steps) for i in (0, 1))
 
     def prefill() -> tuple[float, float]:
         """seconds of every step of a prompt's prefill (generating one token)."""
-        prompts = _prompts(rng, 1, args.prefill_tokens, llm.vocab_size)
+        prompts = _prompts(rng, 1, prefill_tokens, llm.vocab_size)
         steps = timer.run(lambda: llm.generate(prompts, SamplingParams(max_tokens=1)))
         return tuple(sum(s[i] for s in steps) for i in (0, 1))
 
     rows = (
         ("decode tok/s, batch 1", lambda: decode(1)),
         ("decode tok/s, batch 8", lambda: decode(8)),
-        (f"prefill {args.prefill_tokens} tokens, s", prefill),
+        (f"prefill {prefill_tokens} tokens, s", prefill),
     )
+    results = {}
+    for name, fn in rows:
+        fn()  # warm-up, never timed
+        results[name] = [fn() for _ in range(repeats)]
+    results["_llm"] = llm  # for the kernel-layer table
+    return results
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def compare(title: str, sides: dict[str, tuple[str, list[str]]], args: argparse.Namespace) -> None:
+    """This script once per side (name -> (package folder, extra arguments)), alternately,
+    `--rounds` times each; prints the best run of each side and their ratio."""
+    script = Path(__file__).resolve()
+    argv = ["--json", "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens)]
+    argv += ["--prefill-tokens", str(args.prefill_tokens)]
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side, (src, extra) in sides.items():
+            env = {**os.environ, "PYTHONPATH": src}
+            out = subprocess.run(
+                [sys.executable, "-P", str(script), *argv, *extra],
+                cwd=tempfile.gettempdir(),  # not the repo root: kernels/ stays unimportable
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            runs[side].append(json.loads(out.strip().splitlines()[-1]))
+    before, after = sides
+    print(f"{title}, CPU time medians, best of {args.rounds} runs")
+    print(f"| measurement | {before} | {after} | {after} / {before} |")
+    print("|---|---|---|---|")
+    for name in runs[after][0]:
+        best = max if "tok/s" in name else min
+        a = best(r[name] for r in runs[before])
+        b = best(r[name] for r in runs[after])
+        print(f"| {name} | {a:.3f} | {b:.3f} | {b / a:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--against", metavar="REV", help="compare with a git revision")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side with --against")
+    parser.add_argument("--json", action="store_true", help="print CPU-time medians as JSON")
+    parser.add_argument(
+        "--async-scheduling", choices=("on", "off"), help="overlapped steps (default: the engine's)"
+    )
+    parser.add_argument(
+        "--overlap-ab", action="store_true", help="compare synchronous and overlapped steps"
+    )
+    args = parser.parse_args()
+    tree = str(Path(__file__).resolve().parent.parent)
+    if args.against:
+        with exported(args.against) as export:
+            sides = {"before": (str(export), []), "after": (tree, [])}
+            compare(f"{args.against} (before) vs this tree (after)", sides, args)
+        return
+    if args.overlap_ab:
+        sides = {"sync": (tree, ["--async-scheduling", "off"])}
+        sides["overlapped"] = (tree, ["--async-scheduling", "on"])
+        compare("this tree, steps synchronous vs overlapped", sides, args)
+        return
+    overlap = None if args.async_scheduling is None else args.async_scheduling == "on"
+    results = measure(args.repeats, args.new_tokens, args.prefill_tokens, overlap)
+    llm = results.pop("_llm")
+    if args.json:
+        print(json.dumps({k: statistics.median(r[1] for r in v) for k, v in results.items()}))
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.repeats} runs")
     print("| measurement | CPU time: median (min-max) | wall: median (min-max) |")
     print("|---|---|---|")
-    for name, fn in rows:
-        fn()  # warm-up, never timed
-        runs = [fn() for _ in range(args.repeats)]
-        cells = []
-        for i in (1, 0):
-            values = [r[i] for r in runs]
-            cells.append(f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
-        print(f"| {name} | {cells[0]} | {cells[1]} |", flush=True)
-
+    for name, runs in results.items():
+        cpu, wall = _cell([r[1] for r in runs]), _cell([r[0] for r in runs])
+        print(f"| {name} | {cpu} | {wall} |", flush=True)
     print()
     # Last: it writes K/V into the engine's cache blocks behind the prefix cache's back.
     kernel_layer_table(llm, args.repeats)

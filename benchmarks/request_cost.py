@@ -41,13 +41,15 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from radixkv import PackedTokens, PrefixCache
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, run with -P or not
+from revision import exported
 
 CALLS = ("admit", "grow", "commit", "close")
 VOCAB_SIZE = 32000
@@ -136,11 +138,8 @@ def compare(rev: str, args: argparse.Namespace) -> int:
     ours = [*theirs, "--eviction", args.eviction]  # the revision runs its own order
     medians: dict[str, list[float]] = {"before": [], "after": []}
     per_call: dict[str, dict[float, str]] = {"before": {}, "after": {}}  # median -> its calls
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", rev], cwd=root, capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        for name in ("scheduler", "kernels"):  # packaged under radixkv: make them importable
-            os.symlink(os.path.join(tmp, name), os.path.join(tmp, "radixkv", name))
+    with exported(rev) as export:
+        tmp = str(export)
         sides = {"before": tmp, "after": root}
         for _ in range(args.rounds):
             for side, src in sides.items():

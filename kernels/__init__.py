@@ -6,6 +6,8 @@ Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, hea
 - `paged_attention`: causal varlen attention of new tokens over their cached context (decode,
   extend, prefill; GQA; split-KV for long contexts).
 - `copy_blocks`: copy-on-write of the valid leading slots of partial blocks, across layers.
+- `rms_norm`, `rope_store_kv`: the elementwise work of a Llama layer fused into one kernel each
+  (RMSNorm; rotary embedding of q and k together with the K/V store), for the engine's decode.
 
 Each function validates its inputs (a ValueError naming the argument), their values too except in
 the Triton launchers on CUDA (that would sync). The engine calls store_kv and paged_attention once
@@ -31,19 +33,28 @@ from radixkv.kernels.dispatch import (
     copy_blocks,
     paged_attention,
     paged_attention_step,
+    rms_norm,
+    rope_store_kv,
+    rope_store_kv_step,
     store_kv,
     store_kv_step,
     use_backend,
 )
+from radixkv.kernels.jit_monitor import CompileCounter, compile_counter
 from radixkv.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
+    "CompileCounter",
     "backend_for",
     "check_attention_metadata",
+    "compile_counter",
     "copy_blocks",
     "paged_attention",
     "paged_attention_step",
+    "rms_norm",
+    "rope_store_kv",
+    "rope_store_kv_step",
     "store_kv",
     "store_kv_step",
     "use_backend",

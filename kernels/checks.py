@@ -318,3 +318,51 @@ def check_copy_blocks(
         dst_set = set(dst.tolist())
         _require(len(dst_set) == dst.numel(), "dst holds the same block twice")
         _require(not dst_set & set(src.tolist()), "a dst block is also a src block")
+
+
+# ------------------------------------------------------------------------ rms_norm, rope_store_kv
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check_tensor("x", x)
+    _check_tensor("weight", weight)
+    _require(x.dim() >= 1 and x.shape[-1] > 0, f"x must be [..., hidden], got {tuple(x.shape)}")
+    _require(
+        weight.shape == (x.shape[-1],),
+        f"weight must be [hidden={x.shape[-1]}], got {tuple(weight.shape)}",
+    )
+    for name, t in (("x", x), ("weight", weight)):
+        _require(t.dtype in CACHE_DTYPES, f"{name} dtype {t.dtype} not in {CACHE_DTYPES}")
+    _require(x.stride(-1) == 1, "x must have unit stride on hidden")
+    _require(weight.is_contiguous(), "weight must be contiguous")
+    _check_same_device(x.device, weight=weight)
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def check_rope(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """q [num_tokens, num_q_heads, head_dim], k / v [num_tokens, num_kv_heads, head_dim] and the
+    rotary tables cos / sin [num_tokens, head_dim] of the tokens' positions."""
+    _check_tensor("q", q)
+    _require(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
+    num_tokens, _, head_dim = q.shape
+    _require(head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {head_dim}")
+    _require(q.dtype in CACHE_DTYPES, f"q dtype {q.dtype} not in {CACHE_DTYPES}")
+    _require(q.stride(-1) == 1, "q must have unit stride on head_dim")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_tensor(name, t)
+        _require(
+            t.shape == (num_tokens, head_dim),
+            f"{name} must be [num_tokens={num_tokens}, head_dim={head_dim}], got {tuple(t.shape)}",
+        )
+        _require(t.dtype == q.dtype, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+        _require(t.stride(-1) == 1, f"{name} must have unit stride on head_dim")
+    _check_tensor("k", k)
+    _require(
+        k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim,
+        f"k must be [num_tokens={num_tokens}, num_kv_heads, head_dim={head_dim}], "
+        f"got {tuple(k.shape)}",
+    )
+    _check_same_device(q.device, k=k, v=v, cos=cos, sin=sin)

@@ -74,12 +74,20 @@ def _triton_modules() -> dict[str, ModuleType]:
         raise RuntimeError(
             "the triton backend needs the `triton` package; install it or use_backend('torch')"
         )
-    from radixkv.kernels import triton_copy_blocks, triton_paged_attention, triton_store_kv
+    from radixkv.kernels import (
+        triton_copy_blocks,
+        triton_paged_attention,
+        triton_rms_norm,
+        triton_rope_store_kv,
+        triton_store_kv,
+    )
 
     return {
         "store_kv": triton_store_kv,
         "paged_attention": triton_paged_attention,
         "copy_blocks": triton_copy_blocks,
+        "rms_norm": triton_rms_norm,
+        "rope_store_kv": triton_rope_store_kv,
     }
 
 
@@ -166,3 +174,42 @@ def copy_blocks(
 ) -> None:
     """Copy-on-write of partial blocks across the given layers. See `reference.copy_blocks`."""
     _impl("copy_blocks", k_cache).copy_blocks(k_cache, v_cache, src, dst, num_slots)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, as transformers' LlamaRMSNorm. See `reference.rms_norm`."""
+    return _impl("rms_norm", x).rms_norm(x, weight, eps)
+
+
+def rope_store_kv_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Rotary embedding of q and k, then k and v stored at `metadata.slot_mapping`; returns the
+    rotated q: the engine's per-layer call for the models it fuses. See
+    `reference.rope_store_kv`."""
+    return _impl("rope_store_kv", k_cache).rope_store_kv_step(
+        q, k, v, cos, sin, k_cache, v_cache, metadata
+    )
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rope_store_kv_step` over loose tensors. See `reference.rope_store_kv`."""
+    return _impl("rope_store_kv", k_cache).rope_store_kv(
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping
+    )

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from radixkv.kernels.checks import check_copy_blocks, check_paged_attention, check_store_kv
+from radixkv.kernels.checks import (
+    check_copy_blocks,
+    check_new_kv,
+    check_paged_attention,
+    check_rms_norm,
+    check_rope,
+    check_store_kv,
+)
 from radixkv.kernels.metadata import (
     AttentionMetadata,
     GatherBatch,
@@ -40,6 +47,9 @@ __all__ = [
     "copy_blocks",
     "paged_attention",
     "paged_attention_step",
+    "rms_norm",
+    "rope_store_kv",
+    "rope_store_kv_step",
     "store_kv",
     "store_kv_step",
 ]
@@ -250,3 +260,65 @@ def copy_blocks(
             cache[dst_blocks, slots] = cache[src_blocks, slots]
         else:
             cache[:, dst_blocks, slots] = cache[:, src_blocks, slots]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, exactly as transformers' LlamaRMSNorm computes it: the mean
+    square in fp32, the normalised x rounded back to x's dtype, then times weight.
+
+    x: [..., hidden]; weight: [hidden]. Returns [..., hidden] in the promoted dtype of weight and
+    x (the model's dtype when both are).
+    """
+    check_rms_norm(x, weight, eps)
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [num_tokens, heads, head_dim] at cos / sin [num_tokens, head_dim]
+    in transformers' "rotate half" layout: x * cos + rotate_half(x) * sin, the same ops in the
+    same order (so the same bits) as its `apply_rotary_pos_emb`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None]) + (rotated * sin[:, None])
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of q and k, then k and v written at their slots (`store_kv`).
+
+    q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (any token
+    and head strides, unit head_dim stride); cos, sin: [num_tokens, head_dim] in q's dtype (the
+    rotary tables at each token's position); caches and slot_mapping as in `store_kv`.
+    Returns the rotated q, [num_tokens, num_q_heads, head_dim] in q's dtype.
+    """
+    check_rope(q, k, v, cos, sin)
+    store_kv(apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return apply_rope(q, cos, sin)
+
+
+def rope_store_kv_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """`rope_store_kv` at `metadata.slot_mapping`, whose values were checked when it was built."""
+    check_rope(q, k, v, cos, sin)
+    check_new_kv(k, v, k_cache)
+    store_kv_step(apply_rope(k, cos, sin), v, k_cache, v_cache, metadata)
+    return apply_rope(q, cos, sin)

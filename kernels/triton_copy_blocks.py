@@ -1,7 +1,9 @@
 """Triton copy_blocks: copy the first num_slots[i] slots of block src[i] into dst[i], every layer.
 
 The copy-on-write of a partially matched tail block: a request never writes into a block the radix
-tree shares, so the valid leading slots are copied into its fresh private block first.
+tree shares, so the valid leading slots are copied into its fresh private block first. The three
+index vectors are views at per-step offsets of the engine's step buffer: their alignment does not
+specialize the kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from radixkv.kernels.checks import check_copy_blocks
 __all__ = ["copy_blocks"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("src_ptr", "dst_ptr", "num_slots_ptr"))
 def _copy_blocks_kernel(
     k_cache_ptr,
     v_cache_ptr,

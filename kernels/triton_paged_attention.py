@@ -20,7 +20,16 @@ the tile's last visible position are masked: unwritten slots (NaN) are never rea
 
 With more than one split each program writes its normalised partial output and log-sum-exp (base 2)
 to fp32 scratch, and `_merge_splits_kernel` combines them; with one split the output is written
-directly.
+directly. Whether to split is a runtime value (the grid's third dimension), not a constexpr, and the
+merge loops over the splits: one compiled variant serves every split count.
+
+Compiled variants: Triton compiles a kernel once per specialization of its arguments, and by
+default an int argument specializes on being 1 or a multiple of 16 and a pointer on its 16-byte
+alignment. The per-step values (request and token counts, the block-table row stride, query and
+output strides that follow the token count) are marked `do_not_specialize`, the metadata pointers
+(views at per-step offsets of the engine's one step buffer) `do_not_specialize_on_alignment`. What
+is left to specialize is fixed per model and dtype (cache strides, head sizes) plus whether a launch
+is decode-like, so a warm-up of one decode and one prefill step compiles everything.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 4
 # A split of 4 BLOCK_N tiles still amortises its partial-output write and merge read.
 _MIN_TOKENS_PER_SPLIT = 256
-# Bounds the fp32 scratch (splits x tokens x heads x head_dim) and the merge kernel's tile.
+# Bounds the fp32 scratch (splits x tokens x heads x head_dim) and the merge kernel's loop.
 _MAX_KV_SPLITS = 64
 # Extend / prefill tiles of 16-bit inputs: 128 query rows x 64 keys with 8 warps (the shape of
 # Triton's fused-attention tutorial on Hopper); fp32 and head_dim > 128 keep 64 rows, 4 warps.
@@ -64,14 +73,22 @@ def _find_request(cu_seqlens_q_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Launch arguments that change from step to step; see the module docstring.
+_PER_STEP_INTS = ("num_reqs", "num_tokens", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
+_PER_STEP_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")
+
+
+@triton.jit(
+    do_not_specialize=(*_PER_STEP_INTS, "stride_btr"),
+    do_not_specialize_on_alignment=_PER_STEP_POINTERS,
+)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
-    part_out_ptr,  # fp32 [num_splits, num_tokens, num_q_heads, HEAD_DIM] (only when SPLIT)
-    part_lse_ptr,  # fp32 [num_splits, num_tokens, num_q_heads] (only when SPLIT)
+    part_out_ptr,  # fp32 [num_splits, num_tokens, num_q_heads, HEAD_DIM] (read when num_splits > 1)
+    part_lse_ptr,  # fp32 [num_splits, num_tokens, num_q_heads] (read when num_splits > 1)
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
@@ -98,7 +115,6 @@ def _paged_attention_kernel(
     GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
@@ -180,7 +196,7 @@ def _paged_attention_kernel(
     has_mass = l_i > 0.0
     o = acc / tl.where(has_mass, l_i, 1.0)[:, None]
     mask = row_valid[:, None] & d_valid[None, :]
-    if SPLIT:
+    if num_splits > 1:
         split64 = split.to(tl.int64)
         row = (split64 * num_tokens + token) * num_q_heads + head  # [num_splits, tokens, heads]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
@@ -191,7 +207,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", "num_tokens", "stride_ot", "stride_oh"))
 def _merge_splits_kernel(
     part_out_ptr,  # fp32 [num_splits, num_tokens, num_q_heads, HEAD_DIM]
     part_lse_ptr,  # fp32 [num_splits, num_tokens, num_q_heads], base 2, -inf for an empty split
@@ -203,28 +219,32 @@ def _merge_splits_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
-    SPLITS_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """One token, BLOCK_H heads: the splits' partial outputs combined by an online log-sum-exp."""
     token = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_P)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    sh_valid = (offs_s[:, None] < num_splits) & (offs_h[None, :] < num_q_heads)
+    h_valid = offs_h < num_q_heads
+    mask = h_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-    row = (offs_s[:, None].to(tl.int64) * num_tokens + token) * num_q_heads + offs_h[None, :]
-    lse = tl.load(part_lse_ptr + row, mask=sh_valid, other=float("-inf"))  # [SPLITS_P, BLOCK_H]
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[None, :])
-    o = tl.load(
-        part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-        mask=sh_valid[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
-        other=0.0,
-    )
-    total = tl.sum(weight, 0)  # > 0 for every real head: split 0 always sees position 0
-    merged = tl.sum(weight[:, :, None] * o, 0) / tl.where(total > 0.0, total, 1.0)[:, None]
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_P], dtype=tl.float32)
+    for s in range(num_splits):
+        row = (s * num_tokens + token) * num_q_heads + offs_h  # [num_splits, tokens, heads]
+        lse = tl.load(part_lse_ptr + row, mask=h_valid, other=float("-inf"))
+        o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        # Only empty splits so far: keep m = -inf and subtract 0 (-inf - -inf = NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        weight = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + weight[:, None] * o
+        l_i = l_i * alpha + weight
+        m_i = m_new
+    merged = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l > 0: split 0 always sees position 0
     out_offs = token * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
-    mask = (offs_h < num_q_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -364,16 +384,15 @@ def _launch(
         num_kv_splits = default_num_kv_splits(
             real_tiles * num_kv_heads, block_tables.shape[1] * block_size, q.device
         )
-    split = num_kv_splits > 1
-    if split:
+    if num_kv_splits > 1:
         part_out = torch.empty(
             (num_kv_splits, num_tokens, num_q_heads, head_dim), device=q.device, dtype=torch.float32
         )
         part_lse = torch.empty(
             (num_kv_splits, num_tokens, num_q_heads), device=q.device, dtype=torch.float32
         )
-    else:
-        part_out = part_lse = out  # unused by the kernel
+    else:  # unused, but fp32 like the scratch: a pointer of another dtype is another variant
+        part_out = part_lse = torch.empty(0, device=q.device, dtype=torch.float32)
 
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_kv_splits)](
@@ -409,16 +428,14 @@ def _launch(
         GROUP_P=group_p,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        SPLIT=split,
         # fp32 inputs: exact fp32 products (tf32 would lose ~3 decimal digits); else the default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps,
         num_stages=2,
     )
-    if split:
-        splits_p = triton.next_power_of_2(num_kv_splits)
-        # Bound the [splits, heads, head_dim] fp32 tile to ~8k elements (registers on a GPU).
-        block_h = max(1, min(triton.next_power_of_2(num_q_heads), 8192 // (splits_p * head_dim_p)))
+    if num_kv_splits > 1:
+        # Bound the [heads, head_dim] fp32 accumulator to ~4k elements (registers on a GPU).
+        block_h = max(1, min(triton.next_power_of_2(num_q_heads), 4096 // head_dim_p))
         _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
             part_out,
             part_lse,
@@ -430,7 +447,6 @@ def _launch(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_P=head_dim_p,
-            SPLITS_P=splits_p,
             BLOCK_H=block_h,
             num_warps=4,
         )

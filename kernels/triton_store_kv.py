@@ -1,4 +1,8 @@
-"""Triton store_kv: scatter new tokens' K/V into their cache slots (slot < 0: padding, skipped)."""
+"""Triton store_kv: scatter new tokens' K/V into their cache slots (slot < 0: padding, skipped).
+
+The slot mapping is a view at a per-step offset of the engine's step buffer, and the new K/V of
+transformers' attention hook are [heads, tokens] views whose head stride follows the token count:
+neither specializes (see `triton_paged_attention`'s docstring on compiled variants)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ from radixkv.kernels.metadata import AttentionMetadata, check_store_step
 __all__ = ["store_kv", "store_kv_step"]
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=("stride_kt", "stride_kh", "stride_vt", "stride_vh"),
+    do_not_specialize_on_alignment=("slot_mapping_ptr",),
+)
 def _store_kv_kernel(
     key_ptr,
     value_ptr,

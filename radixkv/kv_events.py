@@ -76,8 +76,8 @@ _ARRAY_LENGTH = {"BlockStored": 8, "BlockRemoved": 3, "AllBlocksCleared": 1}
 
 def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
     """One event as current vLLM's tagged msgspec struct encodes it: field -> value in
-    declaration order, the tag first, fields at their defaults left out. Raises TypeError for a
-    non-event."""
+    declaration order, the tag first, fields at their defaults left out; `medium` names the
+    device pool (a lower tier's event names its own). Raises TypeError for a non-event."""
     if isinstance(event, BlockStored):
         extra_keys: list[tuple[str] | None] = [None] * len(event.block_hashes)
         if event.namespace:  # vLLM: an unsalted request has no extra key, as does salt ""
@@ -89,13 +89,14 @@ def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "lora_id": None,
-            "medium": medium,
+            "medium": event.medium or medium,
             "lora_name": None,
             "extra_keys": extra_keys,
             "group_idx": 0,
         }
     if isinstance(event, BlockRemoved):
         hashes = list(event.block_hashes)
+        medium = event.medium or medium
         return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}

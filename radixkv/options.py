@@ -8,6 +8,7 @@ Torch-free: `radixkv --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -23,6 +24,22 @@ class Option:
     type: Callable[[str], Any] | None = int  # None: an on/off switch (--x / --no-x)
     choices: tuple[str, ...] | None = None
     to_field: Callable[[Any], Any] | None = None  # the parsed value -> the field's value
+
+
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_UNITS |= {f"{k}B": v for k, v in _UNITS.items() if k not in ("", "B")}
+_UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes from "4GiB", "512MiB", "1.5GB", "100k" or "65536" (case-insensitive
+    units; KiB, MiB... are powers of 2, KB, MB... powers of 10). argparse.ArgumentTypeError
+    for anything else."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    units = {k.lower(): v for k, v in _UNITS.items()}
+    if match is None or match.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"not a size like 4GiB or 512MB: {text!r}")
+    return int(float(match.group(1)) * units[match.group(2).lower()])
 
 
 def _torch_dtype(name: str) -> Any:
@@ -63,6 +80,12 @@ OPTIONS = (
         to_field=_torch_dtype,
     ),
     Option("--enforce-eager", "enforce_eager", "no CUDA-graph decode (GPU only)", type=None),
+    Option(
+        "--async-scheduling",
+        "async_scheduling",
+        "schedule the next step while the device runs this one (no host tier, logprobs, penalties)",
+        type=None,
+    ),
     Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),
     Option("--seed", "seed", "seed of sampled requests without their own"),
     Option(
@@ -115,6 +138,19 @@ OPTIONS = (
         " vLLM's, 'vllm-none-hash')",
         type=str,
     ),
+    Option(
+        "--host-cache",
+        "host_cache_bytes",
+        "host-memory tier under the KV cache, e.g. 4GiB (0: none)",
+        type=parse_bytes,
+    ),
+    Option(
+        "--kv-cache-dir",
+        "kv_cache_dir",
+        "disk tier in this folder, kept across restarts (needs --host-cache)",
+        type=str,
+    ),
+    Option("--disk-cache", "disk_cache_bytes", "disk tier budget, e.g. 20GiB", type=parse_bytes),
 )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.cache.transfers import Transfer
+
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
@@ -41,6 +43,9 @@ class SchedulerOutput:
     copies: tuple[BlockCopy, ...] = ()  # block copies to perform before the forward
     preempted_ids: tuple[str, ...] = ()  # requests moved back to waiting this step
     finished_ids: tuple[str, ...] = ()  # requests finished by abort/rejection
+    # tier moves (`radixkv.cache.transfers`) the cache planned since the last step, in order: run
+    # before the copies and the forward
+    transfers: tuple[Transfer, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

@@ -9,6 +9,12 @@ Token regions of a request (B = block size):
 While running, at least one token is still to compute (the last sampled token has no KV yet), so
 `num_computed_tokens < len(all_token_ids)`; the next row computes from `num_computed_tokens` on.
 The scheduler owns the block bookkeeping fields; everything else is read-only to callers.
+
+With overlapped steps (`radixkv.engine.overlap`), a step's sampled tokens are read one step late:
+the scheduler appends a placeholder for each sampled row when the step is launched, and the next
+step computes it (the device feeds it the real token); `fill_placeholder` writes the real token
+in, oldest first, and ends generation there if it stops. `num_pending` counts the placeholders,
+always the last output tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Iterable, Sequence
 
 from radixkv.cache.prefix_cache import BlockTable
 from radixkv.cache.tokens import PackedTokens
+
+PLACEHOLDER = 0  # the value of an output token not yet read back (any valid token id would do)
 
 
 class RequestStatus(enum.Enum):
@@ -79,6 +87,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
         self.output_token_ids: list[int] = []
+        self.num_pending = 0  # placeholders at the end of the output, their tokens not yet read
         self.all_token_ids = array("I", self.prompt_token_ids.tobytes())  # prompt + output
         self._packed = self.prompt_token_ids  # all_token_ids when it was last packed
         self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
@@ -119,12 +128,34 @@ class Request:
 
     def append_output_token(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and finish the request if it stops generation."""
+        self.append_placeholder()
+        self.fill_placeholder(token_id, max_model_len)
+
+    def append_placeholder(self) -> None:
+        """One more output token whose value comes later (`fill_placeholder`)."""
         assert self.status is RequestStatus.RUNNING, f"{self}: append while not running"
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(PLACEHOLDER)
+        self.all_token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def fill_placeholder(self, token_id: int, max_model_len: int) -> None:
+        """The oldest placeholder's token; if it stops generation the request finishes and any
+        later placeholder is dropped (the step that computed it is wasted). It may be waiting
+        (preempted since its step was launched): a token does not depend on that."""
+        assert self.num_pending > 0 and not self.is_finished, f"{self}: nothing to fill"
+        index = len(self.output_token_ids) - self.num_pending
+        end = self.num_prompt_tokens + index + 1  # tokens through this one
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[end - 1] = token_id
+        self.num_pending -= 1
+        if len(self._packed) >= end:  # packed with the placeholder in it: repack when read
+            self._packed = self.prompt_token_ids
         if token_id in self.stop_token_ids:
+            del self.output_token_ids[index + 1 :], self.all_token_ids[end:]
+            self.num_pending = 0
             self.set_finished(RequestStatus.FINISHED_STOPPED)
-        elif self.num_tokens >= self.max_num_tokens(max_model_len):
+        elif end >= self.max_num_tokens(max_model_len):
+            assert self.num_pending == 0, f"{self}: a placeholder past the length limit"
             self.set_finished(RequestStatus.FINISHED_LENGTH)
 
     def set_finished(self, status: RequestStatus) -> None:

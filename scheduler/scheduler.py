@@ -28,6 +28,12 @@ from its first chunk on, so fewer requests are admitted under pressure than with
 prefill chunk (concurrent requests with the same prefix share it at once; the lock moves to the
 new deepest node), appends sampled tokens and finishes requests (insert everything written,
 release the lock, free what is still private).
+
+Overlapped steps (`radixkv.engine.overlap`) split it in two: `advance()` when a step is launched
+(rows written, a placeholder per sampled row), `fill()` one step later with the tokens. A request
+whose placeholder is its last allowed token is not scheduled again, and a request preempted with a
+placeholder is not readmitted until it is filled: no row computes past what it may generate, and
+nothing unknown reaches the tree.
 """
 
 from __future__ import annotations
@@ -170,6 +176,8 @@ class Scheduler:
         for req in sorted(running, key=lambda r: r.num_tokens_to_compute > 1):
             if budget == 0:
                 break
+            if req.num_pending and req.num_tokens >= req.max_num_tokens(self._max_len):
+                continue  # its placeholder is its last token: it finishes when that is read
             if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
                 n = min(req.num_tokens_to_compute, self.config.chunked_prefill_size, budget)
                 row = self._schedule_running(req, n, rows, preempted)
@@ -184,7 +192,11 @@ class Scheduler:
             budget = self._admit(budget, rows, copies)
 
         output = SchedulerOutput(
-            tuple(rows), tuple(copies), tuple(preempted), tuple(self._aborted_ids)
+            tuple(rows),
+            tuple(copies),
+            tuple(preempted),
+            tuple(self._aborted_ids),
+            tuple(self.cache.take_transfers()),
         )
         self._aborted_ids.clear()
         if rows:
@@ -201,30 +213,75 @@ class Scheduler:
         Rows of requests aborted since `schedule()` are ignored (a token sampled for them too):
         the engine aborts a request whose row failed before it updates the others.
         """
-        assert not output.rows or output is self._in_flight, "not the last schedule()'s output"
         sample_ids = {r.request_id for r in output.rows if r.sample}
         live_ids = {rid for rid in sample_ids if rid in self._running}
         assert live_ids <= sampled.keys() <= sample_ids, (sampled, sample_ids)
-        if output.rows:
-            self._in_flight = None
-
         finished: list[Request] = []
-        for row in output.rows:
-            req = self._running.get(row.request_id)
-            if req is None:
-                continue  # aborted since schedule()
-            assert row.start_position == req.num_computed_tokens, (row, req)
-            is_prefill = row.start_position < req.num_prefill_tokens
-            req.num_computed_tokens += len(row.token_ids)
-            if row.sample:
-                req.append_output_token(sampled[row.request_id], self._max_len)
-            if self._use_cache and (is_prefill or req.is_finished):
-                self._insert_written(req, writes_on=not req.is_finished)
-            if req.is_finished:
-                self._release(req)  # while still running: after a fault here, `abort` finds it
-                del self._running[req.request_id]
+        for row, req in self._live_rows(output):
+            if self._record_row(row, req, sampled.get(row.request_id)):
                 finished.append(req)
         return finished
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Overlapped steps: record `output`'s rows as written when the step is launched, before
+        its tokens are known; each sampled row appends a placeholder that the next `schedule()`
+        computes (the runner feeds it the token on the device). `fill` brings the tokens."""
+        for row, req in self._live_rows(output):
+            self._record_row(row, req, None)
+
+    def fill(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Overlapped steps: the tokens of an `advance`d step, one step late. Returns the
+        requests that took a token, in row order (a request that finished or was aborted since
+        takes none). A request that stops here gives back the KV the next step computed for it.
+        """
+        took: list[Request] = []
+        for row in output.rows:
+            req = self.get_request(row.request_id) if row.sample else None
+            if req is None:
+                continue  # no token to take, or aborted / finished since
+            req.fill_placeholder(sampled[row.request_id], self._max_len)
+            took.append(req)
+            if req.is_finished and self._running.get(req.request_id) is req:
+                # NOTE: the last token has no KV, as in a step that was not overlapped.
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                self._finish_running(req)
+            elif req.is_finished:  # preempted since its step was launched: holds nothing
+                del self._waiting[req.request_id]
+        return took
+
+    def _live_rows(self, output: SchedulerOutput) -> list[tuple[ScheduledRequest, Request]]:
+        """The rows of the last `schedule()`'s output whose requests are still running (rows of
+        requests aborted since are dropped); the output is no longer in flight."""
+        assert not output.rows or output is self._in_flight, "not the last schedule()'s output"
+        if output.rows:
+            self._in_flight = None
+        live = ((row, self._running.get(row.request_id)) for row in output.rows)
+        return [(row, req) for row, req in live if req is not None]
+
+    def _record_row(self, row: ScheduledRequest, req: Request, token: int | None) -> bool:
+        """A row's KV is written, and its sampled token (a placeholder when None) appended.
+        Inserts the written prefix after a prefill chunk; True if the request finished."""
+        assert row.start_position == req.num_computed_tokens, (row, req)
+        is_prefill = row.start_position < req.num_prefill_tokens
+        req.num_computed_tokens += len(row.token_ids)
+        if row.sample:
+            if token is None:
+                req.append_placeholder()
+            else:
+                req.append_output_token(token, self._max_len)
+        if req.is_finished:
+            self._finish_running(req)
+            return True
+        if self._use_cache and is_prefill:
+            self._insert_written(req, writes_on=True)
+        return False
+
+    def _finish_running(self, req: Request) -> None:
+        """Insert everything a finished request wrote, then free what it holds."""
+        if self._use_cache:
+            self._insert_written(req, writes_on=False)
+        self._release(req)  # while still running: after a fault here, `abort` finds it
+        del self._running[req.request_id]
 
     # ------------------------------------------------------------------ running requests
 
@@ -262,6 +319,16 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting = {req.request_id: req, **self._waiting}  # O(waiting): preemption is rare
+
+    def requeue(self, request_id: str) -> None:
+        """Send a request admitted in the step in flight back to the front of the waiting queue,
+        inserting nothing it was to read or write (a load into its blocks failed), so that its
+        next admission matches what the cache holds then. Its row of that step is ignored."""
+        req = self._running.pop(request_id)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self._waiting = {request_id: req, **self._waiting}
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
         """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on
@@ -315,6 +382,8 @@ class Scheduler:
         for req in self._policy.order(waiting, self.cache if self._use_cache else None):
             if budget == 0 or len(self._running) + num_deferred >= max_seqs:
                 break
+            if req.num_pending:  # preempted in an overlapped step: its tokens are not all known
+                continue
             if defer and admitted and self._defer_for_in_batch_prefix(req, admitted):
                 num_deferred += 1
                 continue

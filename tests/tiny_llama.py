@@ -64,18 +64,15 @@ def build_bpe_chat_tokenizer():
     return fast
 
 
-def build_model(kind: str, seed: int = 0, max_position_embeddings: int = 1024):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    heads, kv_heads, layers = TINY_CONFIGS[kind]
-    config = LlamaConfig(
+def _tiny_sizes(heads: int, kv_heads: int, layers: int) -> dict:
+    """The config fields every tiny test model shares, for `heads` / `kv_heads` / `layers`."""
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=max_position_embeddings,
         # Wider than the default 0.02 so greedy choices are not near-ties that float noise flips.
         initializer_range=0.1,
         bos_token_id=1,
@@ -83,8 +80,27 @@ def build_model(kind: str, seed: int = 0, max_position_embeddings: int = 1024):
         pad_token_id=0,
         tie_word_embeddings=False,
     )
+
+
+def build_model(kind: str, seed: int = 0, max_position_embeddings: int = 1024):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads, kv_heads, layers = TINY_CONFIGS[kind]
+    config = LlamaConfig(
+        **_tiny_sizes(heads, kv_heads, layers), max_position_embeddings=max_position_embeddings
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def build_qwen2(seed: int = 0):
+    """A tiny Qwen2 (biased q/k/v projections): a model class the runner does not fuse, which
+    keeps transformers' modules and the generic attention hooks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**_tiny_sizes(4, 2, 2), max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
 
 
 def random_prompts(

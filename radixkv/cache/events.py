@@ -10,6 +10,11 @@ from three events, the ones vLLM publishes (`radixkv.kv_events` puts them on the
     BlockRemoved(block_hashes)          those blocks left the cache
     AllBlocksCleared()                  everything left the cache
 
+Each names its tier (`medium`, vLLM's field): None for the device pool (the publisher names it,
+"GPU" by default), "CPU" for the host tier and "DISK" for the disk tier (`radixkv.cache.tiers`).
+A block demoted from the device to the host is removed from one and stored in the other; the disk
+tier announces what this process writes or reads and forgets (not the files found at start).
+
 Only FULL blocks are announced: a router indexes whole blocks, and a partial tail (which radixkv
 caches, token-granular) would never match one of its block keys anyway.
 
@@ -70,6 +75,7 @@ class BlockStored:
     # The namespace (cache salt) of the path when the first block is its block 0, else None:
     # vLLM publishes a salt as that block's extra key, for consumers that recompute hashes.
     namespace: str | None = None
+    medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,7 @@ class BlockRemoved:
     """Full blocks left the cache (deepest first along a path)."""
 
     block_hashes: tuple[int, ...]
+    medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +245,7 @@ class EventRecorder:
         """The tokens of the full blocks ending in `node` and their hashes, chained from the
         last full block above it (whose hashes must be computed). Mutates nothing."""
         B = self.block_size
-        tokens = _path_bytes(node, node.start // B * B, node.end // B * B)
+        tokens = path_bytes(node, node.start // B * B, node.end // B * B)
         parent = self._last_hash(node.parent)
         return tokens, chain_hashes(parent, token_bytes_le(tokens), B, self.hasher.block)
 
@@ -259,7 +266,7 @@ def _namespace(node: TreeNode) -> str | None:
     return node.namespace
 
 
-def _path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
+def path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
     """Packed tokens of path positions [lo, hi) (hi <= node.end), read up the ancestors."""
     parts = []
     cursor: TreeNode | None = node

@@ -55,10 +55,20 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.events import XXH64, BlockHasher, EventRecorder, KVEvent
+from radixkv.cache.disk_store import BlockKey, DiskStore, chain_keys
+from radixkv.cache.events import (
+    XXH64,
+    BlockHasher,
+    EventRecorder,
+    KVEvent,
+    path_bytes,
+    token_bytes_le,
+)
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.pool import BlockPool
+from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
+from radixkv.cache.transfers import Transfer
 from radixkv.cache.tree import RadixTree, TreeNode
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
@@ -72,6 +82,8 @@ _COUNTERS = (
     "num_inserted_tokens",
     "num_duplicate_blocks_freed",
     "num_superseded_tails_freed",
+    "num_host_hit_tokens",
+    "num_disk_hit_tokens",
 )
 
 
@@ -86,6 +98,10 @@ class MatchResult:
     block_ids: tuple[int, ...]  # physical blocks of indices 0 .. ceil(m/B)-1 (last may be partial)
     num_partial_slots: int  # m % B: valid slots of the last block when it is partial, else 0
     namespace: str | None = None  # the namespace matched in
+    # Full blocks after `block_ids` found in the lower tiers (then `block_ids` holds whole blocks
+    # only and `num_cached_tokens` counts the hit in every tier): on the host, then on disk.
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
 
     @property
     def last_block_partial(self) -> bool:
@@ -149,6 +165,15 @@ class CacheStats:
     # partial tails of a node that commit() replaced by the new child's copy and freed
     num_superseded_tails_freed: int = 0
     num_namespaces: int = 1  # tree roots: the shared one + namespaces holding something
+    # The lower tiers (`radixkv.cache.tiers`); zeros without them.
+    num_host_blocks: int = 0  # the host tier's size
+    num_host_cached_blocks: int = 0  # host blocks holding a block
+    num_host_hit_tokens: int = 0  # of num_hit_tokens: loaded from the host tier
+    num_disk_hit_tokens: int = 0  # of num_hit_tokens: read from the disk tier
+    num_offloaded_blocks: int = 0  # device -> host copies planned
+    num_loaded_blocks: int = 0  # host -> device copies planned (disk reads included)
+    num_disk_reads: int = 0  # block files read into the host tier
+    num_disk_writes: int = 0  # host blocks written to disk as they left the host tier
 
     @property
     def hit_rate(self) -> float:
@@ -173,6 +198,7 @@ class NodeView:
     lock_ref: int
     last_access: int  # logical tick
     head_tokens: tuple[int, ...]  # first few tokens of the segment
+    num_host_blocks: int = 0  # of its full blocks, those with a copy in the host tier too
 
 
 class PrefixCache:
@@ -194,13 +220,25 @@ class PrefixCache:
         *,
         eviction: str = "gdsf",
         kv_events: bool | BlockHasher = False,
+        host_blocks: int = 0,
+        disk: DiskStore | None = None,
+        write_through: bool = False,
     ) -> None:
         """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed
         block, aged; see `radixkv.cache.eviction`) or "lru"; ValueError for another.
         `kv_events`: record KV events for `take_events()` (see `radixkv.cache.events`), block
-        hashes by xxh64 for True, by the given `BlockHasher` (`make_block_hasher`) otherwise."""
+        hashes by xxh64 for True, by the given `BlockHasher` (`make_block_hasher`) otherwise.
+        `host_blocks`: the host tier's size in blocks (0: none); `disk`: the disk tier (it needs
+        a host tier: its reads and writes go through host blocks). Evicted device blocks are
+        demoted to the host (write-back); `write_through` copies every committed full block
+        to the host at once instead, so an eviction finds it there. The moves are drained with
+        `take_transfers()` (see `radixkv.cache.tiers`). The lower tiers' blocks are named by
+        xxh64 chains: their events are recorded only when the device's are hashed alike."""
         if eviction not in EVICTION_ORDERS:
             raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
+        check_size(host_blocks, "host_blocks", low=0)
+        if disk is not None and (not host_blocks or disk.block_size != block_size):
+            raise ValueError("a disk tier needs a host tier (host_blocks >= 1) and its block size")
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
@@ -208,6 +246,12 @@ class PrefixCache:
         self._events = EventRecorder(self.block_size, hasher) if hasher else None
         order = EVICTION_ORDERS[eviction](self.block_size)
         self._tree = RadixTree(self._pool, order, self._events)
+        self._tiers: LowerTiers | None = None
+        if host_blocks:
+            tier_events = self._events if hasher is XXH64 else None
+            self._tiers = LowerTiers(host_blocks, self.block_size, disk, tier_events)
+            self._tree.on_evict = self._demote
+        self._write_through = write_through and self._tiers is not None
         self._private: set[int] = set()
         self._open: set[BlockTable] = set()  # tables admitted and not yet closed
         self._clock = 0
@@ -235,14 +279,19 @@ class PrefixCache:
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
         _check_namespace(namespace)
         m, _, blocks = self._tree.walk(qb, limit, namespace)
-        return MatchResult(n, m, tuple(blocks), m % self.block_size, namespace)
+        hit, _, h, d = self._lower_hit(qb, limit, namespace, m)
+        if hit == m:
+            return MatchResult(n, m, tuple(blocks), m % self.block_size, namespace)
+        return MatchResult(n, hit, tuple(blocks[: m // self.block_size]), 0, namespace, h, d)
 
     def admit(
         self, tokens: Sequence[int], *, max_hit: int | None, namespace: str | None = None
     ) -> BlockTable | None:
         """A block table covering `tokens`: the hit (at most `max_hit` tokens; None: no match
         and no lock), a private copy of a partial hit block (`BlockTable.copy`, to be done
-        before the KV is written), private blocks for the rest, evicting on demand.
+        before the KV is written), private blocks for the rest, evicting on demand. A hit that
+        goes on in the lower tiers is loaded into the first of the private blocks (the loads
+        are planned for `take_transfers()`, to run before anything reads them).
 
         None if the blocks are not there, and then the cache is untouched: no query counted, no
         recency refreshed. The fit is exact: free + evictable blocks, less those that locking
@@ -253,27 +302,37 @@ class PrefixCache:
         n = len(qb) // TOKEN_BYTES
         _check_namespace(namespace)
         m, node, blocks = 0, None, []
+        hit, keys, h, d = 0, [], 0, 0
         if max_hit is not None:
             limit = min(n, check_size(max_hit, "max_hit", low=0))
             m, node, blocks = self._tree.walk(qb, limit, namespace)
-        partial = m % self.block_size
+            hit, keys, h, d = self._lower_hit(qb, limit, namespace, m)
+        if hit > m:  # the lower tiers' blocks replace the tree's partial block, if any
+            del blocks[m // self.block_size :]
+            partial = 0
+        else:
+            partial = m % self.block_size
         num_new = -(-n // self.block_size) - len(blocks) + bool(partial)
         if not self._fits(num_new, None if max_hit is None else node):
             return None
-        table = BlockTable((), m, None, namespace, None, self._private)
+        table = BlockTable((), max(m, hit), None, namespace, None, self._private)
         if max_hit is not None:
             table.node = node or self._tree.open_root(namespace)
             self._clock += 1
             self._tree.lock_path(table.node, self._clock)  # before allocation evicts
-            self._counts["num_queries"] += 1
-            self._counts["num_query_tokens"] += n
-            self._counts["num_hit_tokens"] += m
+            self._count_hit(n, m, hit, h)
         self._open.add(table)
+        if h or d:
+            self._tiers.pin(keys, h, d)  # type: ignore[union-attr]
         try:
             new = self._allocate(num_new)
         except BaseException:  # a fault (e.g. an interrupt) must not leave the lock held
+            if h or d:
+                self._tiers.unpin(keys, h, d)  # type: ignore[union-attr]
             self.close(table)
             raise
+        if h or d:
+            self._tiers.load(keys, h, d, new)  # type: ignore[union-attr]
         if partial:  # never write into a tree block got from a match: new[0] replaces it
             table.copy = (blocks.pop(), new[0], partial)
         table.blocks = (*blocks, *new)
@@ -327,6 +386,8 @@ class PrefixCache:
         self._counts["num_inserted_tokens"] += n - m
         self._counts["num_duplicate_blocks_freed"] += len(plan.duplicates)
         self._counts["num_superseded_tails_freed"] += superseded
+        if self._write_through and n > m:
+            self._demote(table.node, 0)  # the new leaf's full blocks
 
     def close(self, table: BlockTable) -> None:
         """Release the table's lock and free its private blocks; the table is left empty."""
@@ -360,7 +421,32 @@ class PrefixCache:
         if any(root.lock_ref for root in self._tree.roots.values()):
             return False
         self._tree.clear()
+        if self._tiers is not None:
+            self._tiers.clear()
         return True
+
+    def persist(self) -> None:
+        """Plan copies of every full block the tree holds into the host tier and of the host
+        tier into the disk tier: what a process started later over the same directory finds.
+        Nothing leaves the device; a host tier smaller than the tree spills to disk on the way.
+        Nothing to do without a disk tier."""
+        tiers = self._tiers
+        if tiers is None or tiers.disk is None:
+            return
+        for node, _ in self._tree.iter_nodes():
+            if node.parent is not None:
+                self._demote(node, 0)
+        tiers.write_to_disk()
+
+    def take_transfers(self) -> list[Transfer]:
+        """The tier moves planned since the last call, in the order they must run: before the
+        forward of the step that reads their blocks ([] without lower tiers)."""
+        return [] if self._tiers is None else self._tiers.take_moves()
+
+    def forget_host_blocks(self, host_blocks: Sequence[int]) -> None:
+        """A move failed and left these host blocks holding garbage: their entries go."""
+        if self._tiers is not None:
+            self._tiers.forget(host_blocks)
 
     def take_events(self) -> list[KVEvent]:
         """The KV events recorded since the last call, oldest first ([] when the cache was built
@@ -383,8 +469,19 @@ class PrefixCache:
             # a lock counts once at its root: locks cover whole paths
             num_locked_tables=sum(root.lock_ref for root in tree.roots.values()),
             num_namespaces=len(tree.roots),
+            **self._tier_stats(),
             **c,
         )
+
+    def _tier_stats(self) -> dict[str, int]:
+        tiers = self._tiers
+        if tiers is None:
+            return {}
+        return {
+            "num_host_blocks": tiers.num_host_blocks,
+            "num_host_cached_blocks": len(tiers.entries),
+            **tiers.counts,
+        }
 
     def nodes(self) -> Iterator[NodeView]:
         """Snapshots of all nodes, root first, depth-first, children by increasing first token;
@@ -402,7 +499,15 @@ class PrefixCache:
                 lock_ref=node.lock_ref,
                 last_access=last_use[node.node_id],
                 head_tokens=tuple(unpack_tokens(node.tokens[: 4 * _HEAD_TOKENS])),
+                num_host_blocks=self._num_on_host(node),
             )
+
+    def _num_on_host(self, node: TreeNode) -> int:
+        tiers = self._tiers
+        if tiers is None or node.parent is None or not tiers.entries:
+            return 0
+        keys, _ = self._full_block_keys(node, 0)
+        return sum(map(tiers.holds, keys))
 
     def check_integrity(self) -> None:
         """Recompute every invariant from scratch; raise AssertionError naming the first violation.
@@ -416,6 +521,8 @@ class PrefixCache:
                 raise AssertionError(f"block {b} is both private and owned by the tree")
             owners[b] = 1
         self._pool.check_integrity(owners)
+        if self._tiers is not None:
+            self._tiers.check_integrity()
         # free + evictable + in use == all, where evictable + in use = blocks with an owner
         free, owned = self._pool.num_free, len(owners)
         if free + owned != self.num_blocks:
@@ -454,6 +561,62 @@ class PrefixCache:
         while i and blocks[i - 1] in self._private:
             i -= 1
         return i
+
+    def _lower_hit(
+        self, qb: bytes, limit: int, namespace: str | None, m: int
+    ) -> tuple[int, list[BlockKey], int, int]:
+        """The hit once the lower tiers are probed past the tree's `m` tokens: (hit, keys, h, d),
+        where the keys of the prompt's full blocks from index m // B on have their first h on the
+        host and the next d on disk (just as many as the hit needs); hit == m, keys empty and
+        h == d == 0 when they add nothing. Read-only (the disk is probed, not read)."""
+        tiers, B = self._tiers, self.block_size
+        i0, num_full = m // B, len(qb) // TOKEN_BYTES // B
+        if tiers is None or i0 >= num_full or limit <= m:
+            return m, [], 0, 0
+        if not tiers.entries and tiers.disk is None:
+            return m, [], 0, 0
+        keys = chain_keys(namespace, token_bytes_le(qb[: TOKEN_BYTES * B * num_full]), B)[i0:]
+        h, d = tiers.lookup(keys)
+        hit = min(limit, (i0 + h + d) * B)
+        if hit <= m:
+            return m, [], 0, 0
+        need = -(-hit // B) - i0
+        return hit, keys, min(h, need), need - min(h, need)
+
+    def _count_hit(self, n: int, m: int, hit: int, h: int) -> None:
+        """Count a locking admission of `n` tokens: `m` hit in the tree, or `hit` > m with the
+        lower tiers (the first `h` of their blocks from the host)."""
+        c = self._counts
+        c["num_queries"] += 1
+        c["num_query_tokens"] += n
+        if hit > m:
+            lower_start = m // self.block_size * self.block_size
+            from_host = min(hit, lower_start + h * self.block_size) - lower_start
+            c["num_host_hit_tokens"] += from_host
+            c["num_disk_hit_tokens"] += hit - lower_start - from_host
+        c["num_hit_tokens"] += max(m, hit)
+
+    def _demote(self, node: TreeNode, keep: int) -> None:
+        """`node`'s full blocks from its `keep`-th on are leaving the device (or, written
+        through, may later): the lower tiers take copies of those they lack."""
+        assert self._tiers is not None
+        keys, blocks = self._full_block_keys(node, keep)
+        if keys:
+            self._tiers.demote(keys, blocks)
+
+    def _full_block_keys(self, node: TreeNode, keep: int) -> tuple[list[BlockKey], list[int]]:
+        """The keys and device blocks of the full blocks ending in `node`, from its `keep`-th
+        block on. O(path length): the keys chain over the whole path."""
+        B = self.block_size
+        first, full_end = node.start // B, node.end // B  # full blocks ending in node
+        if first + keep >= full_end:
+            return [], []
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        tokens_le = token_bytes_le(path_bytes(node, 0, full_end * B))
+        keys = chain_keys(root.namespace, tokens_le, B)[first + keep :]
+        return keys, node.blocks[keep : full_end - first]
 
     def _fits(self, num_blocks: int, lock: TreeNode | None) -> bool:
         """Whether `num_blocks` can be allocated (evicting what it takes) once `lock`, if any, is

@@ -31,7 +31,7 @@ asserts and `check_integrity()` recomputes every invariant.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from radixkv.cache.events import EventRecorder
@@ -89,6 +89,9 @@ class RadixTree:
         self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
         self.events = events
+        # Called as (node, keep) before an eviction takes the node's blocks from the `keep`-th
+        # on (0: the node goes): the cache demotes them to a lower tier.
+        self.on_evict: Callable[[TreeNode, int], None] | None = None
         self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
 
     @property
@@ -415,8 +418,11 @@ class RadixTree:
         B = self.block_size
         new_end = (leaf.start // B + len(leaf.blocks) - num_blocks) * B
         assert leaf.start < new_end < leaf.end
+        keep = new_end // B - leaf.start // B
+        if self.on_evict is not None:
+            self.on_evict(leaf, keep)
         if self.events is not None:
-            self.events.removed(leaf, new_end // B - leaf.start // B)
+            self.events.removed(leaf, keep)
         self.index.discard(leaf)
         removed = leaf.end - new_end
         leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
@@ -434,6 +440,8 @@ class RadixTree:
         """Remove an evictable leaf whole; its parent may become an evictable leaf (or, a root,
         be dropped). Returns the tokens removed."""
         self.index.discard(leaf)
+        if self.on_evict is not None:
+            self.on_evict(leaf, 0)
         if self.events is not None:
             self.events.removed(leaf, 0)
         parent = leaf.parent

@@ -137,17 +137,20 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
         file=out,
     )
     interactive = messages is None
-    for message in messages if messages is not None else _prompt_lines():
-        message = message.strip()
-        if not message:
-            continue
-        if not interactive:
-            print(f"you> {message}", file=out)
-        if message.startswith("/"):
-            if _command(message, llm, session, out):
-                break
-            continue
-        _reply(session, message, out, err)
+    try:
+        for message in messages if messages is not None else _prompt_lines():
+            message = message.strip()
+            if not message:
+                continue
+            if not interactive:
+                print(f"you> {message}", file=out)
+            if message.startswith("/"):
+                if _command(message, llm, session, out):
+                    break
+                continue
+            _reply(session, message, out, err)
+    finally:
+        llm.save_kv_cache()  # with --kv-cache-dir: a restarted chat finds its prefixes
     return 0
 
 
@@ -259,8 +262,31 @@ def stats_text(llm: object) -> str:
             f" {s.num_evictable_blocks} cached, {s.num_in_use_blocks} in use",
             f"tree          {s.num_nodes} nodes",
             f"evictions     {s.num_evicted_blocks} blocks, {s.num_evicted_tokens} tokens",
+            *tier_lines(llm),
         ]
     )
+
+
+def tier_lines(llm: object) -> list[str]:
+    """The host and disk tiers' lines of /stats (none without them)."""
+    tiers = llm.tiers  # type: ignore[attr-defined]
+    if tiers is None:
+        return []
+    s = llm.cache.stats()  # type: ignore[attr-defined]
+    moved = {k: f"{t.nbytes / 2**20:.2f} MiB in {t.seconds:.3f} s" for k, t in tiers.totals.items()}
+    lines = [
+        f"host tier     {s.num_host_cached_blocks} of {s.num_host_blocks} blocks used,"
+        f" {s.num_host_hit_tokens} hit tokens; offloaded {moved['offload']},"
+        f" loaded {moved['load']}"
+    ]
+    if tiers.disk is not None:
+        d = tiers.disk.stats()
+        lines.append(
+            f"disk tier     {d.num_files} files, {d.num_bytes / 2**20:.1f} of"
+            f" {d.budget_bytes / 2**20:.0f} MiB, {s.num_disk_hit_tokens} hit tokens;"
+            f" read {moved['disk_read']}, written {moved['disk_write']} ({d.directory})"
+        )
+    return lines
 
 
 def _command(line: str, llm: object, session: object, out: TextIO) -> bool:

@@ -24,8 +24,10 @@ def render_tree(
     Each node shows its token range, token and block counts, lock state and last use (logical
     tick); `decode`, when given, turns the node's first tokens into a short text preview. A node
     whose first block is the same physical block as its parent's last one (a split inside a block)
-    is marked with `~` before its block count: that block is co-owned. At most `max_nodes` lines
-    are drawn.
+    is marked with `~` before its block count: that block is co-owned. Blocks that also have a
+    copy in the host tier are counted after it ("+3 on host"); every block of a node is on the
+    device (what leaves it lives on, below the tree, keyed by its prefix). At most `max_nodes`
+    lines are drawn.
     """
     views = list(nodes)
     children: dict[int | None, list[NodeView]] = {}
@@ -50,7 +52,9 @@ def render_tree(
         )
         lock = f"locked x{v.lock_ref}" if v.lock_ref else "unlocked"
         text = f"#{v.node_id} [{v.start},{v.end}) {v.end - v.start} tok "
-        text += f"{'~' if shared_first else ''}{len(v.block_ids)} blk  {lock}  t={v.last_access}"
+        text += f"{'~' if shared_first else ''}{len(v.block_ids)} blk"
+        text += f" (+{v.num_host_blocks} on host)" if v.num_host_blocks else ""
+        text += f"  {lock}  t={v.last_access}"
         if decode is not None and v.head_tokens:
             preview = decode(v.head_tokens).replace("\n", "\\n")
             if len(preview) > preview_chars:

@@ -1,7 +1,8 @@
 """How a Hugging Face model reads and writes the paged KV cache.
 
 Two hooks, both inside `LlamaAttention.forward` (and every Llama-family attention of
-transformers 5):
+transformers 5), for the models whose modules the runner does not replace (`fused_llama` replaces
+Llama's attention with one that calls the kernels directly):
 
 1. after RoPE, `past_key_values.update(key, value, layer_idx)` -> `PagedKVCache.update` writes the
    step's new K/V into their slots with `kernels.store_kv_step` and hands them back unchanged;
@@ -55,9 +56,11 @@ class PagedKVCache(Cache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states / value_states: [1, kv_heads, num_tokens, head_dim] (after RoPE)
-        key = key_states[0].transpose(0, 1).contiguous()  # [num_tokens, kv_heads, head_dim]
-        value = value_states[0].transpose(0, 1).contiguous()
+        # key_states / value_states: [1, kv_heads, num_tokens, head_dim] (after RoPE); the kernels
+        # take any token and head strides, so the [num_tokens, kv_heads, head_dim] views are not
+        # copied.
+        key = key_states[0].transpose(0, 1)
+        value = value_states[0].transpose(0, 1)
         kernels.store_kv_step(
             key, value, self.k_cache[layer_idx], self.v_cache[layer_idx], self.metadata
         )
@@ -88,7 +91,7 @@ def paged_attention_forward(
             "(model(..., past_key_values=cache, radixkv_cache=cache))"
         )
     layer = module.layer_idx
-    q = query[0].transpose(0, 1).contiguous()  # [num_tokens, heads, head_dim]
+    q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim], a view (any strides will do)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out = kernels.paged_attention_step(

@@ -11,6 +11,7 @@ Torch-free, so the command line's help can show the defaults without loading tor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -37,12 +38,16 @@ _SIZES = {
     "defer_shared_prefix_tokens": 0,
     "max_model_len": 1,
     "num_threads": 1,
+    "host_cache_bytes": 0,
+    "disk_cache_bytes": 1,
 }
 _SWITCHES = (
     "enable_prefix_cache",
     "prefill_first",
     "enforce_eager",
+    "async_scheduling",
     "kv_events_connect",
+    "host_cache_write_through",
     "parse_special_tokens_in_content",
 )
 # Settings of the events' wire, which only an address has.
@@ -95,6 +100,11 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA if present, else the CPU
     dtype: torch.dtype | None = None  # None: fp32 on a CPU, the checkpoint's dtype on CUDA
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
+    # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
+    # while the device runs this one; sampled tokens are read one step late, the output is the
+    # same. Off by default until the overlapped step also runs tier moves, penalties and logprobs
+    # (it refuses them); on a CPU, whose forward runs on the host itself, it cannot help.
+    async_scheduling: bool = False
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
     num_threads: int | None = None
@@ -121,6 +131,17 @@ class EngineConfig:
     block_hash: str = "xxh64"
     block_hash_seed: str | None = None
 
+    # The tiers below the device pool (`radixkv.cache.tiers`): a host pool of `host_cache_bytes`
+    # (0: none; pinned on CUDA) takes the full blocks the device pool evicts, and a disk tier in
+    # the folder `kv_cache_dir` (None: none; it needs the host tier) of at most
+    # `disk_cache_bytes` takes what the host evicts and outlives the process.
+    host_cache_bytes: int = 0
+    # Copy every committed full block to the host at once, instead of when the device evicts it
+    # (write-back, the default: see benchmarks/RESULTS.md, tiers).
+    host_cache_write_through: bool = False
+    kv_cache_dir: str | os.PathLike[str] | None = None
+    disk_cache_bytes: int = 8 * 2**30
+
     def __post_init__(self) -> None:
         for name, low in _SIZES.items():
             value = getattr(self, name)
@@ -128,13 +149,21 @@ class EngineConfig:
                 object.__setattr__(self, name, check_size(value, name, low=low))
         object.__setattr__(self, "seed", check_seed(self.seed))
         for name in _SWITCHES:
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         names = tuple(POLICIES)  # a tuple: `in` a dict raises a bare TypeError for a list
         if self.policy not in names:
             raise ValueError(f"policy must be one of {names}, got {self.policy!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, (str, os.PathLike)):
+                raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
+            if not self.host_cache_bytes:
+                raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")
+        if self.async_scheduling and self.host_cache_bytes:
+            raise ValueError("async_scheduling cannot be on with a host tier (host_cache_bytes)")
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:

@@ -23,6 +23,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 # forward(views of a split step buffer, its metadata) -> logits [1, T, vocab]
 DecodeForward = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
+# Writes input tokens that are still on the device into a step's device `input_ids` (overlapped
+# steps: `radixkv.engine.overlap`).
+TokenFeed = Callable[[torch.Tensor], None]
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -67,6 +71,22 @@ def is_decode_step(rows: Sequence[ScheduledRequest]) -> bool:
     return all(len(r.token_ids) == 1 and r.sample for r in rows)
 
 
+def capture_graph(
+    fn: Callable[[], torch.Tensor], device: torch.device, pool: object | None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn` run once off the capture stream (it compiles the Triton kernels and runs lazy inits),
+    then captured into a graph sharing the memory `pool`: (the graph, the output it writes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class DecodeGraphs:
     """Decode forwards captured per bucket (`decode_buckets(max_num_seqs)`), over one static input
     buffer of `graph_max_blocks` block-table columns and one memory pool.
@@ -93,6 +113,7 @@ class DecodeGraphs:
         # bucket -> (its graph, the logits buffer the graph writes)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # decode steps computed by a graph (a statistic)
+        self.capture_s = 0.0  # seconds the capture took, compiles included (a statistic)
         self._capture_all(forward, kv_cache_shape)
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
@@ -104,9 +125,10 @@ class DecodeGraphs:
             and max(len(r.block_table) for r in rows) <= self.max_blocks
         )
 
-    def run(self, rows: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def run(self, rows: Sequence[ScheduledRequest], feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the bucket of `rows` (`can_run` must hold). Returns the logits of the real rows,
-        [len(rows), vocab], a view valid until the next replay."""
+        [len(rows), vocab], a view valid until the next replay. `feed` writes device-side input
+        tokens into the static `input_ids` before the replay."""
         bucket = choose_bucket(len(rows), self.buckets)
         assert bucket is not None, f"no bucket for {len(rows)} rows"
         graph, logits = self._graphs[bucket]
@@ -114,6 +136,8 @@ class DecodeGraphs:
         host = self.stager.host(layout.total)
         pack_step(rows, (), self.block_size, layout, host.numpy())
         self.stager.to_device(host, out=self.static)
+        if feed is not None:
+            feed(self.static[:bucket])  # one token per row: the bucket's input_ids come first
         graph.replay()
         self.num_replays += 1
         return logits[0, : len(rows)]
@@ -134,18 +158,10 @@ class DecodeGraphs:
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
             views, metadata = split_step(layout, host, self.static, kv_cache_shape)
-            # Warm-up off the capture stream: compiles the Triton kernels, runs lazy inits.
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                forward(views, metadata)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = forward(views, metadata)
+            graph, logits = capture_graph(partial(forward, views, metadata), device, pool)
             pool = graph.pool()
             self._graphs[bucket] = (graph, logits)
             logger.debug("captured decode graph for batch %d", bucket)
         torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - t0
-        logger.info("captured %d decode graphs in %.2f s", len(self.buckets), elapsed)
+        self.capture_s = time.perf_counter() - t0
+        logger.info("captured %d decode graphs in %.2f s", len(self.buckets), self.capture_s)

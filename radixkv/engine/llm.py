@@ -8,6 +8,8 @@ One step loop, three front doors:
         │
         ▼
     step: schedule() ─► ModelRunner.execute() ─► sample() ─► update_from_output() ─► detokenize
+          (with `async_scheduling`, the next step is launched before this one's tokens are read:
+          `radixkv.engine.overlap`)
 
 Requests of every door advance together in each step. A fault that belongs to one row of a
 step (its sampling, its detokenizing) fails that request alone and the step's other rows go on;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -46,12 +49,15 @@ from radixkv.engine.outputs import (
     StreamDelta,
     TokenLogprobs,
 )
+from radixkv.engine.overlap import OverlappedSteps
 from radixkv.engine.penalties import adjust_logits
 from radixkv.engine.prompts import PromptInput, check_chat_messages, pack_prompts, params_list
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.tier_io import make_tier_io
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Request, Scheduler
+from radixkv.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ class _Tracked:
 
     request: Request
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: random.Random | None
     detok: IncrementalDetokenizer
     t_submit: float
     sink: Callable[[RequestUpdate], None] | None  # where its updates go (generate needs none)
@@ -83,6 +89,7 @@ class _Tracked:
     output: RequestOutput | None = None
     error: BaseException | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
+    failed_load: bool = False  # a load of cached KV for it failed once: the next failure fails it
 
 
 class LLM:
@@ -122,15 +129,27 @@ class LLM:
         self.model_name = loaded.name
         model_len = _max_model_len(self.model.config.get_text_config())
         max_len = min(config.max_model_len or model_len, model_len)
+        device_type = next(self.model.parameters()).device.type
         self.config = replace(config, max_model_len=max_len)
-        if next(self.model.parameters()).device.type == "cpu":
+        if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
+        self.runner.warm_up()
+        self.tiers = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
-        self.cache = PrefixCache(self.runner.num_blocks, config.block_size, kv_events=hasher)
+        self.cache = PrefixCache(
+            self.runner.num_blocks,
+            config.block_size,
+            kv_events=hasher,
+            host_blocks=0 if self.tiers is None else self.tiers.host.num_blocks,
+            disk=None if self.tiers is None else self.tiers.disk,
+            write_through=config.host_cache_write_through,
+        )
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else _event_feed(config)
+        overlap = config.async_scheduling
+        self._overlap = OverlappedSteps(self.scheduler, self.runner) if overlap else None
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
@@ -196,6 +215,8 @@ class LLM:
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
         self.scheduler.check_integrity()
+        if self._overlap is not None:
+            self._overlap.check_integrity()
         assert not self._stepping and not self._orphans, self._orphans
         unfinished = {rid for rid, t in self._tracked.items() if t.output is None}
         live = self.scheduler.running_requests + self.scheduler.waiting_requests
@@ -295,6 +316,11 @@ class LLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         for p in params:
+            if self._overlap is not None and (p.adjusts_logits or p.logprobs is not None):
+                raise ValueError(
+                    "logprobs, penalties and logit_bias need async_scheduling off (the overlapped "
+                    "step samples on the device without them)"
+                )
             if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by token id
                 raise ValueError(
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
@@ -311,7 +337,7 @@ class LLM:
                 request = Request(rid, tokens, p.max_tokens, stop, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 added.append(rid)
-                gen = None if p.greedy else make_generator(seed, self.runner.device)
+                gen = None if p.greedy else make_generator(seed)
                 detok = IncrementalDetokenizer(self.tokenizer)
                 self._tracked[rid] = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
         except BaseException:
@@ -343,14 +369,26 @@ class LLM:
                 self.kv_events.publish(self.cache.take_events())
 
     def _step(self, step_ids: list[str]) -> None:
-        """schedule -> forward -> sample -> update -> detokenize; `step_ids` gets the ids of the
-        step's rows as soon as they are known."""
+        """One step, overlapped or not; each sampled token goes to its request (detokenize,
+        finish, emit). `step_ids` gets the ids of the requests a fault would concern as soon as
+        they are known."""
+        if self._overlap is None:
+            self._synchronous_step(step_ids)
+            return
+        took = self._overlap.step(step_ids, self._sampling_of)
+        now = time.perf_counter()
+        for req, token in took:
+            self._deliver(self._tracked[req.request_id], token, now, None)
+
+    def _synchronous_step(self, step_ids: list[str]) -> None:
+        """schedule -> tier moves -> forward -> sample -> update -> deliver."""
         out = self.scheduler.schedule()
         step_ids.extend(row.request_id for row in out.rows)
         if out.is_empty:
             raise RuntimeError(
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
+        failed = self._run_transfers(out) if out.transfers else set()
         logits = self.runner.execute(out)
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
@@ -368,11 +406,14 @@ class LLM:
         now = time.perf_counter()
         for t, token_logprobs_ in zip(records, logprobs, strict=True):
             token = sampled.get(t.request.request_id)
-            if token is not None:
-                try:
-                    self._advance(t, token, now, token_logprobs_)
-                except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
-                    self._fail_one(t, exc)
+            if token is not None and t.request.request_id not in failed:
+                self._deliver(t, token, now, token_logprobs_)
+
+    def _deliver(self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None) -> None:
+        try:
+            self._advance(t, token, now, logprobs)
+        except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
+            self._fail_one(t, exc)
 
     def _advance(self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None) -> None:
         """Detokenize a request's new token and hand its update to its front door."""
@@ -391,14 +432,58 @@ class LLM:
         logger.error("request %s failed in a step: %r", t.request.request_id, exc)
         self._fail_requests([t.request.request_id], exc)
 
+    def _sampling_of(self, request_id: str) -> tuple[SamplingParams, random.Random | None]:
+        t = self._tracked[request_id]
+        return t.params, t.generator
+
+    def save_kv_cache(self) -> None:
+        """Write every cached full block to the disk tier, so that an engine started later over
+        the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
+        to do without a disk tier. Not during a step."""
+        assert not self._stepping, "save_kv_cache() inside a step"
+        self.cache.persist()
+        moves = self.cache.take_transfers()
+        if moves:
+            assert self.tiers is not None
+            try:
+                self.tiers.run(moves)
+            finally:
+                self.cache.forget_host_blocks(sorted(self.tiers.poisoned_so_far.host))
+            self.tiers.order_before_compute()
+
+    def _run_transfers(self, out: SchedulerOutput) -> set[str]:
+        """The step's tier moves, before its copies and forward. A move that fails leaves blocks
+        holding garbage: the cache forgets the host copies among them, and a request whose row
+        reads one of the device blocks goes back to the waiting queue, to be admitted from what
+        the cache holds then (a block file another process evicted is a miss, not an error);
+        the second time, it fails. Their rows still run, and are ignored. Returns their ids."""
+        tiers = self.tiers
+        assert tiers is not None, "the cache plans moves only with a host tier"
+        try:
+            poisoned = tiers.run(out.transfers)
+        finally:
+            self.cache.forget_host_blocks(sorted(tiers.poisoned_so_far.host))
+        tiers.order_before_compute()
+        if poisoned.device:
+            hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
+            failed = [rid for rid in hit if self._tracked[rid].failed_load]
+            for rid in hit:
+                self._tracked[rid].failed_load = True
+                if rid not in failed:
+                    self.scheduler.requeue(rid)
+            logger.warning("loading cached KV failed: requeued %s, failing %s", hit, failed)
+            self._fail_requests(failed, RuntimeError("loading cached KV into the device failed"))
+            return set(hit)
+        return set()
+
     def _fail(self, step_ids: list[str], exc: BaseException) -> None:
         """Fail the requests of a faulty step: every live one when it failed before its rows were
         known, since then nothing tells which requests it touched."""
         self.scheduler.fail_step()
         self._fail_requests(step_ids or list(self._tracked), exc)
 
-    def _fail_requests(self, rids: list[str], exc: BaseException) -> None:
-        for rid in rids:
+    def _fail_requests(self, request_ids: Sequence[str], exc: BaseException) -> None:
+        for rid in request_ids:
             t = self._tracked.get(rid)
             if t is not None and t.output is None:
                 self.scheduler.abort(rid)  # False where it finished or fail_step() failed it

@@ -15,6 +15,12 @@ Layers of the runner:
   The step's integer inputs travel in one buffer, one host->device copy (`step_inputs`).
 * On CUDA, unless `enforce_eager`, decode steps replay a CUDA graph captured at start-up per
   batch-size bucket (`cuda_graphs`); prefill and mixed steps, and every step on the CPU, run eager.
+* On Triton (CUDA), Llama models get fused RMSNorm and RoPE + K/V store modules (`fused_llama`);
+  other models, and every model on the torch backend, keep transformers' modules and the generic
+  attention hooks.
+* `warm_up()` (the engine calls it once) runs a prefill, a mixed and a decode step so the Triton
+  kernels compile every variant before the first request; a compile after that is logged as a
+  warning with the step's shape (`radixkv.kernels.compile_counter`).
 
 A step syncs with the device only when its logits are read back. The metadata's values are
 re-checked per step only with `validate_steps` (default: the RADIXKV_VALIDATE_STEPS environment
@@ -26,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +42,8 @@ import torch
 from radixkv import kernels
 from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.cuda_graphs import DecodeGraphs
+from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
+from radixkv.engine.fused_llama import fuse_llama_modules
 from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step, split_step
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
@@ -139,6 +147,10 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
         model.set_attn_implementation(register_attention())
+        # The fused Llama modules run where their kernels are Triton; on the torch backend
+        # transformers' own modules are the same computation, and cheaper to call.
+        on_triton = kernels.backend_for(self.device) == "triton"
+        self.fused_modules = on_triton and fuse_llama_modules(model)
         # transformers renamed the forward's cache argument (`past_key_values` -> `cache`, the old
         # name goes in 5.40): pass the one this version declares.
         params = inspect.signature(model.forward).parameters
@@ -151,6 +163,9 @@ class ModelRunner:
             self.device,
         )
         self.stager = InputStager(self.device)
+        # Triton's compile counter, when the kernels run on Triton (on the CPU nothing compiles,
+        # and triton need not be imported at all).
+        self._compiles = kernels.compile_counter() if on_triton else None
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             # Without a max_model_len no sequence can outgrow the pool.
@@ -159,20 +174,63 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs(
                     self._forward, self.stager, self.kv_cache_shape, config.max_num_seqs, max_len
                 )
+        self._compiles_seen = self._compiles.count if self._compiles is not None else 0
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> torch.Tensor:
+    def warm_up(self) -> None:
+        """Run a prefill, a mixed (decode + prefill chunk + copy-on-write) and an eager decode
+        step over scratch blocks, so every Triton kernel variant the engine's steps use is
+        compiled now rather than inside the first requests. Writes garbage K/V into the pool's
+        first blocks: call it before any request runs. Nothing to do on the torch backend."""
+        if self._compiles is None:
+            return
+        t0, compiles = time.perf_counter(), self._compiles.count
+        for step in warm_up_steps(self.kv_cache_shape[0], self.block_size):
+            self._execute_eager(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._compiles_seen = self._compiles.count
+        elapsed = time.perf_counter() - t0
+        logger.info(
+            "warm-up: %d Triton compiles in %.2f s", self._compiles_seen - compiles, elapsed
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step. Returns fp32 logits [num_sampled_rows, vocab] for the rows with
-        `sample=True`, in row order."""
+        `sample=True`, in row order. `feed`, when given, writes input tokens still on the device
+        (an overlapped step's placeholders) into the step's device `input_ids` before the
+        forward."""
         assert not step.is_empty, "execute() needs at least one scheduled row"
+        logits = self._execute(step, feed)
+        counter = self._compiles
+        if counter is not None and counter.count > self._compiles_seen:
+            names = counter.names_since(self._compiles_seen)
+            logger.warning(
+                "%d Triton JIT compile(s) after start-up, in a step of %d rows and %d tokens "
+                "(a shape the warm-up missed): %s",
+                counter.count - self._compiles_seen,
+                len(step.rows),
+                step.num_batched_tokens,
+                ", ".join(names),
+            )
+            self._compiles_seen = counter.count
+        return logits
+
+    def _execute(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(step.rows):
             if step.copies:  # the copies alone, before the replay
                 layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
                 self._copy_blocks(layout.split(self._stage((), step.copies, layout)[1]))
             # A copy: the graph overwrites its output buffer on the next replay.
-            return graphs.run(step.rows).to(torch.float32, copy=True)
+            return graphs.run(step.rows, feed).to(torch.float32, copy=True)
+        return self._execute_eager(step, feed)
+
+    def _execute_eager(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         views, meta = self.build_inputs(step)
+        if feed is not None:
+            feed(views["input_ids"])
         if step.copies:
             self._copy_blocks(views)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
@@ -221,3 +279,28 @@ class ModelRunner:
         # leaves the whole process unable to run another step.
         assert ids.min() >= 0 and ids.max() < self.vocab_size, "token id out of range"
         return split_step(layout, host, dev, self.kv_cache_shape, validate=self.validate_steps)
+
+
+def warm_up_steps(num_blocks: int, block_size: int) -> list[SchedulerOutput]:
+    """The warm-up's steps over blocks [0, num_blocks): a prefill, a mixed step (a decode row, a
+    prefill chunk and a copy-on-write) when the pool has two blocks, and a decode step of up to
+    two rows. Their kernels cover every compiled variant: a step is decode-like (one token per
+    row) or not, everything else a kernel specializes on is fixed per model (see
+    `radixkv.kernels.triton_paged_attention`). The decode rows' block tables are wide (a context
+    over 256 tokens), so on a GPU they split the context and the merge kernel compiles too."""
+    B = block_size
+
+    def row(name: str, num_tokens: int, first_block: int, width: int = 0) -> ScheduledRequest:
+        """`num_tokens` tokens from position 0 in consecutive blocks from `first_block`, the
+        table padded with block 0 to `width` columns."""
+        blocks = tuple(range(first_block, first_block + -(-num_tokens // B)))
+        table = blocks + (0,) * (width - len(blocks))
+        return ScheduledRequest(f"warm-up-{name}", (0,) * num_tokens, 0, table, True)
+
+    steps = [SchedulerOutput(rows=(row("prefill", min(16, num_blocks * B), 0),))]
+    if num_blocks >= 2:
+        mixed = (row("decode", 1, 0), row("chunk", min(8, (num_blocks - 1) * B), 1))
+        steps.append(SchedulerOutput(rows=mixed, copies=(BlockCopy(0, 1, 1),)))
+    decode = tuple(row(f"decode-{i}", 1, i, width=-(-512 // B)) for i in range(min(2, num_blocks)))
+    steps.append(SchedulerOutput(rows=decode))
+    return steps

@@ -1,12 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each request with its own RNG.
+"""Token sampling: greedy, temperature, top-k, top-p, each request with its own random stream.
 
-Masking is vectorised over the batch (per-row temperature / k / p as tensors); the final draw is
-per row because every request owns a `torch.Generator` seeded from its own seed, so a seeded
-request samples the same tokens whatever else shares its batch.
+Masking is vectorised over the batch (per-row temperature / k / p as tensors), and so is the draw.
+Every request owns a `random.Random` seeded from its own seed, which gives one uniform number per
+sampled token on the host; the batch's tokens then come from one inverse-CDF lookup on the device
+(per row, the first token whose cumulative probability passes the row's number), after one small
+copy of the numbers. A seeded request draws the same numbers whatever else shares its batch, so it
+samples the same tokens, on the CPU and on a GPU alike.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
@@ -14,27 +18,16 @@ import torch
 from radixkv.engine.sampling_params import SamplingParams
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A generator for a request's `seed` in [0, 2**64), seeded with the seed's mix."""
-    return torch.Generator(device=device).manual_seed(mix_seed(seed))
-
-
-def mix_seed(seed: int) -> int:
-    """SplitMix64's finalizer: a bijection of [0, 2**64) whose every output bit depends on every
-    input bit. NOTE: torch's CPU generator keeps only the low 32 bits of its seed, so seeds that
-    differ only above bit 31 (0 and 2**32, 0 and 2**63) would give one stream; mixed, distinct
-    seeds give distinct streams on CUDA and collide on a CPU with probability 2**-32 a pair."""
-    mask = 2**64 - 1
-    z = (seed + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
+def make_generator(seed: int) -> random.Random:
+    """A request's random stream: one number per sampled token. `random.Random` hashes the whole
+    integer, so seeds that differ in any bit (0, 2**32, 2**63) give different streams."""
+    return random.Random(seed)
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[random.Random | None],
 ) -> list[int | Exception]:
     """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
     takes the argmax and needs no generator; every other row needs one.
@@ -48,10 +41,7 @@ def sample(
         return []
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     try:
-        tokens = logits.argmax(dim=-1)
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        probs = _probs_of(logits, params, sampled_rows)
     except Exception as exc:
         if len(params) == 1:
             return [exc]
@@ -59,18 +49,78 @@ def sample(
             sample(logits[i : i + 1], [p], [g])[0]
             for i, (p, g) in enumerate(zip(params, generators, strict=True))
         ]
-    faults: dict[int, Exception] = {}
-    for j, i in enumerate(sampled_rows):
-        gen = generators[i]
-        assert gen is not None, f"row {i} samples but has no generator"
-        try:
-            tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        except Exception as exc:  # e.g. NaN logits of this row alone
-            faults[i] = exc
+    tokens = _pick(logits, probs, sampled_rows, generators)
     results: list[int | Exception] = tokens.tolist()  # one device sync for the whole batch
-    for i, exc in faults.items():
-        results[i] = exc
+    unusable = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+    for j in unusable.nonzero().flatten().tolist():
+        results[sampled_rows[j]] = RuntimeError("the row's probabilities are not finite")
     return results
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[random.Random | None],
+) -> torch.Tensor:
+    """`sample` without reading the tokens back (and so without its per-row faults): int64
+    [num_rows] on the logits' device. On CUDA nothing waits for the device (the host numbers
+    travel through pinned memory)."""
+    assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    probs = _probs_of(logits, params, sampled_rows)
+    return _pick(logits, probs, sampled_rows, generators)
+
+
+def _probs_of(
+    logits: torch.Tensor, params: Sequence[SamplingParams], sampled_rows: list[int]
+) -> torch.Tensor:
+    """The sampled rows' filtered probabilities, [len(sampled_rows), vocab]."""
+    if not sampled_rows:
+        return logits[:0]
+    return _filtered_probs(logits[sampled_rows], [params[i] for i in sampled_rows])
+
+
+def _pick(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    sampled_rows: list[int],
+    generators: Sequence[random.Random | None],
+) -> torch.Tensor:
+    """The argmax of every row, with the sampled rows' tokens drawn from `probs` over it."""
+    tokens = logits.argmax(dim=-1)
+    if sampled_rows:
+        uniforms = []
+        for i in sampled_rows:
+            gen = generators[i]
+            assert gen is not None, f"row {i} samples but has no generator"
+            uniforms.append(gen.random())
+        rows = _on(logits.device, sampled_rows, torch.int64)
+        tokens[rows] = _draw(probs, _on(logits.device, uniforms, torch.float32))
+    return tokens
+
+
+def _on(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA through pinned memory, without a
+    synchronization: a pageable copy would wait for the work queued before it."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose cumulative probability exceeds
+    `uniforms[row]` (in [0, 1)) times the row's total. probs: [n, vocab] -> token ids [n].
+
+    A token of zero probability is never drawn: its cumulative value is set to its predecessor's
+    (a parallel scan on a GPU may leave it an ulp-wide step above), and a number that rounds up to
+    the total picks the last token with mass."""
+    cdf = probs.cumsum(dim=-1)
+    cdf = torch.where(probs > 0, cdf, float("-inf")).cummax(dim=-1).values
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, uniforms.to(cdf.dtype)[:, None] * total, right=True)
+    last_with_mass = torch.searchsorted(cdf, total)
+    return torch.minimum(picked, last_with_mass).squeeze(1)
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -78,7 +128,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     logits: [n, vocab] -> probabilities [n, vocab] (renormalised, zero outside the kept set)."""
     vocab = logits.shape[1]
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temps = _on(dev, [p.temperature for p in params], torch.float32)
     # Shifted so the best logit is 0: a temperature too small for fp32 (1e-50 rounds to 0, or
     # underflows the quotient) then sends the others to -inf, the greedy limit, instead of NaN.
     logits = logits.float()
@@ -92,11 +142,11 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # index order, so top-k=1 and a tiny top-p pick the same token as argmax.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)[None, :]
-    k = torch.tensor(top_ks, device=dev)[:, None]
+    k = _on(dev, top_ks, torch.int64)[:, None]
     drop = rank >= k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    p = torch.tensor(top_ps, dtype=torch.float32, device=dev)[:, None]
+    p = _on(dev, top_ps, torch.float32)[:, None]
     # Keep a token when the mass strictly before it is < top_p: the most likely token always stays.
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop = drop | (mass_before >= p)

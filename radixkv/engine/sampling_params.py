@@ -24,7 +24,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = disabled, else keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]
-    # per-request RNG seed in [0, 2**64), distinct seeds distinct streams (`sampler.mix_seed`);
+    # per-request RNG seed in [0, 2**64); distinct seeds give distinct streams (`make_generator`);
     # None = derived from the engine seed and request
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS

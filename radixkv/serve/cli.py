@@ -140,4 +140,7 @@ def engine_services(llm: LLM) -> list[Callable[[], None]]:
     """How to close the services that subscribe to the engine (the KV-event publisher of
     `--kv-events`, started with the engine); the server closes them after the engine thread
     stops, so the last events of a shutdown still go out."""
-    return [] if llm.kv_events is None else [llm.kv_events.close]
+    services = [] if llm.kv_events is None else [llm.kv_events.close]
+    if llm.config.kv_cache_dir is not None:
+        services.append(llm.save_kv_cache)  # a restart over the directory finds the prefixes
+    return services

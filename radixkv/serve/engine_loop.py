@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from radixkv.cache import CacheStats
 from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.engine.sampling_params import SamplingParams
 
@@ -39,6 +40,9 @@ class EngineSnapshot:
     num_in_use_blocks: int = 0
     num_evicted_blocks: int = 0  # totals since start
     num_preemptions: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
+    # per tier move (load, offload, disk_read, disk_write): (bytes, seconds)
+    tier_moves: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -269,4 +273,18 @@ class EngineLoop:
             num_in_use_blocks=stats.num_in_use_blocks,
             num_evicted_blocks=stats.num_evicted_blocks,
             num_preemptions=scheduler.num_preemptions,
+            hit_tokens_by_tier=_hit_tokens_by_tier(stats),
+            tier_moves={}
+            if self.llm.tiers is None
+            else {k: (t.nbytes, t.seconds) for k, t in self.llm.tiers.totals.items()},
         )
+
+
+def _hit_tokens_by_tier(stats: CacheStats) -> dict[str, int]:
+    """Prompt tokens served from each tier since start (the device: the tree's own hits)."""
+    lower = stats.num_host_hit_tokens + stats.num_disk_hit_tokens
+    return {
+        "device": stats.num_hit_tokens - lower,
+        "host": stats.num_host_hit_tokens,
+        "disk": stats.num_disk_hit_tokens,
+    }

@@ -146,6 +146,23 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "radixkv_evicted_blocks", "KV blocks evicted", value=snap.num_evicted_blocks
         )
+        hits = CounterMetricFamily(
+            "radixkv_cache_hit_tokens", "Prompt tokens served by each tier", labels=["tier"]
+        )
+        for tier, n in snap.hit_tokens_by_tier.items():
+            hits.add_metric([tier], n)
+        yield hits
+        moved = CounterMetricFamily(
+            "radixkv_tier_moved_bytes", "KV bytes moved between tiers", labels=["move"]
+        )
+        seconds = CounterMetricFamily(
+            "radixkv_tier_move_seconds", "Time spent moving KV between tiers", labels=["move"]
+        )
+        for move, (nbytes, s) in snap.tier_moves.items():
+            moved.add_metric([move], nbytes)
+            seconds.add_metric([move], s)
+        yield moved
+        yield seconds
         yield CounterMetricFamily(
             "radixkv_preemptions", "Requests preempted (by recompute)", value=snap.num_preemptions
         )

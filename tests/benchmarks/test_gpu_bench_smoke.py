@@ -34,9 +34,22 @@ def test_tiny_run_prints_one_table_and_the_goals(bench, capsys):
     assert f"| metric | {names} | on vs off, x | on vs generate, x | on vs batch, x |" in out
     for label in ("chat total, s", "chat turn 2 mean TTFT, ms", "decode, output tok/s"):
         assert f"| {label} |" in out
+    assert "| start-up (copy, KV cache, warm-up, graphs), s |" in out
+    # Nothing compiles on the CPU (the engine runs the torch reference): zero for every system.
+    assert "| Triton JIT compiles in the timed runs | 0 | 0 | 0 | 0 |" in out
+    assert "| JIT compiles in timed runs (radixkv) | 0 | 0 | met |" in out
     # Greedy, fp32, the same weights: every system's replies (chat turns and decode) agree.
     assert "| replies equal to radixkv cache off (share) | 1.00 | 1.00 | 1.00 | 1.00 |" in out
     assert "| chat time, cache on / off | <= 0.60 |" in out
+
+
+def test_overlapped_and_synchronous_steps_agree(bench, capsys):
+    """The `sync` system (steps not overlapped) beside the others, as gpu_check.sh runs it."""
+    assert bench.main(["--tiny", "--systems", "on,sync,off"]) == 0
+    out = capsys.readouterr().out
+    names = "radixkv cache on | radixkv cache on, steps not overlapped | radixkv cache off"
+    assert f"| metric | {names} | on vs sync, x | on vs off, x |" in out
+    assert "| replies equal to radixkv cache off (share) | 1.00 | 1.00 | 1.00 |" in out
 
 
 def test_workloads_have_the_configured_shape(bench):
@@ -70,3 +83,25 @@ def test_continuous_batching_replies_match_generate(bench):
     expected = bench.HFGenerate(bench.copy.deepcopy(model)).generate(prompts, 5).replies
     got = bench.HFBatch(model, cfg.hf_batch_options).generate(prompts, 5)
     assert got.replies == expected and got.ttft_s is None
+
+
+def test_the_warm_up_runs_both_workloads_and_leaves_nothing_cached(bench, monkeypatch):
+    """Every step shape of the timed runs before they start (a long system-prompt prefill,
+    a turn over a cached prefix, a decode batch), over other tokens, and an empty cache after."""
+    cfg = bench.TINY
+    system = bench.RadixKV(bench.build_model(cfg), cfg, cache=True)
+    calls = []
+    generate = system.generate
+    monkeypatch.setattr(system, "generate", lambda p, n: calls.append((p, n)) or generate(p, n))
+    bench._warm_up(system, cfg)
+    chat_turns = calls[: min(2, cfg.chat_turns)]
+    assert [len(p[0]) for p, _ in chat_turns] == [
+        cfg.chat_system_tokens + cfg.chat_turn_tokens,
+        cfg.chat_system_tokens + 3 * cfg.chat_turn_tokens,
+    ]
+    assert system.llm.cache.stats().num_hit_tokens > 0  # the second turn hit the first
+    prompts, new = calls[-1]
+    assert len(prompts) == min(4, cfg.decode_prompts) and new == min(4, cfg.decode_new_tokens)
+    assert {len(p) for p in prompts} == {cfg.decode_prompt_tokens}
+    stats = system.llm.cache.stats()
+    assert stats.num_free_blocks == stats.num_blocks  # forgotten: the timed runs start cold

@@ -15,9 +15,10 @@ from radixkv import MatchResult, PrefixCache
 
 
 class CheckedCache:
-    """Proxy of a PrefixCache that runs check_integrity() after every public method call."""
+    """Proxy of a PrefixCache (or any object with check_integrity(), such as a DiskStore) that
+    runs check_integrity() after every public method call."""
 
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(self, cache: Any) -> None:
         self.inner = cache
 
     def __getattr__(self, name: str) -> Any:

@@ -299,3 +299,22 @@ def test_the_chat_entry_point_refuses_serve_as_a_usage_error(capsys) -> None:
         cli.main(["serve"])
     assert exit_info.value.code == 2
     assert "radixkv serve" in capsys.readouterr().err
+
+
+def test_a_chat_restarted_over_its_kv_directory_picks_up_its_prefixes(
+    tiny_model_dir, tmp_path, capsys
+):
+    """The first chat's pool (11 blocks of 4) is small enough that its first conversation leaves
+    the device for the second and is loaded back for the third; /stats and /tree show the tiers;
+    at exit the rest is written, so the restarted chat's first reply is served from disk."""
+    model, kv_dir = tiny_model_dir("gqa"), tmp_path / "kv"
+    tiers = ("--host-cache", "12KiB", "--kv-cache-dir", str(kv_dir), "--temperature", "0")
+    first = ["w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21", "w30 w31 w32", "/reset"]
+    first += ["w40 w41 w42 w43 w44 w45 w46 w47 w48 w49", "/reset", first[0], "/stats", "/tree"]
+    code, out, err = _chat_in_process(model, first, tmp_path, capsys, *tiers, "--num-blocks", "11")
+    assert code == 0 and err == ""
+    assert "host tier     " in out and "disk tier     " in out and " on host)" in out
+    code, out, err = _chat_in_process(model, first[:1], tmp_path, capsys, *tiers)
+    assert code == 0 and err == ""
+    ((prompt, cached),) = [m.groups()[:2] for line in out.splitlines() if (m := STATUS.match(line))]
+    assert int(cached) >= int(prompt) // 4 * 4 - 4  # all but the partial tail and its block

@@ -28,6 +28,7 @@ from radixkv.options import OPTIONS, add_engine_options, engine_settings
         ("enable_prefix_cache", 1, TypeError),
         ("prefill_first", "yes", TypeError),
         ("enforce_eager", "no", TypeError),
+        ("async_scheduling", "on", TypeError),
         ("defer_shared_prefix_tokens", -1, ValueError),
         ("defer_shared_prefix_tokens", 1.5, TypeError),
         ("defer_shared_prefix_tokens", True, TypeError),
@@ -47,6 +48,13 @@ from radixkv.options import OPTIONS, add_engine_options, engine_settings
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match=field):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_overlapped_steps_and_a_host_tier_are_refused_together() -> None:
+    # The overlapped step runs no tier moves: together, a host tier's loads would never happen.
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling=True, host_cache_bytes=1 << 20)
+    assert EngineConfig(async_scheduling=False, host_cache_bytes=1 << 20).host_cache_bytes
 
 
 def test_config_is_frozen_and_takes_numpy_ints_as_ints() -> None:
@@ -118,7 +126,9 @@ def test_each_option_reaches_its_field() -> None:
     argv = ["--block-size", "8", "--cache-mb", "3", "--no-prefix-cache", "--max-num-seqs", "2"]
     argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
     argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
+    argv += ["--no-async-scheduling"]
     argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
+    argv += ["--host-cache", "4GiB", "--kv-cache-dir", "kv", "--disk-cache", "1.5GB"]
     argv += ["--parse-special-tokens-in-content"]
     argv += ["--kv-events-layout", "array", "--kv-events-topic", "pod-1", "--kv-events-connect"]
     argv += ["--kv-events-replay", "tcp://*:5558", "--block-hash", "sha256_cbor"]
@@ -136,10 +146,14 @@ def test_each_option_reaches_its_field() -> None:
         "device": "cpu",
         "dtype": torch.bfloat16,
         "enforce_eager": True,
+        "async_scheduling": False,
         "num_threads": 1,
         "seed": 5,
         "kv_events": "tcp://*:5557",
         "parse_special_tokens_in_content": True,
+        "host_cache_bytes": 4 * 2**30,
+        "kv_cache_dir": "kv",
+        "disk_cache_bytes": 1_500_000_000,
         "kv_events_layout": "array",
         "kv_events_topic": "pod-1",
         "kv_events_connect": True,
@@ -150,6 +164,13 @@ def test_each_option_reaches_its_field() -> None:
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}
     EngineConfig(**settings)
+
+
+@pytest.mark.parametrize("size", ["x4", "4XB", "GiB", "1.2.3", ""])
+def test_a_size_that_is_not_one_is_refused(size, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--host-cache", size])
+    assert "not a size" in capsys.readouterr().err
 
 
 def test_help_shows_the_config_defaults(capsys) -> None:

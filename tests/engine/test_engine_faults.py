@@ -19,7 +19,8 @@ import pytest
 from tiny_llama import random_prompts
 
 import radixkv.engine.llm as llm_module
-from radixkv import LLM, RequestUpdate, SamplingParams
+import radixkv.engine.overlap as overlap_module
+from radixkv import LLM, RequestUpdate, SamplingParams, kernels
 from radixkv.engine.attention import PagedKVCache
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 
@@ -93,10 +94,14 @@ def fault(llm: LLM, point: str, at: int, exc: BaseException) -> Iterator[list[bo
             mp.setattr(llm.cache, point, around(getattr(llm.cache, point), True))
         elif point == "forward":
             hook = llm.model.model.layers[1].register_forward_pre_hook(lambda *_: trip())
-        elif point == "kv-store":
+        elif point == "kv-store":  # the fused Llama layers' store, or the generic hook's
+            mp.setattr(kernels, "rope_store_kv_step", around(kernels.rope_store_kv_step, True))
             mp.setattr(PagedKVCache, "update", around(PagedKVCache.update, True))
-        elif point == "sample":
+        elif point == "sample":  # the synchronous step's, or the overlapped step's
             mp.setattr(llm_module, "sample", around(llm_module.sample, True))
+            mp.setattr(
+                overlap_module, "sample_on_device", around(overlap_module.sample_on_device, True)
+            )
         else:
             mp.setattr(IncrementalDetokenizer, "push", around(IncrementalDetokenizer.push, True))
         try:
@@ -121,8 +126,23 @@ def drain(stream: Iterator, caught: list[BaseException]) -> list:
     return deltas
 
 
+@pytest.fixture(scope="module")
+def overlapped_llm(model_dir):
+    return LLM(model_dir, async_scheduling=True, **ENGINE_ARGS)
+
+
 @pytest.mark.parametrize("run", range(64))
 def test_a_fault_anywhere_fails_only_its_step(llm, expected, run):
+    fault_run(llm, expected, run)
+
+
+@pytest.mark.parametrize("run", range(32))
+def test_a_fault_fails_only_the_steps_in_flight_when_overlapped(overlapped_llm, expected, run):
+    """With a step in flight, a fault fails the requests of both steps it concerns."""
+    fault_run(overlapped_llm, expected, run)
+
+
+def fault_run(llm: LLM, expected: list, run: int) -> None:
     rng = random.Random(run)
     point = POINTS[run % len(POINTS)]
     exc = rng.choice([RuntimeError(f"injected {run}"), KeyboardInterrupt(), SystemExit(3)])

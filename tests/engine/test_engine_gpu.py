@@ -61,9 +61,23 @@ def cuda_reference(tiny_model_dir) -> Callable[[str, Sequence[Sequence[int]]], l
     return run
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mha"])
-@pytest.mark.parametrize("block_size", sorted(POOL_BLOCKS))
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+# Each kind, block size and path at least once, in 5 engines rather than all 12 combinations:
+# each new (kind, block size) costs its own Triton compiles. Steps are overlapped (the CUDA
+# default) except at block size 64.
+CASES = [
+    ("gqa", 1, False),
+    ("mha", 16, False),
+    ("gqa", 64, False),
+    ("mha", 1, True),
+    ("gqa", 16, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "block_size", "enforce_eager"),
+    CASES,
+    ids=[f"{k}-b{b}-{'eager' if e else 'graphs'}" for k, b, e in CASES],
+)
 def test_greedy_matches_transformers_on_cuda(
     kind, block_size, enforce_eager, tiny_model_dir, cuda_reference
 ):
@@ -77,6 +91,7 @@ def test_greedy_matches_transformers_on_cuda(
         num_blocks=POOL_BLOCKS[block_size],
         max_num_seqs=6,
         enforce_eager=enforce_eager,
+        async_scheduling=block_size != 64,
     )
     graphs = llm.runner.decode_graphs
     assert (graphs is None) == enforce_eager
@@ -144,3 +159,59 @@ def test_steps_never_sync_and_graphs_equal_eager():
         torch.testing.assert_close(graph_step, eager_step, rtol=1e-5, atol=1e-5)
     # Padded graph batches may pick other matmul kernels: equal up to rounding.
     torch.testing.assert_close(runners[False].k_cache, runners[True].k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_nothing_compiles_after_the_warm_up_on_cuda(tiny_model_dir):
+    """`LLM()` compiles every Triton variant its steps use: prefills, prefix hits with
+    copy-on-write, mixed steps, graph replays of every bucket, eager decode past the largest
+    bucket, long contexts that split, sampled rows. Counted by Triton's own compile hook."""
+    from radixkv.kernels import compile_counter
+
+    counter = compile_counter()
+    assert counter is not None
+    llm = LLM(
+        str(tiny_model_dir("gqa")),
+        device="cuda",
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=6,
+    )
+    assert llm.runner.fused_modules and llm.runner.decode_graphs is not None
+    start = counter.count
+    prompts = random_prompts(3, 12, shared_prefix=40, max_len=60)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8))
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    llm.generate(
+        prompts, [sampled if i % 2 else SamplingParams(max_tokens=i + 3) for i in range(12)]
+    )
+    long_prompt = random_prompts(4, 1, min_len=900, max_len=900)
+    llm.generate(long_prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert counter.count == start, f"compiled after start-up: {counter.names_since(start)}"
+
+
+def test_overlapped_steps_equal_synchronous_on_cuda(tiny_model_dir):
+    """Greedy, seeded and stop-token requests under eviction: the overlapped engine (tokens read
+    one step late, placeholders fed on the device, graphs and eager steps) gives the synchronous
+    engine's tokens."""
+    prompts = random_prompts(43, 10, shared_prefix=20, max_len=40)
+    settings = dict(device="cuda", dtype=torch.float32, block_size=16, num_blocks=10)
+    engines = {
+        on: LLM(str(tiny_model_dir("gqa")), max_num_seqs=6, async_scheduling=on, **settings)
+        for on in (False, True)
+    }
+    stop_probe = SamplingParams(max_tokens=4, ignore_eos=True)
+    (probe,) = engines[False].generate(prompts[2:3], stop_probe)  # its third token stops it
+    params = [
+        SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[probe.token_ids[2]]),
+        SamplingParams(max_tokens=5, temperature=1.2, top_k=20, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=1),
+    ] * 2
+    outs = {on: llm.generate(prompts, params) for on, llm in engines.items()}
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert outs[True][2].finish_reason == "stop"
+    assert engines[True].cache.stats().num_evicted_blocks > 0
+    assert engines[True].runner.decode_graphs.num_replays > 0
+    engines[True].check_integrity()

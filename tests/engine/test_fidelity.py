@@ -24,6 +24,27 @@ VARIANTS = {
     "chunked": dict(block_size=4, num_blocks=512, chunked_prefill_size=5, max_num_batched_tokens=8),
     # Requests admitted while others decode (4 seats for 6): steps that prefill and do not decode.
     "prefill-first": dict(block_size=4, num_blocks=512, max_num_seqs=4, prefill_first=True),
+    # Device pools small enough to evict, a host tier that takes what they evict, loaded back in
+    # the second round; "disk": a host tier of 8 blocks spilling to the disk tier.
+    "tiers-b1": dict(block_size=1, num_blocks=96, max_num_seqs=4, host_cache_bytes=2**20),
+    "tiers-b4": dict(block_size=4, num_blocks=24, max_num_seqs=4, host_cache_bytes=2**20),
+    "tiers-b16": dict(block_size=16, num_blocks=8, max_num_seqs=3, host_cache_bytes=2**20),
+    "tiers-write-through": dict(
+        block_size=4,
+        num_blocks=24,
+        max_num_seqs=4,
+        host_cache_bytes=2**20,
+        host_cache_write_through=True,
+    ),
+    "tiers-disk-chunked": dict(
+        block_size=4,
+        num_blocks=24,
+        max_num_seqs=4,
+        host_cache_bytes=8 * 1536,  # 8 blocks of the larger (MHA) model
+        kv_cache_dir="<tmp>",
+        chunked_prefill_size=5,
+        max_num_batched_tokens=8,
+    ),
 }
 
 
@@ -36,8 +57,11 @@ def _workload(seed: int) -> tuple[list[list[int]], list[int]]:
 
 @pytest.mark.parametrize("kind", ["gqa", "mha"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_matches_transformers(kind, variant, tiny_model_dir, reference_generate):
-    llm = LLM(str(tiny_model_dir(kind)), **VARIANTS[variant])
+def test_greedy_matches_transformers(kind, variant, tiny_model_dir, reference_generate, tmp_path):
+    settings = VARIANTS[variant]
+    if "kv_cache_dir" in settings:
+        settings = {**settings, "kv_cache_dir": tmp_path}
+    llm = LLM(str(tiny_model_dir(kind)), **settings)
     prompts, max_new = _workload(seed=11)
     expected = reference_generate(kind, prompts, max_new)
     params = [SamplingParams(max_tokens=n) for n in max_new]
@@ -55,14 +79,45 @@ def test_greedy_matches_transformers(kind, variant, tiny_model_dir, reference_ge
         assert out.finish_reason == ("stop" if out.token_ids[-1] == 2 else "length")
         assert out.finish_reason == "stop" or len(out.token_ids) == n
         assert 0 <= out.stats.num_cached_tokens <= len(prompt) - 1
-    if variant == "eviction":
-        assert llm.cache.stats().num_evicted_blocks > 0
+    stats = llm.cache.stats()
+    if variant == "eviction" or variant.startswith("tiers"):
+        assert stats.num_evicted_blocks > 0
+    if variant.startswith("tiers"):  # the second round was served from the lower tiers too
+        assert stats.num_host_hit_tokens + stats.num_disk_hit_tokens > 0
+    if "disk" in variant:
+        assert stats.num_disk_writes > 0 and stats.num_disk_hit_tokens > 0
     if variant == "no-cache":
         assert all(o.stats.num_cached_tokens == 0 for o in first + second)
-    elif variant != "eviction":
+    elif variant != "eviction" and not variant.startswith("tiers"):
         # The whole prompt bar its last token was cached by the first round.
         assert [o.stats.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]
     assert not llm.scheduler.has_unfinished()
+    llm.cache.check_integrity()
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_tiers_with_blocks_of_64_load_back_whole_blocks(
+    disk, tiny_model_dir, reference_generate, tmp_path
+):
+    """Blocks of 64, a device pool of 3 (one request at a time): each conversation's prefix is
+    evicted by the next and loaded back from the host (or, with a host of 1 block, from disk)."""
+    tiers = dict(host_cache_bytes=49152, kv_cache_dir=tmp_path) if disk else {}
+    llm = LLM(
+        str(tiny_model_dir("gqa")),
+        block_size=64,
+        num_blocks=3,
+        max_num_seqs=1,
+        **(tiers or dict(host_cache_bytes=2**20)),
+    )
+    prompts = [p for seed in (1, 2, 3) for p in random_prompts(seed, 1, shared_prefix=70)]
+    expected = reference_generate("gqa", prompts, [8] * 3)
+    params = SamplingParams(max_tokens=8)
+    for _ in range(2):
+        outs = llm.generate(prompts, params)
+        assert [list(o.token_ids) for o in outs] == expected
+    assert all(o.stats.num_cached_tokens >= 64 for o in outs)
+    stats = llm.cache.stats()  # the first two were evicted by the third, loaded from below
+    assert (stats.num_disk_hit_tokens if disk else stats.num_host_hit_tokens) >= 2 * 64
     llm.cache.check_integrity()
 
 

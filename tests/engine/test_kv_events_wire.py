@@ -13,11 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgpack
-import msgspec
 import numpy as np
 import pytest
-import zmq
 from router_index import BlockHashIndex
 from vllm_kv_events import (
     DECODER,
@@ -38,6 +35,10 @@ from radixkv.cache.events import (
     chain_hashes,
 )
 from radixkv.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
+
+msgpack = pytest.importorskip("msgpack")  # the kv-events extra: absent on the GPU machine
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
 
 B = 4
 TOKENS = [7, 0, 2**31, 2**32 - 1, 128, 255, 65535, 65536]  # every msgpack int width
@@ -266,3 +267,14 @@ def test_a_real_caches_events_survive_the_wire() -> None:
             wire.apply(from_wire(event))
         assert wire.hashes == direct.hashes
     assert cache.stats().num_evicted_blocks > 0
+
+
+def test_a_lower_tiers_event_keeps_its_own_medium() -> None:
+    """The publisher's `medium` names the device pool; host and disk events carry theirs."""
+    events = [
+        BlockStored((5,), None, (1, 2, 3, 4), B, medium="CPU"),
+        BlockRemoved((5,), "DISK"),
+        BlockRemoved((6,)),
+    ]
+    batch = DECODER.decode(encode_batch(events, ts=1.0, data_parallel_rank=0, medium="GPU"))
+    assert [e.medium for e in batch.events] == ["CPU", "DISK", "GPU"]

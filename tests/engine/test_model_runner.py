@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_llama import build_model
+from tiny_llama import build_model, build_qwen2
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import (
@@ -21,10 +21,11 @@ from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutpu
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["gqa", "mha"])
+@pytest.fixture(scope="module", params=["gqa", "mha", "qwen2"])
 def models(request):
-    """(model for the runner, an independent eager copy as the reference)."""
-    model = build_model(request.param)
+    """(model for the runner, an independent eager copy as the reference). The Llamas run the
+    fused modules, the Qwen2 transformers' own modules through the generic attention hooks."""
+    model = build_qwen2() if request.param == "qwen2" else build_model(request.param)
     reference = copy.deepcopy(model)  # deep copy: the runner switches its config's attention
     reference.set_attn_implementation("eager")
     return model, reference
@@ -178,6 +179,26 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     assert len({id(args[4]) for args in stored} | {id(args[3]) for args in attended}) == 1
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("build", [lambda: build_model("gqa"), build_qwen2], ids=["llama", "qwen2"])
+def test_only_plain_llamas_on_triton_get_the_fused_modules(build):
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
+
+    from radixkv.engine.fused_llama import FusedLlamaRMSNorm, PagedLlamaAttention
+    from radixkv.kernels import use_backend
+
+    model = build()
+    config = EngineConfig(block_size=4, num_blocks=8)
+    assert not ModelRunner(model, config).fused_modules  # torch backend
+    with use_backend("triton"):
+        runner = ModelRunner(model, config)
+    is_llama = type(model).__name__ == "LlamaForCausalLM"
+    assert runner.fused_modules == is_llama
+    classes = {type(m) for m in model.modules()}
+    assert (PagedLlamaAttention in classes) == (FusedLlamaRMSNorm in classes) == is_llama
+    assert LlamaAttention not in classes and LlamaRMSNorm not in classes  # all swapped, or none
+
+
 def test_kv_cache_layout(models):
     model, _ = models
     runner = ModelRunner(model, EngineConfig(block_size=8, num_blocks=10))
@@ -202,14 +223,16 @@ def test_plan_num_blocks():
 
 @pytest.mark.interpreter
 def test_runner_through_the_triton_kernels(models):
-    """The same steps through the Triton kernels (interpreted on CPU): the runner's tensors meet
-    the launchers' shape / dtype / stride checks, not only the reference's."""
+    """The same steps through the Triton kernels (interpreted on CPU), on a fresh copy of the
+    model (the runner swaps a Llama's fused modules in): the runner's tensors meet the
+    launchers' shape / dtype / stride checks, not only the reference's."""
     pytest.importorskip("triton")
     from radixkv.kernels import use_backend
 
+    model, reference = models
     with use_backend("triton"):
-        test_packed_prefill_chunks_and_decode(models, block_size=4)
-        test_copy_on_write_of_a_partial_block(models)
+        test_packed_prefill_chunks_and_decode((copy.deepcopy(model), reference), block_size=4)
+        test_copy_on_write_of_a_partial_block((copy.deepcopy(model), reference))
 
 
 def test_cpu_runs_eager_and_enforce_eager_must_be_a_bool(models):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from radixkv import SamplingParams
-from radixkv.engine.sampler import _filtered_probs, make_generator, sample
+from radixkv.engine import sampler
+from radixkv.engine.sampler import _draw, _filtered_probs, make_generator, sample
 
 VOCAB = 50
 
@@ -15,8 +18,8 @@ def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def gens(n: int, seed: int = 0) -> list[torch.Generator]:
-    return [make_generator(seed + i, torch.device("cpu")) for i in range(n)]
+def gens(n: int, seed: int = 0) -> list[random.Random]:
+    return [make_generator(seed + i) for i in range(n)]
 
 
 def test_greedy_is_argmax_and_needs_no_generator():
@@ -41,13 +44,13 @@ def test_degenerate_filters_equal_greedy(params):
 def test_same_seed_same_tokens_whatever_the_batch():
     logits = logits_rows(6, seed=2)
     p = SamplingParams(temperature=1.0)
-    alone = [sample(logits[i : i + 1], [p], [make_generator(7, torch.device("cpu"))])[0]
+    alone = [sample(logits[i : i + 1], [p], [make_generator(7)])[0]
              for i in range(6)]  # fmt: skip
-    batched = sample(logits, [p] * 6, [make_generator(7, torch.device("cpu")) for _ in range(6)])
+    batched = sample(logits, [p] * 6, [make_generator(7) for _ in range(6)])
     assert alone == batched
     # A mixed batch (greedy rows in between) leaves the sampled rows' draws unchanged.
     mixed = [p if i % 2 == 0 else SamplingParams() for i in range(6)]
-    generators = [make_generator(7, torch.device("cpu")) if i % 2 == 0 else None for i in range(6)]
+    generators = [make_generator(7) if i % 2 == 0 else None for i in range(6)]
     got = sample(logits, mixed, generators)
     assert got[0::2] == batched[0::2]
     assert got[1::2] == logits[1::2].argmax(-1).tolist()
@@ -108,3 +111,28 @@ def test_huge_temperatures_sample_uniformly(temperature):
     tokens = sample(logits, params, gens(2000))
     assert all(0 <= t < VOCAB for t in tokens)
     assert len(set(tokens)) == VOCAB  # every token drawn: 2000 draws of 50 equally likely
+
+
+def test_one_draw_for_the_whole_batch(monkeypatch):
+    """The batch's sampled rows are drawn by one batched lookup, whatever their number."""
+    calls = []
+    monkeypatch.setattr(sampler, "_draw", lambda p, u: calls.append(len(u)) or _draw(p, u))
+    logits = logits_rows(16, seed=4)
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if i % 3 else 1.0) for i in range(16)]
+    params[5] = SamplingParams()  # a greedy row in between
+    sample(logits, params, [None if p.greedy else make_generator(i) for i, p in enumerate(params)])
+    assert calls == [15]
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero():
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.0, 0.5, 0.3, 0.0]])
+    n = 6000
+    gen = make_generator(3)
+    uniforms = torch.tensor([gen.random() for _ in range(n)], dtype=torch.float64)
+    tokens = _draw(probs.expand(n, -1), uniforms)
+    counts = torch.bincount(tokens, minlength=7).double() / n
+    assert counts[[0, 2, 3, 6]].sum() == 0
+    torch.testing.assert_close(counts, probs[0].double(), atol=0.025, rtol=0)
+    # The ends of [0, 1): the first and the last token with mass, never a zero past the end.
+    edges = torch.tensor([0.0, 1.0 - 2**-53, 0.2, 0.7], dtype=torch.float64)
+    assert _draw(probs.expand(4, -1), edges).tolist() == [1, 5, 4, 5]

@@ -20,6 +20,8 @@ from radixkv.kernels.triton_paged_attention import paged_attention as triton_pag
 from radixkv.kernels.triton_paged_attention import (
     paged_attention_step as triton_paged_attention_step,
 )
+from radixkv.kernels.triton_rms_norm import rms_norm as triton_rms_norm
+from radixkv.kernels.triton_rope_store_kv import rope_store_kv as triton_rope_store_kv
 from radixkv.kernels.triton_store_kv import store_kv as triton_store_kv
 from radixkv.kernels.triton_store_kv import store_kv_step as triton_store_kv_step
 
@@ -43,13 +45,30 @@ def _lens(block_size: int) -> tuple[list[int], list[int]]:
     return seq_lens, q_lens
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
-@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 80), (4, 128), (8, 128)])
+BLOCK_SIZES = [1, 16, 64, 256]
+HEADS = [(1, 64), (3, 80), (4, 128), (8, 128)]  # (GQA group, head_dim)
+
+
+def _pairs() -> list[tuple[torch.dtype, int, tuple[int, int]]]:
+    """Each dtype with every block size and every head shape, paired in a shifted Latin square:
+    dtype d, block size i takes head shape (i + d) % 4. Every value of each dimension runs in
+    each dtype, and 12 of the 16 block-size x head-shape pairs, in 12 compiled variants where the
+    full cross product took 48 (the split count is a runtime value: it adds none)."""
+    return [
+        (dtype, block_size, HEADS[(i + d) % len(HEADS)])
+        for d, dtype in enumerate(DTYPES)
+        for i, block_size in enumerate(BLOCK_SIZES)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "heads"),
+    _pairs(),
+    ids=[f"{str(d)[6:]}-b{b}-g{h[0]}-d{h[1]}" for d, b, h in _pairs()],
+)
 @pytest.mark.parametrize("num_kv_splits", [None, 1, 7])
-def test_paged_attention_gpu(
-    paged_batch, assert_close, dtype, block_size, group, head_dim, num_kv_splits
-):
+def test_paged_attention_gpu(paged_batch, assert_close, dtype, block_size, heads, num_kv_splits):
+    group, head_dim = heads
     seq_lens, q_lens = _lens(block_size)
     batch = paged_batch(
         seq_lens,
@@ -158,8 +177,10 @@ def test_step_kernels_from_host_metadata_gpu(paged_batch, block_size):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_size", [1, 16, 256])
+# Below, each dtype meets one size: every dtype and every size run once, one compile each.
+@pytest.mark.parametrize(
+    ("dtype", "block_size"), list(zip(DTYPES, [1, 16, 256], strict=True)), ids=str
+)
 def test_store_kv_gpu(dtype, block_size):
     num_blocks, heads, head_dim, num_tokens = 64, 8, 128, 500
     shape = (num_blocks, block_size, heads, head_dim)
@@ -190,3 +211,42 @@ def test_copy_blocks_gpu(block_size):
     triton_copy_blocks(k_cache, v_cache, src, dst, num_slots)
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hidden"), list(zip(DTYPES, [576, 2048, 8192], strict=True)), ids=str
+)
+def test_rms_norm_gpu(assert_close, dtype, hidden):
+    x = (torch.randn(1, 300, hidden, device="cuda") * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    assert_close(triton_rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "q_heads", "kv_heads", "head_dim"),
+    [(torch.bfloat16, 9, 3, 64), (torch.float16, 32, 8, 64), (torch.float32, 32, 8, 128)],
+    ids=str,
+)
+def test_rope_store_kv_gpu(assert_close, dtype, q_heads, kv_heads, head_dim):
+    """The engine's layout: q/k/v views of the projections' outputs, cos/sin in the model's
+    dtype, NaN-poisoned caches, a few pad tokens."""
+    num_tokens, num_blocks, block_size = 300, 64, 16
+    hidden = torch.randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
+    q, k, v = hidden.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    angles = torch.rand(num_tokens, head_dim // 2, device="cuda") * 1000
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens].int()
+    slots[::9] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_q = reference.rope_store_kv(q, k, v, cos, sin, expected_k, expected_v, slots)
+    actual_q = triton_rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert_close(actual_q, expected_q, dtype)
+    written = slots[slots >= 0].long()
+    blocks, offsets = written // block_size, written % block_size
+    assert_close(k_cache[blocks, offsets], expected_k[blocks, offsets], dtype)
+    torch.testing.assert_close(v_cache, expected_v, equal_nan=True, rtol=0, atol=0)

@@ -143,6 +143,8 @@ class Harness:
     outputs: list[SchedulerOutput] = field(default_factory=list)
     finished: dict[str, Request] = field(default_factory=dict)
     check_sim: bool = True
+    # The overlapped step in flight: its output and the tokens the fake model sampled for it.
+    launched: tuple[SchedulerOutput, dict[str, int]] | None = None
 
     @property
     def cache(self) -> PrefixCache:
@@ -204,6 +206,47 @@ class Harness:
             self.finished[req.request_id] = req
         sched.check_integrity()
         assert sched.num_running <= cfg.max_num_seqs
+        self.outputs.append(out)
+        return out
+
+    def step_overlapped(
+        self,
+        model: Callable[[Sequence[int]], int] = fake_token,
+        *,
+        in_flight: Callable[[], object] | None = None,
+    ) -> SchedulerOutput:
+        """An overlapped engine's step (`radixkv.engine.overlap`): schedule(), run the fake model
+        with the previous step's tokens fed over their placeholders (as the device does),
+        advance(), then (`in_flight` called first) fill() the previous step's tokens."""
+        sched = self.scheduler
+        out = sched.schedule()
+        previous, self.launched = self.launched, None
+        fed = previous[1] if previous is not None else {}
+        assert out.rows or previous is not None or not sched.has_unfinished(), "scheduled nothing"
+        self.check_output(out)
+        sampled = {}
+        for row in out.rows:
+            if row.sample:
+                req = sched.get_request(row.request_id)
+                assert req is not None
+                history = list(req.all_token_ids)
+                if row.request_id in fed:  # the row computes the placeholder: its real token
+                    assert req.num_pending == 1, req
+                    history[-1] = fed[row.request_id]
+                else:
+                    assert req.num_pending == 0, req
+                sampled[row.request_id] = model(history)
+        if out.rows:
+            sched.advance(out)
+            self.launched = (out, sampled)
+        if in_flight is not None:
+            in_flight()
+        if previous is not None:
+            for req in sched.fill(*previous):
+                if req.is_finished:
+                    assert req.request_id not in self.finished, req
+                    self.finished[req.request_id] = req
+        sched.check_integrity()
         self.outputs.append(out)
         return out
 

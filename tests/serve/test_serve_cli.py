@@ -163,3 +163,18 @@ def test_help_answers_without_loading_torch(argv: list[str], tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     expected = ("chat", "serve") if argv == ["--help"] else ("--model", "--block-size", "--seed")
     assert all(word in result.stdout for word in expected), result.stdout
+
+
+def test_a_server_with_a_disk_tier_writes_its_cache_at_shutdown(tiny_model_dir, tmp_path) -> None:
+    from radixkv import SamplingParams
+    from radixkv.serve.cli import build_llm, build_parser, engine_services
+
+    argv = ["--model", str(tiny_model_dir("gqa")), "--block-size", "4", "--host-cache", "64KiB"]
+    args = build_parser().parse_args([*argv, "--kv-cache-dir", str(tmp_path)])
+    llm = build_llm(args)
+    prompt = list(range(5, 25))
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    for close in engine_services(llm):  # what the server runs once its engine thread stopped
+        close()
+    (out,) = build_llm(args).generate([prompt], SamplingParams(max_tokens=2))
+    assert out.stats.num_cached_tokens == 19  # all but the last prompt token, from the disk

@@ -9,9 +9,10 @@ import time
 import urllib.request
 from contextlib import contextmanager
 
-import openai
 import pytest
 from serve_helpers import metric, read_metrics, render_chat, run_alone, user_message, wait_until
+
+openai = pytest.importorskip("openai")  # a test extra: absent on the GPU machine
 
 MAX_TOKENS = 6
 GREEDY_5 = {"max_tokens": 5, "temperature": 0}
@@ -388,3 +389,20 @@ def test_a_full_queue_answers_503_with_retry_after(make_server) -> None:
     waiter.join(30)
     assert len(queued) == 1 and queued[0].choices[0].message.content
     assert chat(client, [{"role": "user", "content": "w42 w43"}]).choices[0].message.content
+
+
+def test_metrics_show_hits_and_moves_by_tier(make_server) -> None:
+    """A pool of 12 blocks of 16 and a host tier: the second conversation evicts the first,
+    whose repeat is loaded back; /metrics splits the hits by tier and counts the moves."""
+    server = make_server({"block_size": 16, "num_blocks": 12, "host_cache_bytes": 2**20})
+    client = server.client()
+    first, second = ([{"role": "user", "content": user_message(300 + i, 100)}] for i in range(2))
+    replies = [chat(client, m) for m in (first, second, first)]
+    samples = read_metrics(server.base_url)
+    tiers = ("device", "host", "disk")
+    hits = {t: metric(samples, "radixkv_cache_hit_tokens_total", tier=t) for t in tiers}
+    assert hits["host"] > 0 and hits["disk"] == 0
+    assert sum(hits.values()) == sum(r.usage.prompt_tokens_details.cached_tokens for r in replies)
+    for move in ("offload", "load"):
+        assert metric(samples, "radixkv_tier_moved_bytes_total", move=move) > 0
+        assert metric(samples, "radixkv_tier_move_seconds_total", move=move) > 0

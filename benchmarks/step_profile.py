@@ -1,0 +1,281 @@
+"""Where a step's time goes, on `gpu_bench.py`'s ~1B random Llama (bf16, CUDA).
+
+    python3 -P benchmarks/step_profile.py           # a GPU
+    python3 -P benchmarks/step_profile.py --tiny    # the tiny model on the CPU: the plumbing
+
+1. Host time per step phase over the decode workload (64 x 512 -> 256): schedule, execute (pack,
+   copy, then a graph replay or eager launches), sample (waits for the GPU, then the draw and
+   `.tolist()`), update, and the rest of the engine's step; medians over the full-batch decodes.
+   The engine runs its steps synchronously here (`async_scheduling=False`), so each phase shows:
+   these are the host costs that overlapped steps hide (gpu_bench's `sync` system vs `on`).
+2. GPU time of one graph replay per bucket at a 640-token context (CUDA only).
+3. The kernels of one bucket-64 replay by category (torch.profiler): GEMMs, radixkv's Triton
+   kernels, everything else, and the largest (on the CPU: one eager decode step's ops).
+4. A turn-6-like prefill step (32 rows x 129 new tokens over 2,432-token contexts): host enqueue
+   time against GPU time (CUDA only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OURS = ("_paged_attention", "_merge_splits", "_store_kv", "_copy_blocks", "_rms_norm", "_rope_")
+GEMMS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm")
+
+
+def _ms(values: list[float]) -> float:
+    return 1e3 * statistics.median(values) if values else float("nan")
+
+
+def _load_gpu_bench() -> Any:
+    path = Path(__file__).with_name("gpu_bench.py")
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_engine(tiny: bool) -> tuple[Any, Any]:
+    """The engine over gpu_bench's model (FULL on CUDA, TINY on the CPU) and that config."""
+    from radixkv import LLM
+
+    bench = _load_gpu_bench()
+    cfg = bench.TINY if tiny else bench.FULL
+    t0 = time.perf_counter()
+    llm = LLM(
+        bench.build_model(cfg),
+        device=cfg.device,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        chunked_prefill_size=cfg.chunked_prefill_size,
+        async_scheduling=False,
+    )
+    print(f"LLM() with KV cache, warm-up and graph capture: {time.perf_counter() - t0:.1f} s")
+    return llm, cfg
+
+
+def _sync(llm: Any) -> None:
+    if llm.runner.device.type == "cuda":
+        torch.cuda.synchronize(llm.runner.device)
+
+
+def _timing(owner: Any, name: str, record: Callable[[float, Any], None]) -> Callable[[], None]:
+    """Wrap `owner.name` to pass (seconds, result) to `record`; returns the undo."""
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = inner(*args, **kwargs)
+        record(time.perf_counter() - t0, result)
+        return result
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, inner)
+
+
+def step_phases(llm: Any, cfg: Any) -> None:
+    """Section 1: the decode workload with every step's phases timed."""
+    import radixkv.engine.llm as llm_module
+    from radixkv import SamplingParams
+
+    current: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
+
+    def phase(label: str) -> Callable[[float, Any], None]:
+        def record(seconds: float, result: Any) -> None:
+            current[label] = seconds
+            if label == "schedule":
+                current["rows"] = len(result.rows)
+
+        return record
+
+    undo = [
+        _timing(llm.scheduler, "schedule", phase("schedule")),
+        _timing(llm.runner, "execute", phase("execute")),
+        _timing(llm_module, "sample", phase("sample")),
+        _timing(llm.scheduler, "update_from_output", phase("update")),
+        _timing(llm, "_run_step", lambda s, _: steps.append({**current, "step": s})),
+    ]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(1, cfg.vocab, (cfg.decode_prompt_tokens,), generator=gen).tolist()
+        for _ in range(cfg.decode_prompts)
+    ]
+    try:
+        _sync(llm)
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=cfg.decode_new_tokens, ignore_eos=True))
+        _sync(llm)
+        wall = time.perf_counter() - t0
+    finally:
+        for u in undo:
+            u()
+    full = [s for s in steps if s.get("rows") == cfg.decode_prompts]
+    decodes = full[-(cfg.decode_new_tokens - 1) :]
+    tokens = cfg.decode_prompts * cfg.decode_new_tokens
+    print(
+        f"\n## 1. decode workload {cfg.decode_prompts} x {cfg.decode_prompt_tokens} -> "
+        f"{cfg.decode_new_tokens}: {wall:.3f} s, {tokens / wall:.0f} output tok/s, {len(steps)} "
+        f"steps, {len(decodes)} full-batch decodes"
+    )
+    parts = {k: _ms([s[k] for s in decodes]) for k in ("schedule", "execute", "sample", "update")}
+    step = _ms([s["step"] for s in decodes])
+    cells = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+    print(f"median decode step {step:.3f} ms = {cells}, rest {step - sum(parts.values()):.3f} ms")
+    print("  (sample waits for the GPU; host work = schedule + execute + update + rest)")
+
+
+def _decode_step(rows: int, context: int, block_size: int, first_block: int = 0) -> Any:
+    from radixkv.scheduler.output import ScheduledRequest, SchedulerOutput
+
+    per_row = -(-context // block_size)
+    return SchedulerOutput(
+        rows=tuple(
+            ScheduledRequest(
+                f"p{i}",
+                (5,),
+                context - 1,
+                tuple(range(first_block + i * per_row, first_block + (i + 1) * per_row)),
+                True,
+            )
+            for i in range(rows)
+        )
+    )
+
+
+def replay_times(llm: Any, cfg: Any) -> None:
+    """Section 2: GPU time per replay of each bucket."""
+    graphs = llm.runner.decode_graphs
+    context = 640
+    print(f"\n## 2. graph replay GPU time, context {context}")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for bucket in graphs.buckets:
+        graphs.run(_decode_step(bucket, context, cfg.block_size).rows)  # sets the static inputs
+        graph, _ = graphs._graphs[bucket]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"bucket {bucket:3d}: {start.elapsed_time(end) / 20:.3f} ms per replay")
+
+
+def kernel_split(llm: Any, cfg: Any) -> None:
+    """Section 3: one bucket-64 replay (CUDA) or one eager decode step (CPU), by category."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = llm.runner.device.type == "cuda"
+    rows = min(64, cfg.max_num_seqs)
+    step = _decode_step(rows, 640 if cuda else 32, cfg.block_size)
+    if cuda:
+        graphs = llm.runner.decode_graphs
+        graphs.run(step.rows)
+        graph, _ = graphs._graphs[rows]
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        repeats, what = 5, f"one bucket-{rows} replay"
+    else:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            llm.runner.execute(step)
+        repeats, what = 1, f"one eager decode step of {rows} rows (CPU ops, self time)"
+    events = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0.0) if cuda else evt.self_cpu_time_total
+        if us > 0:
+            events.append((us / repeats, evt.count / repeats, evt.key))
+    categories = {"GEMM": [0.0, 0.0], "radixkv Triton": [0.0, 0.0], "other": [0.0, 0.0]}
+    for us, count, name in events:
+        lowered = name.lower()
+        if any(s in lowered for s in GEMMS):
+            key = "GEMM"
+        elif any(s in lowered for s in OURS):
+            key = "radixkv Triton"
+        else:
+            key = "other"
+        categories[key][0] += us
+        categories[key][1] += count
+    total = sum(v[0] for v in categories.values())
+    print(f"\n## 3. kernels of {what}: {total / 1e3:.3f} ms in total")
+    for key, (us, count) in categories.items():
+        print(f"  {key}: {us / 1e3:.3f} ms in {count:.0f} calls")
+    for us, count, name in sorted(events, reverse=True)[:12]:
+        print(f"  {us:9.1f} us  x{count:5.0f}  {name[:100]}")
+
+
+def prefill_step(llm: Any, cfg: Any) -> None:
+    """Section 4: the turn-6-like prefill: host enqueue time against GPU time."""
+    from radixkv.scheduler.output import ScheduledRequest, SchedulerOutput
+
+    context, new, rows = 2432, 129, 32
+    per_row = -(-context // cfg.block_size)
+    step = SchedulerOutput(
+        rows=tuple(
+            ScheduledRequest(
+                f"t{i}",
+                tuple(range(100, 100 + new)),
+                context - new,
+                tuple(range(4000 + i * per_row, 4000 + (i + 1) * per_row)),
+                True,
+            )
+            for i in range(rows)
+        )
+    )
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        llm.runner.execute(step)
+        enqueue = time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append((enqueue, time.perf_counter() - t0, start.elapsed_time(end) / 1e3))
+    print(
+        f"\n## 4. turn-6-like prefill step ({rows} x {new} new over {context}): host enqueue "
+        f"{_ms([t[0] for t in times]):.2f} ms, wall {_ms([t[1] for t in times]):.2f} ms, "
+        f"GPU {_ms([t[2] for t in times]):.2f} ms (enqueue close to wall: host-bound)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU")
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        print("step_profile needs a CUDA device (or --tiny for the CPU)", file=sys.stderr)
+        return 2
+    llm, cfg = build_engine(args.tiny)
+    step_phases(llm, cfg)
+    if llm.runner.decode_graphs is not None:
+        replay_times(llm, cfg)
+    kernel_split(llm, cfg)
+    if llm.runner.device.type == "cuda":
+        prefill_step(llm, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""The disk tier: full KV blocks as content-addressed files that outlive the process.
+
+A store directory (`root`) holds one folder per KV layout:
+
+    root/<layout>/                  first 32 hex digits of the fingerprint's digest: files of
+                                    another model, dtype or shape never share a folder
+    root/<layout>/fingerprint.json  the fingerprint, for people (every file carries its digest)
+    root/<layout>/<hh>/<hash>.kv    one full block; <hash> is its chained block hash (16 hex
+                                    digits), <hh> the first two of them
+
+A block is named by the chained hash the KV events compute (`chain_keys`): namespace-salted and
+covering the whole prefix, so a lookup past what the tree holds goes on by hashing the next full
+blocks of a prompt and probing for their files (`probe`), as LMCache and vLLM look up theirs.
+A file's bytes, little-endian, no pickle anywhere (a KV directory may be shared, and loading a
+pickle runs code):
+
+    header    HEADER.size bytes   magic + format version, fingerprint digest, block hash, parent
+                                  hash, token count, payload size, prefix digest
+    tokens    4 x block_size      the block's token ids (uint32)
+    payload   block_nbytes        the block's K/V over all layers, raw, in the engine's layout
+    checksum  8 bytes             xxh3-64 of everything before it
+
+`get` checks all of it against what the caller expects (`BlockKey`): the fingerprint (a file of
+another model or layout is never loaded), the hash, the parent hash, the tokens and the prefix
+digest, a blake2b chain over the namespace and every token of the prefix: prefixes whose 64-bit
+chain hashes collide have different digests, so a collision never loads wrong KV. A file that is
+truncated or fails its checksum is damaged: skipped with one warning and removed.
+
+Writes are atomic: a block goes to a temporary file in its folder, named after its host and
+process, then is renamed over its final name, so a reader sees a whole file or none. A process
+killed mid-write leaves only its temporary file, which the next open removes (its process is gone).
+Several processes may share a directory: files are only created by a rename and removed whole, and
+a reader keeps reading the file it opened. Each process indexes the files it knows (found when it
+opened the store, written, or found by a probe) and keeps those within its byte budget, evicting
+the least recently used first (the cache's `EvictionIndex` in LRU order, one logical tick per use;
+a load also refreshes the file's mtime, so the order survives a restart). With P processes writing
+one directory at once it can hold up to P budgets until they reopen it. The store is not
+thread-safe: one thread uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from radixkv.cache.events import hash_block, namespace_seed
+from radixkv.cache.eviction import EvictionIndex, lru_key
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"RADIXKV" + bytes([FORMAT_VERSION])
+# magic, fingerprint digest, block hash, parent hash, has parent, token count, payload bytes,
+# prefix digest
+HEADER = struct.Struct("<8s32sQQB3xIQ32s")
+CHECKSUM = struct.Struct("<Q")
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+FINGERPRINT_FILE = "fingerprint.json"
+_DIGEST_BYTES = 32
+# A temporary file of another host cannot be tied to a live process: removed once this old.
+FOREIGN_TMP_MAX_AGE_S = 3600.0
+_HOST = socket.gethostname().replace(".", "_") or "host"
+
+
+# ------------------------------------------------------------------------------------ keys
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What names one full block on disk and what loading it checks."""
+
+    block_hash: int  # the chained xxh64 of the KV events: the file's name
+    # the previous block's hash; None for a first block (whose hash the namespace seeds), as the
+    # KV events say it
+    parent_hash: int | None
+    tokens: bytes  # the block's token ids, little-endian uint32
+    prefix_digest: bytes  # blake2b-256 over the namespace and every token up to this block's end
+
+
+def namespace_digest(namespace: str | None) -> bytes:
+    """The digest chain's start for `namespace` (None: the shared one; "" is another)."""
+    tag = b"\x00" if namespace is None else b"\x01" + namespace.encode("utf-8")
+    return hashlib.blake2b(b"radixkv-prefix:" + tag, digest_size=_DIGEST_BYTES).digest()
+
+
+def chain_keys(
+    namespace: str | None, tokens_le: bytes, block_size: int, *, after: BlockKey | None = None
+) -> list[BlockKey]:
+    """Keys of the consecutive full blocks in `tokens_le` (little-endian uint32 ids, a whole number
+    of blocks), the first one following `after` (None: the first block of a sequence in
+    `namespace`; `namespace` is not read then). Mutates nothing."""
+    nbytes = 4 * block_size
+    assert len(tokens_le) % nbytes == 0, "chain_keys takes whole blocks"
+    if after is None:
+        parent, seed = None, None if namespace is None else namespace_seed(namespace)
+        digest = namespace_digest(namespace)
+    else:
+        parent, digest = after.block_hash, after.prefix_digest
+        seed = parent
+    keys = []
+    for start in range(0, len(tokens_le), nbytes):
+        tokens = tokens_le[start : start + nbytes]
+        h = hash_block(seed, tokens)
+        digest = hashlib.blake2b(digest + tokens, digest_size=_DIGEST_BYTES).digest()
+        keys.append(BlockKey(h, parent, tokens, digest))
+        parent = seed = h
+    return keys
+
+
+def fingerprint_digest(fingerprint: Mapping[str, Any]) -> bytes:
+    """blake2b-256 of the fingerprint as canonical JSON (sorted keys, no spaces)."""
+    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.blake2b(text.encode("ascii"), digest_size=_DIGEST_BYTES).digest()
+
+
+# ----------------------------------------------------------------------------------- store
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One indexed file; an `EvictableNode` of the store's LRU index."""
+
+    node_id: int  # order of discovery: breaks ties between equal ticks
+    block_hash: int
+    tick: int  # last use on the store's logical clock
+    evict_key: Any = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStoreStats:
+    directory: str  # the layout folder
+    budget_bytes: int
+    num_files: int  # indexed by this process
+    num_bytes: int  # their size on disk
+    file_nbytes: int  # the size of one block file
+    num_hits: int  # get() that loaded a block
+    num_misses: int  # get() of a block that was not there (or not this prefix's)
+    num_loaded_bytes: int
+    num_stored: int  # put() that wrote a file
+    num_stored_bytes: int
+    num_evicted: int  # files removed for the budget
+    num_damaged: int  # files found truncated or corrupt (or of another layout), removed
+    num_write_errors: int  # put() that failed (disk full, permissions...): nothing stored
+
+
+class DiskStore:
+    """Full KV blocks of one layout under `root`, at most `budget_bytes` of files (see the module
+    docstring). `fingerprint`: what the KV depends on (model config, weights identity, dtype,
+    block size, layer and head shapes); JSON-serialisable. `block_size` tokens and `block_nbytes`
+    payload bytes per block.
+
+    Invariants (recomputed by `check_integrity`): the LRU index holds exactly the indexed files,
+    each once, under its current key; `num_bytes` is their count times the file size and stays
+    within `budget_bytes` (files pinned for a planned read may hold it above, and then nothing
+    else is indexed); no tick is ahead of the clock.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        fingerprint: Mapping[str, Any],
+        *,
+        block_size: int,
+        block_nbytes: int,
+        budget_bytes: int,
+    ) -> None:
+        self.fingerprint = fingerprint_digest(fingerprint)
+        self.block_size = block_size
+        self.block_nbytes = block_nbytes
+        self.file_nbytes = HEADER.size + 4 * block_size + block_nbytes + CHECKSUM.size
+        assert budget_bytes >= self.file_nbytes, "the door checks that the budget holds a block"
+        self.budget_bytes = budget_bytes
+        self.directory = Path(root) / self.fingerprint.hex()[:32]
+        self._entries: dict[int, _Entry] = {}
+        self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
+        self._lru = EvictionIndex(lru_key)
+        # Told when this process indexes a block (written, or read from another's file) and
+        # when it forgets one (evicted, removed, found gone or damaged): the KV events of the disk
+        # tier. The files found when the store opened are indexed without a word.
+        self.on_stored: Callable[[BlockKey], None] | None = None
+        self.on_removed: Callable[[int], None] | None = None
+        self._clock = 0
+        self._ids = itertools.count()
+        self._tmp_ids = itertools.count()
+        self._counts = dict.fromkeys(
+            (
+                "num_hits",
+                "num_misses",
+                "num_loaded_bytes",
+                "num_stored",
+                "num_stored_bytes",
+                "num_evicted",
+                "num_damaged",
+                "num_write_errors",
+            ),
+            0,
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._write_fingerprint(fingerprint)
+        self._scan()
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_files(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self._entries) * self.file_nbytes
+
+    def contains(self, block_hash: int) -> bool:
+        """Whether a file of this hash is there (indexed, or written since by another process:
+        indexed when it is read). It may still turn out to hold another prefix or be damaged:
+        `get` decides. Changes nothing."""
+        if block_hash in self._entries:
+            return True
+        try:
+            return os.stat(self._path(block_hash)).st_size == self.file_nbytes
+        except OSError:
+            return False
+
+    def probe(self, keys: Sequence[BlockKey]) -> int:
+        """How many of `keys`, from the first, have a file (`contains`)."""
+        for i, key in enumerate(keys):
+            if not self.contains(key.block_hash):
+                return i
+        return len(keys)
+
+    def get(self, key: BlockKey, out: Any) -> bool:
+        """Load the block `key` names into `out` (a writable buffer of `block_nbytes` bytes, e.g.
+        a numpy view of a host KV block). True if loaded; False, with `out` in an undefined state,
+        if there is no such file, it holds another prefix (a hash collision), or it is damaged (one
+        warning, and it is removed)."""
+        view = memoryview(out).cast("B")
+        assert view.nbytes == self.block_nbytes, f"{view.nbytes} != {self.block_nbytes}"
+        if self._pinned[key.block_hash]:
+            self.unpin([key.block_hash])
+        path = self._path(key.block_hash)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                problem = self._read_into(f, key, view)
+                if problem in ("damaged", "layout"):
+                    self._remove_damaged(path, os.fstat(f.fileno()).st_ino, problem)
+        except FileNotFoundError:
+            problem = "gone"  # evicted by another process, or never there
+        except OSError as exc:
+            logger.warning("KV block file %s could not be read (%s): skipped", path, exc)
+            problem = "unreadable"
+        if problem is not None:
+            self._forget(key.block_hash)
+            self._counts["num_misses"] += 1
+            return False
+        self._counts["num_hits"] += 1
+        self._counts["num_loaded_bytes"] += self.block_nbytes
+        self._touch(key)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # the LRU order survives a restart
+        return True
+
+    # ------------------------------------------------------------------ writing
+    def put(self, key: BlockKey, payload: Any) -> bool:
+        """Store `payload` (a buffer of `block_nbytes` bytes: the block's K/V) under `key`,
+        evicting the least recently used files to stay within the budget. True if the block is
+        on disk afterwards (already there counts: its recency is refreshed); False if the write
+        failed (counted, logged once as a warning, later ones at debug level): nothing is stored."""
+        data = memoryview(payload).cast("B")
+        assert data.nbytes == self.block_nbytes, f"{data.nbytes} != {self.block_nbytes}"
+        assert len(key.tokens) == 4 * self.block_size, "a key names one full block"
+        h = key.block_hash
+        if self.contains(h):
+            self._touch(key)
+            return True
+        need = self.num_bytes + self.file_nbytes - self.budget_bytes
+        if need > 0 and self.evict(need) < need:
+            return False  # no room: every other file is about to be read
+        path = self._path(h)
+        tmp = path.with_name(
+            f".{path.stem}.{_HOST}.{os.getpid()}.{next(self._tmp_ids)}{SUFFIX}{TMP_SUFFIX}"
+        )
+        header = HEADER.pack(
+            MAGIC,
+            self.fingerprint,
+            h,
+            key.parent_hash or 0,
+            key.parent_hash is not None,
+            self.block_size,
+            self.block_nbytes,
+            key.prefix_digest,
+        )
+        checksum = xxhash.xxh3_64(header)
+        checksum.update(key.tokens)
+        checksum.update(data)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "xb", buffering=0) as f:
+                _write_all(f, (header, key.tokens, data, CHECKSUM.pack(checksum.intdigest())))
+            os.replace(tmp, path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if not isinstance(exc, OSError):
+                raise  # an interrupt: nothing stored, nothing left behind
+            self._counts["num_write_errors"] += 1
+            level = logging.WARNING if self._counts["num_write_errors"] == 1 else logging.DEBUG
+            logger.log(level, "KV block %016x not written to %s (%s)", h, self.directory, exc)
+            return False
+        self._touch(key)
+        self._counts["num_stored"] += 1
+        self._counts["num_stored_bytes"] += self.block_nbytes
+        return True
+
+    def evict(self, num_bytes: int, keep: int | None = None) -> int:
+        """Remove least recently used files until `num_bytes` are freed (or none is left but
+        pinned ones, and `keep`); returns the bytes freed. A file already removed by another
+        process counts as freed."""
+        victims = []
+        for entry in self._lru:
+            if len(victims) * self.file_nbytes >= num_bytes:
+                break
+            if entry.block_hash not in self._pinned and entry.block_hash != keep:
+                victims.append(entry)
+        for entry in victims:
+            self._forget(entry.block_hash)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(entry.block_hash))
+            self._counts["num_evicted"] += 1
+        return len(victims) * self.file_nbytes
+
+    def pin(self, block_hashes: Sequence[int]) -> None:
+        """Keep these files from eviction until each is read once (`get`) or unpinned: a cache
+        that planned to read them may plan writes first, which make room."""
+        self._pinned.update(block_hashes)
+
+    def unpin(self, block_hashes: Sequence[int]) -> None:
+        """Release pins whose reads will not happen."""
+        self._pinned.subtract(block_hashes)
+        self._pinned = +self._pinned  # drop counts at zero
+
+    def discard(self, block_hash: int) -> None:
+        """Remove the file of `block_hash`, if any (this process's index and the disk)."""
+        self._forget(block_hash)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(block_hash))
+
+    def clear(self) -> None:
+        """Remove every block file of this layout (other processes' included)."""
+        for block_hash in [*self._entries, *(h for h, _ in self._scan_files())]:
+            self.discard(block_hash)
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> DiskStoreStats:
+        return DiskStoreStats(
+            directory=str(self.directory),
+            budget_bytes=self.budget_bytes,
+            num_files=self.num_files,
+            num_bytes=self.num_bytes,
+            file_nbytes=self.file_nbytes,
+            **self._counts,
+        )
+
+    def check_integrity(self) -> None:
+        """Recompute the invariants in the class docstring; AssertionError names the first one
+        broken. O(files)."""
+        members = self._lru.items()
+        got = {entry.block_hash for _, entry in members}
+        if len(members) != len(self._entries) or got != set(self._entries):
+            raise AssertionError(f"LRU index {sorted(got)} != files {sorted(self._entries)}")
+        for k, entry in members:
+            if self._entries[entry.block_hash] is not entry or k != lru_key(entry):
+                raise AssertionError(f"file {entry.block_hash:016x} indexed under a stale key")
+            if entry.tick > self._clock:
+                raise AssertionError(f"file {entry.block_hash:016x} tick ahead of the clock")
+        unpinned = [h for h in self._entries if not self._pinned[h]]
+        if self.num_bytes > self.budget_bytes and unpinned:
+            raise AssertionError(f"{self.num_bytes} bytes indexed > budget {self.budget_bytes}")
+
+    # ---------------------------------------------------------------- internals
+    def _path(self, block_hash: int) -> Path:
+        name = f"{block_hash:016x}"
+        return self.directory / name[:2] / f"{name}{SUFFIX}"
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _index(self, block_hash: int, tick: int) -> None:
+        entry = _Entry(next(self._ids), block_hash, tick)
+        self._entries[block_hash] = entry
+        self._lru.add(entry)
+
+    def _forget(self, block_hash: int) -> None:
+        entry = self._entries.pop(block_hash, None)
+        if entry is not None:
+            self._lru.discard(entry)
+            if self.on_removed is not None:
+                self.on_removed(block_hash)
+
+    def _touch(self, key: BlockKey) -> None:
+        """The file becomes the most recently used (indexed if it was not: written just now, or
+        by another process), and the index is kept within the budget."""
+        block_hash = key.block_hash
+        entry = self._entries.pop(block_hash, None)
+        if entry is not None:
+            self._lru.discard(entry)
+        elif self.on_stored is not None:
+            self.on_stored(key)
+        self._index(block_hash, self._tick())
+        self.evict(self.num_bytes - self.budget_bytes, keep=block_hash)
+        self.evict(self.num_bytes - self.budget_bytes)  # only pinned files left: this one too
+
+    def _read_into(self, f: Any, key: BlockKey, view: memoryview) -> str | None:
+        """Read an open block file into `view`, checking it against `key`: None if it is the
+        block, else why not: "damaged" (truncated, or fails its checksum), "layout" (a whole file
+        of another model or layout), "collision" (a whole block of another prefix)."""
+        head = f.read(HEADER.size + 4 * self.block_size)
+        if len(head) < HEADER.size or head[: len(MAGIC)] != MAGIC:
+            return "damaged"
+        _, fingerprint, h, parent, has_parent, n, nbytes, digest = HEADER.unpack_from(head)
+        if n != self.block_size or nbytes != self.block_nbytes:
+            declared = HEADER.size + 4 * n + nbytes + CHECKSUM.size
+            return "layout" if os.fstat(f.fileno()).st_size == declared else "damaged"
+        if len(head) != HEADER.size + 4 * n or _read_exact(f, view) != nbytes:
+            return "damaged"
+        tail = f.read(CHECKSUM.size + 1)
+        checksum = xxhash.xxh3_64(head)
+        checksum.update(view)
+        if len(tail) != CHECKSUM.size or CHECKSUM.unpack(tail)[0] != checksum.intdigest():
+            return "damaged"
+        if fingerprint != self.fingerprint:
+            return "layout"
+        stored = (h, parent if has_parent else None, bytes(head[HEADER.size :]), digest)
+        if stored != (key.block_hash, key.parent_hash, key.tokens, key.prefix_digest):
+            return "collision"  # left in place: it is some prefix's block
+        return None
+
+    def _remove_damaged(self, path: Path, inode: int, why: str) -> None:
+        """One warning, and the file goes (unless another process has replaced it since)."""
+        self._counts["num_damaged"] += 1
+        what = "is truncated or corrupt" if why == "damaged" else "holds another model or layout"
+        logger.warning("KV block file %s %s: skipped and removed", path, what)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+
+    def _write_fingerprint(self, fingerprint: Mapping[str, Any]) -> None:
+        path = self.directory / FINGERPRINT_FILE
+        if path.exists():
+            return
+        tmp = path.with_name(f".fingerprint.{_HOST}.{os.getpid()}.0.json{TMP_SUFFIX}")
+        try:
+            tmp.write_text(json.dumps(fingerprint, sort_keys=True, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            logger.debug("could not write %s: %s", path, exc)
+
+    def _scan_files(self) -> Iterator[tuple[int, os.DirEntry[str]]]:
+        """(hash, entry) of every block file under the layout folder; removes leftovers of dead
+        writers on the way."""
+        with os.scandir(self.directory) as top:
+            folders = []
+            for entry in top:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                elif entry.name.endswith(TMP_SUFFIX):
+                    _remove_if_orphaned(entry)
+        for folder in folders:
+            with contextlib.suppress(FileNotFoundError), os.scandir(folder) as files:
+                for entry in files:
+                    if entry.name.endswith(TMP_SUFFIX):
+                        _remove_if_orphaned(entry)
+                    elif entry.name.endswith(SUFFIX) and len(entry.name) == 16 + len(SUFFIX):
+                        with contextlib.suppress(ValueError):
+                            yield int(entry.name[:16], 16), entry
+
+    def _scan(self) -> None:
+        """Index what is on disk, oldest mtime first (the least recently used); remove files whose
+        size is not a block file's (truncated, or of another layout: one warning for all of
+        them), and evict down to the budget."""
+        found: list[tuple[int, int]] = []
+        damaged = 0
+        for block_hash, entry in self._scan_files():
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if st.st_size != self.file_nbytes:
+                damaged += 1
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                continue
+            found.append((st.st_mtime_ns, block_hash))
+        for _, block_hash in sorted(found):
+            self._index(block_hash, self._tick())
+        if damaged:
+            self._counts["num_damaged"] += damaged
+            logger.warning(
+                "removed %d truncated or foreign KV block files from %s", damaged, self.directory
+            )
+        self.evict(self.num_bytes - self.budget_bytes)
+
+
+def _write_all(f: Any, parts: Sequence[Any]) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            view = view[f.write(view) :]
+
+
+def _read_exact(f: Any, view: memoryview) -> int:
+    """Fill `view` from `f`; returns the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < view.nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return done
+
+
+def _remove_if_orphaned(entry: os.DirEntry[str]) -> None:
+    """Remove a temporary file whose writer is gone: a process of this host that no longer runs,
+    or (another host's, which cannot be asked) one older than FOREIGN_TMP_MAX_AGE_S. Temporary
+    names are `.<name>.<host>.<pid>.<n>.<suffix>.tmp`, the host without dots."""
+    parts = entry.name.split(".")
+    if len(parts) != 7 or not parts[3].isdigit():
+        return
+    try:
+        if parts[2] == _HOST:
+            orphaned = not _process_alive(int(parts[3]))
+        else:
+            orphaned = time.time() - entry.stat().st_mtime > FOREIGN_TMP_MAX_AGE_S
+        if orphaned:
+            os.unlink(entry.path)
+    except OSError:
+        pass  # gone already, or not ours to remove
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True

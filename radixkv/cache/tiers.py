@@ -1,0 +1,240 @@
+"""The tiers below the device pool: a host pool of full KV blocks and, optionally, the disk store.
+
+Both lower tiers hold FULL blocks named by their `BlockKey` (the chained, namespace-salted block
+hash of the KV events, plus the prefix digest that rules out hash collisions), so a tenant's block
+is never found under another's key. The radix tree holds the device blocks; what it evicts is
+demoted here (write-back), and a lookup past what the tree holds goes on by hashing the prompt's
+next full blocks and probing the host index, then the disk store (`lookup`).
+
+The host tier is a `BlockPool` of host block ids (one owner each: its index entry) ordered by the
+one eviction machinery (`EvictionIndex`, LRU on a logical clock). A host block evicted for room is
+written to the disk store first when there is one (`DiskWrite`), else dropped.
+
+Nothing here touches KV: every decision is appended to `moves` (`radixkv.cache.transfers`) in the
+order it was taken, and the engine runs them in that order before the step's forward. That order
+is what makes reuse safe: a block a move reads may be freed and become the destination of a LATER
+move only. Entries a planned load still reads are pinned (out of the LRU order) until the load is
+planned, so planning the device blocks it goes to cannot evict them.
+
+Invariants (`check_integrity`): each host block is free or held by exactly one entry; the LRU index
+holds exactly the unpinned entries under their current keys; no tick is ahead of the clock; the
+disk store's own invariants.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixkv.cache.disk_store import BlockKey, DiskStore
+from radixkv.cache.events import BlockRemoved, BlockStored, EventRecorder
+from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Transfer
+
+HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
+DISK_MEDIUM = "DISK"  # vLLM names no disk tier: this name is ours
+
+
+@dataclass(slots=True, eq=False)
+class HostEntry:
+    """One full block in the host tier; a member of the tier's LRU index unless pinned."""
+
+    node_id: int  # order of arrival: breaks ties between equal ticks
+    key: BlockKey
+    block: int  # host block id
+    tick: int = 0
+    evict_key: Any = field(default=None, repr=False)
+
+
+class LowerTiers:
+    """The host tier (`num_host_blocks` blocks of `block_size` tokens) and the disk store (None:
+    no disk tier), planned by the cache, run by the engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_host_blocks: int,
+        block_size: int,
+        disk: DiskStore | None,
+        events: EventRecorder | None,
+    ) -> None:
+        self.pool = BlockPool(num_host_blocks, block_size)
+        self.block_size = block_size
+        self.disk = disk
+        self.events = events
+        if disk is not None and events is not None:
+            disk.on_stored = lambda key: self._record_stored(key, DISK_MEDIUM)
+            disk.on_removed = lambda h: events.queue.append(BlockRemoved((h,), DISK_MEDIUM))
+        self.entries: dict[int, HostEntry] = {}  # block hash -> entry
+        self.lru = EvictionIndex(lru_key)
+        self.moves: list[Transfer] = []
+        self._clock = 0
+        self._ids = itertools.count()
+        self.counts = dict.fromkeys(
+            ("num_offloaded_blocks", "num_loaded_blocks", "num_disk_reads", "num_disk_writes"), 0
+        )
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    # ------------------------------------------------------------------ reading
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the host tier holds the block `key` names (not just one of its hash)."""
+        entry = self.entries.get(key.block_hash)
+        return entry is not None and entry.key == key
+
+    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, int]:
+        """(h, d): keys[:h] are on the host, keys[h:h+d] on disk. The disk run is capped so that
+        it can be staged through the host blocks not holding keys[:h]. Changes nothing."""
+        h = 0
+        while h < len(keys) and self.holds(keys[h]):
+            h += 1
+        d = 0
+        if self.disk is not None and h < len(keys):
+            d = self.disk.probe(keys[h : h + self.num_host_blocks - h])
+        return h, d
+
+    # ------------------------------------------------------------------ planning
+    def pin(self, keys: Sequence[BlockKey], h: int, d: int) -> None:
+        """Keep keys[:h] on the host and keys[h:h+d] on disk until `load` is planned."""
+        for key in keys[:h]:
+            self.lru.discard(self.entries[key.block_hash])
+        if d:
+            assert self.disk is not None
+            self.disk.pin([key.block_hash for key in keys[h : h + d]])
+
+    def unpin(self, keys: Sequence[BlockKey], h: int, d: int) -> None:
+        """Undo `pin` (the load will not be planned)."""
+        for key in keys[:h]:
+            self._touch(self.entries[key.block_hash])
+        if d:
+            assert self.disk is not None
+            self.disk.unpin([key.block_hash for key in keys[h : h + d]])
+
+    def load(self, keys: Sequence[BlockKey], h: int, d: int, device: Sequence[int]) -> None:
+        """Plan the loads of pinned keys[:h] (host) and keys[h:h+d] (disk, staged through new host
+        entries) into the device blocks `device`, and unpin them."""
+        hosts = [self._touch(self.entries[key.block_hash]) for key in keys[:h]]
+        if h:
+            self.moves.append(Load(tuple(hosts), tuple(device[:h])))
+        if d:
+            staged = self._allocate(d)
+            assert len(staged) == d, "the disk run is capped by the host blocks not pinned"
+            disk_keys = tuple(keys[h : h + d])
+            self.moves.append(DiskRead(disk_keys, tuple(staged)))
+            for key, b in zip(disk_keys, staged, strict=True):
+                self._add(key, b)
+            self.moves.append(Load(tuple(staged), tuple(device[h : h + d])))
+            self.counts["num_disk_reads"] += d
+        self.counts["num_loaded_blocks"] += h + d
+
+    def demote(self, keys: Sequence[BlockKey], device: Sequence[int]) -> None:
+        """The device blocks `device` (holding `keys`) leave the device: copy those the host
+        lacks into host blocks (as many as the host can take, evicting its least recently used
+        entries), refresh those it has."""
+        missing = []
+        for key, b in zip(keys, device, strict=True):
+            entry = self.entries.get(key.block_hash)
+            if entry is None:
+                missing.append((key, b))
+            elif entry.key == key and entry.evict_key is not None:
+                self._touch(entry)
+        hosts = self._allocate(len(missing))
+        if hosts:
+            missing = missing[: len(hosts)]
+            self.moves.append(Offload(tuple(b for _, b in missing), tuple(hosts)))
+            for (key, _), host in zip(missing, hosts, strict=True):
+                self._add(key, host)
+            self.counts["num_offloaded_blocks"] += len(hosts)
+
+    def write_to_disk(self) -> None:
+        """Plan writing every host entry to disk (those already there are only refreshed)."""
+        entries = list(self.entries.values())
+        if self.disk is not None and entries:
+            keys = tuple(e.key for e in entries)
+            self.moves.append(DiskWrite(tuple(e.block for e in entries), keys))
+            self.counts["num_disk_writes"] += len(entries)
+
+    def forget(self, host_blocks: Sequence[int]) -> None:
+        """These host blocks hold garbage (a move failed): drop their entries."""
+        bad = set(host_blocks)
+        for entry in [e for e in self.entries.values() if e.block in bad]:
+            self._remove(entry)
+
+    def clear(self) -> None:
+        """Drop every host entry (the disk keeps its files)."""
+        for entry in list(self.entries.values()):
+            self._remove(entry)
+
+    def take_moves(self) -> list[Transfer]:
+        moves, self.moves = self.moves, []
+        return moves
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Recompute the invariants in the module docstring; AssertionError names the first."""
+        owners = {}
+        for h, entry in self.entries.items():
+            if entry.key.block_hash != h or entry.block in owners or entry.tick > self._clock:
+                raise AssertionError(f"host entry {h:016x} is malformed or shares its block")
+            owners[entry.block] = 1
+        self.pool.check_integrity(owners)
+        members = self.lru.items()
+        unpinned = {id(e) for e in self.entries.values() if e.evict_key is not None}
+        if {id(e) for _, e in members} != unpinned or len(members) != len(unpinned):
+            raise AssertionError("the host LRU index does not hold exactly the unpinned entries")
+        for k, entry in members:
+            if k != lru_key(entry):  # type: ignore[arg-type]
+                raise AssertionError(f"host entry {entry.key.block_hash:016x} under a stale key")
+        if self.disk is not None:
+            self.disk.check_integrity()
+
+    # ---------------------------------------------------------------- internals
+    def _allocate(self, n: int) -> list[int]:
+        """Up to `n` host blocks, evicting the least recently used unpinned entries (each
+        written to disk first, with a disk tier)."""
+        short = min(n - self.pool.num_free, len(self.lru))
+        if short > 0:
+            victims = list(itertools.islice(self.lru, short))
+            if self.disk is not None:
+                self.moves.append(
+                    DiskWrite(tuple(e.block for e in victims), tuple(e.key for e in victims))
+                )
+                self.counts["num_disk_writes"] += len(victims)
+            for entry in victims:
+                self._remove(entry)
+        return self.pool.allocate(min(n, self.pool.num_free)) or []
+
+    def _add(self, key: BlockKey, block: int) -> None:
+        entry = HostEntry(next(self._ids), key, block)
+        self.entries[key.block_hash] = entry
+        self._touch(entry)
+        self._record_stored(key, HOST_MEDIUM)
+
+    def _record_stored(self, key: BlockKey, medium: str) -> None:
+        if self.events is not None:
+            tokens = tuple(np.frombuffer(key.tokens, "<u4").tolist())
+            B, parent = self.block_size, key.parent_hash
+            self.events.queue.append(
+                BlockStored((key.block_hash,), parent, tokens, B, medium=medium)
+            )
+
+    def _touch(self, entry: HostEntry) -> int:
+        """The entry becomes the most recently used (and unpinned); returns its host block."""
+        self.lru.discard(entry)
+        self._clock += 1
+        entry.tick = self._clock
+        self.lru.add(entry)  # type: ignore[arg-type]
+        return entry.block
+
+    def _remove(self, entry: HostEntry) -> None:
+        self.lru.discard(entry)  # type: ignore[arg-type]
+        del self.entries[entry.key.block_hash]
+        self.pool.release([entry.block])
+        if self.events is not None:
+            self.events.queue.append(BlockRemoved((entry.key.block_hash,), HOST_MEDIUM))

@@ -1,0 +1,114 @@
+"""Moves of KV between tiers: planned by the cache, run by the engine before the step's forward.
+
+The cache plans a move whenever it decides that blocks change tier; the engine runs the moves of
+a step in the order they were planned, before that step's forward:
+
+    Offload(device, host)   device blocks -> host blocks: a demotion, or a write-through copy
+    Load(host, device)      host blocks -> device blocks: a hit in the host tier
+    DiskWrite(host, keys)   host blocks -> block files: a demotion from the host tier
+    DiskRead(keys, host)    block files -> host blocks: a hit in the disk tier (a Load follows)
+
+The order is what makes a list safe: a block whose content one move reads may be freed and become
+the destination of a LATER move in the same list, never of an earlier one (the cache plans the
+reading move first, then frees the block).
+
+A move that fails leaves its destination blocks holding garbage, and so does every later move
+that reads them (`poisoned`); the engine fails the requests whose tables hold a poisoned device
+block, and the cache forgets every copy held in a poisoned block. A DiskWrite of a poisoned host
+block is not made (garbage never reaches the disk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from radixkv.cache.disk_store import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Copy device blocks `device[i]` into host blocks `host[i]`."""
+
+    device: tuple[int, ...]
+    host: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Copy host blocks `host[i]` into device blocks `device[i]`."""
+
+    host: tuple[int, ...]
+    device: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskWrite:
+    """Write host blocks `host[i]` to the disk tier as the files `keys[i]` name."""
+
+    host: tuple[int, ...]
+    keys: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRead:
+    """Read the files `keys[i]` name into host blocks `host[i]`."""
+
+    keys: tuple[BlockKey, ...]
+    host: tuple[int, ...]
+
+
+Transfer = Offload | Load | DiskWrite | DiskRead
+
+
+class Poisoned:
+    """Which blocks hold garbage so far, while a step's moves run in order: `record` each move
+    as it ran (all its blocks, or block by block). A destination block is garbage iff its move
+    failed or its source block was garbage; a sound move over a garbage block cures it. A
+    DiskWrite changes no block (the engine skips its garbage blocks: `sound`)."""
+
+    def __init__(self) -> None:
+        self.device: set[int] = set()
+        self.host: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.device or self.host)
+
+    def sound(self, t: DiskWrite) -> list[bool]:
+        """Per block of `t`: whether its host block holds what the cache thinks it does."""
+        return [h not in self.host for h in t.host]
+
+    def record(self, t: Transfer, ok: bool | Sequence[bool] = True) -> None:
+        """`t` ran: `ok` says whether it worked, as a whole or block by block."""
+        oks = [ok] * len(t.host) if isinstance(ok, bool) else list(ok)
+        assert len(oks) == len(t.host), "one outcome per block"
+        if isinstance(t, Offload):
+            _flow(oks, t.device, self.device, t.host, self.host)
+        elif isinstance(t, Load):
+            _flow(oks, t.host, self.host, t.device, self.device)
+        elif isinstance(t, DiskRead):
+            _flow(oks, None, set(), t.host, self.host)
+
+
+def poisoned(transfers: Sequence[Transfer], failed: Iterable[int]) -> Poisoned:
+    """The blocks holding garbage after `transfers` ran in order, when the moves at the indices
+    `failed` did not happen. Mutates nothing."""
+    failed = set(failed)
+    result = Poisoned()
+    for i, t in enumerate(transfers):
+        result.record(t, i not in failed)
+    return result
+
+
+def _flow(
+    oks: Sequence[bool],
+    src: Sequence[int] | None,
+    bad_src: set[int],
+    dst: Sequence[int],
+    bad_dst: set[int],
+) -> None:
+    for j, b in enumerate(dst):
+        if not oks[j] or (src is not None and src[j] in bad_src):
+            bad_dst.add(b)
+        else:
+            bad_dst.discard(b)

@@ -1,0 +1,161 @@
+"""Overlapped steps: the host schedules and packs step n+1 while the device runs step n.
+
+In a plain step the host waits for the sampled tokens (`.tolist()`), then updates the scheduler,
+schedules and packs the next step, and only then launches it: the device idles for all of that.
+Here, as in vLLM's async scheduling, one step stays in flight and its tokens are read one step
+late:
+
+    schedule(n+1) ─► launch(n+1) ─► advance(n+1) ─► read tokens of n ─► fill(n) ─► deliver n
+                     (queued behind n on the device; its decode rows take n's tokens there)
+
+* `Scheduler.advance` records a launched step's rows as written and appends a placeholder per
+  sampled row, so the next `schedule()` computes it like any last sampled token.
+* The runner's `TokenFeed` writes the previous step's sampled tokens, still on the device, over
+  those placeholders in the step's `input_ids` (the indices travel through pinned memory).
+* `Scheduler.fill` brings the real tokens. A request that stopped (EOS, a stop token) had one
+  more row computed in the step already launched: that row's token is dropped and its KV is not
+  inserted. A request whose placeholder is its `max_tokens`-th token is not scheduled again.
+
+Each request's tokens, and each seeded request's random numbers, are the same as without the
+overlap: only when the engine learns them moves. On a CPU the forward runs on the calling thread,
+so nothing overlaps; there the overlap only costs its bookkeeping (see `EngineConfig`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.engine.cuda_graphs import TokenFeed
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.sampler import sample_on_device
+from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.step_inputs import InputStager
+from radixkv.scheduler import Request, Scheduler
+from radixkv.scheduler.output import SchedulerOutput
+
+# request id -> (its sampling params, its random stream); the engine's records.
+SamplingOf = Callable[[str], tuple[SamplingParams, random.Random | None]]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose tokens are not read yet."""
+
+    output: SchedulerOutput
+    sample_ids: list[str]  # request ids of its sampled rows, in row order
+    tokens: torch.Tensor  # [len(sample_ids)] int64 on the device
+    host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready` fired
+    ready: torch.cuda.Event | None  # None on the CPU: `tokens` is computed already
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class OverlappedSteps:
+    """Runs the engine's steps with one step in flight (see the module docstring).
+
+    Invariants between steps: at most one step is in flight; its sampled rows' requests, where
+    still live, each hold exactly one placeholder for it (their last output token).
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self._stager = InputStager(runner.device, capacity=1 << 10)  # the feed's indices
+        self._in_flight: _InFlight | None = None
+
+    def step(self, step_ids: list[str], sampling_of: SamplingOf) -> list[tuple[Request, int]]:
+        """Launch the next step (if any), then read the previous one's tokens into the scheduler.
+        Returns the requests that took a token and their tokens. `step_ids` gets the ids of every
+        request a fault now would concern: the previous step's and this one's. On a fault the
+        step in flight is dropped (the engine fails its requests)."""
+        try:
+            return self._step(step_ids, sampling_of)
+        except BaseException:
+            self._in_flight = None
+            raise
+
+    def check_integrity(self) -> None:
+        """The live requests with placeholders are exactly the in-flight step's sampled ones,
+        one placeholder each."""
+        live = self.scheduler.running_requests + self.scheduler.waiting_requests
+        pending = {r.request_id: r.num_pending for r in live if r.num_pending}
+        flight = self._in_flight
+        sampled = set(flight.sample_ids) if flight is not None else set()
+        assert pending == {r.request_id: 1 for r in live if r.request_id in sampled}, pending
+
+    def _step(self, step_ids: list[str], sampling_of: SamplingOf) -> list[tuple[Request, int]]:
+        out = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            step_ids.extend(row.request_id for row in previous.output.rows)
+        step_ids.extend(row.request_id for row in out.rows)
+        if out.is_empty and previous is None:
+            raise RuntimeError(
+                f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
+            )
+        if not out.is_empty:
+            self._in_flight = self._launch(out, previous, sampling_of)
+        if previous is None:
+            return []
+        by_id = dict(zip(previous.sample_ids, previous.read(), strict=True))
+        took = self.scheduler.fill(previous.output, by_id)
+        return [(req, by_id[req.request_id]) for req in took]
+
+    def _launch(
+        self, out: SchedulerOutput, previous: _InFlight | None, sampling_of: SamplingOf
+    ) -> _InFlight:
+        logits = self.runner.execute(out, self._feed(out, previous))
+        sample_ids = [row.request_id for row in out.rows if row.sample]
+        sampling = [sampling_of(rid) for rid in sample_ids]
+        tokens = sample_on_device(logits, [s[0] for s in sampling], [s[1] for s in sampling])
+        self.scheduler.advance(out)
+        if tokens.device.type != "cuda":
+            return _InFlight(out, sample_ids, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _InFlight(out, sample_ids, tokens, host, ready)
+
+    def _feed(self, out: SchedulerOutput, previous: _InFlight | None) -> TokenFeed | None:
+        """Where this step's placeholders are: the last token of each sampled row of a request
+        that the previous step sampled (a request with a placeholder is scheduled only to
+        compute it). None when there is none."""
+        if previous is None:
+            return None
+        source = {rid: i for i, rid in enumerate(previous.sample_ids)}
+        dst: list[int] = []
+        src: list[int] = []
+        end = 0  # tokens packed so far
+        for row in out.rows:
+            end += len(row.token_ids)
+            i = source.get(row.request_id)
+            if i is not None and row.sample:
+                dst.append(end - 1)
+                src.append(i)
+        if not dst:
+            return None
+        return token_feed(self._stager, dst, src, previous.tokens)
+
+
+def token_feed(
+    stager: InputStager, dst: Sequence[int], src: Sequence[int], tokens: torch.Tensor
+) -> TokenFeed:
+    """`input_ids[dst[i]] = tokens[src[i]]` on the device, with no synchronization."""
+    n = len(dst)
+    host = stager.host(2 * n)
+    host.numpy()[:n] = dst
+    host.numpy()[n:] = src
+    index = stager.to_device(host).long()
+
+    def feed(input_ids: torch.Tensor) -> None:
+        input_ids[index[:n]] = tokens[index[n:]].to(input_ids.dtype)
+
+    return feed

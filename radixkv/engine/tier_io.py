@@ -1,0 +1,176 @@
+"""Runs the cache's tier moves (`radixkv.cache.transfers`) and measures them.
+
+`TierIO.run(moves)` carries out one step's moves in order: copies between the device pool and the
+host pool through the `KVCopier` (asynchronous on CUDA), block files through the `DiskStore`.
+A file move waits on the host for the copies before it (it reads or rewrites host blocks an
+earlier copy may still be reading or writing); copies never wait on the host.
+`order_before_compute()` then makes the compute stream wait for the step's copies (on the
+device), before the copy-on-write copies and the forward read the blocks.
+
+A move that fails (an exception in a copy, a block file missing, damaged or of another prefix)
+is logged and counted; `run` returns the blocks it left holding garbage (`Poisoned`), for the
+engine to fail the requests that would read them and the cache to forget those copies. A
+KeyboardInterrupt or another BaseException stops the run: every move not finished counts as
+failed (`poisoned_so_far`), and it is re-raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
+from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Poisoned, Transfer
+from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
+from radixkv.engine.kv_fingerprint import kv_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixkv.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("offload", "load", "disk_write", "disk_read")
+_KIND = {Offload: "offload", Load: "load", DiskWrite: "disk_write", DiskRead: "disk_read"}
+
+
+@dataclass(slots=True)
+class MoveTotals:
+    """What the moves of one kind did. Copies count when issued: their time is the host's time to
+    issue them on CUDA (`KVCopier.totals` has the device's)."""
+
+    num_moves: int = 0
+    num_blocks: int = 0  # blocks moved (a failed block not included)
+    nbytes: int = 0
+    seconds: float = 0.0
+    num_failed_blocks: int = 0
+
+
+def make_tier_io(
+    model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, config: EngineConfig
+) -> TierIO | None:
+    """The host pool, its copier and the disk store that `config` asks for, over the device pool
+    `k_cache` / `v_cache` ([num_layers, num_blocks, block_size, kv_heads, head_dim]); None without
+    a host tier. ValueError for a host or disk budget that holds no block."""
+    if not config.host_cache_bytes:
+        return None
+    num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
+    shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    dtype = k_cache.dtype
+    bytes_per_block = 2 * k_cache[:, 0].nbytes  # K and V of one block over every layer
+    num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
+    cuda = k_cache.device.type == "cuda"
+    host = HostKVPool(num_host_blocks, block_size=block_size, dtype=dtype, pin_memory=cuda, **shape)
+    disk = None
+    if config.kv_cache_dir is not None:
+        file_nbytes = HEADER.size + 4 * block_size + bytes_per_block + CHECKSUM.size
+        if config.disk_cache_bytes < file_nbytes:
+            raise ValueError(
+                f"disk_cache_bytes={config.disk_cache_bytes} holds no KV block file "
+                f"({file_nbytes} bytes each)"
+            )
+        fingerprint = kv_fingerprint(
+            model, block_size=block_size, dtype=dtype, device=k_cache.device, **shape
+        )
+        disk = DiskStore(
+            config.kv_cache_dir,
+            fingerprint,
+            block_size=block_size,
+            block_nbytes=bytes_per_block,
+            budget_bytes=config.disk_cache_bytes,
+        )
+    return TierIO(KVCopier(k_cache, v_cache, host), disk)
+
+
+class TierIO:
+    """The engine's side of the tiers: a `KVCopier` over the device and host pools, and the disk
+    store (None: no disk tier). Not thread-safe: the engine's step thread uses it."""
+
+    def __init__(self, copier: KVCopier, disk: DiskStore | None) -> None:
+        self.copier = copier
+        self.host = copier.host
+        self.disk = disk
+        self.totals = {kind: MoveTotals() for kind in KINDS}
+        self.poisoned_so_far = Poisoned()
+        self._last_copy: KVCopy | None = None  # the last copy issued (one stream: all before it)
+
+    def run(self, moves: Sequence[Transfer]) -> Poisoned:
+        """Carry out `moves` in order (see the module docstring); returns the blocks left holding
+        garbage (empty when every move worked)."""
+        self.poisoned_so_far = poisoned = Poisoned()
+        done = 0
+        try:
+            for move in moves:
+                self._run_one(move, poisoned)
+                done += 1
+        except BaseException:
+            for move in moves[done:]:
+                poisoned.record(move, False)
+                if isinstance(move, DiskRead) and self.disk is not None:
+                    self.disk.unpin([key.block_hash for key in move.keys])  # reads that won't be
+            raise
+        return poisoned
+
+    def order_before_compute(self) -> None:
+        """The compute stream's next work waits for every copy issued so far (on the device)."""
+        if self._last_copy is not None:
+            self.copier.order_before_compute(self._last_copy)
+            self._last_copy = None
+
+    # ---------------------------------------------------------------- internals
+    def _run_one(self, move: Transfer, poisoned: Poisoned) -> None:
+        kind = _KIND[type(move)]
+        totals = self.totals[kind]
+        t0 = time.perf_counter()
+        if isinstance(move, (Offload, Load)):
+            oks = self._copy(move)
+        else:
+            self._wait_for_copies()
+            oks = self._disk(move, poisoned)
+        poisoned.record(move, oks)
+        moved = sum(oks)
+        totals.num_moves += 1
+        totals.num_blocks += moved
+        totals.nbytes += moved * self.host.bytes_per_block
+        totals.num_failed_blocks += len(oks) - moved
+        totals.seconds += time.perf_counter() - t0
+
+    def _copy(self, move: Offload | Load) -> list[bool]:
+        try:
+            if isinstance(move, Offload):
+                copy = self.copier.offload(move.device, move.host)
+            else:
+                copy = self.copier.load(move.host, move.device)
+        except Exception:
+            logger.exception("KV %s of %d blocks failed", _KIND[type(move)], len(move.host))
+            return [False] * len(move.host)
+        if copy.done is not None:
+            self._last_copy = copy
+        return [True] * len(move.host)
+
+    def _disk(self, move: DiskWrite | DiskRead, poisoned: Poisoned) -> list[bool]:
+        disk = self.disk
+        assert disk is not None, "the cache plans file moves only with a disk tier"
+        writing = isinstance(move, DiskWrite)
+        # A garbage block is not written; a write that fails loses only that copy.
+        sound = poisoned.sound(move) if writing else [True] * len(move.host)
+        oks = []
+        for ok, key, h in zip(sound, move.keys, move.host, strict=True):
+            try:
+                buf = self.host.block_buffer(h)
+                oks.append(ok and (disk.put(key, buf) if writing else disk.get(key, buf)))
+            except Exception:
+                logger.exception(
+                    "KV block file %016x: %s failed", key.block_hash, _KIND[type(move)]
+                )
+                oks.append(False)
+        return oks
+
+    def _wait_for_copies(self) -> None:
+        if self._last_copy is not None:
+            self.copier.synchronize(self._last_copy)
+            self._last_copy = None

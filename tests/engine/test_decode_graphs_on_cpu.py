@@ -1,0 +1,125 @@
+"""The CUDA-graph decode path on the CPU: capture and replay faked, everything else real.
+
+No GPU has run the graph path yet, so this harness runs it here: `capture_graph` is replaced by a
+stand-in whose "graph" re-runs the captured forward on replay and writes its output where the
+real graph would, and the Triton kernels run interpreted, reading the static input buffer on every
+replay as the captured kernels would (the torch reference would read the metadata planned at
+capture). What is real: bucketing, packing into the static buffer, pad rows, the fused Llama
+modules, the kernels, the block-table width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_llama import build_model
+
+from radixkv.engine import cuda_graphs
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.cuda_graphs import DecodeGraphs
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.overlap import token_feed
+from radixkv.engine.step_inputs import InputStager
+from radixkv.kernels import use_backend
+from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+
+pytestmark = pytest.mark.interpreter
+
+BLOCK = 4
+
+
+class ReplayingGraph:
+    """Stands in for a captured graph: replay() recomputes `fn` into the captured output."""
+
+    def __init__(self, fn, out: torch.Tensor) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+    def pool(self) -> None:
+        return None
+
+
+def fake_capture(fn, device, pool):
+    fn()  # the warm-up run off the capture stream
+    out = fn()
+    return ReplayingGraph(fn, out), out
+
+
+@pytest.fixture
+def graph_runner(monkeypatch):
+    """(a runner whose decode steps replay fake graphs, an eager runner on a copy of the model)."""
+    monkeypatch.setattr(cuda_graphs, "capture_graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model = build_model("gqa")
+    runners = []
+    with use_backend("triton"):
+        for graphs in (True, False):
+            config = EngineConfig(block_size=BLOCK, num_blocks=32)
+            runner = ModelRunner(build_model("gqa") if graphs else model, config)
+            if graphs:
+                runner.decode_graphs = DecodeGraphs(
+                    runner._forward, runner.stager, runner.kv_cache_shape, 3, max_model_len=40
+                )
+            runners.append(runner)
+    return runners
+
+
+def row(rid, tokens, start, table):
+    return ScheduledRequest(rid, tuple(tokens), start, tuple(table), True)
+
+
+def test_graph_replays_equal_eager_steps(graph_runner):
+    """Prefill eager, then decode steps of 1, 2 and 3 rows (buckets 1, 2, 3: pad rows only in
+    none; 2 rows replay bucket 2), one with a copy-on-write, one too wide for the graph."""
+    graphs_runner, eager_runner = graph_runner
+    graphs = graphs_runner.decode_graphs
+    assert graphs.buckets == (1, 2, 3)
+    assert graphs.max_blocks == 10  # the engine's 40 tokens, not the model's 1024 positions
+    a, b = list(range(10, 19)), list(range(30, 35))
+    steps = [
+        SchedulerOutput(rows=(row("a", a, 0, [3, 7, 1]), row("b", b, 0, [5, 2]))),
+        SchedulerOutput(rows=(row("a", [40], 9, [3, 7, 1]),)),
+        SchedulerOutput(rows=(row("a", [41], 10, [3, 7, 1]), row("b", [42], 5, [5, 2]))),
+        SchedulerOutput(
+            rows=(row("b", [43], 6, [5, 2]), row("c", [44], 6, [5, 9])),
+            copies=(BlockCopy(src_block=2, dst_block=9, num_slots=2),),
+        ),
+        SchedulerOutput(rows=(row("d", [45], 40, [*range(11, 21), 21]),)),  # 11 blocks: eager
+    ]
+    with use_backend("triton"):
+        for i, step in enumerate(steps):
+            replays = graphs.num_replays
+            expected = eager_runner.execute(step)
+            got = graphs_runner.execute(step)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert graphs.num_replays - replays == (1 if i in (1, 2, 3) else 0), i
+    torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
+    """Overlapped steps' placeholders, fed on the device from the previous step's sampled tokens
+    (`radixkv.engine.overlap`), compute what the real tokens do: in a replay's static inputs and
+    in an eager mixed step (the placeholder ends a decode row beside a prefill chunk)."""
+    graphs_runner, eager_runner = graph_runner
+    a, b, c = list(range(10, 19)), list(range(30, 35)), list(range(50, 56))
+    prefill = SchedulerOutput(rows=(row("a", a, 0, [3, 7, 1]), row("b", b, 0, [5, 2])))
+    real = SchedulerOutput(rows=(row("a", [40], 9, [3, 7, 1]), row("b", [41], 5, [5, 2])))
+    held = SchedulerOutput(rows=(row("a", [0], 9, [3, 7, 1]), row("b", [0], 5, [5, 2])))
+    mixed_real = SchedulerOutput(rows=(row("c", c, 0, [8, 9]), row("a", [42], 10, [3, 7, 1])))
+    mixed_held = SchedulerOutput(rows=(row("c", c, 0, [8, 9]), row("a", [0], 10, [3, 7, 1])))
+    sampled = torch.tensor([41, 40, 42])  # the previous step's tokens, in its own row order
+    stager = InputStager(torch.device("cpu"))
+    with use_backend("triton"):
+        for runner in (eager_runner, graphs_runner):
+            runner.execute(prefill)
+        replays = graphs_runner.decode_graphs.num_replays
+        expected = eager_runner.execute(real)
+        got = graphs_runner.execute(held, token_feed(stager, [0, 1], [1, 0], sampled))
+        assert graphs_runner.decode_graphs.num_replays == replays + 1
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        expected = eager_runner.execute(mixed_real)
+        got = graphs_runner.execute(mixed_held, token_feed(stager, [6], [2], sampled))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,78 @@
+"""scripts/gpu_check.sh on the CPU: its stages' plumbing (--dry-run), the summary it prints, the
+budget and the failure report; and `pytest -m gpu` collecting without the packages the GPU
+machine lacks. A GPU-only failure found here costs nothing; found there, minutes of a short loan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, **env}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], env=environ, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_dry_run_of_the_cheap_stages(tmp_path):
+    """env, install (pip's --dry-run) and the tiny profile pass, each with its log and summary
+    line; the summary file holds what stdout showed."""
+    result = run(tmp_path, "--dry-run", "env", "install", "profile")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for stage in ("env", "install", "import", "profile"):
+        assert f"{stage}: ok in" in out
+        assert (tmp_path / "out" / f"{stage}.log").exists()
+    assert "device: no CUDA" in out  # the env stage's versions
+    assert "## 1. decode workload" in out and "median decode step" in out
+    assert "stages not passed: none" in out
+    assert (tmp_path / "out" / "summary.txt").read_text().strip() in out.strip()
+
+
+def test_a_failing_stage_fails_the_run_and_shows_its_log(tmp_path):
+    result = run(tmp_path, "--dry-run", "install", PYTHON="false")
+    assert result.returncode != 0
+    assert "install: FAILED (rc 1)" in result.stdout
+    assert "stages not passed: install import" in result.stdout
+    assert "---- tail of install.log" in result.stdout
+
+
+def test_stages_beyond_the_budget_are_skipped(tmp_path):
+    result = run(tmp_path, "--dry-run", "env", "profile", GPU_CHECK_BUDGET_S="10")
+    assert result.returncode != 0
+    assert "env: SKIPPED" in result.stdout and "profile: SKIPPED" in result.stdout
+
+
+def test_unknown_stage_is_a_usage_error(tmp_path):
+    result = run(tmp_path, "benchmarks")
+    assert result.returncode == 2 and "unknown stage" in result.stderr
+    assert "Stages, in order" in run(tmp_path, "--help").stdout
+
+
+def test_gpu_tests_collect_without_the_extras_the_gpu_machine_lacks():
+    """What the GPU machine's `pytest -m gpu` sees: openai, msgspec, zmq, fastapi and the rest
+    hidden (scripts/without_extras), collection still succeeds and finds the GPU tests."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "without_extras")}
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q"]
+    result = subprocess.run(
+        [*cmd, "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tests/kernels/test_kernel_gpu.py::test_rope_store_kv_gpu" in result.stdout
+    assert "tests/engine/test_engine_gpu.py::" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["openai", "zmq", "fastapi"])
+def test_the_hidden_extras_are_really_hidden(name):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "without_extras")}
+    code = f"import importlib.util as u; assert u.find_spec({name!r}) is None; import {name}"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "ModuleNotFoundError" in result.stderr
