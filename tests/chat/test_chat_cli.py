@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import sigint_restored
 from transformers import AutoTokenizer
 
 from radixkv.chat import cli
@@ -29,10 +30,6 @@ def ctrl_c_reaches_python():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
-
-
-def _sigint_as_python_starts_it() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _run(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -271,7 +268,7 @@ def test_sigint_in_a_reply_and_undecodable_stdin(tiny_model_dir, tmp_path: Path)
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=_sigint_as_python_starts_it,
+        preexec_fn=sigint_restored,
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"w10 \xff\nw10 w11\n/stats\n")

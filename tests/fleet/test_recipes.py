@@ -3,6 +3,7 @@ fleet, prints where to send requests, serves until Ctrl-C, then stops every proc
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import fleet
 import pytest
+from processes import sigint_restored
 
 RECIPE = Path(fleet.__file__)
 
@@ -22,7 +24,9 @@ def run_recipe(
     `while_up(lines)`, then Ctrl-C it. Returns the lines; fails unless it exits 0."""
     argv = [sys.executable, str(RECIPE), recipe, "--served-model-name", "tiny", "--"]
     argv += ["--model", str(model_dir), "--num-blocks", "256"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, preexec_fn=sigint_restored, start_new_session=True
+    )
     lines: list[str] = []
     try:
         assert proc.stdout is not None
@@ -34,7 +38,11 @@ def run_recipe(
             while_up(lines)
     finally:
         proc.send_signal(signal.SIGINT)
-        returncode = proc.wait(timeout=60)
+        try:
+            returncode = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the recipe and every process it started
+            raise
     assert returncode == 0
     return lines
 
