@@ -36,6 +36,7 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.events import make_block_hasher
+from radixkv.cache.transfers import Poisoned, Transfer
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
@@ -444,12 +445,19 @@ class LLM:
         self.cache.persist()
         moves = self.cache.take_transfers()
         if moves:
-            assert self.tiers is not None
-            try:
-                self.tiers.run(moves)
-            finally:
-                self.cache.forget_host_blocks(sorted(self.tiers.poisoned_so_far.host))
-            self.tiers.order_before_compute()
+            self._run_moves(moves)
+
+    def _run_moves(self, moves: Sequence[Transfer]) -> Poisoned:
+        """Run tier moves in order; the cache forgets the host copies a failed move left holding
+        garbage, whatever happens. Returns the blocks that failed."""
+        tiers = self.tiers
+        assert tiers is not None, "the cache plans moves only with a host tier"
+        try:
+            poisoned = tiers.run(moves)
+        finally:
+            self.cache.forget_host_blocks(sorted(tiers.poisoned_so_far.host))
+        tiers.order_before_compute()
+        return poisoned
 
     def _run_transfers(self, out: SchedulerOutput) -> set[str]:
         """The step's tier moves, before its copies and forward. A move that fails leaves blocks
@@ -457,13 +465,7 @@ class LLM:
         reads one of the device blocks goes back to the waiting queue, to be admitted from what
         the cache holds then (a block file another process evicted is a miss, not an error);
         the second time, it fails. Their rows still run, and are ignored. Returns their ids."""
-        tiers = self.tiers
-        assert tiers is not None, "the cache plans moves only with a host tier"
-        try:
-            poisoned = tiers.run(out.transfers)
-        finally:
-            self.cache.forget_host_blocks(sorted(tiers.poisoned_so_far.host))
-        tiers.order_before_compute()
+        poisoned = self._run_moves(out.transfers)
         if poisoned.device:
             hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
             failed = [rid for rid in hit if self._tracked[rid].failed_load]

@@ -50,10 +50,15 @@ def sample(
             for i, (p, g) in enumerate(zip(params, generators, strict=True))
         ]
     tokens = _pick(logits, probs, sampled_rows, generators)
-    results: list[int | Exception] = tokens.tolist()  # one device sync for the whole batch
-    unusable = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
-    for j in unusable.nonzero().flatten().tolist():
-        results[sampled_rows[j]] = RuntimeError("the row's probabilities are not finite")
+    if not sampled_rows:
+        return tokens.tolist()
+    usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    # The tokens and the rows' usability in one read: one device sync for the whole batch.
+    read = torch.cat([tokens, usable.to(tokens.dtype)]).tolist()
+    results: list[int | Exception] = read[: len(params)]
+    for i, ok in zip(sampled_rows, read[len(params) :], strict=True):
+        if not ok:
+            results[i] = RuntimeError("the row's probabilities are not finite")
     return results
 
 
