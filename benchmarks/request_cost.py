@@ -33,9 +33,10 @@ free: `--against` runs each revision's own copy of this script, so totals compar
 client appends to a PackedTokens per conversation, and building the prompt and `written` is
 timed with `admit`. Inputs are built before the timed runs, and the cache is large enough that
 nothing is evicted, unless `--capacity` sizes the device pool to a fraction of the working set
-(every conversation's final text); then `--host-ratio` adds a host tier of that many times the
-device pool, whose moves are planned and dropped (the time is what planning them costs: lookups
-past the tree, demotions). `--system-tokens` lengthens the shared system prompt (long prompts).
+(the distinct blocks of the conversations' final texts); then `--host-ratio` adds a host tier of
+that many times the device pool, whose moves are planned and dropped (the time is what planning
+them costs: lookups past the tree, demotions). `--system-tokens` lengthens the shared system
+prompt (long prompts).
 The runs are identical, so each request keeps its fastest of `--repeat` runs (other tenants of a
 shared machine only add time); the table gives medians over the requests with 1k-2k-token
 prompts (all requests when none is in that band).
@@ -109,14 +110,28 @@ def pool_size(
     block_size: int,
     capacity: float | None,
 ) -> int:
-    """Device blocks: enough never to evict (None), else `capacity` x the working set (each
-    conversation's final text), and never less than one request's blocks + 1."""
+    """Device blocks: enough never to evict (None), else `capacity` x the working set, and never
+    less than one request's blocks + 1."""
     need = [-(-len(written) // block_size) + 1 for _, _, written, _, _ in requests]
     if capacity is None:
         return sum(need)
-    final = {conv: len(written) for conv, _, written, _, _ in requests}  # the last turn wins
-    working_set = sum(-(-n // block_size) for n in final.values())
-    return max(max(need) + 1, int(capacity * working_set))
+    return max(max(need) + 1, int(capacity * working_set(requests, block_size)))
+
+
+def working_set(
+    requests: Sequence[tuple[int, Sequence[int], Sequence[int], list[int], list[int]]],
+    block_size: int,
+) -> int:
+    """Distinct blocks of the conversations' final texts (the shared system prompt's once)."""
+    final = {conv: written for conv, _, written, _, _ in requests}  # the last turn wins
+    seen = set()
+    for written in final.values():
+        tokens = list(written)
+        prefix = 0  # stands for the tokens before the block
+        for start in range(0, len(tokens), block_size):
+            prefix = hash((prefix, tuple(tokens[start : start + block_size])))
+            seen.add(prefix)
+    return len(seen)
 
 
 def run(
@@ -273,12 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert best is not None
     total = best.sum(1)
     sel = (prompt_lens >= 1000) & (prompt_lens <= 2000)
-    band = "1k-2k-token prompts"
-    if not sel.any():
+    num_in_band, band = int(sel.sum()), "1k-2k-token prompts"
+    if not num_in_band:
         sel, band = np.ones_like(sel), "all prompts"
     print(
         f"{len(requests)} requests ({args.tokens} tokens, block size {args.block_size}),"
-        f" prompts {prompt_lens.min()}..{prompt_lens.max()} tokens, {int(sel.sum())} of 1k-2k;"
+        f" prompts {prompt_lens.min()}..{prompt_lens.max()} tokens, {num_in_band} of 1k-2k;"
         f" fastest of {args.repeat} runs"
     )
     assert len(hits) == 1, f"identical runs hit differently: {hits}"
