@@ -207,7 +207,7 @@ class EventRecorder:
             hashes = tuple(map(wire, leaf.block_hashes))
             tokens_ids = tuple(unpack_tokens(tokens))
             if leaf.start < B:  # block 0 of its path
-                stored = BlockStored(hashes, None, tokens_ids, B, _namespace(leaf))
+                stored = BlockStored(hashes, None, tokens_ids, B, namespace_of(leaf))
             else:
                 stored = BlockStored(hashes, wire(self._last_hash(leaf.parent)), tokens_ids, B)
             self.queue.append(stored)
@@ -259,8 +259,8 @@ class EventRecorder:
         return self.hasher.first_parent(None if node is None else node.namespace)
 
 
-def _namespace(node: TreeNode) -> str | None:
-    """The namespace of the root above `node`."""
+def namespace_of(node: TreeNode) -> str | None:
+    """The namespace of the root above `node` (or of `node`, a root)."""
     while node.parent is not None:
         node = node.parent
     return node.namespace

@@ -55,16 +55,10 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.disk_store import BlockKey, DiskStore, chain_keys
-from radixkv.cache.events import (
-    XXH64,
-    BlockHasher,
-    EventRecorder,
-    KVEvent,
-    path_bytes,
-    token_bytes_le,
-)
+from radixkv.cache.disk_store import BlockKey, DiskStore
+from radixkv.cache.events import XXH64, BlockHasher, EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
+from radixkv.cache.path_keys import node_block_keys, prompt_keys
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
@@ -267,7 +261,7 @@ class PrefixCache:
         namespace: str | None = None,
     ) -> MatchResult:
         """Longest prefix of tokens cached in `namespace`, at most max_tokens long. Mutates
-        nothing.
+        nothing (with lower tiers, path nodes may keep the block keys the lookup computed).
 
         Scoring waiting requests may call this freely: no split, no recency refresh, no lock. The
         scheduler passes `max_tokens=len(tokens) - 1` for a prefill (the last prompt token is always
@@ -278,8 +272,8 @@ class PrefixCache:
         n = len(qb) // TOKEN_BYTES
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
         _check_namespace(namespace)
-        m, _, blocks = self._tree.walk(qb, limit, namespace)
-        hit, _, h, d = self._lower_hit(qb, limit, namespace, m)
+        m, node, blocks = self._tree.walk(qb, limit, namespace)
+        hit, _, h, d = self._lower_hit(qb, limit, namespace, m, node)
         if hit == m:
             return MatchResult(n, m, tuple(blocks), m % self.block_size, namespace)
         return MatchResult(n, hit, tuple(blocks[: m // self.block_size]), 0, namespace, h, d)
@@ -306,7 +300,7 @@ class PrefixCache:
         if max_hit is not None:
             limit = min(n, check_size(max_hit, "max_hit", low=0))
             m, node, blocks = self._tree.walk(qb, limit, namespace)
-            hit, keys, h, d = self._lower_hit(qb, limit, namespace, m)
+            hit, keys, h, d = self._lower_hit(qb, limit, namespace, m, node)
         if hit > m:  # the lower tiers' blocks replace the tree's partial block, if any
             del blocks[m // self.block_size :]
             partial = 0
@@ -563,19 +557,20 @@ class PrefixCache:
         return i
 
     def _lower_hit(
-        self, qb: bytes, limit: int, namespace: str | None, m: int
+        self, qb: bytes, limit: int, namespace: str | None, m: int, node: TreeNode | None
     ) -> tuple[int, list[BlockKey], int, int]:
-        """The hit once the lower tiers are probed past the tree's `m` tokens: (hit, keys, h, d),
-        where the keys of the prompt's full blocks from index m // B on have their first h on the
-        host and the next d on disk (just as many as the hit needs); hit == m, keys empty and
-        h == d == 0 when they add nothing. Read-only (the disk is probed, not read)."""
+        """The hit once the lower tiers are probed past the tree's `m` tokens (a walk that ended
+        at `node`): (hit, keys, h, d), where the keys of the prompt's full blocks from index
+        m // B on have their first h on the host and the next d on disk (just as many as the hit
+        needs); hit == m, keys empty and h == d == 0 when they add nothing. Read-only (the disk
+        is probed, not read; path nodes may keep the end keys they compute)."""
         tiers, B = self._tiers, self.block_size
         i0, num_full = m // B, len(qb) // TOKEN_BYTES // B
         if tiers is None or i0 >= num_full or limit <= m:
             return m, [], 0, 0
         if not tiers.entries and tiers.disk is None:
             return m, [], 0, 0
-        keys = chain_keys(namespace, token_bytes_le(qb[: TOKEN_BYTES * B * num_full]), B)[i0:]
+        keys = prompt_keys(qb, num_full, m, node, namespace, B)
         h, d = tiers.lookup(keys)
         hit = min(limit, (i0 + h + d) * B)
         if hit <= m:
@@ -606,17 +601,12 @@ class PrefixCache:
 
     def _full_block_keys(self, node: TreeNode, keep: int) -> tuple[list[BlockKey], list[int]]:
         """The keys and device blocks of the full blocks ending in `node`, from its `keep`-th
-        block on. O(path length): the keys chain over the whole path."""
+        block on (the node's blocks are hashed, chained from its parent's kept key)."""
         B = self.block_size
         first, full_end = node.start // B, node.end // B  # full blocks ending in node
         if first + keep >= full_end:
             return [], []
-        root = node
-        while root.parent is not None:
-            root = root.parent
-        tokens_le = token_bytes_le(path_bytes(node, 0, full_end * B))
-        keys = chain_keys(root.namespace, tokens_le, B)[first + keep :]
-        return keys, node.blocks[keep : full_end - first]
+        return node_block_keys(node, B)[keep:], node.blocks[keep : full_end - first]
 
     def _fits(self, num_blocks: int, lock: TreeNode | None) -> bool:
         """Whether `num_blocks` can be allocated (evicting what it takes) once `lock`, if any, is

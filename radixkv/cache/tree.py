@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from radixkv.cache.events import EventRecorder
 from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_priority
 from radixkv.cache.node import TreeNode
+from radixkv.cache.path_keys import check_block_keys, split_keys, trim_keys
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
@@ -75,6 +76,8 @@ class RadixTree:
     * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
     * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree;
     * with `events`, every node's block hashes are its path's chain (`EventRecorder`).
+    * a node's kept `block_keys` are the lower tiers' keys of the full blocks ending in it, as
+      `chain_keys` gives them over its path (`radixkv.cache.path_keys`).
     """
 
     def __init__(
@@ -256,6 +259,7 @@ class RadixTree:
         prefix.lock_ref, prefix.tick, prefix.gdsf_base = node.lock_ref, node.tick, node.gdsf_base
         if self.events is not None:
             self.events.split(prefix, node, p)
+        split_keys(prefix, node, p, B)
         member = node.evict_key is not None
         self.index.discard(node)  # the suffix's key reads its start: re-keyed below
         parent.children[node.first_token] = prefix
@@ -423,6 +427,7 @@ class RadixTree:
             self.on_evict(leaf, keep)
         if self.events is not None:
             self.events.removed(leaf, keep)
+        trim_keys(leaf, keep)
         self.index.discard(leaf)
         removed = leaf.end - new_end
         leaf.tokens = leaf.tokens[: TOKEN_BYTES * (new_end - leaf.start)]
@@ -515,6 +520,7 @@ class RadixTree:
             self.events.check_integrity(attached)
         elif any(n.block_hashes is not None for n in attached):
             _fail("a node holds block hashes, yet no events are recorded")
+        check_block_keys(attached, self.block_size)
         return owners
 
     def _check_structure(self) -> list[TreeNode]:

@@ -9,6 +9,7 @@ import pytest
 from lifecycle import put
 
 from radixkv import PrefixCache
+from radixkv.cache.path_keys import node_block_keys
 
 B = 4
 
@@ -108,4 +109,16 @@ def test_a_cache_without_events_holds_no_hashes() -> None:
     cache = busy_cache()
     _split_child(cache).block_hashes = []
     with pytest.raises(AssertionError, match="no events are recorded"):
+        cache.check_integrity()
+
+
+def test_check_integrity_catches_stale_block_keys() -> None:
+    """A node keeping the tier keys of blocks that no longer end in it (what a split that did not
+    cut its list, or a trim that kept its tail, would leave)."""
+    cache = busy_cache()
+    child = _split_child(cache)
+    assert node_block_keys(child, B)
+    cache.check_integrity()  # kept keys that are right pass
+    child.block_keys = [*node_block_keys(child.parent, B), *node_block_keys(child, B)]
+    with pytest.raises(AssertionError, match="stale block keys"):
         cache.check_integrity()

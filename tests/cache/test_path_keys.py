@@ -1,0 +1,162 @@
+"""The lower tiers' block keys kept on tree nodes (`radixkv.cache.path_keys`): equal to the keys
+`chain_keys` gives over the whole path after any sequence of splits, evictions, demotions and
+lookups, and computed once: a lookup hashes only the prompt's blocks past the tree's hit, a
+demotion only the node's blocks not keyed yet."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lifecycle import CheckedCache, put, serve_request
+
+from radixkv import PrefixCache
+from radixkv.cache import disk_store
+from radixkv.cache.disk_store import BlockKey, chain_keys
+from radixkv.cache.events import namespace_of, path_bytes, token_bytes_le
+from radixkv.cache.path_keys import last_key, node_block_keys, prompt_keys
+from radixkv.cache.tokens import TOKEN_BYTES, pack_tokens
+
+
+def fresh_keys(namespace: str | None, tokens: bytes, block_size: int) -> list[BlockKey]:
+    """Keys of every full block of the packed `tokens`, hashed from position 0."""
+    num_full = len(tokens) // TOKEN_BYTES // block_size
+    return chain_keys(
+        namespace, token_bytes_le(tokens[: TOKEN_BYTES * block_size * num_full]), block_size
+    )
+
+
+def check_node_keys(cache: PrefixCache, deepest_first: bool) -> None:
+    """Every node's block keys and last key, reused where kept, equal fresh ones."""
+    B = cache.block_size
+    nodes = [n for n, _ in cache._tree.iter_nodes() if n.parent is not None]
+    for node in reversed(nodes) if deepest_first else nodes:
+        fresh = fresh_keys(namespace_of(node), path_bytes(node, 0, node.end), B)
+        assert node_block_keys(node, B) == fresh[node.start // B :], node
+        assert last_key(node, B) == (fresh[-1] if fresh else None), node
+
+
+def check_prompt_keys(cache: PrefixCache, prompt: Sequence[int], namespace: str | None) -> None:
+    """The keys a lookup past the tree's hit uses equal the prompt's fresh ones."""
+    B = cache.block_size
+    qb = pack_tokens(prompt)
+    m, node, _ = cache._tree.walk(qb, len(prompt), namespace)
+    num_full = len(prompt) // B
+    keys = prompt_keys(qb, num_full, m, node, namespace, B)
+    assert keys == fresh_keys(namespace, qb, B)[m // B :], (m, node)
+
+
+BASES = [list(np.random.default_rng(seed).integers(0, 3, 48)) for seed in range(3)]
+operation = st.one_of(
+    st.tuples(  # serve: admit (lookup + load), grow, commit (split), close; evicts under pressure
+        st.just("serve"),
+        st.sampled_from([None, "t"]),
+        st.integers(0, 2),  # conversation
+        st.integers(1, 40),  # prompt length
+        st.integers(0, 6),  # reply length
+    ),
+    st.tuples(
+        st.just("match"), st.sampled_from([None, "t"]), st.integers(0, 2), st.integers(1, 48)
+    ),
+    st.tuples(st.just("evict"), st.integers(1, 6)),
+    st.tuples(st.just("check"), st.booleans()),
+)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(operation, min_size=1, max_size=30), write_through=st.booleans())
+def test_kept_keys_equal_fresh_ones_after_every_operation(
+    block_size: int, ops: list, write_through: bool
+) -> None:
+    """A small device pool over a host tier: branches split nodes inside and at block boundaries,
+    evictions trim and remove leaves (demoting their blocks), lookups go on into the host tier.
+    After each operation the cache's own check recomputes every kept key (`CheckedCache`), and
+    the prompt's lookup keys equal fresh ones; a `check` step makes every node compute its keys,
+    from its deepest node up or from the root down."""
+    B = block_size
+    cache = CheckedCache(
+        PrefixCache(2 * -(-46 // B) + 1, B, host_blocks=24 // B + 2, write_through=write_through)
+    )
+    for op in ops:
+        if op[0] == "serve":
+            _, ns, base, n, r = op
+            prompt, reply = BASES[base][:n], BASES[base][n : n + r]
+            serve_request(cache, [int(t) for t in prompt], [int(t) for t in reply], ns)
+            check_prompt_keys(cache.inner, [int(t) for t in prompt], ns)
+        elif op[0] == "match":
+            _, ns, base, n = op
+            prompt = [int(t) for t in BASES[base][:n]]
+            cache.match(prompt, namespace=ns)
+            check_prompt_keys(cache.inner, prompt, ns)
+        elif op[0] == "evict":
+            cache.evict(op[1])
+        else:
+            check_node_keys(cache.inner, deepest_first=op[1])
+            cache.check_integrity()
+
+
+class HashCount:
+    """Counts the blocks `chain_keys` hashes (its one hashing call, `hash_block`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.num_blocks = 0
+        real = disk_store.hash_block
+
+        def counting(parent: int | None, tokens: bytes) -> int:
+            self.num_blocks += 1
+            return real(parent, tokens)
+
+        monkeypatch.setattr(disk_store, "hash_block", counting)
+
+    def take(self) -> int:
+        n, self.num_blocks = self.num_blocks, 0
+        return n
+
+
+def test_a_lookup_past_the_tree_hashes_only_the_blocks_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    B = 4
+    cache = PrefixCache(num_blocks=256, block_size=B, host_blocks=128, write_through=True)
+    count = HashCount(monkeypatch)
+    prompt = list(range(1000, 1000 + 64 * B))  # 64 blocks
+    longer = [*prompt, *range(3000, 3000 + 8 * B)]  # 8 blocks more
+    put(cache, prompt)  # written through to the host: every block keyed
+    assert count.take() == 64
+    put(cache, longer)  # a leaf of 8 blocks under the prompt's node, chained from its last key
+    assert count.take() == 8  # (the old code: 72)
+    cache.evict(8)  # the leaf goes, its keys known; its blocks stay on the host
+    assert count.take() == 0  # (the old code: 72)
+    assert cache.match(longer, max_tokens=len(longer) - 1).num_host_blocks == 8
+    assert count.take() == 8  # only the blocks past the tree's hit (the old code: 72)
+
+
+def test_a_demotion_hashes_only_the_demoted_nodes_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    B = 4
+    cache = PrefixCache(num_blocks=512, block_size=B, host_blocks=64)
+    trunk = list(range(1000, 1000 + 64 * B))  # 64 blocks
+    put(cache, trunk)
+    for branch in range(3):
+        put(cache, [*trunk, *range(2000 + 100 * branch, 2000 + 100 * branch + 4 * B)])
+    count = HashCount(monkeypatch)
+    cache.evict(4)  # one branch leaf: its 4 blocks, chained from the trunk's keys (computed now)
+    assert count.take() == 64 + 4
+    cache.evict(8)  # the two others: 4 blocks each (the old code: 68 each)
+    assert count.take() == 8
+    assert cache.stats().num_host_cached_blocks == 12
+
+
+def test_a_leaf_trimmed_twice_is_keyed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    B = 4
+    cache = PrefixCache(num_blocks=64, block_size=B, host_blocks=64)
+    put(cache, list(range(1000, 1000 + 16 * B)))  # one leaf of 16 blocks
+    count = HashCount(monkeypatch)
+    cache.evict(4)  # trimmed to 12 blocks: its 16 keys computed, the last 4 demoted
+    assert count.take() == 16
+    cache.evict(4)  # trimmed to 8: its kept keys serve (the old code: 12)
+    assert count.take() == 0
+    assert cache.stats().num_host_cached_blocks == 8
