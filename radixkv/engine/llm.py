@@ -40,6 +40,7 @@ from radixkv.cache.transfers import Poisoned, Transfer
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.interrupts import sigint_deferred
 from radixkv.engine.logprobs import token_logprobs
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
@@ -182,10 +183,11 @@ class LLM:
         Never raises because of a fault inside the step: the requests it failed (the faulty row's
         alone, or the whole step's: see the module docstring) come back with `error` set (finish
         reason "error"), their blocks and locks returned. On a
-        KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
-        re-raised (their updates come with the next call). The engine installs no signal handler:
-        a caller on the main thread that wants a Ctrl-C to wait for the end of the step, rather
-        than land in the middle of a cache update, holds SIGINT itself (as the chat CLI does)."""
+        KeyboardInterrupt / SystemExit raised inside the step the step's requests are failed the
+        same way, then it is re-raised (their updates come with the next call). A Ctrl-C on the
+        main thread waits for the end of the step (`radixkv.engine.interrupts`): the step
+        completes, and the KeyboardInterrupt is raised after it with its updates kept for the
+        next call."""
         self._run_step()
         updates = list(self._outbox)
         self._outbox.clear()  # in place: the requests' sinks append to this very list
@@ -194,6 +196,7 @@ class LLM:
                 del self._tracked[u.request_id]
         return updates
 
+    @sigint_deferred()
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request (its blocks come back; its final update, finish
         reason "abort", comes with the next `step()`). False if unknown or finished."""
@@ -347,6 +350,7 @@ class LLM:
             raise
         return added
 
+    @sigint_deferred()
     def _run_step(self) -> None:
         """One step, if anything is pending. A fault fails the step's requests (see `step`)."""
         if not self.scheduler.has_unfinished():
@@ -437,6 +441,7 @@ class LLM:
         t = self._tracked[request_id]
         return t.params, t.generator
 
+    @sigint_deferred()
     def save_kv_cache(self) -> None:
         """Write every cached full block to the disk tier, so that an engine started later over
         the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
@@ -525,6 +530,7 @@ class LLM:
             rid = t.request.request_id
             t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error, new_logprobs))
 
+    @sigint_deferred()
     def _discard(self, rid: str) -> None:
         """Drop a request's record, aborting it if it has not finished."""
         t = self._tracked.pop(rid, None)
