@@ -554,7 +554,9 @@ class LLM:
             update = pending.popleft()
             if update.error is not None:
                 raise update.error
-            yield StreamDelta(update.new_text, update.new_token_ids, update.output)
+            yield StreamDelta(
+                update.new_text, update.new_token_ids, update.output, update.new_logprobs
+            )
             if update.output is not None:
                 return
 
