@@ -255,8 +255,7 @@ class LLM:
                         raise t.error
             return [t.output for t in records if t.output is not None]
         finally:
-            for rid in ids:
-                self._discard(rid)
+            self._discard(*ids)
 
     def stream(
         self,
@@ -345,8 +344,7 @@ class LLM:
                 detok = IncrementalDetokenizer(self.tokenizer)
                 self._tracked[rid] = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
         except BaseException:
-            for rid in added:
-                self._discard(rid)
+            self._discard(*added)
             raise
         return added
 
@@ -531,11 +529,13 @@ class LLM:
             t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error, new_logprobs))
 
     @sigint_deferred()
-    def _discard(self, rid: str) -> None:
-        """Drop a request's record, aborting it if it has not finished."""
-        t = self._tracked.pop(rid, None)
-        if t is not None and t.output is None:
-            self.scheduler.abort(rid)
+    def _discard(self, *request_ids: str) -> None:
+        """Drop the requests' records, aborting those that have not finished (all of them: a
+        Ctrl-C waits for the last)."""
+        for rid in request_ids:
+            t = self._tracked.pop(rid, None)
+            if t is not None and t.output is None:
+                self.scheduler.abort(rid)
 
     def _release(self, rid: str) -> None:
         """A stream was closed or dropped; a drop may come from the garbage collector in the

@@ -79,6 +79,34 @@ def test_ctrl_c_in_generate_lands_after_the_step(model_dir, expected, monkeypatc
     assert_idle_and_whole(llm)
 
 
+def test_a_second_ctrl_c_while_generate_aborts_its_requests_aborts_them_all(
+    model_dir, expected, monkeypatch, python_sigint
+):
+    """generate's clean-up aborts each of its requests; a Ctrl-C during the first abort must not
+    leave the others running with nobody to read them."""
+    from radixkv.scheduler import Scheduler
+
+    llm = LLM(model_dir, **ENGINE_ARGS)
+    ctrl_c_inside_commit(monkeypatch, at=2)
+    real_abort = Scheduler.abort
+    aborts: list[str] = []
+
+    def abort(self, request_id):
+        if not aborts:
+            os.kill(os.getpid(), signal.SIGINT)
+        aborts.append(request_id)
+        return real_abort(self, request_id)
+
+    monkeypatch.setattr(Scheduler, "abort", abort)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS)
+    assert len(aborts) == len(PROMPTS)
+    assert not llm.has_unfinished_requests()
+    monkeypatch.undo()
+    assert_idle_and_whole(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+
+
 def test_ctrl_c_in_step_keeps_the_step_and_its_updates(
     model_dir, expected, monkeypatch, python_sigint
 ):
