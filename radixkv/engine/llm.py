@@ -319,11 +319,6 @@ class LLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         for p in params:
-            if self._overlap is not None and (p.adjusts_logits or p.logprobs is not None):
-                raise ValueError(
-                    "logprobs, penalties and logit_bias need async_scheduling off (the overlapped "
-                    "step samples on the device without them)"
-                )
             if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by token id
                 raise ValueError(
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
@@ -380,8 +375,8 @@ class LLM:
             return
         took = self._overlap.step(step_ids, self._sampling_of)
         now = time.perf_counter()
-        for req, token in took:
-            self._deliver(self._tracked[req.request_id], token, now, None)
+        for req, token, logprobs in took:
+            self._deliver(self._tracked[req.request_id], token, now, logprobs)
 
     def _synchronous_step(self, step_ids: list[str]) -> None:
         """schedule -> tier moves -> forward -> sample -> update -> deliver."""
