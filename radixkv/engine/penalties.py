@@ -51,14 +51,14 @@ def adjust_logits(
 def _token_counts(
     generated: Sequence[int], on_device: torch.Tensor | None, vocab: int, device: torch.device
 ) -> torch.Tensor | None:
-    """How often each token id occurs in `generated` and `on_device` together ([vocab] int64),
-    or None when both are empty. `index_add_`, not `bincount`: bincount reads its input's
-    maximum back to the host."""
+    """How often each token id occurs in `generated` and `on_device` together ([vocab], float32:
+    exact for any count a reply reaches), or None when both are empty. `index_add_`, not
+    `bincount`: bincount reads its input's maximum back to the host."""
     parts = [host_values_on(device, generated, torch.int64)] if generated else []
     if on_device is not None:
         parts.append(on_device.long())
     if not parts:
         return None
     ids = torch.cat(parts) if len(parts) > 1 else parts[0]
-    counts = torch.zeros(vocab, dtype=torch.int64, device=device)
-    return counts.index_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+    return counts.index_add_(0, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
