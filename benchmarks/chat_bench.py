@@ -309,20 +309,25 @@ class RadixkvSystem(System):
         self.mismatches: list[str] = []
 
     def profile_parts(self, prof: Profile) -> list[str]:
-        import radixkv.engine
+        import radixkv.engine.llm
         import radixkv.kernels
 
         prof.wrap(self.llm.scheduler, "schedule", "scheduler")
         prof.wrap(self.llm.scheduler, "update_from_output", "scheduler")
         prof.wrap(self.llm.runner, "build_inputs", "runner: build step inputs")
-        prof.wrap(radixkv.engine, "sample", "sampling")
-        # Inside the model forward (attention.py calls them through the module at call time).
-        # The engine calls the per-step variants (metadata validated once per step).
+        prof.wrap(radixkv.engine.llm, "sample", "sampling")  # the name the step calls
+        # Inside the model forward (attention.py and fused_llama.py call them through the module
+        # at call time). The engine calls the per-step variants (metadata validated once per
+        # step); a Llama on Triton stores K/V inside the fused RoPE kernel instead.
         prof.wrap(radixkv.kernels, "paged_attention_step", "  kernels.paged_attention")
         prof.wrap(radixkv.kernels, "store_kv_step", "  kernels.store_kv")
+        prof.wrap(radixkv.kernels, "rope_store_kv_step", "  kernels.rope + store_kv")
+        prof.wrap(radixkv.kernels, "rms_norm", "  kernels.rms_norm")
         return [
             "  kernels.paged_attention",
             "  kernels.store_kv",
+            "  kernels.rope + store_kv",
+            "  kernels.rms_norm",
             "scheduler",
             "runner: build step inputs",
             "sampling",

@@ -102,8 +102,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
     # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
-    # same. Off by default until the overlapped step also runs tier moves, penalties and logprobs
-    # (it refuses them); on a CPU, whose forward runs on the host itself, it cannot help.
+    # same, penalties and logprobs included. Off by default: it does not run tier moves (so it
+    # cannot be on with a host tier), its gain on a GPU is still unmeasured, and on a CPU, whose
+    # forward runs on the host itself, it cannot help.
     async_scheduling: bool = False
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.

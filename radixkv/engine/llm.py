@@ -40,6 +40,7 @@ from radixkv.cache.transfers import Poisoned, Transfer
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.interrupts import sigint_deferred
 from radixkv.engine.logprobs import token_logprobs
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
@@ -182,10 +183,11 @@ class LLM:
         Never raises because of a fault inside the step: the requests it failed (the faulty row's
         alone, or the whole step's: see the module docstring) come back with `error` set (finish
         reason "error"), their blocks and locks returned. On a
-        KeyboardInterrupt / SystemExit the step's requests are failed the same way, then it is
-        re-raised (their updates come with the next call). The engine installs no signal handler:
-        a caller on the main thread that wants a Ctrl-C to wait for the end of the step, rather
-        than land in the middle of a cache update, holds SIGINT itself (as the chat CLI does)."""
+        KeyboardInterrupt / SystemExit raised inside the step the step's requests are failed the
+        same way, then it is re-raised (their updates come with the next call). A Ctrl-C on the
+        main thread waits for the end of the step (`radixkv.engine.interrupts`): the step
+        completes, and the KeyboardInterrupt is raised after it with its updates kept for the
+        next call."""
         self._run_step()
         updates = list(self._outbox)
         self._outbox.clear()  # in place: the requests' sinks append to this very list
@@ -194,6 +196,7 @@ class LLM:
                 del self._tracked[u.request_id]
         return updates
 
+    @sigint_deferred()
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request (its blocks come back; its final update, finish
         reason "abort", comes with the next `step()`). False if unknown or finished."""
@@ -252,8 +255,7 @@ class LLM:
                         raise t.error
             return [t.output for t in records if t.output is not None]
         finally:
-            for rid in ids:
-                self._discard(rid)
+            self._discard(*ids)
 
     def stream(
         self,
@@ -317,11 +319,6 @@ class LLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         for p in params:
-            if self._overlap is not None and (p.adjusts_logits or p.logprobs is not None):
-                raise ValueError(
-                    "logprobs, penalties and logit_bias need async_scheduling off (the overlapped "
-                    "step samples on the device without them)"
-                )
             if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by token id
                 raise ValueError(
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
@@ -342,11 +339,11 @@ class LLM:
                 detok = IncrementalDetokenizer(self.tokenizer)
                 self._tracked[rid] = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
         except BaseException:
-            for rid in added:
-                self._discard(rid)
+            self._discard(*added)
             raise
         return added
 
+    @sigint_deferred()
     def _run_step(self) -> None:
         """One step, if anything is pending. A fault fails the step's requests (see `step`)."""
         if not self.scheduler.has_unfinished():
@@ -378,8 +375,8 @@ class LLM:
             return
         took = self._overlap.step(step_ids, self._sampling_of)
         now = time.perf_counter()
-        for req, token in took:
-            self._deliver(self._tracked[req.request_id], token, now, None)
+        for req, token, logprobs in took:
+            self._deliver(self._tracked[req.request_id], token, now, logprobs)
 
     def _synchronous_step(self, step_ids: list[str]) -> None:
         """schedule -> tier moves -> forward -> sample -> update -> deliver."""
@@ -437,6 +434,7 @@ class LLM:
         t = self._tracked[request_id]
         return t.params, t.generator
 
+    @sigint_deferred()
     def save_kv_cache(self) -> None:
         """Write every cached full block to the disk tier, so that an engine started later over
         the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
@@ -525,11 +523,14 @@ class LLM:
             rid = t.request.request_id
             t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error, new_logprobs))
 
-    def _discard(self, rid: str) -> None:
-        """Drop a request's record, aborting it if it has not finished."""
-        t = self._tracked.pop(rid, None)
-        if t is not None and t.output is None:
-            self.scheduler.abort(rid)
+    @sigint_deferred()
+    def _discard(self, *request_ids: str) -> None:
+        """Drop the requests' records, aborting those that have not finished (all of them: a
+        Ctrl-C waits for the last)."""
+        for rid in request_ids:
+            t = self._tracked.pop(rid, None)
+            if t is not None and t.output is None:
+                self.scheduler.abort(rid)
 
     def _release(self, rid: str) -> None:
         """A stream was closed or dropped; a drop may come from the garbage collector in the
@@ -548,7 +549,9 @@ class LLM:
             update = pending.popleft()
             if update.error is not None:
                 raise update.error
-            yield StreamDelta(update.new_text, update.new_token_ids, update.output)
+            yield StreamDelta(
+                update.new_text, update.new_token_ids, update.output, update.new_logprobs
+            )
             if update.output is not None:
                 return
 

@@ -48,11 +48,13 @@ class RequestOutput:
 @dataclass(frozen=True, slots=True)
 class StreamDelta:
     """One step of `LLM.stream`: new text (possibly empty while a multi-byte character is
-    incomplete) and new tokens. The last delta carries the finished RequestOutput."""
+    incomplete), new tokens, and their logprobs when the params asked for them (one per token,
+    else empty). The last delta carries the finished RequestOutput."""
 
     text: str
     token_ids: tuple[int, ...]
     output: RequestOutput | None = None  # set on the final delta only
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -30,8 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.engine.cuda_graphs import TokenFeed
+from radixkv.engine.logprobs import StepLogprobs, logprobs_on_device
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.sampler import sample_on_device
+from radixkv.engine.outputs import TokenLogprobs
+from radixkv.engine.penalties import adjust_logits
+from radixkv.engine.sampler import host_values_on, sample_on_device
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step_inputs import InputStager
 from radixkv.scheduler import Request, Scheduler
@@ -47,14 +50,20 @@ class _InFlight:
 
     output: SchedulerOutput
     sample_ids: list[str]  # request ids of its sampled rows, in row order
+    params: list[SamplingParams]  # theirs, in the same order
     tokens: torch.Tensor  # [len(sample_ids)] int64 on the device
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready` fired
-    ready: torch.cuda.Event | None  # None on the CPU: `tokens` is computed already
+    logprobs: StepLogprobs | None  # of the rows that asked, on the host once `ready` fired
+    ready: torch.cuda.Event | None  # None on the CPU: everything is computed already
 
-    def read(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled tokens and each row's logprobs (None where not asked for)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        tokens = self.host.tolist()
+        if self.logprobs is None:
+            return tokens, [None] * len(tokens)
+        return tokens, self.logprobs.read(self.params, tokens)
 
 
 class OverlappedSteps:
@@ -70,11 +79,13 @@ class OverlappedSteps:
         self._stager = InputStager(runner.device, capacity=1 << 10)  # the feed's indices
         self._in_flight: _InFlight | None = None
 
-    def step(self, step_ids: list[str], sampling_of: SamplingOf) -> list[tuple[Request, int]]:
+    def step(
+        self, step_ids: list[str], sampling_of: SamplingOf
+    ) -> list[tuple[Request, int, TokenLogprobs | None]]:
         """Launch the next step (if any), then read the previous one's tokens into the scheduler.
-        Returns the requests that took a token and their tokens. `step_ids` gets the ids of every
-        request a fault now would concern: the previous step's and this one's. On a fault the
-        step in flight is dropped (the engine fails its requests)."""
+        Returns the requests that took a token, their tokens and logprobs. `step_ids` gets the
+        ids of every request a fault now would concern: the previous step's and this one's. On a
+        fault the step in flight is dropped (the engine fails its requests)."""
         try:
             return self._step(step_ids, sampling_of)
         except BaseException:
@@ -90,7 +101,9 @@ class OverlappedSteps:
         sampled = set(flight.sample_ids) if flight is not None else set()
         assert pending == {r.request_id: 1 for r in live if r.request_id in sampled}, pending
 
-    def _step(self, step_ids: list[str], sampling_of: SamplingOf) -> list[tuple[Request, int]]:
+    def _step(
+        self, step_ids: list[str], sampling_of: SamplingOf
+    ) -> list[tuple[Request, int, TokenLogprobs | None]]:
         out = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
@@ -104,9 +117,11 @@ class OverlappedSteps:
             self._in_flight = self._launch(out, previous, sampling_of)
         if previous is None:
             return []
-        by_id = dict(zip(previous.sample_ids, previous.read(), strict=True))
+        tokens, logprobs = previous.read()
+        by_id = dict(zip(previous.sample_ids, tokens, strict=True))
+        logprobs_of = dict(zip(previous.sample_ids, logprobs, strict=True))
         took = self.scheduler.fill(previous.output, by_id)
-        return [(req, by_id[req.request_id]) for req in took]
+        return [(req, by_id[req.request_id], logprobs_of[req.request_id]) for req in took]
 
     def _launch(
         self, out: SchedulerOutput, previous: _InFlight | None, sampling_of: SamplingOf
@@ -114,15 +129,46 @@ class OverlappedSteps:
         logits = self.runner.execute(out, self._feed(out, previous))
         sample_ids = [row.request_id for row in out.rows if row.sample]
         sampling = [sampling_of(rid) for rid in sample_ids]
-        tokens = sample_on_device(logits, [s[0] for s in sampling], [s[1] for s in sampling])
+        params = [p for p, _ in sampling]
+        adjusted = self._adjusted(logits, sample_ids, params, previous)
+        tokens = sample_on_device(adjusted, params, [gen for _, gen in sampling])
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = None
+        if rows:
+            chosen = tokens[host_values_on(tokens.device, rows, torch.int64)]
+            logprobs = logprobs_on_device(logits, params, rows, chosen).to_host()
         self.scheduler.advance(out)
         if tokens.device.type != "cuda":
-            return _InFlight(out, sample_ids, tokens, tokens, None)
+            return _InFlight(out, sample_ids, params, tokens, tokens, logprobs, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _InFlight(out, sample_ids, tokens, host, ready)
+        return _InFlight(out, sample_ids, params, tokens, host, logprobs, ready)
+
+    def _adjusted(
+        self,
+        logits: torch.Tensor,
+        sample_ids: list[str],
+        params: list[SamplingParams],
+        previous: _InFlight | None,
+    ) -> torch.Tensor:
+        """The logits with the rows' bias and penalties applied: a request's last token may
+        still be the previous step's, on the device (its placeholder is not filled yet)."""
+        if not any(p.adjusts_logits for p in params):
+            return logits
+        source = {} if previous is None else {rid: i for i, rid in enumerate(previous.sample_ids)}
+        outputs: list[list[int]] = []
+        in_flight: list[torch.Tensor | None] = []
+        for rid in sample_ids:
+            req = self.scheduler.get_request(rid)
+            assert req is not None and req.num_pending <= 1, (rid, req)
+            known = len(req.output_token_ids) - req.num_pending
+            outputs.append(req.output_token_ids[:known])
+            i = source.get(rid) if req.num_pending else None
+            assert (i is None) == (not req.num_pending), (rid, "a placeholder of no step in flight")
+            in_flight.append(None if i is None else previous.tokens[i : i + 1])  # type: ignore[union-attr]
+        return adjust_logits(logits, params, outputs, in_flight)
 
     def _feed(self, out: SchedulerOutput, previous: _InFlight | None) -> TokenFeed | None:
         """Where this step's placeholders are: the last token of each sampled row of a request

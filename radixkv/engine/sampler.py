@@ -99,12 +99,14 @@ def _pick(
             gen = generators[i]
             assert gen is not None, f"row {i} samples but has no generator"
             uniforms.append(gen.random())
-        rows = _on(logits.device, sampled_rows, torch.int64)
-        tokens[rows] = _draw(probs, _on(logits.device, uniforms, torch.float32))
+        rows = host_values_on(logits.device, sampled_rows, torch.int64)
+        tokens[rows] = _draw(probs, host_values_on(logits.device, uniforms, torch.float32))
     return tokens
 
 
-def _on(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+def host_values_on(
+    device: torch.device, values: Sequence[float], dtype: torch.dtype
+) -> torch.Tensor:
     """A small host list as a tensor on `device`. On CUDA through pinned memory, without a
     synchronization: a pageable copy would wait for the work queued before it."""
     host = torch.tensor(values, dtype=dtype)
@@ -133,7 +135,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     logits: [n, vocab] -> probabilities [n, vocab] (renormalised, zero outside the kept set)."""
     vocab = logits.shape[1]
     dev = logits.device
-    temps = _on(dev, [p.temperature for p in params], torch.float32)
+    temps = host_values_on(dev, [p.temperature for p in params], torch.float32)
     # Shifted so the best logit is 0: a temperature too small for fp32 (1e-50 rounds to 0, or
     # underflows the quotient) then sends the others to -inf, the greedy limit, instead of NaN.
     logits = logits.float()
@@ -147,11 +149,11 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # index order, so top-k=1 and a tiny top-p pick the same token as argmax.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)[None, :]
-    k = _on(dev, top_ks, torch.int64)[:, None]
+    k = host_values_on(dev, top_ks, torch.int64)[:, None]
     drop = rank >= k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    p = _on(dev, top_ps, torch.float32)[:, None]
+    p = host_values_on(dev, top_ps, torch.float32)[:, None]
     # Keep a token when the mass strictly before it is < top_p: the most likely token always stays.
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop = drop | (mass_before >= p)

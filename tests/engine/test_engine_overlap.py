@@ -5,6 +5,8 @@ integrity (placeholders included) holds after every step, and nothing stays in u
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from tiny_llama import random_prompts
 
@@ -148,20 +150,55 @@ def test_async_scheduling_setting(model_dir):
         LLM(model_dir, async_scheduling="yes")
 
 
+def _adjusted_params() -> list[SamplingParams]:
+    """Penalties, logit bias and logprobs, greedy and seeded, beside plain rows."""
+    return [
+        SamplingParams(max_tokens=10, frequency_penalty=1.5, logprobs=2, ignore_eos=True),
+        SamplingParams(
+            max_tokens=12, temperature=0.9, seed=3, presence_penalty=1.0, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=8, logit_bias={5: 3.0, 7: -100.0}, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=9, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=1.1, seed=9, frequency_penalty=-0.5, logprobs=3),
+        SamplingParams(max_tokens=6, presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=0.8, seed=4, logprobs=1, ignore_eos=True),
+        SamplingParams(max_tokens=13, frequency_penalty=0.7, ignore_eos=True),
+    ]
+
+
+def _stepped_outputs(llm: LLM, prompts, params) -> list:
+    """The finished outputs in submit order, through the step API, integrity checked after
+    every step."""
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((u.request_id, u.output) for u in llm.step() if u.output is not None)
+        llm.check_integrity()
+    assert llm.cache.stats().num_in_use_blocks == 0
+    return [done[rid] for rid in ids]
+
+
 @pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(logprobs=2),
-        SamplingParams(presence_penalty=0.5),
-        SamplingParams(frequency_penalty=0.5),
-        SamplingParams(logit_bias={3: 5.0}),
-    ],
+    "settings",
+    [SMALL_POOL, dict(block_size=4, num_blocks=24, max_num_seqs=4, chunked_prefill_size=8)],
+    ids=["small-pool", "preempting"],
 )
-def test_overlapped_steps_refuse_what_they_do_not_run(model_dir, params):
-    # The overlapped step samples on the device without logit adjustments or logprobs: such a
-    # request would silently get neither, so the door refuses it with nothing queued.
-    llm = LLM(model_dir, num_blocks=16, async_scheduling=True)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        llm.add_request([1, 2, 3], params)
-    assert not llm.has_unfinished_requests()
-    llm.check_integrity()
+def test_penalties_bias_and_logprobs_equal_the_synchronous_engines(model_dir, settings):
+    """A penalty counts the request's last token while it is still on the device (its
+    placeholder not filled yet); logprobs come back one step late with their tokens."""
+    engines = _engines(model_dir, **settings)
+    params = _adjusted_params()
+    outs = {on: _stepped_outputs(llm, PROMPTS, params) for on, llm in engines.items()}
+    for sync, overlapped in zip(outs[False], outs[True], strict=True):
+        assert overlapped.token_ids == sync.token_ids
+        assert (overlapped.logprobs is None) == (sync.logprobs is None)
+        for a, b in zip(overlapped.logprobs or (), sync.logprobs or (), strict=True):
+            assert (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    plain = [replace(p, frequency_penalty=0.0, presence_penalty=0.0) for p in params]
+    unpenalized = engines[True].generate(PROMPTS, plain)
+    penalized = [0, 5, 7]  # the greedy rows with penalties
+    assert any(unpenalized[i].token_ids != outs[True][i].token_ids for i in penalized)
+    streamed = [lp for d in engines[True].stream(PROMPTS[0], params[0]) for lp in d.logprobs]
+    assert [lp.token_id for lp in streamed] == list(outs[True][0].token_ids)

@@ -114,6 +114,19 @@ def test_logprobs_are_the_models_log_softmax(llm, model_dir) -> None:
     assert zero.logprobs is not None and all(lp.top == () for lp in zero.logprobs)
 
 
+def test_stream_deltas_carry_their_tokens_logprobs(llm) -> None:
+    """Each delta's logprobs are its own tokens', in order: together they are the output's."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, temperature=0.9, seed=4)
+    deltas = list(llm.stream(PROMPTS[1], params))
+    out = deltas[-1].output
+    assert out is not None and out.logprobs is not None
+    for d in deltas:
+        assert [lp.token_id for lp in d.logprobs] == list(d.token_ids)
+    assert tuple(lp for d in deltas for lp in d.logprobs) == out.logprobs
+    plain = list(llm.stream(PROMPTS[1], SamplingParams(max_tokens=3)))
+    assert all(d.logprobs == () for d in plain)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
