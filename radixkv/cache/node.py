@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from radixkv.cache.disk_store import BlockKey
+from typing import Any
 
 
 @dataclass(slots=True, eq=False)
@@ -39,9 +36,10 @@ class TreeNode:
     # chained hashes of the full blocks ending here (only when the cache records KV events), in
     # the recorder's hasher's own form (xxh64: uint64; sha256_cbor: 32-byte digests)
     block_hashes: list[Any] | None = field(default=None, repr=False)
-    # the lower tiers' keys of the full blocks ending here, kept once computed
-    # (`radixkv.cache.path_keys`); None: not computed yet
-    block_keys: list[BlockKey] | None = field(default=None, repr=False)
+    # the lower tiers' keys of the full blocks ending here (`disk_store.BlockKey`; typed Any so
+    # that the node imports nothing of the cache), kept once computed (`radixkv.cache.path_keys`);
+    # None: not computed yet
+    block_keys: list[Any] | None = field(default=None, repr=False)
 
     @property
     def num_own_blocks(self) -> int:

@@ -75,7 +75,7 @@ class RadixTree:
       `gdsf_base` is lazy like ticks (a node's is the largest of its subtree's last uses);
     * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
     * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree;
-    * with `events`, every node's block hashes are its path's chain (`EventRecorder`).
+    * with `events`, every node's block hashes are its path's chain (`EventRecorder`);
     * a node's kept `block_keys` are the lower tiers' keys of the full blocks ending in it, as
       `chain_keys` gives them over its path (`radixkv.cache.path_keys`).
     """
