@@ -267,14 +267,16 @@ def namespace_of(node: TreeNode) -> str | None:
 
 
 def path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
-    """Packed tokens of path positions [lo, hi) (hi <= node.end), read up the ancestors."""
+    """Packed tokens of path positions [lo, hi) (hi <= node.end; hi may lie above the node, in
+    an ancestor), read up the ancestors."""
     parts = []
     cursor: TreeNode | None = node
     end = hi
     while lo < end:
         assert cursor is not None and cursor.parent is not None
         a = max(lo, cursor.start)
-        parts.append(cursor.tokens[4 * (a - cursor.start) : 4 * (end - cursor.start)])
-        end = a
+        if a < end:  # else the range ends above this node
+            parts.append(cursor.tokens[4 * (a - cursor.start) : 4 * (end - cursor.start)])
+            end = a
         cursor = cursor.parent
     return b"".join(reversed(parts))

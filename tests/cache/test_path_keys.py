@@ -49,53 +49,51 @@ def check_prompt_keys(cache: PrefixCache, prompt: Sequence[int], namespace: str 
     assert keys == fresh_keys(namespace, qb, B)[m // B :], (m, node)
 
 
-BASES = [list(np.random.default_rng(seed).integers(0, 3, 48)) for seed in range(3)]
+BASES = [[int(t) for t in np.random.default_rng(seed).integers(0, 3, 40)] for seed in range(3)]
+branch = st.lists(st.integers(0, 2), max_size=6)  # tokens after a base's prefix: paths fork
+namespace = st.sampled_from([None, "t"])
 operation = st.one_of(
-    st.tuples(  # serve: admit (lookup + load), grow, commit (split), close; evicts under pressure
-        st.just("serve"),
-        st.sampled_from([None, "t"]),
-        st.integers(0, 2),  # conversation
-        st.integers(1, 40),  # prompt length
-        st.integers(0, 6),  # reply length
-    ),
-    st.tuples(
-        st.just("match"), st.sampled_from([None, "t"]), st.integers(0, 2), st.integers(1, 48)
-    ),
+    # serve: admit (lookup + load), grow, commit (split), close; evicts under pressure
+    st.tuples(st.just("serve"), namespace, st.integers(0, 2), st.integers(1, 36), branch),
+    st.tuples(st.just("match"), namespace, st.integers(0, 2), st.integers(1, 40), branch),
     st.tuples(st.just("evict"), st.integers(1, 6)),
-    st.tuples(st.just("check"), st.booleans()),
 )
+# after an operation, the nodes that compute their keys: none, or all from the deepest up, or
+# all from the root down
+computed = st.sampled_from([None, True, False])
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
-@settings(max_examples=40, deadline=None)
-@given(ops=st.lists(operation, min_size=1, max_size=30), write_through=st.booleans())
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(st.tuples(operation, computed), min_size=4, max_size=40),
+    write_through=st.booleans(),
+)
 def test_kept_keys_equal_fresh_ones_after_every_operation(
-    block_size: int, ops: list, write_through: bool
+    block_size: int, steps: list, write_through: bool
 ) -> None:
-    """A small device pool over a host tier: branches split nodes inside and at block boundaries,
+    """A small device pool over a host tier: forks split nodes inside and at block boundaries,
     evictions trim and remove leaves (demoting their blocks), lookups go on into the host tier.
-    After each operation the cache's own check recomputes every kept key (`CheckedCache`), and
-    the prompt's lookup keys equal fresh ones; a `check` step makes every node compute its keys,
-    from its deepest node up or from the root down."""
+    After each operation the cache's own check recomputes every kept key (`CheckedCache`) and
+    the prompt's lookup keys equal fresh ones; then all nodes, or none, compute their keys (from
+    the deepest up or from the root down) and must equal fresh ones too."""
     B = block_size
     cache = CheckedCache(
-        PrefixCache(2 * -(-46 // B) + 1, B, host_blocks=24 // B + 2, write_through=write_through)
+        PrefixCache(-(-48 // B) + 4, B, host_blocks=24 // B + 2, write_through=write_through)
     )
-    for op in ops:
-        if op[0] == "serve":
-            _, ns, base, n, r = op
-            prompt, reply = BASES[base][:n], BASES[base][n : n + r]
-            serve_request(cache, [int(t) for t in prompt], [int(t) for t in reply], ns)
-            check_prompt_keys(cache.inner, [int(t) for t in prompt], ns)
-        elif op[0] == "match":
-            _, ns, base, n = op
-            prompt = [int(t) for t in BASES[base][:n]]
-            cache.match(prompt, namespace=ns)
-            check_prompt_keys(cache.inner, prompt, ns)
-        elif op[0] == "evict":
+    for op, deepest_first in steps:
+        if op[0] == "evict":
             cache.evict(op[1])
         else:
-            check_node_keys(cache.inner, deepest_first=op[1])
+            _, ns, base, n, fork = op
+            prompt = BASES[base][:n] + fork
+            if op[0] == "serve":
+                serve_request(cache, prompt, BASES[base][n : n + 3], ns)
+            else:
+                cache.match(prompt, namespace=ns)
+            check_prompt_keys(cache.inner, prompt, ns)
+        if deepest_first is not None:
+            check_node_keys(cache.inner, deepest_first)
             cache.check_integrity()
 
 
