@@ -103,12 +103,11 @@ class OverlappedSteps:
             raise
 
     def check_integrity(self) -> None:
-        """The live requests with placeholders are exactly the in-flight step's sampled ones,
-        one placeholder each."""
+        """The live requests with placeholders are exactly the in-flight step's sampled ones
+        (less those it requeued), one placeholder each."""
         live = self.scheduler.running_requests + self.scheduler.waiting_requests
         pending = {r.request_id: r.num_pending for r in live if r.num_pending}
-        flight = self._in_flight
-        sampled = set(flight.sample_ids) if flight is not None else set()
+        sampled = set(_sources(self._in_flight))
         assert pending == {r.request_id: 1 for r in live if r.request_id in sampled}, pending
 
     def _step(

@@ -37,6 +37,7 @@ def run(llm: LLM) -> list[Any]:
     while llm.has_unfinished_requests():
         for update in llm.step():
             last[update.request_id] = update
+        llm.check_integrity()
     return [last[rid] for rid in ids]
 
 
