@@ -83,7 +83,7 @@ OPTIONS = (
     Option(
         "--async-scheduling",
         "async_scheduling",
-        "schedule the next step while the device runs this one (no host tier, logprobs, penalties)",
+        "schedule the next step while the device runs this one (GPU; same output)",
         type=None,
     ),
     Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),

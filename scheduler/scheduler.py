@@ -39,7 +39,7 @@ nothing unknown reaches the tree.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.cache.tokens import common_prefix_len
@@ -229,16 +229,22 @@ class Scheduler:
         for row, req in self._live_rows(output):
             self._record_row(row, req, None)
 
-    def fill(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def fill(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        requeued: Collection[str] = (),
+    ) -> list[Request]:
         """Overlapped steps: the tokens of an `advance`d step, one step late. Returns the
-        requests that took a token, in row order (a request that finished or was aborted since
-        takes none). A request that stops here gives back the KV the next step computed for it.
+        requests that took a token, in row order (a request that finished or was aborted since,
+        or was `requeue`d before the step was launched, takes none). A request that stops here
+        gives back the KV the next step computed for it.
         """
         took: list[Request] = []
         for row in output.rows:
             req = self.get_request(row.request_id) if row.sample else None
-            if req is None:
-                continue  # no token to take, or aborted / finished since
+            if req is None or row.request_id in requeued:
+                continue  # no token to take, or aborted / finished / requeued since
             req.fill_placeholder(sampled[row.request_id], self._max_len)
             took.append(req)
             if req.is_finished and self._running.get(req.request_id) is req:

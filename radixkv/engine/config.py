@@ -102,9 +102,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
     # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
-    # same, penalties and logprobs included. Off by default: it does not run tier moves (so it
-    # cannot be on with a host tier), its gain on a GPU is still unmeasured, and on a CPU, whose
-    # forward runs on the host itself, it cannot help.
+    # same, with penalties, logprobs and tiers. Off by default until a GPU measures what it gains
+    # there; on a CPU, whose forward runs on the host itself, it cannot help.
     async_scheduling: bool = False
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
@@ -163,8 +162,6 @@ class EngineConfig:
                 raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
             if not self.host_cache_bytes:
                 raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")
-        if self.async_scheduling and self.host_cache_bytes:
-            raise ValueError("async_scheduling cannot be on with a host tier (host_cache_bytes)")
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:

@@ -373,7 +373,7 @@ class LLM:
         if self._overlap is None:
             self._synchronous_step(step_ids)
             return
-        took = self._overlap.step(step_ids, self._sampling_of)
+        took = self._overlap.step(step_ids, self._sampling_of, self._run_transfers)
         now = time.perf_counter()
         for req, token, logprobs in took:
             self._deliver(self._tracked[req.request_id], token, now, logprobs)

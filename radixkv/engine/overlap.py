@@ -12,6 +12,12 @@ late:
   sampled row, so the next `schedule()` computes it like any last sampled token.
 * The runner's `TokenFeed` writes the previous step's sampled tokens, still on the device, over
   those placeholders in the step's `input_ids` (the indices travel through pinned memory).
+* A step's tier moves run before it is launched, step n still in flight (on CUDA the copies
+  wait for the work queued before them, the forward for the copies). A request sent back to the
+  queue because a load it reads failed takes no token from the step it was in: that token is
+  neither fed to its next step nor filled in.
+* Penalties count a request's last token while it is still on the device; logprobs are copied
+  to the host behind the tokens and read with them.
 * `Scheduler.fill` brings the real tokens. A request that stopped (EOS, a stop token) had one
   more row computed in the step already launched: that row's token is dropped and its KV is not
   inserted. A request whose placeholder is its `max_tokens`-th token is not scheduled again.
@@ -42,6 +48,9 @@ from radixkv.scheduler.output import SchedulerOutput
 
 # request id -> (its sampling params, its random stream); the engine's records.
 SamplingOf = Callable[[str], tuple[SamplingParams, random.Random | None]]
+# Runs a step's tier moves before its forward; returns the requests sent back to the waiting
+# queue because a load into their blocks failed (their rows run, and are ignored).
+RunMoves = Callable[[SchedulerOutput], set[str]]
 
 
 @dataclass(slots=True)
@@ -55,6 +64,7 @@ class _InFlight:
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready` fired
     logprobs: StepLogprobs | None  # of the rows that asked, on the host once `ready` fired
     ready: torch.cuda.Event | None  # None on the CPU: everything is computed already
+    requeued: set[str]  # requests whose rows are ignored: a load they read failed
 
     def read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The sampled tokens and each row's logprobs (None where not asked for)."""
@@ -80,29 +90,28 @@ class OverlappedSteps:
         self._in_flight: _InFlight | None = None
 
     def step(
-        self, step_ids: list[str], sampling_of: SamplingOf
+        self, step_ids: list[str], sampling_of: SamplingOf, run_moves: RunMoves
     ) -> list[tuple[Request, int, TokenLogprobs | None]]:
         """Launch the next step (if any), then read the previous one's tokens into the scheduler.
         Returns the requests that took a token, their tokens and logprobs. `step_ids` gets the
         ids of every request a fault now would concern: the previous step's and this one's. On a
         fault the step in flight is dropped (the engine fails its requests)."""
         try:
-            return self._step(step_ids, sampling_of)
+            return self._step(step_ids, sampling_of, run_moves)
         except BaseException:
             self._in_flight = None
             raise
 
     def check_integrity(self) -> None:
-        """The live requests with placeholders are exactly the in-flight step's sampled ones,
-        one placeholder each."""
+        """The live requests with placeholders are exactly the in-flight step's sampled ones
+        (less those it requeued), one placeholder each."""
         live = self.scheduler.running_requests + self.scheduler.waiting_requests
         pending = {r.request_id: r.num_pending for r in live if r.num_pending}
-        flight = self._in_flight
-        sampled = set(flight.sample_ids) if flight is not None else set()
+        sampled = set(_sources(self._in_flight))
         assert pending == {r.request_id: 1 for r in live if r.request_id in sampled}, pending
 
     def _step(
-        self, step_ids: list[str], sampling_of: SamplingOf
+        self, step_ids: list[str], sampling_of: SamplingOf, run_moves: RunMoves
     ) -> list[tuple[Request, int, TokenLogprobs | None]]:
         out = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
@@ -113,18 +122,24 @@ class OverlappedSteps:
             raise RuntimeError(
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
+        # Even with no rows: the moves the cache planned since the last step must run.
+        requeued = run_moves(out) if out.transfers else set()
         if not out.is_empty:
-            self._in_flight = self._launch(out, previous, sampling_of)
+            self._in_flight = self._launch(out, previous, sampling_of, requeued)
         if previous is None:
             return []
         tokens, logprobs = previous.read()
         by_id = dict(zip(previous.sample_ids, tokens, strict=True))
         logprobs_of = dict(zip(previous.sample_ids, logprobs, strict=True))
-        took = self.scheduler.fill(previous.output, by_id)
+        took = self.scheduler.fill(previous.output, by_id, previous.requeued)
         return [(req, by_id[req.request_id], logprobs_of[req.request_id]) for req in took]
 
     def _launch(
-        self, out: SchedulerOutput, previous: _InFlight | None, sampling_of: SamplingOf
+        self,
+        out: SchedulerOutput,
+        previous: _InFlight | None,
+        sampling_of: SamplingOf,
+        requeued: set[str],
     ) -> _InFlight:
         logits = self.runner.execute(out, self._feed(out, previous))
         sample_ids = [row.request_id for row in out.rows if row.sample]
@@ -139,12 +154,12 @@ class OverlappedSteps:
             logprobs = logprobs_on_device(logits, params, rows, chosen).to_host()
         self.scheduler.advance(out)
         if tokens.device.type != "cuda":
-            return _InFlight(out, sample_ids, params, tokens, tokens, logprobs, None)
+            return _InFlight(out, sample_ids, params, tokens, tokens, logprobs, None, requeued)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _InFlight(out, sample_ids, params, tokens, host, logprobs, ready)
+        return _InFlight(out, sample_ids, params, tokens, host, logprobs, ready, requeued)
 
     def _adjusted(
         self,
@@ -157,7 +172,7 @@ class OverlappedSteps:
         still be the previous step's, on the device (its placeholder is not filled yet)."""
         if not any(p.adjusts_logits for p in params):
             return logits
-        source = {} if previous is None else {rid: i for i, rid in enumerate(previous.sample_ids)}
+        source = _sources(previous)
         outputs: list[list[int]] = []
         in_flight: list[torch.Tensor | None] = []
         for rid in sample_ids:
@@ -176,7 +191,7 @@ class OverlappedSteps:
         compute it). None when there is none."""
         if previous is None:
             return None
-        source = {rid: i for i, rid in enumerate(previous.sample_ids)}
+        source = _sources(previous)
         dst: list[int] = []
         src: list[int] = []
         end = 0  # tokens packed so far
@@ -189,6 +204,15 @@ class OverlappedSteps:
         if not dst:
             return None
         return token_feed(self._stager, dst, src, previous.tokens)
+
+
+def _sources(previous: _InFlight | None) -> dict[str, int]:
+    """Request id -> index of its token among the in-flight step's sampled tokens, for the
+    requests that wait for that token (not those sent back to the queue)."""
+    if previous is None:
+        return {}
+    ids = previous.sample_ids
+    return {rid: i for i, rid in enumerate(ids) if rid not in previous.requeued}
 
 
 def token_feed(

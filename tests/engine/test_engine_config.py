@@ -50,13 +50,6 @@ def test_config_rejects_bad_values(field: str, value: object, error: type[Except
         EngineConfig(**{field: value})  # type: ignore[arg-type]
 
 
-def test_overlapped_steps_and_a_host_tier_are_refused_together() -> None:
-    # The overlapped step runs no tier moves: together, a host tier's loads would never happen.
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(async_scheduling=True, host_cache_bytes=1 << 20)
-    assert EngineConfig(async_scheduling=False, host_cache_bytes=1 << 20).host_cache_bytes
-
-
 def test_config_is_frozen_and_takes_numpy_ints_as_ints() -> None:
     cfg = EngineConfig(block_size=np.int64(8), max_model_len=np.int32(64))
     assert (cfg.block_size, cfg.max_model_len) == (8, 64)

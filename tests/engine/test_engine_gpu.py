@@ -215,3 +215,35 @@ def test_overlapped_steps_equal_synchronous_on_cuda(tiny_model_dir):
     assert engines[True].cache.stats().num_evicted_blocks > 0
     assert engines[True].runner.decode_graphs.num_replays > 0
     engines[True].check_integrity()
+
+
+def test_overlapped_penalties_logprobs_and_tiers_equal_synchronous_on_cuda(tiny_model_dir):
+    """The overlapped step with what it gained last: penalties counting the token still on the
+    device, logprobs copied behind the tokens, and a host tier whose loads and offloads run
+    while the previous step is in flight; all equal to the synchronous engine's."""
+    prompts = random_prompts(44, 8, shared_prefix=24, max_len=40)
+    settings = dict(
+        device="cuda", dtype=torch.float32, block_size=16, num_blocks=10, host_cache_bytes=2**22
+    )
+    engines = {
+        on: LLM(str(tiny_model_dir("gqa")), max_num_seqs=4, async_scheduling=on, **settings)
+        for on in (False, True)
+    }
+    params = [
+        SamplingParams(max_tokens=MAX_NEW, frequency_penalty=1.5, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=3, presence_penalty=1.0),
+        SamplingParams(max_tokens=9, logit_bias={5: 3.0}, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+    ] * 2
+    rounds = {on: [llm.generate(prompts, params) for _ in range(2)] for on, llm in engines.items()}
+    for sync, overlapped in zip(rounds[False], rounds[True], strict=True):
+        for a, b in zip(overlapped, sync, strict=True):
+            assert a.token_ids == b.token_ids
+            assert [lp.token_id for lp in a.logprobs or ()] == [
+                lp.token_id for lp in b.logprobs or ()
+            ]
+            for x, y in zip(a.logprobs or (), b.logprobs or (), strict=True):
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    stats = engines[True].cache.stats()
+    assert stats.num_evicted_blocks > 0 and stats.num_host_hit_tokens > 0
+    engines[True].check_integrity()

@@ -37,6 +37,7 @@ def run(llm: LLM) -> list[Any]:
     while llm.has_unfinished_requests():
         for update in llm.step():
             last[update.request_id] = update
+        llm.check_integrity()
     return [last[rid] for rid in ids]
 
 
@@ -52,14 +53,16 @@ def failing(real: Any, calls: list[int], times: int) -> Any:
     return wrapper
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("point", ["load", "offload", "disk-read"])
 def test_a_failed_move_fails_only_the_requests_that_read_it(
-    point, model_dir, expected, tmp_path, monkeypatch
+    point, overlap, model_dir, expected, tmp_path, monkeypatch
 ):
     """Two faults in a row: a request whose load failed goes back to the queue; if its second
-    load fails too, it fails; every other request is served correctly."""
+    load fails too, it fails; every other request is served correctly. With overlapped steps
+    the requeued request's row is in the step in flight: its token is dropped, not fed on."""
     disk = dict(host_cache_bytes=6 * 3072, kv_cache_dir=tmp_path) if point == "disk-read" else {}
-    llm = LLM(model_dir, **{**TIERS, **disk})
+    llm = LLM(model_dir, **{**TIERS, **disk}, async_scheduling=overlap)
     assert [list(u.output.token_ids) for u in run(llm)] == expected
     tiers = llm.tiers
     target, name = {
@@ -88,10 +91,12 @@ def test_a_failed_move_fails_only_the_requests_that_read_it(
     llm.check_integrity()
 
 
-def test_a_block_file_gone_between_probe_and_read_is_a_miss(model_dir, expected, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_a_block_file_gone_between_probe_and_read_is_a_miss(overlap, model_dir, expected, tmp_path):
     """Another process evicts the files this one probed: the request is admitted again and
     recomputes; nothing fails."""
-    llm = LLM(model_dir, **{**TIERS, "host_cache_bytes": 6 * 3072, "kv_cache_dir": tmp_path})
+    settings = {**TIERS, "host_cache_bytes": 6 * 3072, "kv_cache_dir": tmp_path}
+    llm = LLM(model_dir, **settings, async_scheduling=overlap)
     run(llm)
     disk = llm.tiers.disk
     real_get = disk.get
@@ -107,8 +112,12 @@ def test_a_block_file_gone_between_probe_and_read_is_a_miss(model_dir, expected,
     llm.check_integrity()
 
 
-def test_a_restarted_engine_picks_up_prefixes_from_the_disk_tier(model_dir, expected, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_a_restarted_engine_picks_up_prefixes_from_the_disk_tier(
+    overlap, model_dir, expected, tmp_path
+):
     settings = {**TIERS, "host_cache_bytes": 8 * 3072, "kv_cache_dir": tmp_path}
+    settings["async_scheduling"] = overlap
     first = LLM(model_dir, **settings)
     assert [list(u.output.token_ids) for u in run(first)] == expected
     first.save_kv_cache()  # what the chat and the server do when they stop

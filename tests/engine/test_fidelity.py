@@ -46,6 +46,12 @@ VARIANTS = {
         max_num_batched_tokens=8,
     ),
 }
+# The same with overlapped steps: tier moves run while the previous step is in flight.
+VARIANTS["tiers-b4-overlapped"] = {**VARIANTS["tiers-b4"], "async_scheduling": True}
+VARIANTS["tiers-disk-chunked-overlapped"] = {
+    **VARIANTS["tiers-disk-chunked"],
+    "async_scheduling": True,
+}
 
 
 def _workload(seed: int) -> tuple[list[list[int]], list[int]]:
