@@ -78,8 +78,10 @@ def test_kept_keys_equal_fresh_ones_after_every_operation(
     the prompt's lookup keys equal fresh ones; then all nodes, or none, compute their keys (from
     the deepest up or from the root down) and must equal fresh ones too."""
     B = block_size
+    # Room for a request of up to 45 tokens beside a locked path as long: an admission locks the
+    # whole node its hit ends in (the engine's scheduler then retries without the hit).
     cache = CheckedCache(
-        PrefixCache(-(-48 // B) + 4, B, host_blocks=24 // B + 2, write_through=write_through)
+        PrefixCache(-(-96 // B) + 4, B, host_blocks=24 // B + 2, write_through=write_through)
     )
     for op, deepest_first in steps:
         if op[0] == "evict":
