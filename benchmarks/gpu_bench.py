@@ -140,7 +140,16 @@ def build_model(cfg: BenchConfig) -> Any:
         tie_word_embeddings=False,
     )
     torch.manual_seed(cfg.seed)
-    return LlamaForCausalLM(config).to(device=cfg.device, dtype=cfg.dtype).eval()
+    # Built where it runs, in its dtype: initialising ~1B parameters on the host, then moving
+    # them, takes tens of seconds of a short GPU loan.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        with torch.device(cfg.device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------------- systems
@@ -168,8 +177,9 @@ class System:
     def forget(self) -> None:
         """Drop what the warm-up left cached (systems with a prefix cache)."""
 
-    def capture_s(self) -> float | None:
-        """Seconds the CUDA-graph capture took, where the system captures graphs."""
+    def capture_s(self) -> tuple[float, float] | None:
+        """Seconds the CUDA-graph capture took, and of those the JIT compiles', where the system
+        captures graphs."""
         return None
 
 
@@ -178,6 +188,7 @@ class RadixKV(System):
 
     def __init__(self, model: Any, cfg: BenchConfig, *, cache: bool, overlap: bool = True) -> None:
         from radixkv import LLM
+        from radixkv.engine import freeze_startup_heap
 
         self.name = f"radixkv cache {'on' if cache else 'off'}"
         self.name += "" if overlap else ", steps not overlapped"
@@ -192,6 +203,7 @@ class RadixKV(System):
             chunked_prefill_size=cfg.chunked_prefill_size,
             async_scheduling=overlap,
         )
+        freeze_startup_heap()  # as the front doors do: no full collection walks the model
 
     def generate(self, prompts: Prompts, max_new: int) -> Generated:
         from radixkv import SamplingParams
@@ -200,14 +212,17 @@ class RadixKV(System):
         return Generated([list(o.token_ids) for o in outs], [o.stats.ttft_s for o in outs])
 
     def close(self) -> None:
+        from radixkv.engine import release_heap
+
         del self.llm
+        release_heap()
 
     def forget(self) -> None:
         assert self.llm.cache.reset(), "a request still holds cached blocks"
 
-    def capture_s(self) -> float | None:
+    def capture_s(self) -> tuple[float, float] | None:
         graphs = self.llm.runner.decode_graphs
-        return None if graphs is None else graphs.capture_s
+        return None if graphs is None else (graphs.capture_s, graphs.capture_compile_s)
 
 
 class HFGenerate(System):
@@ -377,7 +392,7 @@ class SystemResult:
     chat: ChatResult
     decode: DecodeResult
     startup_s: float  # building the system: model copy, KV cache, warm-up, graph capture
-    capture_s: float | None  # of which the CUDA-graph capture
+    capture_s: tuple[float, float] | None  # of which the CUDA-graph capture, and its compiles
     timed_compiles: int  # Triton JIT compiles inside the timed chat and decode runs
 
 
@@ -410,6 +425,15 @@ def run_system(key: str, base_model: Any, cfg: BenchConfig) -> SystemResult:
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+# --systems keys whose replies must equal those of the key they are listed under, token for token:
+# the overlap changes only when a step's tokens are read, and a rerun changes nothing.
+EXACT_PEERS = {"on": ("on", "sync"), "sync": ("on", "sync"), "off": ("off",)}
+
+
+def _all_replies(r: SystemResult) -> Prompts:
+    return [x for turn in r.chat.replies for x in turn] + r.decode.replies
 
 
 def _agreement(a: Prompts, b: Prompts) -> float:
@@ -446,19 +470,20 @@ def report(results: list[SystemResult], cfg: BenchConfig) -> list[str]:
         "start-up (copy, KV cache, warm-up, graphs), s", [r.startup_s for r in results], ".1f", True
     )
     row("Triton JIT compiles in the timed runs", [r.timed_compiles for r in results], "d", True)
+    # What must agree exactly: the first system with the others of its kind (the same engine
+    # with steps overlapped or not, or run again). Against cache off or transformers, bf16 on a
+    # random model (flat logits, other GEMM shapes) may flip a near tie: a share, not a check.
+    shares = [_agreement(_all_replies(r), _all_replies(base)) for r in results]
+    exact = [i > 0 and r.key in EXACT_PEERS.get(base.key, ()) for i, r in enumerate(results)]
+    marks = [" (must be 1.00)" if e else "" for e in exact]
+    cells = " | ".join(f"{a:.2f}{m}" for a, m in zip(shares, marks, strict=True))
+    print(f"| replies equal to {base.name}'s (share) | {cells} |" + " - |" * (len(names) - 1))
     ref = next((r for r in results if r.name == "radixkv cache off"), None)
     if ref is not None:
-        agree = [
-            _agreement(
-                [x for turn in r.chat.replies for x in turn] + r.decode.replies,
-                [x for turn in ref.chat.replies for x in turn] + ref.decode.replies,
-            )
-            for r in results
-        ]
+        agree = [_agreement(_all_replies(r), _all_replies(ref)) for r in results]
         cells = " | ".join(f"{a:.2f}" for a in agree)
-        print(
-            f"| replies equal to radixkv cache off (share) | {cells} |" + " - |" * (len(names) - 1)
-        )
+        label = "replies equal to radixkv cache off (share; not a check in bf16)"
+        print(f"| {label} | {cells} |" + " - |" * (len(names) - 1))
     return _print_goals(results, cfg)
 
 
@@ -467,28 +492,37 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _print_goals(results: list[SystemResult], cfg: BenchConfig) -> list[str]:
-    by_name = {r.name: r for r in results}
+    """The issue's goals beside what was measured; returns the missed goals' names."""
+    by_name = {r.name: r for r in results}  # a system run twice: its last run
     on, off = by_name.get("radixkv cache on"), by_name.get("radixkv cache off")
     goals: list[tuple[str, str, str, bool | None]] = []
     if on is not None:
         tps, chat_s = on.decode.tokens_per_s, on.chat.total_s
         ttft = _ms(on.chat.turn_ttft_s[-1])
-        goals.append(("decode, cache on", ">= 15000 tok/s", f"{tps:.0f}", tps >= 15000))
-        goals.append(("chat total, cache on", "<= 6 s", f"{chat_s:.2f}", chat_s <= 6))
-        turn_ok = ttft is not None and ttft <= 30
+        goals.append(("decode, cache on", ">= 20000 tok/s", f"{tps:.0f}", tps >= 20000))
+        goals.append(("chat total, cache on", "<= 3 s", f"{chat_s:.2f}", chat_s <= 3))
+        turn_ok = ttft is not None and ttft <= 25
         ttft_cell = "-" if ttft is None else f"{ttft:.1f}"
-        goals.append((f"turn-{cfg.chat_turns} mean TTFT, cache on", "<= 30 ms", ttft_cell, turn_ok))
+        goals.append((f"turn-{cfg.chat_turns} mean TTFT, cache on", "<= 25 ms", ttft_cell, turn_ok))
     if on is not None and off is not None:
         share = on.chat.total_s / off.chat.total_s
-        goals.append(("chat time, cache on / off", "<= 0.60", f"{share:.2f}", share <= 0.6))
+        goals.append(("chat time, cache on / off", "<= 0.50", f"{share:.2f}", share <= 0.5))
+    base = results[0]
+    for r in results[1:]:
+        if r.key in EXACT_PEERS.get(base.key, ()):
+            share = _agreement(_all_replies(r), _all_replies(base))
+            label = f"replies: {base.key} = {r.key} ({r.name}), token for token"
+            goals.append((label, "1.00", f"{share:.2f}", share == 1.0))
     ours = [r for r in results if r.name.startswith("radixkv")]
     if ours:
         compiles = sum(r.timed_compiles for r in ours)
         goals.append(("JIT compiles in timed runs (radixkv)", "0", str(compiles), compiles == 0))
     captures = [r.capture_s for r in ours if r.capture_s is not None]
     if captures:
-        worst = max(captures)
-        goals.append(("CUDA-graph capture time (slowest)", "<= 10 s", f"{worst:.1f}", worst <= 10))
+        worst = max(total - compiling for total, compiling in captures)
+        cell = f"{worst:.1f} (compiles: {max(c for _, c in captures):.1f})"
+        label = "CUDA-graph capture less JIT compiles (slowest)"
+        goals.append((label, "<= 10 s", cell, worst <= 10))
     print("\n| goal | target | measured | status |\n|---|---:|---:|---|")
     for name, target, measured, met in goals:
         print(f"| {name} | {target} | {measured} | {'met' if met else 'MISSED'} |")

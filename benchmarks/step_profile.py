@@ -50,6 +50,7 @@ def _load_gpu_bench() -> Any:
 def build_engine(tiny: bool) -> tuple[Any, Any]:
     """The engine over gpu_bench's model (FULL on CUDA, TINY on the CPU) and that config."""
     from radixkv import LLM
+    from radixkv.engine import freeze_startup_heap
 
     bench = _load_gpu_bench()
     cfg = bench.TINY if tiny else bench.FULL
@@ -65,6 +66,7 @@ def build_engine(tiny: bool) -> tuple[Any, Any]:
         async_scheduling=False,
     )
     print(f"LLM() with KV cache, warm-up and graph capture: {time.perf_counter() - t0:.1f} s")
+    freeze_startup_heap()
     return llm, cfg
 
 
@@ -158,6 +160,17 @@ def _decode_step(rows: int, context: int, block_size: int, first_block: int = 0)
     )
 
 
+@torch.inference_mode()
+def staged_graph(graphs: Any, rows: int, context: int, block_size: int) -> Any:
+    """Replay the bucket of a `rows`-row decode step once, which leaves its inputs in the static
+    buffer; returns that bucket's graph. Under inference mode, as the runner runs it: the static
+    buffer is an inference tensor, which a write outside that mode refuses."""
+    from radixkv.engine.cuda_graphs import choose_bucket
+
+    graphs.run(_decode_step(rows, context, block_size).rows)
+    return graphs._graphs[choose_bucket(rows, graphs.buckets)][0]
+
+
 def replay_times(llm: Any, cfg: Any) -> None:
     """Section 2: GPU time per replay of each bucket."""
     graphs = llm.runner.decode_graphs
@@ -165,8 +178,7 @@ def replay_times(llm: Any, cfg: Any) -> None:
     print(f"\n## 2. graph replay GPU time, context {context}")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for bucket in graphs.buckets:
-        graphs.run(_decode_step(bucket, context, cfg.block_size).rows)  # sets the static inputs
-        graph, _ = graphs._graphs[bucket]
+        graph = staged_graph(graphs, bucket, context, cfg.block_size)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
@@ -184,11 +196,8 @@ def kernel_split(llm: Any, cfg: Any) -> None:
 
     cuda = llm.runner.device.type == "cuda"
     rows = min(64, cfg.max_num_seqs)
-    step = _decode_step(rows, 640 if cuda else 32, cfg.block_size)
     if cuda:
-        graphs = llm.runner.decode_graphs
-        graphs.run(step.rows)
-        graph, _ = graphs._graphs[rows]
+        graph = staged_graph(llm.runner.decode_graphs, rows, 640, cfg.block_size)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -197,7 +206,7 @@ def kernel_split(llm: Any, cfg: Any) -> None:
         repeats, what = 5, f"one bucket-{rows} replay"
     else:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            llm.runner.execute(step)
+            llm.runner.execute(_decode_step(rows, 32, cfg.block_size))
         repeats, what = 1, f"one eager decode step of {rows} rows (CPU ops, self time)"
     events = []
     for evt in prof.key_averages():

@@ -49,6 +49,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def heap_unfrozen():
+    """A front door run in-process freezes the collector's heap after start-up (as it should in
+    its own process); the next test must not inherit that."""
+    import gc
+
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler, whatever this process inherited: a test suite started in the
+    background of a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored, and
+    Python then leaves it ignored, as a program started that way should."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """kind ("gqa" | "mha") -> folder with the saved model + tokenizer (built once per session)."""

@@ -108,7 +108,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     err = sys.stderr
     # Imported here so `radixkv --help` answers instantly and a broken install fails with one line.
     from radixkv.chat.session import ChatSession
-    from radixkv.engine import LLM, ModelLoadError
+    from radixkv.engine import LLM, ModelLoadError, freeze_startup_heap
 
     try:
         chat_sampling(args, None)  # bad values fail before the model loads
@@ -131,6 +131,7 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except (ModelLoadError, ValueError, TypeError) as exc:
         print(f"radixkv: {exc}", file=err)
         return 2
+    freeze_startup_heap()
 
     print(
         f"radixkv chat · {llm.model_name} · {sampling_text(params)} · commands: {HELP_COMMANDS}",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixkv.engine.config import EngineConfig
+    from radixkv.engine.heap import freeze_startup_heap, release_heap
     from radixkv.engine.llm import LLM, RequestUpdate
     from radixkv.engine.model_loader import ModelLoadError, ModelNotFoundError
     from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
@@ -26,6 +27,8 @@ _MODULES = {  # name -> the module that defines it
     "RequestUpdate": "llm",
     "SamplingParams": "sampling_params",
     "StreamDelta": "outputs",
+    "freeze_startup_heap": "heap",
+    "release_heap": "heap",
 }
 __all__ = [
     "LLM",
@@ -37,6 +40,8 @@ __all__ = [
     "RequestUpdate",
     "SamplingParams",
     "StreamDelta",
+    "freeze_startup_heap",
+    "release_heap",
 ]
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from radixkv.engine.step_inputs import InputStager, bucket_layout, pack_step, split_step
-from radixkv.kernels import AttentionMetadata
+from radixkv.kernels import AttentionMetadata, CompileCounter
 from radixkv.scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class DecodeGraphs:
         kv_cache_shape: tuple[int, ...],
         max_num_seqs: int,
         max_model_len: int,
+        compiles: CompileCounter | None = None,
     ) -> None:
         self.buckets = decode_buckets(max_num_seqs)
         num_blocks, self.block_size = kv_cache_shape[:2]
@@ -114,7 +115,11 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # decode steps computed by a graph (a statistic)
         self.capture_s = 0.0  # seconds the capture took, compiles included (a statistic)
+        self.capture_compile_s = 0.0  # of which Triton JIT compiles (a statistic)
+        compile_s = compiles.seconds if compiles is not None else 0.0
         self._capture_all(forward, kv_cache_shape)
+        if compiles is not None:
+            self.capture_compile_s = compiles.seconds - compile_s
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
         """Whether a replay computes this step: decode rows only, a bucket for their number,

@@ -373,10 +373,9 @@ class LLM:
         if self._overlap is None:
             self._synchronous_step(step_ids)
             return
-        took = self._overlap.step(step_ids, self._sampling_of, self._run_transfers)
-        now = time.perf_counter()
+        sampled_at, took = self._overlap.step(step_ids, self._sampling_of, self._run_transfers)
         for req, token, logprobs in took:
-            self._deliver(self._tracked[req.request_id], token, now, logprobs)
+            self._deliver(self._tracked[req.request_id], token, sampled_at, logprobs)
 
     def _synchronous_step(self, step_ids: list[str]) -> None:
         """schedule -> tier moves -> forward -> sample -> update -> deliver."""

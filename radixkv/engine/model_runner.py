@@ -172,7 +172,12 @@ class ModelRunner:
             max_len = config.max_model_len or num_blocks * block_size
             with torch.inference_mode():
                 self.decode_graphs = DecodeGraphs(
-                    self._forward, self.stager, self.kv_cache_shape, config.max_num_seqs, max_len
+                    self._forward,
+                    self.stager,
+                    self.kv_cache_shape,
+                    config.max_num_seqs,
+                    max_len,
+                    self._compiles,
                 )
         self._compiles_seen = self._compiles.count if self._compiles is not None else 0
 

@@ -30,6 +30,7 @@ so nothing overlaps; there the overlap only costs its bookkeeping (see `EngineCo
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -65,11 +66,19 @@ class _InFlight:
     logprobs: StepLogprobs | None  # of the rows that asked, on the host once `ready` fired
     ready: torch.cuda.Event | None  # None on the CPU: everything is computed already
     requeued: set[str]  # requests whose rows are ignored: a load they read failed
+    # When the host first saw the tokens sampled (perf_counter): their first tokens' time.
+    sampled_at: float | None = None
+
+    def poll(self) -> None:
+        """Stamp `sampled_at` if the device is done with this step (never waits)."""
+        if self.sampled_at is None and (self.ready is None or self.ready.query()):
+            self.sampled_at = time.perf_counter()
 
     def read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The sampled tokens and each row's logprobs (None where not asked for)."""
         if self.ready is not None:
             self.ready.synchronize()
+        self.poll()
         tokens = self.host.tolist()
         if self.logprobs is None:
             return tokens, [None] * len(tokens)
@@ -91,9 +100,11 @@ class OverlappedSteps:
 
     def step(
         self, step_ids: list[str], sampling_of: SamplingOf, run_moves: RunMoves
-    ) -> list[tuple[Request, int, TokenLogprobs | None]]:
+    ) -> tuple[float, list[tuple[Request, int, TokenLogprobs | None]]]:
         """Launch the next step (if any), then read the previous one's tokens into the scheduler.
-        Returns the requests that took a token, their tokens and logprobs. `step_ids` gets the
+        Returns when those tokens were sampled (as near as the host can tell: before this step's
+        launch if the device was done by then), the requests that took a token, their tokens and
+        logprobs. `step_ids` gets the
         ids of every request a fault now would concern: the previous step's and this one's. On a
         fault the step in flight is dropped (the engine fails its requests)."""
         try:
@@ -112,9 +123,11 @@ class OverlappedSteps:
 
     def _step(
         self, step_ids: list[str], sampling_of: SamplingOf, run_moves: RunMoves
-    ) -> list[tuple[Request, int, TokenLogprobs | None]]:
+    ) -> tuple[float, list[tuple[Request, int, TokenLogprobs | None]]]:
         out = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            previous.poll()  # on the CPU, or a device already done: sampled before this launch
         if previous is not None:
             step_ids.extend(row.request_id for row in previous.output.rows)
         step_ids.extend(row.request_id for row in out.rows)
@@ -127,12 +140,14 @@ class OverlappedSteps:
         if not out.is_empty:
             self._in_flight = self._launch(out, previous, sampling_of, requeued)
         if previous is None:
-            return []
+            return time.perf_counter(), []
         tokens, logprobs = previous.read()
         by_id = dict(zip(previous.sample_ids, tokens, strict=True))
         logprobs_of = dict(zip(previous.sample_ids, logprobs, strict=True))
         took = self.scheduler.fill(previous.output, by_id, previous.requeued)
-        return [(req, by_id[req.request_id], logprobs_of[req.request_id]) for req in took]
+        assert previous.sampled_at is not None  # read() stamps it
+        tokens_of = [(req, by_id[req.request_id], logprobs_of[req.request_id]) for req in took]
+        return previous.sampled_at, tokens_of
 
     def _launch(
         self,
@@ -153,8 +168,9 @@ class OverlappedSteps:
             chosen = tokens[host_values_on(tokens.device, rows, torch.int64)]
             logprobs = logprobs_on_device(logits, params, rows, chosen).to_host()
         self.scheduler.advance(out)
-        if tokens.device.type != "cuda":
-            return _InFlight(out, sample_ids, params, tokens, tokens, logprobs, None, requeued)
+        if tokens.device.type != "cuda":  # computed already: sampled now
+            now = time.perf_counter()
+            return _InFlight(out, sample_ids, params, tokens, tokens, logprobs, None, requeued, now)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()

@@ -131,9 +131,11 @@ def _zmq_error() -> type[Exception]:
 
 def build_llm(args: argparse.Namespace) -> LLM:
     """The engine the parsed options describe. Raises what `LLM` raises."""
-    from radixkv.engine import LLM
+    from radixkv.engine import LLM, freeze_startup_heap
 
-    return LLM(args.model, **engine_settings(args))
+    llm = LLM(args.model, **engine_settings(args))
+    freeze_startup_heap()
+    return llm
 
 
 def engine_services(llm: LLM) -> list[Callable[[], None]]:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import sigint_restored
+from processes import ctrl_c_inside, sigint_restored
 from transformers import AutoTokenizer
 
 from radixkv.chat import cli
@@ -20,16 +20,6 @@ STATUS = re.compile(
     r"^  \[prompt (\d+) tok · cached (\d+) \(([\d.]+)%\) · ttft \d+ ms · reply (\d+) tok"
     r" · decode [\d.]+ tok/s\]$"
 )
-
-
-@pytest.fixture
-def ctrl_c_reaches_python():
-    """Python's own Ctrl-C handler, whatever this process inherited: a test suite started in the
-    background of a non-interactive shell (nohup, `make test &`) inherits SIGINT ignored, and
-    Python then leaves it ignored, as a chat started that way should."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def _run(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -196,33 +186,20 @@ def test_ctrl_c_in_a_reply_returns_to_the_prompt(tiny_model_dir, tmp_path, capsy
 
 
 def test_a_real_ctrl_c_inside_a_cache_update_waits_for_the_step(
-    tiny_model_dir, tmp_path, capsys, monkeypatch, ctrl_c_reaches_python
+    tiny_model_dir, tmp_path, capsys, monkeypatch, python_sigint
 ):
     """A real SIGINT delivered in the middle of the scheduler's cache commit during a reply: the
     commit runs to its end (a KeyboardInterrupt there could leave the tree half updated), the
     reply stops when the step is over, and the chat goes on with every block returned."""
     from radixkv.cache import PrefixCache
 
-    real_commit = PrefixCache.commit
-    started: list[bool] = []
-    finished: list[bool] = []
-
-    def commit_interrupted(self, *args, **kwargs):
-        if started:  # the first commit only: the first reply's prefill
-            return real_commit(self, *args, **kwargs)
-        started.append(True)
-        os.kill(os.getpid(), signal.SIGINT)
-        result = real_commit(self, *args, **kwargs)
-        finished.append(True)  # a KeyboardInterrupt raised above would skip this
-        return result
-
-    monkeypatch.setattr(PrefixCache, "commit", commit_interrupted)
+    commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit")  # the first reply's prefill
     lines = ["w20", "w30 w31", "w40", "/stats"]
     code, out, err = _chat_in_process(
         tiny_model_dir("gqa"), lines, tmp_path, capsys, "--system", "w10"
     )
     assert code == 0 and err == ""
-    assert started and finished == started  # the commit ran to its end
+    assert commit.started and commit.finished  # the commit ran to its end
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert out.count("(reply interrupted; this turn is not kept") == 1
     assert out.index("(reply interrupted") < out.index("you> w30 w31")

@@ -10,6 +10,9 @@ modules, the kernels, the block-table width.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from tiny_llama import build_model
@@ -58,10 +61,11 @@ def graph_runner(monkeypatch):
         for graphs in (True, False):
             config = EngineConfig(block_size=BLOCK, num_blocks=32)
             runner = ModelRunner(build_model("gqa") if graphs else model, config)
-            if graphs:
-                runner.decode_graphs = DecodeGraphs(
-                    runner._forward, runner.stager, runner.kv_cache_shape, 3, max_model_len=40
-                )
+            if graphs:  # built as the runner builds them: under inference mode
+                with torch.inference_mode():
+                    runner.decode_graphs = DecodeGraphs(
+                        runner._forward, runner.stager, runner.kv_cache_shape, 3, max_model_len=40
+                    )
             runners.append(runner)
     return runners
 
@@ -123,3 +127,21 @@ def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
         got = graphs_runner.execute(mixed_held, token_feed(stager, [6], [2], sampled))
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_step_profile_stages_a_replay_as_the_runner_runs_it(graph_runner):
+    """step_profile's replay timings write a bucket's inputs into the static buffer, an inference
+    tensor: outside inference mode torch refuses that write, which is what crashed the profile's
+    second section before it ran under inference mode."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "step_profile.py"
+    spec = importlib.util.spec_from_file_location("step_profile", path)
+    step_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_profile)
+    graphs = graph_runner[0].decode_graphs
+    rows = step_profile._decode_step(2, 9, BLOCK).rows
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        graphs.run(rows)
+    with use_backend("triton"):
+        graph = step_profile.staged_graph(graphs, 2, 9, BLOCK)
+    assert graph is graphs._graphs[2][0]
+    assert graphs.static[:2].tolist() == [5, 5]  # the staged rows' input tokens

@@ -202,3 +202,25 @@ def test_penalties_bias_and_logprobs_equal_the_synchronous_engines(model_dir, se
     assert any(unpenalized[i].token_ids != outs[True][i].token_ids for i in penalized)
     streamed = [lp for d in engines[True].stream(PROMPTS[0], params[0]) for lp in d.logprobs]
     assert [lp.token_id for lp in streamed] == list(outs[True][0].token_ids)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_first_token_is_stamped_when_it_is_sampled(model_dir, overlap):
+    """An overlapped step reads a step's tokens after launching the next one: a first token's
+    time is still when it was sampled, not when it was read (on the CPU, after the next step's
+    whole forward). Every step after the prefill is made 0.5 s slower here."""
+    import time
+
+    llm = LLM(model_dir, async_scheduling=overlap)
+    execute, calls = llm.runner.execute, []
+
+    def slow_after_the_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            time.sleep(0.5)
+        return execute(*args, **kwargs)
+
+    llm.runner.execute = slow_after_the_first
+    (out,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(calls) == 3
+    assert out.stats.ttft_s < 0.4 < out.stats.total_s

@@ -9,6 +9,7 @@ import signal
 import threading
 
 import pytest
+from processes import ctrl_c_inside
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
@@ -18,15 +19,6 @@ from radixkv.engine.interrupts import sigint_deferred
 ENGINE_ARGS = dict(block_size=4, num_blocks=64, max_num_seqs=2, chunked_prefill_size=8)
 PROMPTS = random_prompts(61, 3, shared_prefix=6, max_len=20)
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture
-def python_sigint():
-    """Python's own Ctrl-C handler, whatever this process inherited (a suite started in the
-    background of a non-interactive shell inherits SIGINT ignored)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
@@ -39,27 +31,6 @@ def expected(model_dir):
     return [o.token_ids for o in LLM(model_dir, **ENGINE_ARGS).generate(PROMPTS, PARAMS)]
 
 
-def ctrl_c_inside_commit(monkeypatch, at: int) -> tuple[list[bool], list[bool]]:
-    """Send this process a real SIGINT in the middle of the `at`-th cache commit; returns
-    (started, finished) flags of that commit."""
-    real_commit = PrefixCache.commit
-    started: list[bool] = []
-    finished: list[bool] = []
-    calls = iter(range(1, 10**6))
-
-    def commit(self, *args, **kwargs):
-        if next(calls) != at:
-            return real_commit(self, *args, **kwargs)
-        started.append(True)
-        os.kill(os.getpid(), signal.SIGINT)
-        result = real_commit(self, *args, **kwargs)
-        finished.append(True)  # a KeyboardInterrupt raised inside would skip this
-        return result
-
-    monkeypatch.setattr(PrefixCache, "commit", commit)
-    return started, finished
-
-
 def assert_idle_and_whole(llm: LLM) -> None:
     llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
@@ -68,10 +39,10 @@ def assert_idle_and_whole(llm: LLM) -> None:
 
 def test_ctrl_c_in_generate_lands_after_the_step(model_dir, expected, monkeypatch, python_sigint):
     llm = LLM(model_dir, **ENGINE_ARGS)
-    started, finished = ctrl_c_inside_commit(monkeypatch, at=3)
+    commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=3)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, PARAMS)
-    assert started and finished == started  # the commit ran to its end
+    assert commit.started and commit.finished  # the commit ran to its end
     assert not llm.has_unfinished_requests()  # generate aborted its requests
     assert_idle_and_whole(llm)
     monkeypatch.undo()
@@ -87,20 +58,11 @@ def test_a_second_ctrl_c_while_generate_aborts_its_requests_aborts_them_all(
     from radixkv.scheduler import Scheduler
 
     llm = LLM(model_dir, **ENGINE_ARGS)
-    ctrl_c_inside_commit(monkeypatch, at=2)
-    real_abort = Scheduler.abort
-    aborts: list[str] = []
-
-    def abort(self, request_id):
-        if not aborts:
-            os.kill(os.getpid(), signal.SIGINT)
-        aborts.append(request_id)
-        return real_abort(self, request_id)
-
-    monkeypatch.setattr(Scheduler, "abort", abort)
+    ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=2)
+    aborts = ctrl_c_inside(monkeypatch, Scheduler, "abort")
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, PARAMS)
-    assert len(aborts) == len(PROMPTS)
+    assert aborts.calls == len(PROMPTS)
     assert not llm.has_unfinished_requests()
     monkeypatch.undo()
     assert_idle_and_whole(llm)
@@ -114,7 +76,7 @@ def test_ctrl_c_in_step_keeps_the_step_and_its_updates(
     with the next call: the requests finish exactly as without the interrupt."""
     llm = LLM(model_dir, **ENGINE_ARGS)
     ids = [llm.add_request(p, PARAMS) for p in PROMPTS]
-    started, finished = ctrl_c_inside_commit(monkeypatch, at=4)
+    commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=4)
     outputs, interrupts = {}, 0
     while llm.has_unfinished_requests():
         try:
@@ -125,19 +87,19 @@ def test_ctrl_c_in_step_keeps_the_step_and_its_updates(
             continue
         outputs.update((u.request_id, u.output.token_ids) for u in updates if u.output)
         llm.check_integrity()
-    assert interrupts == 1 and started and finished == started
+    assert interrupts == 1 and commit.started and commit.finished
     assert [outputs[rid] for rid in ids] == expected
     assert_idle_and_whole(llm)
 
 
 def test_ctrl_c_while_streaming_aborts_the_stream(model_dir, expected, monkeypatch, python_sigint):
     llm = LLM(model_dir, **ENGINE_ARGS)
-    started, finished = ctrl_c_inside_commit(monkeypatch, at=2)
+    commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=2)
     stream = llm.stream(PROMPTS[0], PARAMS)
     with pytest.raises(KeyboardInterrupt):
         for _ in stream:
             pass
-    assert started and finished == started
+    assert commit.started and commit.finished
     assert not llm.has_unfinished_requests()
     monkeypatch.undo()
     assert_idle_and_whole(llm)
@@ -152,19 +114,10 @@ def test_ctrl_c_while_a_stream_is_closed_lands_after_the_abort(
     llm = LLM(model_dir, **ENGINE_ARGS)
     stream = llm.stream(PROMPTS[0], PARAMS)
     next(stream)
-    real_close = PrefixCache.close
-    released: list[bool] = []
-
-    def close(self, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        result = real_close(self, *args, **kwargs)
-        released.append(True)
-        return result
-
-    monkeypatch.setattr(PrefixCache, "close", close)
+    release = ctrl_c_inside(monkeypatch, PrefixCache, "close")
     with pytest.raises(KeyboardInterrupt):
         stream.close()
-    assert released
+    assert release.finished
     monkeypatch.undo()
     assert_idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
@@ -177,7 +130,7 @@ def test_a_program_s_own_sigint_handler_is_kept(model_dir, expected, monkeypatch
     previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
     try:
         llm = LLM(model_dir, **ENGINE_ARGS)
-        ctrl_c_inside_commit(monkeypatch, at=2)
+        ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=2)
         outs = llm.generate(PROMPTS, PARAMS)
         assert calls == [signal.SIGINT]
         assert [o.token_ids for o in outs] == expected

@@ -30,7 +30,8 @@ def test_dry_run_of_the_cheap_stages(tmp_path):
     out = result.stdout
     for stage in ("env", "install", "import", "profile"):
         assert f"{stage}: ok in" in out
-        assert (tmp_path / "out" / f"{stage}.log").exists()
+    logs = sorted(f.name for f in (tmp_path / "out").iterdir())
+    assert logs == ["env.log", "install.log", "profile.log", "summary.txt"]  # import: install's
     assert "device: no CUDA" in out  # the env stage's versions
     assert "## 1. decode workload" in out and "median decode step" in out
     assert "stages not passed: none" in out
@@ -42,7 +43,79 @@ def test_a_failing_stage_fails_the_run_and_shows_its_log(tmp_path):
     assert result.returncode != 0
     assert "install: FAILED (rc 1)" in result.stdout
     assert "stages not passed: install import" in result.stdout
-    assert "---- tail of install.log" in result.stdout
+    assert "---- tail of install.log (install)" in result.stdout
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "---- tail of install.log (import)" in summary  # the tails reach the summary too
+
+
+def test_every_stage_leaves_at_most_seven_files(tmp_path):
+    """Eight files come back from the GPU machine's output folder: six logs and the summary."""
+    result = run(tmp_path, "--dry-run", GPU_CHECK_BUDGET_S="1")
+    assert result.returncode != 0
+    assert len(list((tmp_path / "out").iterdir())) <= 7
+
+
+def test_runs_with_home_unset(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HOME"}
+    environ = {**env, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "env"], env=environ, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "env: ok in" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> Path:
+    """A Python whose environment has every dependency but not radixkv: the GPU machine as a
+    rerun finds it, the machine before it was given back having taken the install with it."""
+    root = tmp_path_factory.mktemp("bare")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
+    python = root / "venv" / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # The dependencies by path: a path line adds the folder without running its .pth files, so
+    # the editable radixkv install of this environment stays out.
+    import sysconfig
+
+    Path(purelib, "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    probe = subprocess.run([str(python), "-P", "-c", "import torch, radixkv"], capture_output=True)
+    assert b"No module named 'radixkv'" in probe.stderr
+    return python
+
+
+def fake_python(tmp_path: Path, python: Path, refuse: str) -> Path:
+    """`python`, except that a pip install whose arguments hold `refuse` exits 1."""
+    script = tmp_path / "python"
+    script.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ "$*" == *"pip install"*"{refuse}"* ]]; then echo refused >&2; exit 1; fi\n'
+        f'exec {python} "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize(
+    ("refuse", "fallback"),
+    [(" -e ", "a plain one into"), ("", "the source folders linked into")],
+)
+def test_a_rerun_on_a_bare_machine_installs_first(tmp_path, bare_python, refuse, fallback):
+    """A rerun of one stage on a machine without radixkv installs it first; an editable install
+    that is refused falls back to a plain install into a folder on PYTHONPATH, and a pip that
+    refuses everything to the source folders linked there. The stage then imports radixkv."""
+    python = fake_python(tmp_path, bare_python, refuse)
+    site = tmp_path / "site"
+    result = run(tmp_path, "env", PYTHON=str(python), GPU_CHECK_SITE=str(site))
+    out = result.stdout
+    assert "install: radixkv is not importable here; installing first" in out, out
+    assert "install: FAILED" in out  # the editable install, refused
+    assert fallback in out
+    assert "import: ok in" in out and "radixkv.kernels from " + str(site) in out, out
 
 
 def test_stages_beyond_the_budget_are_skipped(tmp_path):

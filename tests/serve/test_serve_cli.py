@@ -90,7 +90,11 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
     argv = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "48", "--block-size", "8"]
     argv += ["--max-num-seqs", "3", "--max-num-batched-tokens", "96", "--chunked-prefill-size"]
     argv += ["32", "--policy", "fcfs", "--no-prefix-cache", "--dtype", "float32", "--seed", "7"]
+    import gc
+
+    gc.unfreeze()
     llm = build_llm(build_parser().parse_args(argv))
+    assert gc.get_freeze_count() > 0  # start-up's objects frozen: no full walk of them later
     config = llm.scheduler.config
     assert (llm.cache.num_blocks, llm.cache.block_size, llm.config.seed) == (48, 8, 7)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 96)
