@@ -83,7 +83,8 @@ OPTIONS = (
     Option(
         "--async-scheduling",
         "async_scheduling",
-        "schedule the next step while the device runs this one (GPU; same output)",
+        "schedule the next step while the device runs this one (same output; default: on"
+        " with CUDA)",
         type=None,
     ),
     Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),

@@ -50,6 +50,8 @@ _SWITCHES = (
     "host_cache_write_through",
     "parse_special_tokens_in_content",
 )
+# Switches whose None means "decided by the device".
+_AUTO_SWITCHES = ("async_scheduling",)
 # Settings of the events' wire, which only an address has.
 _WIRE_SETTINGS = ("kv_events_layout", "kv_events_topic", "kv_events_replay", "kv_events_connect")
 
@@ -102,9 +104,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
     # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
-    # same, with penalties, logprobs and tiers. Off by default until a GPU measures what it gains
-    # there; on a CPU, whose forward runs on the host itself, it cannot help.
-    async_scheduling: bool = False
+    # same, with penalties, logprobs and tiers. None: on where the device is CUDA (1.5x the
+    # output tok/s there: benchmarks/RESULTS.md); a CPU runs the forward on the host itself, so
+    # there it cannot help.
+    async_scheduling: bool | None = None
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
     num_threads: int | None = None
@@ -150,7 +153,7 @@ class EngineConfig:
         object.__setattr__(self, "seed", check_seed(self.seed))
         for name in _SWITCHES:
             value = getattr(self, name)
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and not (name in _AUTO_SWITCHES and value is None):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         names = tuple(POLICIES)  # a tuple: `in` a dict raises a bare TypeError for a list
         if self.policy not in names:

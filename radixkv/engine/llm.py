@@ -151,6 +151,8 @@ class LLM:
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else _event_feed(config)
         overlap = config.async_scheduling
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
         self._overlap = OverlappedSteps(self.scheduler, self.runner) if overlap else None
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
