@@ -593,12 +593,9 @@ def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
 
 
 def _max_model_len(cfg: Any) -> int:
-    n = int(getattr(cfg, "max_position_embeddings", None) or 8192)
-    window = getattr(cfg, "sliding_window", None)
-    # The paged attention is full causal attention: it equals a sliding-window model's
-    # attention only while the whole context fits in the window (Mistral-style configs).
-    uniform = getattr(cfg, "use_sliding_window", True) and not getattr(cfg, "layer_types", None)
-    return min(n, int(window)) if window and uniform else n
+    # The positions the model was trained for; a sliding window limits what a layer sees, not
+    # the context (GPT-2's n_positions answers to this name too).
+    return int(getattr(cfg, "max_position_embeddings", None) or 8192)
 
 
 def _set_cpu_threads(num_threads: int | None) -> None:
