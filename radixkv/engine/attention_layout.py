@@ -39,7 +39,9 @@ PROBE_ATTENTION_NAME = "radixkv-probe"
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keyword arguments the paged attention reads, and the ones models pass that do not change what
 # attention computes (bookkeeping of the forward). Any other one with a value is refused.
-_READ_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux"})
+_READ_KWARGS = frozenset(
+    {"scaling", "dropout", "sliding_window", "softcap", "s_aux", "radixkv_cache"}
+)
 _INERT_KWARGS = frozenset(
     {"position_ids", "use_cache", "output_attentions", "output_router_logits", "cache_position"}
 )
@@ -120,6 +122,11 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
     its layers. Leaves the model's attention implementation as the probe's: the caller sets its
     own next. Raises ModelLoadError (naming `name` and what is unsupported) for a model whose
     attention the paged kernels cannot compute exactly."""
+    cfg = model.config.get_text_config()
+    unsupported = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        why = f"it has {'/'.join(unsupported)} layers (supported: full and sliding window)"
+        raise _refusal(name, model, why)
     calls: list[_Call] = []
 
     def record(module, query, key, value, attention_mask, *args, **kwargs):
@@ -140,21 +147,21 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
                 position_ids=torch.arange(2, device=device)[None],
                 **{cache_arg: cache},
                 use_cache=True,
+                radixkv_cache=cache,  # the runner's hook finds the step's cache this way
             )
     except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
         raise _refusal(
-            name, model, f"its forward fails with the paged cache hooks ({exc})"
+            name, model, f"its forward fails with the paged cache hooks ({first_line})"
         ) from exc
-    cfg = model.config.get_text_config()
+    if any(call.kwargs.get("radixkv_cache") is not cache for call in calls):
+        raise _refusal(name, model, "its attention does not pass the forward's keywords on")
     return _layout(calls, cache.updated, cfg, lambda why: _refusal(name, model, why))
 
 
 def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) -> AttentionLayout:
     num_layers = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or ())
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise refuse(f"it has {'/'.join(unsupported)} layers (supported: full and sliding window)")
     indices = [getattr(c.module, "layer_idx", None) for c in calls]
     if sorted(i for i in indices if isinstance(i, int)) != list(range(num_layers)):
         missing = num_layers - len({i for i in indices if isinstance(i, int)})
