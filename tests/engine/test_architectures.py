@@ -166,6 +166,7 @@ def test_layout_of_gemma2_and_gpt_oss(arch_model):
     ("model_type", "fields", "reason"),
     [
         ("falcon", {}, "do not attend through transformers' attention interface"),
+        ("bloom", {}, "do not attend through transformers' attention interface"),
         ("mamba", {}, "linear_attention layers"),
         ("llama4_text", {}, "chunked_attention layers"),
         (
