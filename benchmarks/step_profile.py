@@ -4,8 +4,9 @@
     python3 -P benchmarks/step_profile.py --tiny    # the tiny model on the CPU: the plumbing
 
 1. Host time per step phase over the decode workload (64 x 512 -> 256): schedule, execute (pack,
-   copy, then a graph replay or eager launches), sample (waits for the GPU, then the draw and
-   `.tolist()`), update, and the rest of the engine's step; medians over the full-batch decodes.
+   copy, then a graph replay or eager launches), draw (queued behind the forward), finish (waits
+   for the GPU, then reads the tokens), update (the scheduler's `fill`), and the rest of the
+   engine's step; medians over the full-batch decodes.
    The engine runs its steps synchronously here (`async_scheduling=False`), so each phase shows:
    these are the host costs that overlapped steps hide (gpu_bench's `sync` system vs `on`).
 2. GPU time of one graph replay per bucket at a 640-token context (CUDA only).
@@ -92,7 +93,7 @@ def _timing(owner: Any, name: str, record: Callable[[float, Any], None]) -> Call
 
 def step_phases(llm: Any, cfg: Any) -> None:
     """Section 1: the decode workload with every step's phases timed."""
-    import radixkv.engine.llm as llm_module
+    import radixkv.engine.step as step_module
     from radixkv import SamplingParams
 
     current: dict[str, Any] = {}
@@ -109,8 +110,9 @@ def step_phases(llm: Any, cfg: Any) -> None:
     undo = [
         _timing(llm.scheduler, "schedule", phase("schedule")),
         _timing(llm.runner, "execute", phase("execute")),
-        _timing(llm_module, "sample", phase("sample")),
-        _timing(llm.scheduler, "update_from_output", phase("update")),
+        _timing(step_module, "draw", phase("draw")),
+        _timing(llm._steps, "finish", phase("finish")),
+        _timing(llm.scheduler, "fill", phase("update")),
         _timing(llm, "_run_step", lambda s, _: steps.append({**current, "step": s})),
     ]
     gen = torch.Generator().manual_seed(7)
@@ -135,11 +137,12 @@ def step_phases(llm: Any, cfg: Any) -> None:
         f"{cfg.decode_new_tokens}: {wall:.3f} s, {tokens / wall:.0f} output tok/s, {len(steps)} "
         f"steps, {len(decodes)} full-batch decodes"
     )
-    parts = {k: _ms([s[k] for s in decodes]) for k in ("schedule", "execute", "sample", "update")}
+    phases = ("schedule", "execute", "draw", "finish", "update")
+    parts = {k: _ms([s[k] for s in decodes]) for k in phases}
     step = _ms([s["step"] for s in decodes])
     cells = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
     print(f"median decode step {step:.3f} ms = {cells}, rest {step - sum(parts.values()):.3f} ms")
-    print("  (sample waits for the GPU; host work = schedule + execute + update + rest)")
+    print("  (finish waits for the GPU; host work = the other phases and the rest)")
 
 
 def _decode_step(rows: int, context: int, block_size: int, first_block: int = 0) -> Any:

@@ -20,7 +20,8 @@
 #   profile  benchmarks/step_profile.py: host time per step phase, replay time per bucket,
 #            kernel-time split, the turn-6 prefill
 #   pytest   the gpu-marked tests of the files that hold them, each under a timeout
-#   kernels  benchmarks/kernel_bench.py --quick (CUDA-graph replays of each kernel and of SDPA)
+#   kernels  benchmarks/kernel_bench.py --quick (CUDA-graph replays of each kernel and of SDPA;
+#            if that fails, again timed from the host)
 # Logs go to $OUT (default ./gpu-check-out), one per stage (import writes to install's); summary
 # lines and the tail of every failed stage's log go to stdout and to $OUT/summary.txt: at most 7
 # files. Environment: OUT, GPU_CHECK_BUDGET_S (default 480), PYTHON (python3).
@@ -182,7 +183,11 @@ if wanted kernels; then
         run_stage kernels 240 0 -- "$PY" -m pytest -q -p no:cacheprovider \
             tests/kernels/test_kernel_bench_smoke.py
     else
-        run_stage kernels 90 0 -- "$PY" benchmarks/kernel_bench.py --quick
+        # -X faulthandler: a crash inside a driver call prints the Python stack that made it.
+        if ! run_stage kernels 90 0 -- "$PY" -X faulthandler benchmarks/kernel_bench.py --quick; then
+            LOG_AS=kernels run_stage kernels-host 90 0 -- \
+                "$PY" -X faulthandler benchmarks/kernel_bench.py --quick --timing host
+        fi
         excerpt kernels "^(##|###|torch|device|\|)" 40
     fi
 fi
@@ -191,6 +196,7 @@ say "total: $((SECONDS - START))s of a ${BUDGET_S}s budget; stages not passed: $
 for name in "${FAILED[@]}"; do
     log="$OUT/$name.log"
     [[ $name == install-plain || $name == import ]] && log="$OUT/install.log"
+    [[ $name == kernels-host ]] && log="$OUT/kernels.log"
     [[ -f $log ]] || continue
     say "---- tail of $(basename "$log") ($name)"
     tail -n 20 "$log" | tee -a "$SUMMARY"
