@@ -106,20 +106,21 @@ link_packages() {
     ln -s "$PWD/kernels" "$SITE/radixkv/kernels" && ln -s "$PWD/scheduler" "$SITE/radixkv/scheduler"
 }
 
+# The install stages reserve nothing for later ones: every later stage needs radixkv.
 install_radixkv() {
     # --no-deps --no-index: nothing is downloaded; the machine's torch, triton, transformers stay.
     local flags=(-q --disable-pip-version-check --no-cache-dir --no-deps --no-index
         --no-build-isolation)
     if ((DRY)); then
-        run_stage install 90 330 -- "$PY" -m pip install "${flags[@]}" --dry-run -e .
+        run_stage install 90 0 -- "$PY" -m pip install "${flags[@]}" --dry-run -e .
         return
     fi
-    LOG_AS=install run_stage install 90 330 -- "$PY" -m pip install "${flags[@]}" -e .
+    LOG_AS=install run_stage install 90 0 -- "$PY" -m pip install "${flags[@]}" -e .
     if ! importable; then
         say "install: radixkv not importable after the editable install; a plain one into $SITE"
         rm -rf "$SITE"
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-        LOG_AS=install run_stage install-plain 90 330 -- \
+        LOG_AS=install run_stage install-plain 90 0 -- \
             "$PY" -m pip install "${flags[@]}" --target "$SITE" .
         if ! importable; then
             say "install: still not importable; the source folders linked into $SITE"
@@ -142,7 +143,7 @@ fi
 if wanted install || { ((!DRY)) && ! importable; }; then
     wanted install || { say "install: radixkv is not importable here; installing first"; rm -f "$OUT/install.log"; }
     install_radixkv
-    LOG_AS=install run_stage import 60 330 -- "$PY" -c 'import torch, radixkv.engine, radixkv.kernels as k; print("radixkv.kernels from", k.__file__, "| backend on", "cuda:", k.backend_for(torch.device("cuda")))'
+    LOG_AS=install run_stage import 60 0 -- "$PY" -c 'import torch, radixkv.engine, radixkv.kernels as k; print("radixkv.kernels from", k.__file__, "| backend on", "cuda:", k.backend_for(torch.device("cuda")))'
     excerpt install "^radixkv.kernels from" 1
 fi
 
