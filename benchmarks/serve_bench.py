@@ -315,7 +315,7 @@ def report(rows: list[dict]) -> str:
             f"| {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['overhead_p50_ms'], '.2f')} ms "
             f"| {_fmt(r['admission_p50_ms'], '.2f')} ms "
             f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms "
-            f"| {_fmt(r.get('server_cpu_s'), '.1f')} s | {r['wall_s']:.1f} s |"
+            f"| {_fmt(r.get('server_cpu_s'), '.2f')} s | {r['wall_s']:.1f} s |"
         )
     by_round: dict[int, dict[str, dict]] = {}
     for r in rows:

@@ -177,6 +177,7 @@ class Fleet:
     router: Process | None = None
     indexer_url: str | None = None
     processes: list[Process] = field(default_factory=list)
+    log_dir: Path | None = None  # each process's log, NAME.log
 
 
 def start(
@@ -308,7 +309,7 @@ def start_fleet(
             replicas.append(Replica(f"http://127.0.0.1:{ports[i]}", events_port, process))
         for r in replicas:
             wait_for(r.process, f"{r.url}/health", timeout_s)
-        fleet = Fleet(replicas, None, processes=processes)
+        fleet = Fleet(replicas, None, processes=processes, log_dir=log_dir)
         front = ports[-1]
         if kind == "dynamo-indexer":
             indexer = start("indexer", indexer_command(front, replicas, block_size), log_dir)
@@ -337,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--served-model-name", default="radixkv")
+    parser.add_argument(
+        "--log-dir", type=Path, help="where the processes' logs go (default: a new temp folder)"
+    )
     args = parser.parse_args(args_list)
     if args.recipe in NEEDS_NAMESPACE and not in_namespace():
         if not namespace_available():
@@ -354,8 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_args,
             model=args.served_model_name,
             block_size=args.block_size,
+            log_dir=args.log_dir,
         ) as fleet,
     ):
+        print(f"logs     {fleet.log_dir}", flush=True)
         for r in fleet.replicas:
             print(f"replica  {r.url}  events {r.events_endpoint or '-'}", flush=True)
         if fleet.url:

@@ -102,7 +102,7 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA if present, else the CPU
     dtype: torch.dtype | None = None  # None: fp32 on a CPU, the checkpoint's dtype on CUDA
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
-    # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
+    # Overlapped steps (`radixkv.engine.step`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
     # same, with penalties, logprobs and tiers. None: on where the device is CUDA (1.5x the
     # output tok/s there: benchmarks/RESULTS.md); a CPU runs the forward on the host itself, so

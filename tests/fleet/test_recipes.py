@@ -18,11 +18,16 @@ RECIPE = Path(fleet.__file__)
 
 
 def run_recipe(
-    recipe: str, model_dir: Path, last: str, while_up: Callable[[list[str]], None] | None = None
+    recipe: str,
+    model_dir: Path,
+    log_dir: Path,
+    last: str,
+    while_up: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
     """Start `recipe`, read what it prints up to the line starting with `last`, call
     `while_up(lines)`, then Ctrl-C it. Returns the lines; fails unless it exits 0."""
-    argv = [sys.executable, str(RECIPE), recipe, "--served-model-name", "tiny", "--"]
+    argv = [sys.executable, str(RECIPE), recipe, "--served-model-name", "tiny"]
+    argv += ["--log-dir", str(log_dir), "--"]
     argv += ["--model", str(model_dir), "--num-blocks", "256"]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, text=True, preexec_fn=sigint_restored, start_new_session=True
@@ -47,7 +52,9 @@ def run_recipe(
     return lines
 
 
-def test_session_hash_recipe_serves_and_stops(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_session_hash_recipe_serves_and_stops(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     if fleet.router_python("vllm-router") is None:
         pytest.skip("vllm-router is not installed: run scripts/setup_routers.sh")
     import openai
@@ -60,15 +67,23 @@ def test_session_hash_recipe_serves_and_stops(tiny_model_dir: Callable[[str], Pa
         )
         assert reply.usage.completion_tokens == 2
 
-    lines = run_recipe("session-hash", tiny_model_dir("gqa"), "router", chat)
-    assert [line.split()[0] for line in lines] == ["replica", "replica", "router"]
+    lines = run_recipe("session-hash", tiny_model_dir("gqa"), tmp_path, "router", chat)
+    assert lines[0] == f"logs     {tmp_path}"  # where a user finds what went wrong
+    assert [line.split()[0] for line in lines[1:]] == ["replica", "replica", "router"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "replica0.log",
+        "replica1.log",
+        "router.log",
+    ]
 
 
-def test_dynamo_recipe_runs_in_its_own_namespace(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_dynamo_recipe_runs_in_its_own_namespace(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     if fleet.router_python("ai-dynamo-runtime") is None:
         pytest.skip("ai-dynamo-runtime is not installed: run scripts/setup_routers.sh")
     if not fleet.namespace_available():
         pytest.skip("needs `unshare -n` (a loopback-only network namespace; root)")
-    lines = run_recipe("dynamo-indexer", tiny_model_dir("gqa"), "indexer")
+    lines = run_recipe("dynamo-indexer", tiny_model_dir("gqa"), tmp_path, "indexer")[1:]
     assert [line.split()[0] for line in lines] == ["replica", "replica", "indexer"]
     assert all("events tcp://127.0.0.1:" in line for line in lines[:2])

@@ -464,17 +464,17 @@ def test_an_unexpected_error_is_a_counted_500_in_openai_shape_on_a_kept_connecti
 def test_a_fault_in_one_requests_sampling_fails_it_alone_and_the_others_finish(
     make_server, reference_llm, monkeypatch
 ) -> None:
-    import radixkv.engine.llm as llm_module
     import radixkv.engine.sampler as sampler_module
+    import radixkv.engine.step as step_module
     from radixkv.engine.sampling_params import SamplingParams
 
     server = make_server({"max_num_seqs": 8})
-    real_sample, real_probs = llm_module.sample, sampler_module._filtered_probs
+    real_draw, real_probs = step_module.draw, sampler_module._filtered_probs
     state = {"armed": False, "fired": 0}
 
-    def sample(logits, params, generators):
+    def draw(logits, params, generators):
         state["armed"] |= len(params) == 6  # a decode step of all six
-        return real_sample(logits, params, generators)
+        return real_draw(logits, params, generators)
 
     def filtered_probs(logits, params):
         if state["armed"] and any(p.seed == 666 for p in params):
@@ -482,7 +482,7 @@ def test_a_fault_in_one_requests_sampling_fails_it_alone_and_the_others_finish(
             raise RuntimeError("injected: the secret text of request 666")
         return real_probs(logits, params)
 
-    monkeypatch.setattr(llm_module, "sample", sample)
+    monkeypatch.setattr(step_module, "draw", draw)
     monkeypatch.setattr(sampler_module, "_filtered_probs", filtered_probs)
     settings = [{"temperature": 0}] * 4 + [{"temperature": 1.0, "seed": 5}]
     settings.insert(2, {"temperature": 1.0, "seed": 666})  # the guilty one
