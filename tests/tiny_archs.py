@@ -92,8 +92,8 @@ def build_config(model_type: str, **fields):
     return AutoConfig.for_model(model_type, **{**_SIZES, **fields})
 
 
-def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
-    """A random model of `config` and the word-level tokenizer, saved into `path`."""
+def tiny_model(config, seed: int = 0):
+    """A random model of `config`, its sinks (if any) drawn at random."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -102,11 +102,21 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if name.endswith(".sinks"):
                 param.normal_(0.0, 1.0)
-    model.save_pretrained(path)
+    return model
+
+
+def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
+    """A random model of `config` (`tiny_model`) and the word-level tokenizer, saved into
+    `path`."""
+    tiny_model(config, seed).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
 
 
-def build_arch(arch: str, path: Path) -> Path:
+def arch_config(arch: str):
     model_type, fields = ARCHITECTURES[arch]
-    return save_tiny_model(build_config(model_type, **fields), path)
+    return build_config(model_type, **fields)
+
+
+def build_arch(arch: str, path: Path) -> Path:
+    return save_tiny_model(arch_config(arch), path)

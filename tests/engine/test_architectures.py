@@ -99,6 +99,10 @@ def test_greedy_matches_transformers(arch, variant, arch_model):
     assert not llm.scheduler.has_unfinished()
 
 
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_GLOBAL_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
+
+
 @pytest.mark.parametrize(
     ("arch", "change"),
     [
@@ -106,12 +110,14 @@ def test_greedy_matches_transformers(arch, variant, arch_model):
         ("gemma2", dict(attn_logit_softcapping=None)),
         ("gemma2", dict(query_pre_attn_scalar=16)),
         ("gemma3", dict(layer_types=["full_attention"] * 4)),
+        ("gemma3", dict(rope_parameters=dict.fromkeys(_LAYER_TYPES, _GLOBAL_ROPE))),
         ("gpt-oss", "zero sinks"),
     ],
 )
 def test_each_property_changes_the_output(arch, change, arch_model, tmp_path):
-    """Without its window, soft-cap, query scale or sinks, the model's greedy output on the
-    workload differs: the fidelity test above would see an engine that ignored one."""
+    """Without its window, soft-cap, query scale, local RoPE base or sinks, the model's greedy
+    output on the workload differs: the fidelity test above would see an engine that ignored
+    one."""
     path, expected = arch_model(arch)
     model_type, fields = ARCHITECTURES[arch]
     config = build_config(model_type, **{**fields, **(change if isinstance(change, dict) else {})})
