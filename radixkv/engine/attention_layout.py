@@ -163,12 +163,14 @@ def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) ->
     num_layers = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or ())
     indices = [getattr(c.module, "layer_idx", None) for c in calls]
-    if sorted(i for i in indices if isinstance(i, int)) != list(range(num_layers)):
-        missing = num_layers - len({i for i in indices if isinstance(i, int)})
+    missing = set(range(num_layers)) - set(indices)
+    if missing:
         raise refuse(
-            f"{missing} of its {num_layers} layers do not attend through transformers' attention "
-            "interface (recurrent or linear layers, or attention code of its own)"
+            f"{len(missing)} of its {num_layers} layers do not attend through transformers' "
+            "attention interface (recurrent or linear layers, or attention code of its own)"
         )
+    if len(indices) != num_layers:  # every layer called, so some module attended twice
+        raise refuse("its attention modules do not attend once each per layer (shared modules?)")
     if sorted(updated) != list(range(num_layers)):
         raise refuse("its layers do not all store their K/V through the cache interface")
     kinds: list[AttentionKind] = [FULL] * num_layers
