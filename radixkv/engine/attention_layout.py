@@ -192,6 +192,11 @@ def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) ->
         shapes.add((heads, kv_heads, k_dim))
     if len(shapes) != 1:
         raise refuse(f"its layers differ in head counts or sizes {sorted(shapes)}")
+    if all(k.window is None for k in kinds) and _config_window(cfg) is not None:
+        raise refuse(
+            f"its config sets sliding_window={_config_window(cfg)} but no layer passes a window "
+            "to the attention hook (a mask radixkv would not see)"
+        )
     ((heads, kv_heads, head_dim),) = shapes
     return AttentionLayout(tuple(kinds), heads, kv_heads, head_dim)
 
@@ -218,6 +223,16 @@ def _kind_of(call: _Call, i: int, layer_types: Sequence[str], refuse) -> Attenti
         )
     except ValueError as exc:
         raise refuse(f"layer {i}: {exc}") from exc
+
+
+def _config_window(cfg: Any) -> int | None:
+    """The config's sliding window where it can hide a position: set, switched on, and shorter
+    than the positions the model has."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    positions = getattr(cfg, "max_position_embeddings", None)
+    return window if positions is None or window < positions else None
 
 
 def _refusal(name: str, model: Any, why: str) -> ModelLoadError:
