@@ -193,6 +193,7 @@ def test_layout_of_gemma2_and_gpt_oss(arch_model):
         ),
         ("gemma3_text", dict(head_dim=16, use_bidirectional_attention=True), "not causal"),
         ("stablelm", {}, "does not pass the forward's keywords on"),
+        ("nemotron", {}, "does not pass the forward's keywords on"),
         ("phimoe", dict(sliding_window=WINDOW), "sets sliding_window=8 but no layer passes"),
     ],
 )
