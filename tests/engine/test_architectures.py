@@ -164,8 +164,10 @@ def test_layout_of_gemma2_and_gpt_oss(arch_model):
     assert gemma2.describe() == f"2 full + 2 window-{WINDOW} layers"
     llm = LLM(str(arch_model("gpt-oss")[0]), block_size=4, num_blocks=64)
     attention = [m for m in llm.model.modules() if hasattr(m, "sinks")]
-    assert [k.sinks for k in llm.runner.layout.layers] == [m.sinks for m in attention]
-    assert all(k.sinks.abs().sum() > 0 for k in llm.runner.layout.layers)
+    layers = llm.runner.layout.layers
+    assert len(attention) == len(layers) == 4
+    assert all(k.sinks is m.sinks for k, m in zip(layers, attention, strict=True))
+    assert all(k.sinks.abs().sum() > 0 for k in layers)
 
 
 @pytest.mark.parametrize(
