@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default("max_queued_requests"),
         help="requests waiting for admission before new ones get 503 (default %(default)s)",
     )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("RADIXKV_ADMIN_KEY") or None,
+        help="turns on POST /flush_cache for clients that send 'Authorization: Bearer KEY' "
+        "(default: the RADIXKV_ADMIN_KEY environment variable, which other users cannot read "
+        "from the process list; unset: the route is off)",
+    )
     _add_limit_options(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
@@ -72,7 +79,10 @@ def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
     """The ServeConfig of the parsed options. Raises ValueError for a bad limit."""
     limits = {field: getattr(args, field) for _, field, _, _ in _LIMIT_OPTIONS}
     return ServeConfig(
-        model_name=model_name, max_queued_requests=args.max_queued_requests, **limits
+        model_name=model_name,
+        max_queued_requests=args.max_queued_requests,
+        admin_key=args.admin_key,
+        **limits,
     )
 
 
@@ -94,6 +104,12 @@ _LIMIT_OPTIONS = [
         "seconds for a request's head and body to arrive; a late body gets 408",
     ),
     ("--keep-alive-timeout", "keep_alive_timeout_s", float, "idle connections close after it (s)"),
+    (
+        "--health-check-timeout",
+        "health_check_timeout_s",
+        float,
+        "seconds /health_generate waits for a token before it answers 503",
+    ),
     (
         "--shutdown-timeout",
         "shutdown_timeout_s",
