@@ -196,10 +196,19 @@ def test_flush_cache_is_off_without_an_admin_key_and_never_answers_get(
 def test_flush_cache_clears_the_disk_tier_or_keeps_it_and_says_which(
     make_server: Any, tmp_path: Any
 ) -> None:
+    from radixkv.cache.events import AllBlocksCleared, BlockRemoved
+
+    events: list[Any] = []
     tiers = {"block_size": 4, "host_cache_bytes": 64 * 2**10, "kv_cache_dir": str(tmp_path)}
-    server = make_server(tiers, admin_key=ADMIN_KEY)
+    server = make_server({**tiers, "kv_events": events.append}, admin_key=ADMIN_KEY)
     client = server.client()
     prompt = user_message(11, 24)
+
+    def disk_removals() -> list[Any]:
+        """The disk tier's removals since the last cache clearing announced (events drain
+        after a step)."""
+        last = max(i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared))
+        return [e for e in events[last:] if isinstance(e, BlockRemoved) and e.medium == "DISK"]
 
     def cached_tokens() -> int:
         reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
@@ -214,12 +223,14 @@ def test_flush_cache_clears_the_disk_tier_or_keeps_it_and_says_which(
     status, text = call(server, "/flush_cache", {"keep_disk": True}, key=ADMIN_KEY)
     assert status == 200 and "disk tier kept" in text, text
     assert cached_tokens() > 0  # served from the disk tier, the only one left
+    assert disk_removals() == []
     server.on_engine(lambda llm: llm.check_integrity())
 
     status, text = call(server, "/flush_cache", method="POST", key=ADMIN_KEY)
     assert status == 200 and "disk tier's files included" in text, text
     assert block_files() == []
     assert cached_tokens() == 0
+    assert disk_removals()  # the events say the disk's blocks went too
     server.on_engine(lambda llm: llm.check_integrity())
     status, body = call(server, "/flush_cache", {"keep_disk": "yes"}, key=ADMIN_KEY)
     assert status == 400 and body["error"]["param"] == "keep_disk"
