@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import http.client
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
-
-HEALTH_BUDGET_S = 0.1  # issue 20's bar: /health answers within 100 ms whatever else happens
 
 USER_WORDS = [f"w{i}" for i in range(10, 250)]
 
@@ -55,26 +51,3 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         time.sleep(0.02)
-
-
-def health_latencies(port: int, busy: Callable[[], bool], min_probes: int = 10) -> list[float]:
-    """GET /health on one kept-alive connection every 10 ms while `busy()`: the latencies."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    latencies = []
-    while busy() or len(latencies) < min_probes:
-        t0 = time.perf_counter()
-        conn.request("GET", "/health")
-        response = conn.getresponse()
-        response.read()
-        latencies.append(time.perf_counter() - t0)
-        assert response.status == 200
-        time.sleep(0.01)
-    conn.close()
-    return latencies
-
-
-def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, list]:
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
-    thread.start()
-    return thread, result

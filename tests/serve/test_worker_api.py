@@ -10,20 +10,12 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
-from serve_helpers import (
-    HEALTH_BUDGET_S,
-    health_latencies,
-    in_background,
-    render_chat,
-    user_message,
-    wait_until,
-)
+from serve_helpers import render_chat, user_message, wait_until
 
 pytest.importorskip("fastapi")
 
@@ -351,23 +343,29 @@ def test_tokenize_refuses_more_tokens_than_the_context_holds(server: Any) -> Non
     assert status == 400 and out["error"]["param"] == "tokens"
 
 
-def test_tokenize_and_its_token_strings_run_off_the_event_loop(
-    server: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("path", "body", "owner", "name"),
+    [
+        ("/tokenize", {"prompt": "w10 w11"}, "llm", "encode"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "w10"}]}, "llm", "encode_chat"),
+        ("/tokenize", {"prompt": "w10", "return_token_strs": True}, "tok", "convert_ids_to_tokens"),
+        ("/detokenize", {"tokens": [10, 11]}, "llm", "decode"),
+    ],
+)
+def test_tokenize_and_detokenize_work_off_the_event_loop(
+    server: Any, monkeypatch: pytest.MonkeyPatch, path: str, body: Any, owner: str, name: str
 ) -> None:
-    tokenizer = server.llm.tokenizer
-    real = tokenizer.convert_ids_to_tokens
+    target = server.llm if owner == "llm" else server.llm.tokenizer
+    real = getattr(target, name)
+    threads: list[str] = []
 
-    def slow(ids: Any) -> Any:
-        time.sleep(1.5)  # a large reply's token strings
-        return real(ids)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(tokenizer, "convert_ids_to_tokens", slow)
-    body = {"prompt": "w10 w11", "return_token_strs": True}
-    request, result = in_background(lambda: call(server, "/tokenize", body))
-    latencies = health_latencies(server.port, request.is_alive)
-    request.join(60)
-    assert result[0] == (200, {**result[0][1], "token_strs": ["w10", "w11"]})
-    assert max(latencies) < HEALTH_BUDGET_S, sorted(latencies)[-5:]
+    monkeypatch.setattr(target, name, recording)
+    assert call(server, path, body)[0] == 200
+    assert threads and all(t.startswith("radixkv-prep") for t in threads), threads
 
 
 @pytest.mark.parametrize(
@@ -476,9 +474,13 @@ def test_health_generate_adds_no_request_to_a_full_queue(make_server: Any) -> No
     server = make_server(health_check_timeout_s=1.0, max_queued_requests=1)
     probe = server.app.state.health_probe
     gate = block_engine(server)
-    waiting, result = in_background(
-        lambda: server.client().completions.create(model="tiny", prompt="w10 w11", max_tokens=2)
+    result: list[Any] = []
+    waiting = threading.Thread(
+        target=lambda: result.append(
+            server.client().completions.create(model="tiny", prompt="w10 w11", max_tokens=2)
+        )
     )
+    waiting.start()
     try:
         engine = server.server_state.engine
         wait_until(lambda: engine.num_queued >= 1, what="the request queued")
