@@ -116,6 +116,13 @@ def check_address(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a ZeroMQ address like tcp://*:5557, got {value!r}")
 
 
+def _home_expanded(endpoint: str) -> str:
+    """`ipc://~/x` in the user's home folder, as every path radixkv takes."""
+    if endpoint.startswith("ipc://~"):
+        return "ipc://" + os.path.expanduser(endpoint[len("ipc://") :])
+    return endpoint
+
+
 def _owner_only(endpoint: str) -> None:
     """A bound `ipc://PATH` socket file becomes this user's alone (0600: others cannot connect):
     the events carry every tenant's token ids and salts. ZeroMQ creates it under the umask, so
@@ -183,8 +190,10 @@ class ZmqEventPublisher:
         context: zmq.Context | None = None,
     ) -> None:
         check_address("endpoint", endpoint)
+        endpoint = _home_expanded(endpoint)
         if replay_endpoint is not None:
             check_address("replay_endpoint", replay_endpoint)
+            replay_endpoint = _home_expanded(replay_endpoint)
         check_event_layout(event_layout)
         self.topic = topic.encode("utf-8")
         self._encode = partial(

@@ -151,10 +151,10 @@ def test_bad_endpoint_is_a_value_error() -> None:
         ZmqEventPublisher("localhost:5557")
 
 
-def test_an_ipc_publisher_is_its_owners_alone_and_delivers(tmp_path) -> None:
+def test_an_ipc_publisher_is_its_owners_alone_and_delivers(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
     endpoint = f"ipc://{tmp_path}/events.sock"
-    replay = f"ipc://{tmp_path}/replay.sock"
-    publisher = ZmqEventPublisher(endpoint, replay_endpoint=replay)
+    publisher = ZmqEventPublisher(endpoint, replay_endpoint="ipc://~/replay.sock")
     sub = subscriber(zmq.Context.instance(), endpoint)
     try:
         for name in ("events.sock", "replay.sock"):
