@@ -75,7 +75,14 @@ def test_a_bad_queue_limit_exits_2(no_model_load, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("--read-timeout", "0"), ("--shutdown-timeout", "-1"), ("--max-body-bytes", "0")],
+    [
+        ("--read-timeout", "0"),
+        ("--shutdown-timeout", "-1"),
+        ("--max-body-bytes", "0"),
+        ("--health-check-timeout", "0"),
+        ("--admin-key", " "),
+        ("--admin-key", "clé"),
+    ],
 )
 def test_a_bad_limit_exits_2_naming_its_flag(no_model_load, capsys, option, value) -> None:
     assert main(["serve", option, value, "--port", "0"]) == 2
@@ -147,6 +154,19 @@ def test_the_limit_options_reach_the_server_config() -> None:
     assert config.shutdown_timeout_s == 0
     defaults = serve_config(build_parser().parse_args([]), "m")
     assert defaults.max_body_bytes == 2 * 2**20 and defaults.shutdown_timeout_s == 20
+    assert defaults.health_check_timeout_s == 20
+
+
+def test_the_admin_key_comes_from_its_flag_or_the_environment(monkeypatch) -> None:
+    from radixkv.serve.cli import build_parser, serve_config
+
+    monkeypatch.delenv("RADIXKV_ADMIN_KEY", raising=False)
+    assert serve_config(build_parser().parse_args([]), "m").admin_key is None
+    argv = ["--admin-key", "k1", "--health-check-timeout", "3"]
+    config = serve_config(build_parser().parse_args(argv), "m")
+    assert (config.admin_key, config.health_check_timeout_s) == ("k1", 3)
+    monkeypatch.setenv("RADIXKV_ADMIN_KEY", "k2")
+    assert serve_config(build_parser().parse_args([]), "m").admin_key == "k2"
 
 
 def test_a_device_this_machine_lacks_exits_2_with_one_line(tiny_model_dir, capsys) -> None:
