@@ -135,14 +135,6 @@ def test_a_port_out_of_range_exits_2_with_one_line(no_model_load, capsys, port) 
     assert "--port must be in [0, 65535]" in one_error_line(capsys)
 
 
-def test_a_disk_tier_folder_under_home_is_the_users(monkeypatch, tmp_path) -> None:
-    from radixkv.engine.config import EngineConfig
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    config = EngineConfig(host_cache_bytes=2**16, kv_cache_dir="~/.cache/radixkv-kv")
-    assert config.kv_cache_dir == str(tmp_path / ".cache" / "radixkv-kv")
-
-
 def test_the_limit_options_reach_the_server_config() -> None:
     from radixkv.serve.cli import build_parser, serve_config
 
