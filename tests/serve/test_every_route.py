@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from serve_helpers import metric, read_metrics
 
-pytest.importorskip("fastapi")
+fastapi = pytest.importorskip("fastapi")
 
 MAX_BODY_BYTES = 4096
 ADMIN_KEY = "every-route-key"
@@ -91,3 +91,21 @@ def test_every_route_answers_a_lone_surrogate_without_a_500(door_server: Any) ->
     assert {"/v1/completions", "/tokenize", "/detokenize", "/flush_cache"} <= set(reads_a_body)
     assert send(door_server.port, "GET", "/health", b"")[0] == 200
     door_server.on_engine(lambda llm: llm.check_integrity())
+
+
+def test_a_route_added_later_reading_its_body_the_usual_way_gets_it_within_the_limit(
+    door_server: Any,
+) -> None:
+    @door_server.app.post("/test-only/body-length")
+    async def body_length(request: fastapi.Request) -> dict[str, int]:
+        return {"length": len(await request.body())}
+
+    try:
+        assert send(door_server.port, "POST", "/test-only/body-length", b"x" * 1000) == (
+            200,
+            {"length": 1000},
+        )
+        status, _ = send(door_server.port, "POST", "/test-only/body-length", b"x" * 5000)
+        assert status == 413
+    finally:
+        door_server.app.router.routes.pop()
