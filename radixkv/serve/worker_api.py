@@ -65,6 +65,7 @@ class OpenAIServer(Protocol):
     config: Any  # ServeConfig: model_name, max_queued_requests, admin_key
     engine: EngineLoop
     limits: BodyLimits
+    is_stopping: bool
 
     def chat_prompt(self, messages: Any) -> list[int]: ...
     def completion_prompt(self, prompt: str | tuple[int, ...]) -> list[int]: ...
@@ -246,7 +247,8 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        failure = await probe.check()
+        # A replica on its way out takes no probe (a router should stop sending it requests).
+        failure = "shutting down" if server.is_stopping else await probe.check()
         if failure is None:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": failure}, status_code=503)

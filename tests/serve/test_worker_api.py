@@ -449,8 +449,14 @@ def test_health_generate_answers_from_a_recent_token_without_a_probe(server: Any
 
 def block_engine(server: Any) -> threading.Event:
     """Hold the engine thread until the returned event is set."""
-    gate = threading.Event()
-    server.server_state.engine.call(lambda llm: gate.wait(60))
+    gate, held = threading.Event(), threading.Event()
+
+    def hold(llm: Any) -> None:
+        held.set()
+        gate.wait(60)
+
+    server.server_state.engine.call(hold)
+    assert held.wait(30), "the engine thread never took the command"
     return gate
 
 
@@ -491,3 +497,11 @@ def test_health_generate_adds_no_request_to_a_full_queue(make_server: Any) -> No
     waiting.join(60)
     assert result and result[0].usage.completion_tokens == 2
     server.on_engine(lambda llm: llm.check_integrity())
+
+
+def test_health_generate_answers_503_once_the_server_is_shutting_down(make_server: Any) -> None:
+    server = make_server()
+    probe = server.app.state.health_probe
+    server.server_state.begin_shutdown()
+    assert call(server, "/health_generate") == (503, {"status": "shutting down"})
+    assert probe.num_probes == 0
