@@ -312,3 +312,9 @@ def test_a_chat_restarted_over_its_kv_directory_picks_up_its_prefixes(
     assert code == 0 and err == ""
     ((prompt, cached),) = [m.groups()[:2] for line in out.splitlines() if (m := STATUS.match(line))]
     assert int(cached) >= int(prompt) // 4 * 4 - 4  # all but the partial tail and its block
+
+
+def test_a_script_under_home_is_the_users(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "chat.txt").write_text("hello\nbye\n")
+    assert cli._message_source("~/chat.txt") == ["hello", "bye"]
