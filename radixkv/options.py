@@ -8,8 +8,10 @@ Torch-free: `radixkv --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import os
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -193,3 +195,44 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             settings[opt.field] = value if opt.to_field is None else opt.to_field(value)
     return settings
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Check the engine options of the command line before any model loads: every value (as
+    `EngineConfig` checks them) and the disk tier's folder. Raises ValueError / TypeError; pass
+    the text through `name_flags` for the user."""
+    config = EngineConfig(**engine_settings(args))
+    if config.kv_cache_dir is not None:
+        check_writable_folder(os.fspath(config.kv_cache_dir), "--kv-cache-dir")
+
+
+def check_writable_folder(folder: str, flag: str) -> None:
+    """Create `folder` if need be and check that this process can write in it; ValueError
+    naming `flag` otherwise."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{flag} {folder} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {folder} cannot be created: {exc.strerror or exc}") from None
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise ValueError(f"{flag} {folder} cannot be written: {exc.strerror or exc}") from None
+
+
+def name_flags(message: str, extra: Mapping[str, str] | None = None) -> str:
+    """`message`, about settings by their field names (`kv_cache_dir needs host_cache_bytes`),
+    with each field named by the command-line flag that sets it (`--kv-cache-dir needs
+    --host-cache`); `extra`: more field -> flag pairs (a command's own options)."""
+    names = {opt.field: opt.flag for opt in OPTIONS} | dict(extra or {})
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    # A one-word field ("device", "seed") is a field only where the message begins with it;
+    # elsewhere it may be a plain word ("a torch device").
+    pattern = rf"^({alternatives})\b|\b({alternatives})\b"
+
+    def flag(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return names[name] if match.group(1) or "_" in name else name
+
+    return re.sub(pattern, flag, message)

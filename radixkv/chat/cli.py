@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
-from radixkv.options import add_engine_options, engine_settings
+from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
 
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
@@ -112,9 +112,10 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     try:
         chat_sampling(args, None)  # bad values fail before the model loads
+        check_engine_options(args)
         messages = _message_source(args.script)
     except (ValueError, TypeError, OSError) as exc:
-        print(f"radixkv: {exc}", file=err)
+        print(f"radixkv: {name_flags(str(exc))}", file=err)
         return 2
 
     # Our own progress lines cover the one-time conversion; transformers' per-load weight bars
@@ -314,7 +315,8 @@ def _command(line: str, llm: object, session: object, out: TextIO) -> bool:
 def _message_source(script: str | None) -> list[str] | None:
     """Messages from --script FILE or piped stdin; None means interactive."""
     if script is not None:
-        with open(script, encoding="utf-8", errors="surrogateescape") as f:
+        path = os.path.expanduser(script)
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             return f.read().splitlines()
     if not sys.stdin.isatty():
         return sys.stdin.read().splitlines()

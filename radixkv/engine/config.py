@@ -163,6 +163,9 @@ class EngineConfig:
         if self.kv_cache_dir is not None:
             if not isinstance(self.kv_cache_dir, (str, os.PathLike)):
                 raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
+            # "~/.cache/x" is the user's folder, never a folder named "~" here.
+            folder = os.path.expanduser(os.fspath(self.kv_cache_dir))
+            object.__setattr__(self, "kv_cache_dir", folder)
             if not self.host_cache_bytes:
                 raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")
         self._check_kv_events()

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -57,6 +57,8 @@ from radixkv.serve.worker_api import add_worker_routes
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +134,13 @@ class OpenAIServer:
 
     async def prepare(self, raw: bytes, *, chat: bool) -> Job:
         """`raw` checked and turned into a Job, in the preparation thread. Raises APIError."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prep, partial(self.prepare_now, raw, chat=chat))
+        return await self.off_loop(partial(self.prepare_now, raw, chat=chat))
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` in the preparation thread: what costs time in proportion to a request's size
+        (parsing, templating, tokenizing, encoding a large reply) never runs on the event loop,
+        and one request at a time runs there."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn)
 
     def prepare_now(self, raw: bytes, *, chat: bool) -> Job:
         body = parse_json(raw)

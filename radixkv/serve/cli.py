@@ -10,11 +10,12 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixkv.options import add_engine_options, engine_settings
+from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
 from radixkv.serve.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -40,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default("max_queued_requests"),
         help="requests waiting for admission before new ones get 503 (default %(default)s)",
     )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("RADIXKV_ADMIN_KEY") or None,
+        help="turns on POST /flush_cache for clients that send 'Authorization: Bearer KEY' "
+        "(default: the RADIXKV_ADMIN_KEY environment variable, which other users cannot read "
+        "from the process list; unset: the route is off)",
+    )
     _add_limit_options(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
@@ -52,27 +60,47 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported here so that `radixkv serve --help` answers at once.
-    from radixkv.engine import ModelNotFoundError
+    from radixkv.engine import ModelLoadError
     from radixkv.serve.app import create_app
     from radixkv.serve.http_server import build_server
 
+    listener = None
     try:
+        listener = preflight(args)
         llm = build_llm(args)
         config = serve_config(args, args.served_model_name or llm.model_name)
-    except (ModelNotFoundError, ValueError, TypeError, ImportError, _zmq_error()) as exc:
-        print(f"radixkv serve: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, ImportError, _zmq_error()) as exc:
+        if listener is not None:
+            listener.close()
+        # A model's error names the model in its own words; the others name fields: flags here.
+        text = str(exc) if isinstance(exc, ModelLoadError) else name_flags(str(exc), _SERVE_FLAGS)
+        print(f"radixkv serve: {text}", file=sys.stderr)
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
     server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
-    server.run()
+    server.run(sockets=[listener])
     return 0
+
+
+def preflight(args: argparse.Namespace) -> socket.socket:
+    """What the user typed, checked before the model loads (which takes a while): the engine
+    options, the disk tier's folder, the server's limits, and the address, bound now (the
+    returned socket, which the server then runs on). Raises ValueError / TypeError."""
+    from radixkv.serve.http_server import bind_socket
+
+    check_engine_options(args)
+    serve_config(args, "a model")
+    return bind_socket(args.host, args.port)
 
 
 def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
     """The ServeConfig of the parsed options. Raises ValueError for a bad limit."""
     limits = {field: getattr(args, field) for _, field, _, _ in _LIMIT_OPTIONS}
     return ServeConfig(
-        model_name=model_name, max_queued_requests=args.max_queued_requests, **limits
+        model_name=model_name,
+        max_queued_requests=args.max_queued_requests,
+        admin_key=args.admin_key,
+        **limits,
     )
 
 
@@ -95,6 +123,12 @@ _LIMIT_OPTIONS = [
     ),
     ("--keep-alive-timeout", "keep_alive_timeout_s", float, "idle connections close after it (s)"),
     (
+        "--health-check-timeout",
+        "health_check_timeout_s",
+        float,
+        "seconds /health_generate waits for a token before it answers 503",
+    ),
+    (
         "--shutdown-timeout",
         "shutdown_timeout_s",
         float,
@@ -102,6 +136,13 @@ _LIMIT_OPTIONS = [
         "error event; a second signal ends them at once",
     ),
 ]
+
+
+# ServeConfig fields -> the flags that set them, for error messages
+_SERVE_FLAGS = {field: flag for flag, field, _, _ in _LIMIT_OPTIONS} | {
+    "max_queued_requests": "--max-queued-requests",
+    "admin_key": "--admin-key",
+}
 
 
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:

@@ -76,6 +76,8 @@ class EngineLoop:
         self._stopping = False
         self._must_step = False  # engine thread: an abort was made; its output comes with a step
         self._ended_with: BaseException | None = None  # asyncio side: set by end_all
+        # asyncio side: perf_counter() when the last token of any request was delivered
+        self.t_last_token: float | None = None
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -191,6 +193,8 @@ class EngineLoop:
         return done
 
     def _deliver(self, updates: list[RequestUpdate]) -> None:  # asyncio side
+        if any(update.new_token_ids for update in updates):
+            self.t_last_token = time.perf_counter()
         for update in updates:
             stream = self._streams.get(update.request_id)
             if stream is None:

@@ -201,3 +201,11 @@ def test_a_prompt_must_leave_room_for_one_token(short_context_llm) -> None:
     (out,) = llm.generate([list(range(5, 20))], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
     llm.check_integrity()
+
+
+def test_a_disk_tier_folder_under_home_is_the_users(monkeypatch, tmp_path) -> None:
+    from radixkv.engine.config import EngineConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = EngineConfig(host_cache_bytes=2**16, kv_cache_dir="~/.cache/radixkv-kv")
+    assert config.kv_cache_dir == str(tmp_path / ".cache" / "radixkv-kv")
