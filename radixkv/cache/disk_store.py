@@ -371,7 +371,7 @@ class DiskStore:
     def evict(self, num_bytes: int, keep: int | None = None) -> int:
         """Remove least recently used files until `num_bytes` are freed (or none is left but
         pinned ones, and `keep`); returns the bytes freed. A file already removed by another
-        process counts as freed."""
+        process, or that cannot be removed, counts as freed (`discard`)."""
         victims = []
         for entry in self._lru:
             if len(victims) * self.file_nbytes >= num_bytes:
@@ -379,9 +379,7 @@ class DiskStore:
             if entry.block_hash not in self._pinned and entry.block_hash != keep:
                 victims.append(entry)
         for entry in victims:
-            self._forget(entry.block_hash)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(entry.block_hash))
+            self.discard(entry.block_hash)
             self._counts["num_evicted"] += 1
         return len(victims) * self.file_nbytes
 
@@ -396,9 +394,10 @@ class DiskStore:
         self._pinned = +self._pinned  # drop counts at zero
 
     def discard(self, block_hash: int) -> None:
-        """Remove the file of `block_hash`, if any (this process's index and the disk)."""
+        """Remove the file of `block_hash`, if any (this process's index and the disk; one that
+        cannot be removed, such as a folder under its name, is only forgotten)."""
         self._forget(block_hash)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(self._path(block_hash))
 
     def clear(self) -> None:

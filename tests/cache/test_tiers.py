@@ -82,24 +82,33 @@ class Sim:
 
     def serve(self, prompt: list[int], reply: list[int], namespace: str | None = None) -> int:
         """One request's life, KV checked on admission and written as computed; its hit."""
+        table = self.admit(prompt, namespace)
+        self.run_moves()
+        return self.compute(table, prompt, reply, namespace)
+
+    def admit(self, prompt: list[int], namespace: str | None) -> Any:
+        table = self.cache.admit(prompt, max_hit=len(prompt) - 1, namespace=namespace)
+        if table is None:  # its lock pins too much: the scheduler's fallback
+            table = self.cache.admit(prompt, max_hit=0, namespace=namespace)
+        assert table is not None
+        return table
+
+    def compute(self, table: Any, prompt: list[int], reply: list[int], ns: str | None) -> int:
+        """The rest of a request's life once its loads ran: the KV it reads is checked, the KV
+        it computes written, committed and closed; its hit."""
         cache, B = self.cache, self.B
         written = prompt + reply
-        table = cache.admit(prompt, max_hit=len(prompt) - 1, namespace=namespace)
-        if table is None:  # its lock pins too much: the scheduler's fallback
-            table = cache.admit(prompt, max_hit=0, namespace=namespace)
-        assert table is not None
-        self.run_moves()
         if table.copy is not None:
             src, dst, slots = table.copy
             self.device[dst, :slots] = self.device[src, :slots]
         hit = table.num_cached_tokens
         for pos in range(hit):
             b = table.blocks[pos // B]
-            assert self.device[b, pos % B] == kv(namespace, prompt, pos), (pos, b, table)
+            assert self.device[b, pos % B] == kv(ns, prompt, pos), (pos, b, table)
         assert cache.grow(table, -(-len(written) // B) - len(table.blocks))
         self.run_moves()
         for pos in range(hit, len(written)):
-            self.device[table.blocks[pos // B], pos % B] = kv(namespace, written, pos)
+            self.device[table.blocks[pos // B], pos % B] = kv(ns, written, pos)
         cache.commit(table, written)
         cache.close(table)
         self.run_moves()
