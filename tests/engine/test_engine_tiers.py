@@ -6,6 +6,8 @@ KV directory picks up the prefixes cached before; bad tier settings are refused 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,6 +128,55 @@ def test_a_restarted_engine_picks_up_prefixes_from_the_disk_tier(
     outs = run(restarted)
     assert [list(u.output.token_ids) for u in outs] == expected
     assert restarted.cache.stats().num_disk_hit_tokens >= 30 // 4 * 4
+    restarted.check_integrity()
+
+
+def damage_every_other_file(root: Path) -> int:
+    """Spoil every other block file in turn: flipped, truncated, swapped for another block's
+    file, a folder, a FIFO or a link in its place; returns how many."""
+    files = sorted(root.rglob("*.kv"))
+    for i, path in enumerate(files[::2]):
+        kind, other = i % 6, files[(2 * i + 1) % len(files)]
+        data = bytearray(path.read_bytes())
+        path.unlink()
+        if kind == 0:
+            data[len(data) // 2] ^= 0x01
+            path.write_bytes(data)
+        elif kind == 1:
+            path.write_bytes(data[:-9])
+        elif kind == 2:
+            path.write_bytes(other.read_bytes())
+        elif kind == 3:
+            path.mkdir()
+        elif kind == 4:
+            os.mkfifo(path)
+        else:
+            path.symlink_to(other)
+    return len(files[::2])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_damaged_block_files_are_misses_and_the_output_is_unchanged(
+    overlap, model_dir, expected, tmp_path
+):
+    """An engine restarted over a folder whose files were damaged after it indexed them: every
+    damaged file is a miss, then a recompute; no request fails and greedy output equals a
+    tier-less engine's, twice over (the second time the damaged files are not probed)."""
+    settings = {**TIERS, "host_cache_bytes": 8 * 3072, "kv_cache_dir": tmp_path}
+    first = LLM(model_dir, **settings)
+    run(first)
+    first.save_kv_cache()
+    del first
+    restarted = LLM(model_dir, **settings, async_scheduling=overlap)
+    assert damage_every_other_file(tmp_path) >= 6
+    for _ in range(2):
+        outs = run(restarted)
+        assert [u.error for u in outs] == [None] * len(PROMPTS)
+        assert [list(u.output.token_ids) for u in outs] == expected
+    disk = restarted.tiers.disk.stats()
+    assert disk.num_misses > 0 and disk.num_unusable > 0 and disk.num_hits > 0
+    stats = restarted.cache.stats()
+    assert stats.num_in_use_blocks == stats.num_private_blocks == 0
     restarted.check_integrity()
 
 
