@@ -445,6 +445,8 @@ class LLM:
         moves = self.cache.take_transfers()
         if moves:
             self._run_moves(moves)
+        if self.tiers is not None:
+            self.tiers.log_saved()
 
     def _run_moves(self, moves: Sequence[Transfer]) -> Poisoned:
         """Run tier moves in order; the cache forgets the host copies a failed move left holding

@@ -83,8 +83,26 @@ def make_tier_io(
             block_size=block_size,
             block_nbytes=bytes_per_block,
             budget_bytes=config.disk_cache_bytes,
+            secret=_secret_bytes(config.kv_cache_secret),
+        )
+    logger.info(
+        "host KV tier: %d blocks (%.0f MiB)",
+        num_host_blocks,
+        num_host_blocks * bytes_per_block / 2**20,
+    )
+    if disk is not None:
+        logger.info(
+            "disk KV tier %s: %d block files found at start (%.0f of %.0f MiB)",
+            disk.directory,
+            disk.num_files,
+            disk.num_bytes / 2**20,
+            disk.budget_bytes / 2**20,
         )
     return TierIO(KVCopier(k_cache, v_cache, host), disk)
+
+
+def _secret_bytes(secret: str | bytes | None) -> bytes | None:
+    return secret.encode("utf-8") if isinstance(secret, str) else secret
 
 
 class TierIO:
@@ -98,6 +116,7 @@ class TierIO:
         self.totals = {kind: MoveTotals() for kind in KINDS}
         self.poisoned_so_far = Poisoned()
         self._last_copy: KVCopy | None = None  # the last copy issued (one stream: all before it)
+        self._num_stored_logged = 0  # the disk's files written, as `log_saved` last said
 
     def run(self, moves: Sequence[Transfer]) -> Poisoned:
         """Carry out `moves` in order (see the module docstring); returns the blocks left holding
@@ -115,6 +134,21 @@ class TierIO:
                     self.disk.unpin([key.block_hash for key in move.keys])  # reads that won't be
             raise
         return poisoned
+
+    def log_saved(self) -> None:
+        """Say in the log how many block files the disk tier wrote since the last time (or since
+        it opened): what a stopping engine saved for the next one."""
+        if self.disk is None:
+            return
+        stats = self.disk.stats()
+        logger.info(
+            "disk KV tier %s: %d block files written, %d there (%.0f MiB)",
+            stats.directory,
+            stats.num_stored - self._num_stored_logged,
+            stats.num_files,
+            stats.num_bytes / 2**20,
+        )
+        self._num_stored_logged = stats.num_stored
 
     def order_before_compute(self) -> None:
         """The compute stream's next work waits for every copy issued so far (on the device)."""

@@ -6,6 +6,7 @@ KV directory picks up the prefixes cached before; bad tier settings are refused 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,36 @@ def test_damaged_block_files_are_misses_and_the_output_is_unchanged(
     stats = restarted.cache.stats()
     assert stats.num_in_use_blocks == stats.num_private_blocks == 0
     restarted.check_integrity()
+
+
+def test_a_keyed_disk_tier_is_read_back_with_its_secret_alone_and_says_what_it_holds(
+    model_dir, expected, tmp_path, caplog
+):
+    """The log says how many block files the disk tier found at start and wrote by the stop;
+    an engine with another secret (or none) never takes the files for its own."""
+    settings = {**TIERS, "host_cache_bytes": 8 * 3072, "kv_cache_dir": tmp_path}
+
+    def start(secret: str | None) -> LLM:
+        with caplog.at_level(logging.INFO, logger="radixkv.engine.tier_io"):
+            return LLM(model_dir, **settings, kv_cache_secret=secret)
+
+    first = start("one")
+    assert "0 block files found at start" in caplog.text
+    run(first)
+    with caplog.at_level(logging.INFO, logger="radixkv.engine.tier_io"):
+        first.save_kv_cache()
+    num_files = len(list(tmp_path.rglob("*.kv")))
+    assert num_files > 0 and f": {num_files} block files written" in caplog.text
+    caplog.clear()
+    again = start("one")
+    assert f"{num_files} block files found at start" in caplog.text
+    assert [list(u.output.token_ids) for u in run(again)] == expected
+    assert again.cache.stats().num_disk_hit_tokens > 0
+    for secret in ("two", None):
+        other = start(secret)
+        assert [list(u.output.token_ids) for u in run(other)] == expected
+        assert other.cache.stats().num_disk_hit_tokens == 0
+        assert other.tiers.disk.stats().num_damaged == 0
 
 
 @pytest.mark.parametrize(
