@@ -98,10 +98,8 @@ class LowerTiers:
             h += 1
         if self.disk is None:
             return h, 0
-        end = h
-        while (
-            end < min(len(keys), self.num_host_blocks) and keys[end].block_hash not in self.entries
-        ):
+        end, cap = h, min(len(keys), self.num_host_blocks)
+        while end < cap and keys[end].block_hash not in self.entries:
             end += 1
         return h, self.disk.probe(keys[h:end])
 

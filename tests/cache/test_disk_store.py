@@ -290,6 +290,60 @@ def test_a_file_that_cannot_be_loaded_is_a_miss_and_is_not_offered_again(
         np.testing.assert_array_equal(load(store, keys[1]), payload(keys[1]))
 
 
+def test_a_file_this_user_may_not_read_is_a_miss_and_is_not_probed_again() -> None:
+    """Another user's 0600 file in a folder both may enter (an older, shared deployment): the
+    reader, a forked child of another user (the test's own user cannot be denied as root) or
+    this user with the file's mode cleared, finds it, misses it once and never offers it again."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="radixkv-shared-"))
+    try:
+        writer = DiskStore(
+            root, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=FILE * 8
+        )
+        keys = keys_of("t", 3)
+        for key in keys:
+            writer.put(key, payload(key))
+        for folder in (root, *(p for p in root.rglob("*") if p.is_dir())):
+            folder.chmod(0o755)
+        if os.geteuid() != 0:
+            writer._path(keys[1].block_hash).chmod(0)
+        assert in_a_child_of_another_user(lambda: read_back_once(root, keys)) == 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def read_back_once(root: Path, keys: list[BlockKey]) -> None:
+    store = DiskStore(root, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=FILE * 8)
+    assert store.probe(keys) == 3
+    assert load(store, keys[1]) is None
+    assert store.probe(keys) == 1 and not store.contains(keys[1].block_hash)
+    assert store.stats().num_unusable == 1
+    store.check_integrity()
+
+
+def in_a_child_of_another_user(check: Callable[[], None]) -> int:
+    """Run `check` in a forked child, as user nobody when this process is root; its exit status
+    (0: it held; its error on stderr)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            check()
+            status = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 def load_or_hang(store: Any, key: BlockKey) -> np.ndarray | None:
     """`load` in a daemon thread: a reader that blocks fails the test instead of hanging it."""
     result: list[Any] = []
