@@ -299,23 +299,24 @@ class DiskStore:
         except OSError as exc:
             logger.warning("KV block file %s could not be opened (%s): skipped", path, exc)
             return "unreadable"
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            logger.warning("KV block file %s is not a regular file: skipped", path)
-            return "unreadable"
-        with open(fd, "rb", buffering=0) as f:
-            try:
-                problem = self._read_into(f, key, view)
-            except OSError as exc:
-                logger.warning("KV block file %s could not be read (%s): skipped", path, exc)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                logger.warning("KV block file %s is not a regular file: skipped", path)
                 return "unreadable"
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                problem = self._read_into(f, key, view)
             if problem in ("damaged", "layout"):
                 self._remove_damaged(path, st.st_ino, problem)
             elif problem is None:
                 with contextlib.suppress(OSError):
                     os.utime(fd)  # the LRU order survives a restart
             return problem
+        except OSError as exc:
+            logger.warning("KV block file %s could not be read (%s): skipped", path, exc)
+            return "unreadable"
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ writing
     def put(self, key: BlockKey, payload: Any) -> bool:
