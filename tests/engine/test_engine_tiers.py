@@ -7,11 +7,10 @@ KV directory picks up the prefixes cached before; bad tier settings are refused 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
+from block_files import damage_every_other_file
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
@@ -130,30 +129,6 @@ def test_a_restarted_engine_picks_up_prefixes_from_the_disk_tier(
     assert [list(u.output.token_ids) for u in outs] == expected
     assert restarted.cache.stats().num_disk_hit_tokens >= 30 // 4 * 4
     restarted.check_integrity()
-
-
-def damage_every_other_file(root: Path) -> int:
-    """Spoil every other block file in turn: flipped, truncated, swapped for another block's
-    file, a folder, a FIFO or a link in its place; returns how many."""
-    files = sorted(root.rglob("*.kv"))
-    for i, path in enumerate(files[::2]):
-        kind, other = i % 6, files[(2 * i + 1) % len(files)]
-        data = bytearray(path.read_bytes())
-        path.unlink()
-        if kind == 0:
-            data[len(data) // 2] ^= 0x01
-            path.write_bytes(data)
-        elif kind == 1:
-            path.write_bytes(data[:-9])
-        elif kind == 2:
-            path.write_bytes(other.read_bytes())
-        elif kind == 3:
-            path.mkdir()
-        elif kind == 4:
-            os.mkfifo(path)
-        else:
-            path.symlink_to(other)
-    return len(files[::2])
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
