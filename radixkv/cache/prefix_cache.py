@@ -320,16 +320,16 @@ class PrefixCache:
             self._tiers.pin(keys, h, d)  # type: ignore[union-attr]
         try:
             new = self._allocate(num_new)
-        except BaseException:  # a fault (e.g. an interrupt) must not leave the lock held
+            if partial:  # never write into a tree block got from a match: new[0] replaces it
+                table.copy = (blocks.pop(), new[0], partial)
+            table.blocks = (*blocks, *new)  # from here, closing the table frees `new`
+            if h or d:
+                self._tiers.load(keys, h, d, new)  # type: ignore[union-attr]
+        except BaseException:  # a fault (e.g. an interrupt) leaks no block, lock or pin
             if h or d:
                 self._tiers.unpin(keys, h, d)  # type: ignore[union-attr]
             self.close(table)
             raise
-        if h or d:
-            self._tiers.load(keys, h, d, new)  # type: ignore[union-attr]
-        if partial:  # never write into a tree block got from a match: new[0] replaces it
-            table.copy = (blocks.pop(), new[0], partial)
-        table.blocks = (*blocks, *new)
         return table
 
     # ------------------------------------------------------------- block tables

@@ -11,7 +11,14 @@ import pytest
 
 from radixkv import LLM, SamplingParams
 from radixkv.engine.config import EngineConfig
-from radixkv.options import OPTIONS, add_engine_options, engine_settings
+from radixkv.options import (
+    OPTIONS,
+    SECRET_ENV,
+    add_engine_options,
+    engine_settings,
+    format_bytes,
+    parse_bytes,
+)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +50,8 @@ from radixkv.options import OPTIONS, add_engine_options, engine_settings
         ("kv_events_connect", 1, TypeError),
         ("block_hash", "sha1", ValueError),
         ("block_hash_seed", 0, TypeError),
+        ("kv_cache_secret", 1234, TypeError),
+        ("kv_cache_secret", "", ValueError),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
@@ -164,6 +173,28 @@ def test_a_size_that_is_not_one_is_refused(size, capsys) -> None:
     with pytest.raises(SystemExit):
         _parse(["--host-cache", size])
     assert "not a size" in capsys.readouterr().err
+
+
+def test_the_disk_secret_comes_from_the_environment_and_never_shows(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="kv_cache_secret needs kv_cache_dir"):
+        EngineConfig(kv_cache_secret="s")
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    assert _parse([]) == {}  # no disk tier, no secret
+    settings = _parse(["--host-cache", "1MiB", "--kv-cache-dir", "kv"])
+    assert settings["kv_cache_secret"] == "s3cret"
+    assert "s3cret" not in repr(EngineConfig(**settings))
+
+
+def test_help_shows_sizes_readably(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    parser.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "disk tier budget, e.g. 20GiB (default: 8GiB)" in text
+    assert str(8 * 2**30) not in text
+    sizes = (8 * 2**30, 3 * 2**20, 1536, 1000, 0)
+    assert [format_bytes(n) for n in sizes] == ["8GiB", "3MiB", "1536", "1000", "0"]
+    assert [parse_bytes(format_bytes(n)) for n in sizes] == list(sizes)
 
 
 def test_help_shows_the_config_defaults(capsys) -> None:
