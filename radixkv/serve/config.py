@@ -27,6 +27,9 @@ class ServeConfig:
     # SIGTERM / SIGINT: replies in flight may finish for this long; then each ends with an error
     # (a stream: an error event and [DONE]). A second signal ends them at once.
     shutdown_timeout_s: float = 20.0
+    # The live page of the cache at `/` and its event stream (`ui_routes.py`); off unless asked
+    # (`radixkv serve` turns it on by default only on a loopback address).
+    ui: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
