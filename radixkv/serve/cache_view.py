@@ -182,6 +182,10 @@ class CacheView:
     def unsubscribe(self, queue: asyncio.Queue[str]) -> None:
         self._subscribers.discard(queue)
 
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

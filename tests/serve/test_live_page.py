@@ -5,6 +5,13 @@ character by character."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -13,7 +20,8 @@ from typing import Any
 
 import pytest
 from page_helpers import char_model_dir, send_from_page, start_browser, text_of, wait_for
-from serve_helpers import metric, read_metrics
+from processes import sigint_restored
+from serve_helpers import metric, read_metrics, wait_until
 
 pytest.importorskip("fastapi")
 
@@ -230,3 +238,83 @@ def test_page_files_forbid_inline_script(page_server: Callable[..., Any]) -> Non
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(server.base_url + "/ui/..%2Fapp.py", timeout=10)
     assert refused.value.code == 404
+
+
+def test_chat_web_serves_the_page_and_opens_it(model_dir: Path, tmp_path: Path) -> None:
+    """`radixkv chat --web`: the server starts on loopback with the page, and the browser
+    (here a stand-in named by $BROWSER that records the address) is sent to it."""
+    opened = tmp_path / "opened.txt"
+    browser_cmd = tmp_path / "browser.sh"
+    browser_cmd.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
+    browser_cmd.chmod(0o755)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["chat", "--web", "--model", str(model_dir), "--num-blocks", "64", "--port", str(port)]
+    env = dict(os.environ, BROWSER=f"{browser_cmd} %s")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=sigint_restored,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (opened.exists() and opened.read_text().strip()):
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the page was never opened"
+            time.sleep(0.1)
+        url = opened.read_text().strip()
+        assert url == f"http://127.0.0.1:{port}/"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            assert b"/ui/page.js" in response.read()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_pages_past_the_limit_get_503_and_a_page_gone_is_let_go(
+    page_server: Callable[..., Any],
+) -> None:
+    from radixkv.serve.cache_view import MAX_SUBSCRIBERS
+
+    server = page_server()
+    view = server.app.state.cache_view
+    streams = [
+        urllib.request.urlopen(server.base_url + "/ui/events", timeout=30)
+        for _ in range(MAX_SUBSCRIBERS)
+    ]
+    try:
+        for stream in streams:
+            assert stream.readline() == b"retry: 2000\n"
+        assert view.num_subscribers == MAX_SUBSCRIBERS
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server.base_url + "/ui/events", timeout=30)
+        assert refused.value.code == 503
+        # The requests of the others go on meanwhile.
+        reply = server.client().completions.create(model="tiny", prompt="hello", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+        view.check_integrity()
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_until(lambda: view.num_subscribers == 0, what="the closed pages to be let go")
+    with urllib.request.urlopen(server.base_url + "/ui/events", timeout=30) as again:
+        assert again.readline() == b"retry: 2000\n"
+    view.check_integrity()
+
+
+def test_shutting_down_ends_the_page_stream(
+    model_dir: Path, make_server: Callable[..., Any]
+) -> None:
+    """A page left open never holds a shutdown for its whole timeout: its stream ends."""
+    server = make_server({"block_size": 4}, model=model_dir, ui=True, shutdown_timeout_s=600)
+    stream = urllib.request.urlopen(server.base_url + "/ui/events", timeout=60)
+    assert stream.readline() == b"retry: 2000\n"
+    closer = threading.Thread(target=server.close)
+    closer.start()
+    rest = stream.read()  # to the end of the stream: a read past 60 s raises
+    closer.join(60)
+    assert not closer.is_alive()
+    assert rest.count(b"event: snapshot") <= 1
