@@ -74,6 +74,7 @@ def _file(files: dict[str, bytes], name: str) -> Response:
 async def _stream(view: CacheView, queue: asyncio.Queue[str], server: Any) -> AsyncIterator[str]:
     """Snapshots as they come, until the page goes or the server begins shutting down."""
     stopping = server.stopping
+    get: asyncio.Future[str] | None = None
     try:
         yield "retry: 2000\n\n"
         while not server.is_stopping:
@@ -85,4 +86,6 @@ async def _stream(view: CacheView, queue: asyncio.Queue[str], server: Any) -> As
                 continue
             yield f"event: snapshot\ndata: {get.result()}\n\n"
     finally:
+        if get is not None:
+            get.cancel()  # the page went away while it waited
         view.unsubscribe(queue)
