@@ -32,6 +32,7 @@ from benchmarks.serve_bench import (
     server_env,
     summarize,
     wait_healthy,
+    workload_parser,
 )
 
 # Installed in the page before the load: every long task and the longest frame gap.
@@ -126,15 +127,8 @@ def report(rows: list[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads of the server")
-    p.add_argument("--rounds", type=int, default=1)
+    p = workload_parser(__doc__.split("\n\n")[0], clients=64, turns=2)
     p.add_argument("--tiny", action="store_true", help="2 clients x 2 turns x 4 tokens")
-    p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.tiny:
         args.clients, args.turns, args.max_tokens = 2, 2, 4
@@ -148,14 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixkv.bundled_model import ensure_converted
 
         model_path = str(ensure_converted())
+    workload = f"{args.clients} clients x {args.turns} turns, max {args.max_tokens} tokens"
+    runs = [(n, page) for n in range(1, args.rounds + 1) for page in (False, True)]
     rows = []
-    for number in range(1, args.rounds + 1):
-        for with_page in (False, True):
-            print(f"[page_bench] round {number}, page {with_page}", file=sys.stderr, flush=True)
-            rows.append({"round": number, **run_once(args, model_path, with_page)})
-    print(f"model {model_path}; {args.clients} clients x {args.turns} turns, ", end="")
-    print(f"max {args.max_tokens} tokens per reply, greedy")
-    print(report(rows))
+    for number, with_page in runs:  # without, then with: each pair sees the same machine
+        print(f"[page_bench] round {number}, page {with_page}", file=sys.stderr, flush=True)
+        rows.append({"round": number, **run_once(args, model_path, with_page)})
+    print(f"model {model_path}; {workload} per reply, greedy\n{report(rows)}")
     return 0
 
 
