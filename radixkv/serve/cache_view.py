@@ -186,11 +186,6 @@ class CacheView:
     def num_subscribers(self) -> int:
         return len(self._subscribers)
 
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self._thread.shutdown(wait=False, cancel_futures=True)
-
     def check_integrity(self) -> None:
         assert len(self._subscribers) <= MAX_SUBSCRIBERS, "too many subscribers"
         for queue in self._subscribers:

@@ -185,19 +185,35 @@ def test_host_and_disk_occupancy_move(
     )
     open_page(browser, server)
     assert browser.find_element("id", "g-host").get_attribute("data-value") == "0"
+    browser.execute_script(
+        """
+        window.__gone = [];
+        new MutationObserver((changes) => {
+          for (const c of changes) for (const n of c.addedNodes)
+            if (n.classList && n.classList.contains('gone')) window.__gone.push(n.textContent);
+        }).observe(document.getElementById('tree'), {subtree: true, childList: true});
+        """
+    )
     client = server.client()
+    metrics = server.server_state.metrics
     for i in range(6):  # distinct prompts overflow the device pool, then the host tier
         client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": f"prompt {i} " + "abcdefghij"[i] * 24}],
             max_tokens=4,
+            temperature=0,
         )
+        total = str(metrics.num_prompt_tokens)  # the page has seen this request's nodes
+        wait_for(browser, lambda d, t=total: text_of(d, "prompt-tokens") == t, "the request")
     for gauge in ("g-host", "g-disk", "g-evicted"):
         wait_for(
             browser,
             lambda d, g=gauge: float(d.find_element("id", g).get_attribute("data-value")) > 0,
             f"{gauge} to move",
         )
+    # Nodes the page had drawn left the device for the host, and faded out saying so.
+    gone = browser.execute_script("return window.__gone")
+    assert any("→ host" in text for text in gone), gone
     check_view(server)
 
 
