@@ -208,6 +208,7 @@ class CacheView:
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 
     async def _update(self) -> None:
+        started = time.time()  # the snapshot's time: two are at least a period apart
         server = self.server
         # The engine's published counters, the last request and the totals move with every
         # change of the tree that matters here; while requests run (a prefill chunk inserts
@@ -220,19 +221,19 @@ class CacheView:
         last = self.last
         done = server.engine.call(lambda llm: capture(llm, last))
         cap = await asyncio.wait_for(asyncio.wrap_future(done), CAPTURE_TIMEOUT_S)
-        gauges = self._gauges(cap)
+        gauges = self._gauges(cap, started)
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(self._thread, self._build, cap, last, gauges)
         self._seen = state
         self._built_at = time.monotonic()
         self.publish(text)
 
-    def _gauges(self, cap: Capture) -> dict[str, Any]:
+    def _gauges(self, cap: Capture, now: float) -> dict[str, Any]:
         """The server's counters now (asyncio side: the metrics live here)."""
         metrics, engine = self.server.metrics, self.server.engine
         snap = engine.snapshot
         return {
-            "time": time.time(),
+            "time": now,
             "prompt_tokens": metrics.num_prompt_tokens,
             "cached_tokens": metrics.num_cached_tokens,
             "generated_tokens": metrics.num_generated_tokens,

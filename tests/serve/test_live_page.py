@@ -4,6 +4,7 @@ character by character."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -319,6 +320,38 @@ def test_pages_past_the_limit_get_503_and_a_page_gone_is_let_go(
     with urllib.request.urlopen(server.base_url + "/ui/events", timeout=30) as again:
         assert again.readline() == b"retry: 2000\n"
     view.check_integrity()
+
+
+def test_snapshots_come_at_most_four_a_second_under_load(
+    page_server: Callable[..., Any],
+) -> None:
+    from radixkv.serve.cache_view import MAX_UPDATES_PER_S
+
+    server = page_server()
+    client = server.client()
+    enough = threading.Event()
+
+    def load() -> None:  # requests until the reader has its snapshots (50 at the most)
+        for i in range(50):
+            if enough.is_set():
+                return
+            client.completions.create(model="tiny", prompt=f"load {i} " * 8, max_tokens=16)
+
+    worker = threading.Thread(target=load)
+    times = []
+    with urllib.request.urlopen(server.base_url + "/ui/events", timeout=60) as stream:
+        worker.start()
+        for raw in stream:
+            if raw.startswith(b"data: "):
+                times.append(json.loads(raw[6:])["gauges"]["time"])
+                if len(times) == 6:
+                    break
+            elif raw.startswith(b":") and not worker.is_alive():
+                break  # a heartbeat after the load ended: no more snapshots will come
+    enough.set()
+    worker.join(60)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(gaps) == 5 and min(gaps) >= 1 / MAX_UPDATES_PER_S - 1e-3, gaps
 
 
 def test_shutting_down_ends_the_page_stream(
