@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
     server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
+    url = f"http://{_url_host(args.host)}:{args.port}/"
+    if config.ui:
+        logging.getLogger(__name__).info("the live page of the cache: %s", url)
     if args.open:
-        _open_when_started(server, f"http://{_url_host(args.host)}:{args.port}/", config.ui)
+        _open_when_started(server, url, config.ui)
     server.run()
     return 0
 
