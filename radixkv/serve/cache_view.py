@@ -1,11 +1,12 @@
 """What the live page shows, built at a bounded rate and pushed to every page open.
 
     engine thread                 view thread                    asyncio side
-    capture(): cache.summary  ─►  payload(): decode previews, ─► CacheView.publish: the same
-    (bounded), stats, tiers       gauges, one JSON text          text to every subscriber
+    capture(): cache.summary  ─►  _build(): previews          ─► CacheView.publish: the same
+    (bounded), stats, tiers       (tree_payload), one JSON text  text to every subscriber
 
-A snapshot is built only while a page is open, at most `MAX_UPDATES_PER_S` times a second, and
-only when something changed (a step ran, a request finished). The engine thread does only the
+A snapshot is built only while a page is open, at most `MAX_UPDATES_PER_S` times a second (fewer
+when the tree is so large that they would take over `MAX_ENGINE_SHARE` of the engine thread),
+and only when something changed (a step ran, a request finished). The engine thread does only the
 bounded tree walk; decoding and JSON run in the view's own thread: the event loop only hands
 the text on. Each subscriber holds at most one pending snapshot (a slow page skips snapshots,
 never slows the others).
@@ -37,6 +38,7 @@ MAX_UPDATES_PER_S = 4
 MAX_NODES = 300  # nodes listed per snapshot; the rest fold into counts
 MAX_SUBSCRIBERS = 16  # pages open at once; more get 503
 PREVIEW_CHARS = 48  # characters of a node's text shown
+MAX_ENGINE_SHARE = 0.02  # of the engine thread's time, the most snapshots may take
 REFRESH_S = 1.0  # while requests run, the longest a snapshot goes unrefreshed
 CAPTURE_TIMEOUT_S = 5.0  # a capture not done by then (engine stopping) is dropped
 
@@ -65,10 +67,12 @@ class Capture:
     num_offloaded_blocks: int
     num_disk_bytes: int
     disk_budget_bytes: int
+    seconds: float  # the engine thread's time on it
 
 
 def capture(llm: LLM, last: LastRequest | None) -> Capture:
     """Engine thread only: the bounded summary of the shared tree and the pool's figures."""
+    t0 = time.perf_counter()
     prompt = () if last is None else last.tokens
     stats = llm.cache.stats()
     disk = None if llm.tiers is None else llm.tiers.disk
@@ -83,6 +87,7 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
         num_offloaded_blocks=stats.num_offloaded_blocks,
         num_disk_bytes=0 if disk is None else disk.num_bytes,
         disk_budget_bytes=0 if disk is None else disk.budget_bytes,
+        seconds=time.perf_counter() - t0,
     )
 
 
@@ -196,18 +201,23 @@ class CacheView:
     # ------------------------------------------------------------------ building
 
     async def _run(self) -> None:
-        period = 1.0 / MAX_UPDATES_PER_S
         while self._subscribers and not self.server.is_stopping:
             started = time.monotonic()
+            period = 1.0 / MAX_UPDATES_PER_S
             try:
-                await self._update()
+                engine_s = await self._update()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a snapshot that fails is skipped; the page keeps the last
                 logger.exception("building the cache view failed")
+            else:
+                # A tree large enough to take the engine thread long gets fewer snapshots.
+                period = max(period, engine_s / MAX_ENGINE_SHARE)
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 
-    async def _update(self) -> None:
+    async def _update(self) -> float:
+        """Build and publish a snapshot if something changed; returns the engine thread's time
+        it took (0.0 when nothing changed)."""
         started = time.time()  # the snapshot's time: two are at least a period apart
         server = self.server
         # The engine's published counters, the last request and the totals move with every
@@ -217,7 +227,7 @@ class CacheView:
         state = (snap, self.last, server.metrics.num_prompt_tokens)
         stale = snap.num_running > 0 and time.monotonic() - self._built_at > REFRESH_S
         if state == self._seen and not stale:
-            return
+            return 0.0
         last = self.last
         done = server.engine.call(lambda llm: capture(llm, last))
         cap = await asyncio.wait_for(asyncio.wrap_future(done), CAPTURE_TIMEOUT_S)
@@ -227,6 +237,7 @@ class CacheView:
         self._seen = state
         self._built_at = time.monotonic()
         self.publish(text)
+        return cap.seconds
 
     def _gauges(self, cap: Capture, now: float) -> dict[str, Any]:
         """The server's counters now (asyncio side: the metrics live here)."""
