@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lifecycle import CheckedCache, serve_request
+
+from radixkv import PrefixCache
 from radixkv.cache.summary import EMPTY
 
 
@@ -69,3 +74,46 @@ def test_another_namespace_is_never_read(make_cache, serve) -> None:
     assert tenant.num_nodes == 3
     secret = list(range(1000, 1020)) + [2000] * 10
     assert cache.summary(prompt=secret).path == ()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.sampled_from([None, "t"]),
+            st.lists(st.integers(0, 3), min_size=2, max_size=14),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    max_nodes=st.integers(0, 6),
+    pick=st.integers(0, 11),
+)
+def test_summary_accounts_for_every_shared_node(
+    prompts: list[tuple[str | None, list[int]]], max_nodes: int, pick: int
+) -> None:
+    """Listed and folded nodes together are the shared namespace's tree, exactly; the listing
+    is connected, bounded, and holds the prompt's path."""
+    cache = CheckedCache(PrefixCache(num_blocks=96, block_size=2))
+    for namespace, prompt in prompts:
+        serve_request(cache, prompt, namespace=namespace)
+    prompt = prompts[pick % len(prompts)][1]
+    s = cache.summary(max_nodes=max_nodes, prompt=prompt)
+    shared = _shared_views(cache)
+    assert s.num_nodes == len(shared) == len(s.nodes) - 1 + sum(f.num_nodes for f in s.folded)
+    assert s.num_tokens == sum(v.end - v.start for v in shared)
+    assert len(s.nodes) <= max_nodes + 1
+    listed = {n.node_id for n in s.nodes}
+    assert all(n.parent_id in listed for n in s.nodes[1:])
+    assert set(s.path[:max_nodes]) <= listed
+    assert s.num_path_tokens == cache.match(prompt, namespace=None).num_cached_tokens
+
+
+def _shared_views(cache: Any) -> list[Any]:
+    """The shared namespace's nodes (its root comes first; another namespace's root ends them)."""
+    views = []
+    for i, view in enumerate(cache.nodes()):
+        if view.parent_id is None and i > 0:
+            break
+        views.append(view)
+    return views[1:]
