@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixkv import PrefixCache
-from radixkv.serve.cache_view import MAX_NODES, tree_payload
+from radixkv.serve.cache_view import MAX_NODES, NodeAliases, tree_payload
 
 BRANCHES_PER_STEM = 99
 STEM_TOKENS = 40
@@ -64,7 +64,7 @@ def snapshot(
     t0 = time.perf_counter()
     tree = cache.summary(max_nodes=MAX_NODES, prompt=prompt)
     t1 = time.perf_counter()
-    text = json.dumps({"tree": tree_payload(tree, decode)}, ensure_ascii=True)
+    text = json.dumps({"tree": tree_payload(tree, decode, NodeAliases())}, ensure_ascii=True)
     t2 = time.perf_counter()
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3, text
 

@@ -56,12 +56,9 @@ class TreeSummary:
     num_tokens: int  # tokens the namespace's tree holds
     path: tuple[int, ...]  # node ids the given prompt's match walks, root excluded
     num_path_tokens: int  # tokens of the prompt the tree holds now
-    # the namespace's own last use (recency = latest_use - last_use): the cache's clock would
-    # tell how busy other namespaces were
-    latest_use: int
 
 
-EMPTY = TreeSummary((), (), 0, 0, (), 0, 0)
+EMPTY = TreeSummary((), (), 0, 0, (), 0)
 
 
 def summarize(
@@ -97,9 +94,8 @@ def summarize(
             num_tokens += node.end - node.start
     nodes = tuple(_node_of(n, root, last_use[n.node_id], num_on_host) for n in listed)
     path_ids = tuple(n.node_id for n in path)
-    latest = last_use[root.node_id]
     return TreeSummary(
-        nodes, tuple(reversed(folded)), num_nodes, num_tokens, path_ids, num_path_tokens, latest
+        nodes, tuple(reversed(folded)), num_nodes, num_tokens, path_ids, num_path_tokens
     )
 
 

@@ -91,20 +91,51 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
     )
 
 
+class NodeAliases:
+    """Node ids as one view shows them: numbered in the order the view first lists each node.
+    The cache numbers the nodes of all namespaces in one sequence, so its own ids would tell
+    how many nodes other tenants made in between.
+
+    Invariant (`check_integrity`): aliases are distinct, each below `next_alias`."""
+
+    def __init__(self) -> None:
+        self._aliases: dict[int, int] = {}  # cache node id -> alias, for the nodes listed last
+        self.next_alias = 0
+
+    def __call__(self, node_id: int) -> int:
+        alias = self._aliases.get(node_id)
+        if alias is None:
+            alias = self._aliases[node_id] = self.next_alias
+            self.next_alias += 1
+        return alias
+
+    def keep_only(self, node_ids: set[int]) -> None:
+        """Forget the nodes no longer listed (one listed again later gets a new alias)."""
+        self._aliases = {k: v for k, v in self._aliases.items() if k in node_ids}
+
+    def check_integrity(self) -> None:
+        values = list(self._aliases.values())
+        assert len(set(values)) == len(values), "two nodes share an alias"
+        assert all(0 <= v < self.next_alias for v in values), "an alias was never issued"
+
+
 def tree_payload(
-    tree: TreeSummary, decode: Callable[[Sequence[int]], str] | None
+    tree: TreeSummary, decode: Callable[[Sequence[int]], str] | None, alias: NodeAliases
 ) -> dict[str, Any]:
-    """The tree part of a snapshot: plain numbers and text (the page sets text, never HTML)."""
+    """The tree part of a snapshot: plain numbers and text (the page sets text, never HTML);
+    node ids are `alias`'s, and nothing in it depends on another namespace."""
+    recency = _recency(tree)
+    listed = {n.node_id for n in tree.nodes}
     nodes = [
         {
-            "id": n.node_id,
-            "parent": n.parent_id,
+            "id": alias(n.node_id),
+            "parent": None if n.parent_id is None else alias(n.parent_id),
             "start": n.start,
             "end": n.end,
             "blocks": n.num_blocks,
             "shared_head": n.head_shared,
             "locks": n.lock_ref,
-            "age": tree.latest_use - n.last_use,
+            "recency": recency[n.last_use],
             "host": n.num_host_blocks,
             "text": _preview(n.head_tokens, decode) if n.parent_id is not None else "",
         }
@@ -112,11 +143,11 @@ def tree_payload(
     ]
     folded = [
         {
-            "parent": f.parent_id,
+            "parent": alias(f.parent_id),
             "subtrees": f.num_subtrees,
             "nodes": f.num_nodes,
             "tokens": f.num_tokens,
-            "age": tree.latest_use - f.last_use,
+            "recency": recency[f.last_use],
         }
         for f in tree.folded
     ]
@@ -125,9 +156,17 @@ def tree_payload(
         "folded": folded,
         "num_nodes": tree.num_nodes,
         "num_tokens": tree.num_tokens,
-        "path": list(tree.path),
+        "path": [alias(i) for i in tree.path if i in listed],
         "path_tokens": tree.num_path_tokens,
     }
+    alias.keep_only(listed)
+
+
+def _recency(tree: TreeSummary) -> dict[int, int]:
+    """Last use -> how many later uses the listing shows (0: the latest). Ranks, not clock
+    ticks: the cache's clock also counts other namespaces' uses, which must not show."""
+    uses = {n.last_use for n in tree.nodes} | {f.last_use for f in tree.folded}
+    return {use: rank for rank, use in enumerate(sorted(uses, reverse=True))}
 
 
 def _preview(tokens: Sequence[int], decode: Callable[[Sequence[int]], str] | None) -> str:
@@ -155,6 +194,7 @@ class CacheView:
         self._seen: tuple[Any, ...] | None = None  # what the latest snapshot was built from
         self._built_at = 0.0  # time.monotonic() of the latest snapshot
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-view")
+        self._aliases = NodeAliases()  # the view thread's
         tokenizer = server.llm.tokenizer
         self._decode = None if tokenizer is None else tokenizer.decode
         server.on_finished.append(self.record)
@@ -197,6 +237,7 @@ class CacheView:
             assert queue.qsize() <= 1, "a subscriber holds more than one snapshot"
         if self._subscribers:
             assert self._task is not None, "subscribers but no builder"
+        self._aliases.check_integrity()
 
     # ------------------------------------------------------------------ building
 
@@ -274,7 +315,7 @@ class CacheView:
             }
         body = {
             "model": self.server.config.model_name,
-            "tree": tree_payload(cap.tree, self._decode),
+            "tree": tree_payload(cap.tree, self._decode, self._aliases),
             "last_request": request,
             "gauges": gauges,
             "limits": {"max_nodes": MAX_NODES, "updates_per_s": MAX_UPDATES_PER_S},

@@ -106,7 +106,7 @@ function renderTree(snap) {
     for (const item of items) {
       if (item.kind === "folded") {
         const f = item.f;
-        ul.append(el("li", "folded", `+ ${f.subtrees} more subtree(s): ${f.nodes} nodes, ${f.tokens} tokens, last used ${f.age} ticks ago`));
+        ul.append(el("li", "folded", `+ ${f.subtrees} more subtree(s): ${f.nodes} nodes, ${f.tokens} tokens`));
         continue;
       }
       const li = nodeItem(item.n, item.kind === "ghost" ? "gone" : classes.get(item.n.id) || "", item);
@@ -132,7 +132,7 @@ function nodeItem(n, cls, item) {
   const tokens = n.end - n.start;
   let meta = `#${n.id} [${n.start},${n.end}) ${tokens} tok · ${n.shared_head ? "~" : ""}${n.blocks} blk`;
   meta += n.locks ? ` · locked ×${n.locks}` : " · unlocked";
-  meta += ` · ${n.age} ticks ago`;
+  meta += n.recency ? ` · ${n.recency} use(s) before the latest` : " · latest use";
   if (n.host) meta += ` · ${n.host} on host`;
   if (item.kind === "ghost") meta += ` · ${item.why}`;
   if (fresh === "split") meta += ` · split at ${n.start}`;
