@@ -252,6 +252,11 @@ def test_page_files_forbid_inline_script(page_server: Callable[..., Any]) -> Non
         html = response.read().decode()
     assert "script-src 'self'" in policy and "unsafe-inline" not in policy
     assert "<script>" not in html and "http" not in html.replace('"/ui/', "")  # no CDN
+    with urllib.request.urlopen(server.base_url + "/ui/page.js", timeout=10) as response:
+        script = response.read().decode()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in script  # text reaches the DOM as text only
+    assert "textContent" in script
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(server.base_url + "/ui/..%2Fapp.py", timeout=10)
     assert refused.value.code == 404
