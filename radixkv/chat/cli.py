@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--top-p", type=float, default=None, help=f"nucleus mass ({model_default})")
     chat.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default})")
+    # Run by `radixkv.__main__` before this parser: the chat then lives in the browser.
+    chat.add_argument(
+        "--web",
+        action="store_true",
+        help="chat in the browser instead, beside the live page of the cache: this is "
+        "`radixkv serve --ui --open` on 127.0.0.1 (takes the engine options and serve's "
+        "--port, not --system/--script/sampling)",
+    )
     return parser
 
 
@@ -77,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command != "chat":  # `radixkv serve` never gets here (see radixkv.__main__)
             parser.error("this entry point runs the chat only; the server is `radixkv serve`")
+        if args.web:  # `radixkv chat --web` never gets here either
+            parser.error("--web is run by the `radixkv` command: radixkv chat --web")
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         # Library deprecation notices are for developers; in a chat they split a reply.
         warnings.filterwarnings("ignore", category=FutureWarning)

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.llm import LLM, RequestUpdate
-from radixkv.engine.outputs import TokenLogprobs
+from radixkv.engine.outputs import RequestOutput, TokenLogprobs
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.bodies import (
     BodyLimits,
@@ -52,6 +52,7 @@ from radixkv.serve.protocol import (
     usage,
 )
 from radixkv.serve.stop_strings import StopStringMatcher
+from radixkv.serve.ui_routes import add_ui_routes
 from radixkv.serve.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class OpenAIServer:
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
         self.token_text = token_texts(llm.tokenizer)
         self.stopping: asyncio.Future[None] | None = None
+        # Called on the asyncio side with each request's final output (the live page's).
+        self.on_finished: list[Callable[[RequestStream, RequestOutput], None]] = []
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.stopping = loop.create_future()
@@ -294,6 +297,8 @@ class OpenAIServer:
                     else:
                         reason, use = output.finish_reason, usage(output)
                     self.metrics.record_finished(output, reason)
+                    for hook in self.on_finished:
+                        hook(stream, output)
                     yield _Piece(stops.flush(), reason, use)
                     return
         finally:
@@ -415,6 +420,8 @@ def create_app(
     _add_info_routes(app, server)
     _add_completion_routes(app, server)
     add_worker_routes(app, server)
+    if config.ui:
+        add_ui_routes(app, server)
     return app
 
 

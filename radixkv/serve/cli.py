@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
 import sys
+import threading
+import time
+import webbrowser
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the RADIXKV_ADMIN_KEY environment variable, which other users cannot read "
         "from the process list; unset: the route is off)",
     )
+    parser.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the live page of the cache at / and its event stream (default: on when --host is "
+        "a loopback address, off otherwise)",
+    )
+    parser.add_argument(
+        "--open", action="store_true", help="open the page in a web browser once serving"
+    )
     _add_limit_options(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
@@ -78,8 +92,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
     server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
+    url = f"http://{_url_host(args.host)}:{listener.getsockname()[1]}/"
+    if config.ui:
+        logging.getLogger(__name__).info("the live page of the cache: %s", url)
+    if args.open:
+        _open_when_started(server, url, config.ui)
     server.run(sockets=[listener])
     return 0
+
+
+def _open_when_started(server: Any, url: str, ui: bool) -> None:
+    """Open `url` in a browser once `server` listens (`--open`; `radixkv chat --web`)."""
+    if not ui:
+        logging.getLogger(__name__).warning("--open: the page is off (--no-ui)")
+        return
+
+    def wait_and_open() -> None:
+        deadline = time.monotonic() + 600
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if server.started:
+            print(f"radixkv: the cache's page is at {url}", file=sys.stderr)
+            webbrowser.open(url)
+
+    threading.Thread(target=wait_and_open, name="radixkv-open", daemon=True).start()
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def preflight(args: argparse.Namespace) -> socket.socket:
@@ -96,12 +138,24 @@ def preflight(args: argparse.Namespace) -> socket.socket:
 def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
     """The ServeConfig of the parsed options. Raises ValueError for a bad limit."""
     limits = {field: getattr(args, field) for _, field, _, _ in _LIMIT_OPTIONS}
+    ui = is_loopback(args.host) if args.ui is None else args.ui
     return ServeConfig(
         model_name=model_name,
         max_queued_requests=args.max_queued_requests,
         admin_key=args.admin_key,
+        ui=ui,
         **limits,
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine (the page is then on by default)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
 
 
 # The limits a public server needs (what each answers: the README's "Limits"):

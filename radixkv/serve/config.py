@@ -32,6 +32,9 @@ class ServeConfig:
     # The key of the admin routes (/flush_cache), sent as `Authorization: Bearer KEY`; None:
     # those routes are off (they act on every tenant's cache).
     admin_key: str | None = None
+    # The live page of the cache at `/` and its event stream (`ui_routes.py`); off unless asked
+    # (`radixkv serve` turns it on by default only on a loopback address).
+    ui: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:

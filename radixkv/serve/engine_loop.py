@@ -55,6 +55,7 @@ class RequestStream:
     t_first_token: float | None = None
     t_last_token: float | None = None
     finished: bool = False
+    cache_salt: str | None = None  # the tenant's, as submitted (None: the shared namespace)
 
 
 class EngineLoop:
@@ -139,7 +140,7 @@ class EngineLoop:
                 self.abort(rid)
                 added.set_exception(self._ended_with)
                 return
-            stream = RequestStream(rid, arrival)
+            stream = RequestStream(rid, arrival, cache_salt=cache_salt)
             self._streams[rid] = stream
             stream_box.append(stream)
             added.set_result(rid)
