@@ -89,7 +89,7 @@ class _Tracked:
     output: RequestOutput | None = None
     error: BaseException | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
-    failed_load: bool = False  # a load of cached KV for it failed once: the next failure fails it
+    failed_load: bool = False  # a copy of cached KV for it failed once: the next failure fails it
 
 
 class LLM:
@@ -452,6 +452,8 @@ class LLM:
         moves = self.cache.take_transfers()
         if moves:
             self._run_moves(moves)
+        if self.tiers is not None:
+            self.tiers.log_saved()
 
     def _run_moves(self, moves: Sequence[Transfer]) -> Poisoned:
         """Run tier moves in order; the cache forgets the host copies a failed move left holding
@@ -469,14 +471,18 @@ class LLM:
         """The step's tier moves, before its copies and forward. A move that fails leaves blocks
         holding garbage: the cache forgets the host copies among them, and a request whose row
         reads one of the device blocks goes back to the waiting queue, to be admitted from what
-        the cache holds then (a block file another process evicted is a miss, not an error);
-        the second time, it fails. Their rows still run, and are ignored. Returns their ids."""
+        the cache holds then (a block file that could not be read is a miss, not an error: the
+        disk tier does not offer it again); a second failed copy fails it. Their rows still run,
+        and are ignored. Returns their ids."""
         poisoned = self._run_moves(out.transfers)
         if poisoned.device:
             hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
-            failed = [rid for rid in hit if self._tracked[rid].failed_load]
-            for rid in hit:
+            faulty = poisoned.faulty
+            struck = [r.request_id for r in out.rows if faulty.intersection(r.block_table)]
+            failed = [rid for rid in struck if self._tracked[rid].failed_load]
+            for rid in struck:
                 self._tracked[rid].failed_load = True
+            for rid in hit:
                 if rid not in failed:
                     self.scheduler.requeue(rid)
             logger.warning("loading cached KV failed: requeued %s, failing %s", hit, failed)

@@ -77,11 +77,24 @@ def load_model(
             f"model must be None, a path, a Hugging Face id or a PreTrainedModel, "
             f"got {type(model).__name__}"
         )
-    source = os.fspath(model)
+    source = os.path.expanduser(os.fspath(model))  # no Hugging Face id starts with "~"
     if not source.strip():
         raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
+    if _is_local_path(source) and not os.path.exists(source):
+        # Said here: transformers would answer with advice about Hugging Face repo ids.
+        raise ModelNotFoundError(f"cannot load model {source!r}: no such folder")
     net = _load_causal_lm(source, device, dtype)
     return LoadedModel(net, tokenizer if tokenizer is not None else _load_tokenizer(source), source)
+
+
+def _is_local_path(source: str) -> bool:
+    """Whether `source` can only be a path: a Hugging Face id is "name" or "owner/name"."""
+    return (
+        os.path.isabs(source)
+        or source.startswith((".", "~"))
+        or source.count("/") > 1
+        or (os.sep != "/" and os.sep in source)
+    )
 
 
 def _check_device(device: object) -> torch.device:

@@ -66,13 +66,16 @@ class LiveServer:
 def make_server(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., LiveServer]]:
     """(engine kwargs, server kwargs) -> a started LiveServer on a fresh tiny-model LLM.
 
-    Server kwargs: `on_shutdown` for `create_app`, the rest for `ServeConfig`."""
+    Server kwargs: `model` (a model folder instead of the tiny GQA one), `on_shutdown` for
+    `create_app`, the rest for `ServeConfig`."""
     from radixkv.engine import LLM
 
     servers: list[LiveServer] = []
 
-    def make(engine: dict[str, Any] | None = None, **config: Any) -> LiveServer:
-        llm = LLM(str(tiny_model_dir("gqa")), **{"num_blocks": 256, **(engine or {})})
+    def make(
+        engine: dict[str, Any] | None = None, model: Path | None = None, **config: Any
+    ) -> LiveServer:
+        llm = LLM(str(model or tiny_model_dir("gqa")), **{"num_blocks": 256, **(engine or {})})
         server = LiveServer(llm, **config)
         servers.append(server)
         return server
