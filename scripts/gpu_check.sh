@@ -158,7 +158,7 @@ if wanted profile; then
     tiny=()
     ((DRY)) && tiny=(--tiny)
     run_stage profile 75 60 -- "$PY" benchmarks/step_profile.py "${tiny[@]}"
-    excerpt profile "^(##|LLM|median|bucket|  )" 40
+    excerpt profile "^(##|LLM|median|bucket|  )" 80
 fi
 
 # The files that hold gpu-marked tests: naming them spares collecting the whole suite.
