@@ -138,7 +138,7 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
     max_total_tokens = llm.cache.num_blocks * llm.cache.block_size
     return {
         "model_path": llm.model_name,
-        "tokenizer_path": llm.model_name,
+        "tokenizer_path": llm.tokenizer_path,
         "served_model_name": config.model_name,
         "dp_size": 1,
         "tp_size": 1,
@@ -163,7 +163,7 @@ def _model_info(server: OpenAIServer) -> dict[str, Any]:
     model_config = llm.model.config
     return {
         "model_path": llm.model_name,
-        "tokenizer_path": llm.model_name,
+        "tokenizer_path": llm.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",

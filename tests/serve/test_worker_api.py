@@ -8,6 +8,7 @@ against the prompt the engine really receives for the same request.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import urllib.error
 import urllib.request
@@ -74,6 +75,7 @@ def test_server_info_has_what_sglang_router_reads(server: Any, path: str) -> Non
     for name in ("max_prefill_tokens", "max_running_requests", "page_size", "context_length"):
         assert isinstance(info[name], int) and info[name] > 0, name
     assert isinstance(info["version"], str)
+    assert_local_tokenizer(info["tokenizer_path"])
 
 
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])
@@ -83,7 +85,14 @@ def test_model_info_has_what_sglang_router_reads(server: Any, path: str) -> None
     assert info["is_generation"] is True
     assert info["model_type"] == "llama"
     assert info["architectures"] == ["LlamaForCausalLM"]
-    assert isinstance(info["model_path"], str) and isinstance(info["tokenizer_path"], str)
+    assert isinstance(info["model_path"], str)
+    assert_local_tokenizer(info["tokenizer_path"])
+
+
+def assert_local_tokenizer(path: str) -> None:
+    """sglang-router downloads a tokenizer_path it cannot find on disk: a replica reports the
+    folder it read its tokenizer from."""
+    assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "tokenizer.json")), path
 
 
 def test_get_load_is_sglangs_list_per_rank_and_counts_a_running_request(server: Any) -> None:
