@@ -154,6 +154,7 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
         "max_queued_requests": config.max_queued_requests,
         "internal_states": [],
         "version": _version(),
+        "system_fingerprint": server.fingerprint,  # what this server's replies carry
     }
 
 

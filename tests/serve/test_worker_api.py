@@ -259,3 +259,12 @@ def test_health_generate_runs_one_token_and_keeps_the_shared_cache_clean(server:
     assert results == [200, 200]
     assert call(server, "/get_load")[1][0]["num_reqs"] == 0
     server.on_engine(lambda llm: llm.check_integrity())
+
+
+def test_a_reply_names_the_server_that_served_it(server: Any) -> None:
+    """Behind a router a client learns which replica answered from `system_fingerprint`, the
+    value that replica's /server_info reports."""
+    _, info = call(server, "/server_info")
+    reply = server.client().chat.completions.create(model="tiny", messages=chat(1), max_tokens=2)
+    assert info["system_fingerprint"].startswith("fp_")
+    assert reply.system_fingerprint == info["system_fingerprint"]
