@@ -188,11 +188,13 @@ def _version() -> str:
 def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request) -> dict[str, Any]:
+        server.metrics.renders.inc()
         job = await server.prepare(_raw(request), chat=True)
         return _generate_request("chatcmpl", job)
 
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> list[dict[str, Any]]:
+        server.metrics.renders.inc()
         job = await server.prepare(_raw(request), chat=False)
         return [_generate_request("cmpl", job)]
 

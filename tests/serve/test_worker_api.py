@@ -15,7 +15,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from serve_helpers import render_chat, user_message, wait_until
+from serve_helpers import metric, read_metrics, render_chat, user_message, wait_until
 
 pytest.importorskip("fastapi")
 
@@ -153,6 +153,7 @@ def test_flush_cache_resets_an_idle_cache_and_refuses_while_requests_run(server:
 # ------------------------------------------------------------------------------------ vLLM
 def test_chat_render_is_the_prompt_generation_runs(server: Any, submitted: list[list[int]]) -> None:
     messages = chat(4)
+    renders_before = metric(read_metrics(server.base_url), "radixkv_render_requests_total")
     status, rendered = call(
         server,
         "/v1/chat/completions/render",
@@ -160,6 +161,8 @@ def test_chat_render_is_the_prompt_generation_runs(server: Any, submitted: list[
     )
     assert status == 200
     assert not submitted  # rendering runs nothing
+    renders = metric(read_metrics(server.base_url), "radixkv_render_requests_total")
+    assert renders == renders_before + 1  # counted: vllm-router asks every worker
     # vLLM's GenerateRequest
     assert rendered["request_id"].startswith("chatcmpl-")
     assert rendered["sampling_params"]["max_tokens"] == 3
