@@ -63,6 +63,10 @@ SESSION_TTL_S = 600  # kv_aware session affinity: a conversation idle this long 
 # So: rebalance on any difference in load (abs 0, rel 1.0), which spreads the first turns evenly
 # and sends later turns home, and a threshold under the second-turn match (0.6), so that with
 # equal loads a conversation still follows its history rather than the shared prompt.
+# That second fact holds only in a closed loop (each next turn right after its reply, replies of
+# one length). With think time and replies of natural length it fails, and so do these values
+# (issue 32: a median cached fraction of .67 against one replica's .85): for chat, prefer a
+# session recipe (vllm-kv-aware-session, session-hash), which routes on x-session-id.
 SGLANG_CHAT_THRESHOLDS = {
     "--cache-threshold": "0.6",
     "--balance-abs-threshold": "0",
