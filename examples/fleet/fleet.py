@@ -366,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--log-dir", type=Path, help="where the processes' logs go (default: a new temp folder)"
     )
     args = parser.parse_args(args_list)
+    if args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
     if args.recipe in NEEDS_NAMESPACE and not in_namespace():
         if not namespace_available():
             print(f"{args.recipe} needs unshare -n (as root)", file=sys.stderr)

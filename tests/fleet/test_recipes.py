@@ -147,3 +147,9 @@ def test_dynamo_recipe_runs_in_its_own_namespace(
     lines = run_recipe("dynamo-indexer", tiny_model_dir("gqa"), tmp_path, "enter", enter_and_ask)
     assert [line.split()[0] for line in lines[1:]] == ["replica", "replica", "indexer", "enter"]
     assert all("events tcp://127.0.0.1:" in line for line in lines[1:3])
+
+
+def test_no_replicas_is_refused_naming_the_flag(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        fleet.main(["session-hash", "--replicas", "0"])
+    assert "--replicas must be >= 1" in capsys.readouterr().err
