@@ -5,6 +5,7 @@ fleet, prints where to send requests, serves until Ctrl-C (or SIGTERM, or SIGINT
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,3 +154,33 @@ def test_no_replicas_is_refused_naming_the_flag(capsys: pytest.CaptureFixture) -
     with pytest.raises(SystemExit):
         fleet.main(["session-hash", "--replicas", "0"])
     assert "--replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_the_routers_folder_is_one_variable_with_a_default_outside_the_checkout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(fleet.ROUTERS_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert fleet.routers_dir() == tmp_path / "cache" / "radixkv" / "routers"
+    monkeypatch.setenv(fleet.ROUTERS_DIR_ENV, str(tmp_path / "mine"))
+    assert fleet.routers_dir() == tmp_path / "mine"
+
+
+def test_setup_routers_reads_the_same_variable(tmp_path: Path) -> None:
+    """Routers already installed (stamped with their pins) where RADIXKV_ROUTERS_DIR points:
+    the script installs nothing, anywhere."""
+    script = Path(fleet.__file__).parents[2] / "scripts" / "setup_routers.sh"
+    pins = re.search(r"^PINS=\((.*)\)$", script.read_text(), re.M)
+    assert pins is not None
+    routers = tmp_path / "routers"
+    for pin in pins.group(1).replace('"', "").split():
+        (routers / pin.split("==")[0]).mkdir(parents=True)
+        (routers / pin.split("==")[0] / ".radixkv-pin").write_text(pin + "\n")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home")}
+    env[fleet.ROUTERS_DIR_ENV] = str(routers)
+    proc = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "installed" not in proc.stdout
+    assert not (tmp_path / "home").exists()  # not the default folder either
