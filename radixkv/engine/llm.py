@@ -127,6 +127,7 @@ class LLM:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
+        self.tokenizer_path = loaded.tokenizer_path or loaded.name  # a local folder where known
         model_len = _max_model_len(self.model.config.get_text_config())
         max_len = min(config.max_model_len or model_len, model_len)
         device_type = next(self.model.parameters()).device.type

@@ -40,6 +40,9 @@ class LoadedModel:
     model: Any  # transformers PreTrainedModel, in eval mode, on its device
     tokenizer: Any | None  # transformers tokenizer, or None when the model folder ships none
     name: str  # what the user asked for, or the default model's name
+    # The local folder the tokenizer was read from (None for a Hugging Face id or a model object):
+    # what a replica reports to routers, which would otherwise try to download `name`.
+    tokenizer_path: str | None = None
 
 
 def load_model(
@@ -71,7 +74,7 @@ def load_model(
         for key, value in bundled_model.RECOMMENDED_SAMPLING.items():
             if getattr(gen, key, None) is None:
                 setattr(gen, key, value)
-        return LoadedModel(loaded.model, loaded.tokenizer, bundled_model.NAME)
+        return LoadedModel(loaded.model, loaded.tokenizer, bundled_model.NAME, str(folder))
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
             f"model must be None, a path, a Hugging Face id or a PreTrainedModel, "
@@ -84,7 +87,10 @@ def load_model(
         # Said here: transformers would answer with advice about Hugging Face repo ids.
         raise ModelNotFoundError(f"cannot load model {source!r}: no such folder")
     net = _load_causal_lm(source, device, dtype)
-    return LoadedModel(net, tokenizer if tokenizer is not None else _load_tokenizer(source), source)
+    if tokenizer is not None:
+        return LoadedModel(net, tokenizer, source)
+    folder = os.path.abspath(source) if os.path.isdir(source) else None
+    return LoadedModel(net, _load_tokenizer(source), source, folder)
 
 
 def _is_local_path(source: str) -> bool:

@@ -93,6 +93,9 @@ class OpenAIServer:
     def __init__(self, llm: LLM, config: ServeConfig) -> None:
         self.llm = llm
         self.config = config
+        # OpenAI's system_fingerprint, one per server process: behind a router, a reply tells
+        # which replica served it (/server_info reports it too). Random, as the request ids.
+        self.fingerprint = f"fp_{uuid.uuid4().hex[:12]}"
         self.engine = EngineLoop(llm, on_update=self._observe_update)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot, lambda: self.engine.num_queued)
         self.limits = BodyLimits(
@@ -512,7 +515,8 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     text, logprobs, last = result
     build = chat_response if chat else completion_response
     written = None if writer is None else writer(logprobs)
-    return JSONResponse(build(rid, model, text, last.finish_reason, last.usage, written))
+    body = build(rid, model, text, last.finish_reason, last.usage, written)
+    return JSONResponse({**body, "system_fingerprint": server.fingerprint})
 
 
 async def _ending_with_error(

@@ -44,6 +44,13 @@ class ServerMetrics:
             "Prompt tokens served by the prefix cache",
             registry=self.registry,
         )
+        # vllm-router's cache_aware and kv_aware render each request on every worker: work a
+        # replica does for requests another replica may serve.
+        self.renders = Counter(
+            "radixkv_render_requests",
+            "Render calls (/v1/chat/completions/render, /v1/completions/render)",
+            registry=self.registry,
+        )
         self.generated_tokens = Counter(
             "radixkv_generated_tokens", "Tokens generated", registry=self.registry
         )

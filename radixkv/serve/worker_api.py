@@ -173,7 +173,7 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
     max_total_tokens = llm.cache.num_blocks * llm.cache.block_size
     return {
         "model_path": llm.model_name,
-        "tokenizer_path": llm.model_name,
+        "tokenizer_path": llm.tokenizer_path,
         "served_model_name": config.model_name,
         "dp_size": 1,
         "tp_size": 1,
@@ -189,6 +189,7 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
         "max_queued_requests": config.max_queued_requests,
         "internal_states": [],
         "version": _version(),
+        "system_fingerprint": server.fingerprint,  # what this server's replies carry
     }
 
 
@@ -198,7 +199,7 @@ def _model_info(server: OpenAIServer) -> dict[str, Any]:
     model_config = llm.model.config
     return {
         "model_path": llm.model_name,
-        "tokenizer_path": llm.model_name,
+        "tokenizer_path": llm.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
@@ -222,11 +223,13 @@ def _version() -> str:
 def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request) -> dict[str, Any]:
+        server.metrics.renders.inc()
         job = await server.prepare(_raw(request), chat=True)
         return _generate_request("chatcmpl", job)
 
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> list[dict[str, Any]]:
+        server.metrics.renders.inc()
         job = await server.prepare(_raw(request), chat=False)
         return [_generate_request("cmpl", job)]
 

@@ -226,6 +226,21 @@ def test_300000_stop_strings_let_in_by_a_larger_body_limit_get_400(make_server) 
     assert status == 400 and "300000 entries" in assert_openai_error(answer, "stop")["message"]
 
 
+def test_an_http2_preface_is_closed_unanswered_and_counts_no_request(server) -> None:
+    """Routers probe workers with HTTP/2's connection preface (sglang-router does at start):
+    h11 read it as a request `PRI *`, answered 404 and counted as bad_request on every replica."""
+    before = read_metrics(server.base_url)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert read_until_closed(sock, timeout=10) == b""
+    after = read_metrics(server.base_url)
+    assert metric(after, "radixkv_requests_total", outcome="bad_request") == metric(
+        before, "radixkv_requests_total", outcome="bad_request"
+    )
+    status, _ = post(server.port, CHAT, chat_body())  # HTTP/1.1 still served
+    assert status == 200
+
+
 # ---------------------------------------------------------------------- F3 / F11: read timeouts
 
 

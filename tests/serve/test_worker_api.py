@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
-from serve_helpers import render_chat, user_message, wait_until
+from serve_helpers import metric, read_metrics, render_chat, user_message, wait_until
 
 pytest.importorskip("fastapi")
 
@@ -81,6 +82,7 @@ def test_server_info_has_what_sglang_router_reads(server: Any, path: str) -> Non
     for name in ("max_prefill_tokens", "max_running_requests", "page_size", "context_length"):
         assert isinstance(info[name], int) and info[name] > 0, name
     assert isinstance(info["version"], str)
+    assert_local_tokenizer(info["tokenizer_path"])
 
 
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])
@@ -90,7 +92,14 @@ def test_model_info_has_what_sglang_router_reads(server: Any, path: str) -> None
     assert info["is_generation"] is True
     assert info["model_type"] == "llama"
     assert info["architectures"] == ["LlamaForCausalLM"]
-    assert isinstance(info["model_path"], str) and isinstance(info["tokenizer_path"], str)
+    assert isinstance(info["model_path"], str)
+    assert_local_tokenizer(info["tokenizer_path"])
+
+
+def assert_local_tokenizer(path: str) -> None:
+    """sglang-router downloads a tokenizer_path it cannot find on disk: a replica reports the
+    folder it read its tokenizer from."""
+    assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "tokenizer.json")), path
 
 
 def test_get_load_is_sglangs_list_per_rank_and_counts_a_running_request(server: Any) -> None:
@@ -231,6 +240,7 @@ def test_flush_cache_clears_the_disk_tier_or_keeps_it_and_says_which(
 # ------------------------------------------------------------------------------------ vLLM
 def test_chat_render_is_the_prompt_generation_runs(server: Any, submitted: list[list[int]]) -> None:
     messages = chat(4)
+    renders_before = metric(read_metrics(server.base_url), "radixkv_render_requests_total")
     status, rendered = call(
         server,
         "/v1/chat/completions/render",
@@ -238,6 +248,8 @@ def test_chat_render_is_the_prompt_generation_runs(server: Any, submitted: list[
     )
     assert status == 200
     assert not submitted  # rendering runs nothing
+    renders = metric(read_metrics(server.base_url), "radixkv_render_requests_total")
+    assert renders == renders_before + 1  # counted: vllm-router asks every worker
     # vLLM's GenerateRequest
     assert rendered["request_id"].startswith("chatcmpl-")
     assert rendered["sampling_params"]["max_tokens"] == 3
@@ -505,3 +517,12 @@ def test_health_generate_answers_503_once_the_server_is_shutting_down(make_serve
     server.server_state.begin_shutdown()
     assert call(server, "/health_generate") == (503, {"status": "shutting down"})
     assert probe.num_probes == 0
+
+
+def test_a_reply_names_the_server_that_served_it(server: Any) -> None:
+    """Behind a router a client learns which replica answered from `system_fingerprint`, the
+    value that replica's /server_info reports."""
+    _, info = call(server, "/server_info")
+    reply = server.client().chat.completions.create(model="tiny", messages=chat(1), max_tokens=2)
+    assert info["system_fingerprint"].startswith("fp_")
+    assert reply.system_fingerprint == info["system_fingerprint"]
