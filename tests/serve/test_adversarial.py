@@ -185,7 +185,9 @@ def test_templating_and_tokenizing_run_off_the_event_loop(server, monkeypatch) -
     latencies = health_latencies(server.port, request.is_alive)
     request.join(60)
     assert result[0][0] == 200, result
-    assert max(latencies) < HEALTH_BUDGET_S, sorted(latencies)[-5:]
+    # On the loop, the template would hold every /health for its 1.5 s: a bound well under that
+    # tells the two apart on a loaded machine too.
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
 
 
 # ---------------------------------------------------------------------- F2: stop strings
