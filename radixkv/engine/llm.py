@@ -40,6 +40,7 @@ from radixkv.cache.transfers import Poisoned, Transfer
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.grammar import GrammarCompiler, RequestGrammar, mask_rows
 from radixkv.engine.interrupts import sigint_deferred
 from radixkv.engine.logprobs import token_logprobs
 from radixkv.engine.model_loader import Progress, load_model
@@ -92,6 +93,7 @@ class _Tracked:
     error: BaseException | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
     failed_load: bool = False  # a load of cached KV for it failed once: the next failure fails it
+    grammar: RequestGrammar | None = None  # its structured-output matcher, if it asked for one
 
 
 class LLM:
@@ -161,6 +163,7 @@ class LLM:
         self._outbox: list[RequestUpdate] = []  # updates of add_request's requests, not yet taken
         self._stepping = False
         self._orphans: list[str] = []  # streams dropped during a step, released after it
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
     # ------------------------------------------------------------------ step API
 
@@ -229,6 +232,9 @@ class LLM:
         assert unfinished == {r.request_id for r in live}, (unfinished, live)
         for u in self._outbox:
             assert u.output is None or u.request_id in self._tracked, u
+        for t in self._tracked.values():
+            if t.grammar is not None:
+                t.grammar.check_integrity(t.request.output_token_ids)
 
     # ------------------------------------------------------------------ generate / stream
 
@@ -326,9 +332,10 @@ class LLM:
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        grammars = [self._grammar_of(p) for p in params]  # compile errors before any state
         added: list[str] = []
         try:
-            for tokens, p in zip(prompts, params, strict=True):
+            for tokens, p, grammar in zip(prompts, params, grammars, strict=True):
                 index = self._num_submitted
                 self._num_submitted += 1
                 rid = f"req-{index}"  # never reused, not even after a rollback
@@ -339,11 +346,33 @@ class LLM:
                 added.append(rid)
                 gen = None if p.greedy else make_generator(seed)
                 detok = IncrementalDetokenizer(self.tokenizer)
-                self._tracked[rid] = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
+                t = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
+                t.grammar = None if grammar is None else RequestGrammar(grammar, stop)
+                self._tracked[rid] = t
         except BaseException:
             self._discard(*added)
             raise
         return added
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (made on first use). ValueError without a tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                name = self.model_name
+                raise ValueError(f"model {name!r} has no tokenizer: no structured output")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
+
+    def _grammar_of(self, params: SamplingParams) -> Any:
+        """The compiled grammar of a request's params (None without one); ValueError for one
+        that cannot be compiled or could never end (no stop token)."""
+        spec = params.grammar_spec
+        if spec is None:
+            return None
+        if not params.stop_tokens(self.eos_token_ids):
+            raise ValueError(f"{spec[0]} needs a stop token: ignore_eos with no stop_token_ids")
+        return self.grammars.compile(spec)
 
     @sigint_deferred()
     def _run_step(self) -> None:
@@ -378,6 +407,8 @@ class LLM:
         sampled_at, took = self._overlap.step(step_ids, self._sampling_of, self._run_transfers)
         for req, token, logprobs in took:
             self._deliver(self._tracked[req.request_id], token, sampled_at, logprobs)
+        for rid, exc in self._overlap.take_faults():
+            self._fail_one(self._tracked[rid], exc)
 
     def _synchronous_step(self, step_ids: list[str]) -> None:
         """schedule -> tier moves -> forward -> sample -> update -> deliver."""
@@ -392,8 +423,11 @@ class LLM:
         sample_ids = [row.request_id for row in out.rows if row.sample]
         records = [self._tracked[rid] for rid in sample_ids]
         params = [t.params for t in records]
-        adjusted = adjust_logits(logits, params, [t.request.output_token_ids for t in records])
+        outputs = [t.request.output_token_ids for t in records]
+        masked, faults = mask_rows(logits, [t.grammar for t in records], outputs)
+        adjusted = adjust_logits(masked, params, outputs)
         results = sample(adjusted, params, [t.generator for t in records])
+        results = [faults.get(i, r) for i, r in enumerate(results)]
         logprobs = token_logprobs(logits, params, results)
         sampled: dict[str, int] = {}
         for t, result in zip(records, results, strict=True):
@@ -431,9 +465,11 @@ class LLM:
         logger.error("request %s failed in a step: %r", t.request.request_id, exc)
         self._fail_requests([t.request.request_id], exc)
 
-    def _sampling_of(self, request_id: str) -> tuple[SamplingParams, random.Random | None]:
+    def _sampling_of(
+        self, request_id: str
+    ) -> tuple[SamplingParams, random.Random | None, RequestGrammar | None]:
         t = self._tracked[request_id]
-        return t.params, t.generator
+        return t.params, t.generator, t.grammar
 
     @sigint_deferred()
     def save_kv_cache(self) -> None:

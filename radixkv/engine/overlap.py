@@ -18,6 +18,9 @@ late:
   neither fed to its next step nor filled in.
 * Penalties count a request's last token while it is still on the device; logprobs are copied
   to the host behind the tokens and read with them.
+* A grammar row's mask needs its request's last token: a step holding one reads the tokens of
+  the step in flight after queuing its own forward and before masking (`_masked`), so only its
+  sampling waits for the step before. A row the grammar fails is reported in `take_faults()`.
 * `Scheduler.fill` brings the real tokens. A request that stopped (EOS, a stop token) had one
   more row computed in the step already launched: that row's token is dropped and its KV is not
   inserted. A request whose placeholder is its `max_tokens`-th token is not scheduled again.
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.engine.cuda_graphs import TokenFeed
+from radixkv.engine.grammar import RequestGrammar, mask_rows
 from radixkv.engine.logprobs import StepLogprobs, logprobs_on_device
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import TokenLogprobs
@@ -47,8 +51,8 @@ from radixkv.engine.step_inputs import InputStager
 from radixkv.scheduler import Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
 
-# request id -> (its sampling params, its random stream); the engine's records.
-SamplingOf = Callable[[str], tuple[SamplingParams, random.Random | None]]
+# request id -> (its sampling params, its random stream, its grammar); the engine's records.
+SamplingOf = Callable[[str], tuple[SamplingParams, random.Random | None, RequestGrammar | None]]
 # Runs a step's tier moves before its forward; returns the requests sent back to the waiting
 # queue because a load into their blocks failed (their rows run, and are ignored).
 RunMoves = Callable[[SchedulerOutput], set[str]]
@@ -74,6 +78,12 @@ class _InFlight:
         if self.sampled_at is None and (self.ready is None or self.ready.query()):
             self.sampled_at = time.perf_counter()
 
+    def tokens_now(self) -> list[int]:
+        """The sampled tokens, waiting for the device if need be."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
     def read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The sampled tokens and each row's logprobs (None where not asked for)."""
         if self.ready is not None:
@@ -97,6 +107,7 @@ class OverlappedSteps:
         self.runner = runner
         self._stager = InputStager(runner.device, capacity=1 << 10)  # the feed's indices
         self._in_flight: _InFlight | None = None
+        self._faults: list[tuple[str, Exception]] = []  # rows a grammar failed, not yet taken
 
     def step(
         self, step_ids: list[str], sampling_of: SamplingOf, run_moves: RunMoves
@@ -111,7 +122,14 @@ class OverlappedSteps:
             return self._step(step_ids, sampling_of, run_moves)
         except BaseException:
             self._in_flight = None
+            self._faults.clear()
             raise
+
+    def take_faults(self) -> list[tuple[str, Exception]]:
+        """The requests whose rows in the launched step failed their grammar (the engine fails
+        them; their tokens are garbage), since the last call."""
+        faults, self._faults = self._faults, []
+        return faults
 
     def check_integrity(self) -> None:
         """The live requests with placeholders are exactly the in-flight step's sampled ones
@@ -159,9 +177,10 @@ class OverlappedSteps:
         logits = self.runner.execute(out, self._feed(out, previous))
         sample_ids = [row.request_id for row in out.rows if row.sample]
         sampling = [sampling_of(rid) for rid in sample_ids]
-        params = [p for p, _ in sampling]
-        adjusted = self._adjusted(logits, sample_ids, params, previous)
-        tokens = sample_on_device(adjusted, params, [gen for _, gen in sampling])
+        params = [p for p, _, _ in sampling]
+        masked = self._masked(logits, sample_ids, [g for _, _, g in sampling], previous)
+        adjusted = self._adjusted(masked, sample_ids, params, previous)
+        tokens = sample_on_device(adjusted, params, [gen for _, gen, _ in sampling])
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = None
         if rows:
@@ -176,6 +195,34 @@ class OverlappedSteps:
         ready = torch.cuda.Event()
         ready.record()
         return _InFlight(out, sample_ids, params, tokens, host, logprobs, ready, requeued)
+
+    def _masked(
+        self,
+        logits: torch.Tensor,
+        sample_ids: list[str],
+        grammars: list[RequestGrammar | None],
+        previous: _InFlight | None,
+    ) -> torch.Tensor:
+        """The logits with the grammar rows' masks applied. NOTE: a mask needs the request's
+        last token, which may be the step in flight's: this waits for that step's tokens (the
+        simplest correct choice; this step's forward is queued already)."""
+        if not any(grammars):
+            return logits
+        source = _sources(previous)
+        in_flight: list[int] = []
+        if previous is not None and any(rid in source for rid in sample_ids):
+            in_flight = previous.tokens_now()
+        outputs: list[list[int] | None] = []
+        for rid, grammar in zip(sample_ids, grammars, strict=True):
+            req = self.scheduler.get_request(rid)
+            assert req is not None, rid
+            known = req.output_token_ids[: len(req.output_token_ids) - req.num_pending]
+            i = source.get(rid) if req.num_pending else None
+            last = [] if i is None else [in_flight[i]]
+            outputs.append(None if grammar is None else [*known, *last])
+        masked, faults = mask_rows(logits, grammars, outputs)
+        self._faults += [(sample_ids[i], exc) for i, exc in faults.items()]
+        return masked
 
     def _adjusted(
         self,
