@@ -62,11 +62,25 @@ class GrammarCompiler:
             compiled = self._compile_now(kind, text)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"{kind} cannot be compiled: {exc}") from None
+        self._check_spellable(kind, compiled)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _check_spellable(self, kind: str, compiled: Any) -> None:
+        """GrammarError when no token of the vocabulary can begin the grammar (a tokenizer
+        without its characters): such a request could never make progress."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise GrammarError(f"{kind}: no token of this model's vocabulary can begin it")
+
+    def is_cached(self, spec: tuple[str, str]) -> bool:
+        with self._lock:
+            return spec in self._cache
 
     @property
     def num_cached(self) -> int:
@@ -95,9 +109,10 @@ class GrammarCompiler:
 
 
 def json_schema_for_xgrammar(text: str) -> str:
-    """The schema as xgrammar is given it: string lengths become a pattern, since xgrammar's
-    minLength / maxLength grammar admits raw control characters, which JSON forbids. Raises
-    GrammarError for text that is not a JSON object."""
+    """The schema as xgrammar is given it: short string lengths become a pattern, since
+    xgrammar's minLength / maxLength grammar admits raw control characters, which JSON forbids.
+    (A pattern's compile time grows with its bound squared, so longer bounds stay as they are.)
+    Raises GrammarError for text that is not a JSON object."""
     try:
         schema = json.loads(text)
     except ValueError as exc:
@@ -108,6 +123,7 @@ def json_schema_for_xgrammar(text: str) -> str:
 
 
 _NOT_SCHEMAS = frozenset(("enum", "const", "default", "examples"))  # values, not subschemas
+MAX_LENGTH_AS_PATTERN = 64
 
 
 def _lengths_as_patterns(node: Any) -> Any:
@@ -116,10 +132,13 @@ def _lengths_as_patterns(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: v if k in _NOT_SCHEMAS else _lengths_as_patterns(v) for k, v in node.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f"^.{{{low},{high}}}$"  # `.` here: one unescaped non-control character
+    low, high = out.get("minLength", 0), out.get("maxLength")
+    plain = out.get("type") == "string" and "pattern" not in out and "format" not in out
+    short = type(low) is int and type(high) is int and 0 <= low <= high <= MAX_LENGTH_AS_PATTERN
+    if plain and short:
+        del out["maxLength"]
+        out.pop("minLength", None)
+        out["pattern"] = f"^.{{{low},{high}}}$"  # `.`: one unescaped non-control character
     return out
 
 

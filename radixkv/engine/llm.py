@@ -297,8 +297,11 @@ class LLM:
         """Whether the model has a tokenizer with a chat template (what `encode_chat` needs)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt of a chat: `messages` through the tokenizer's chat template, with the
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt of a chat: `messages` (and `tools`, OpenAI's tool definitions, for a
+        template that renders them) through the tokenizer's chat template, with the
         assistant's turn opened; special-token text in their content is plain text unless the
         config's `parse_special_tokens_in_content` (see `chat_template.py`). Raises ValueError
         for a model without a tokenizer or chat template, a message without a string role and
@@ -308,7 +311,7 @@ class LLM:
             raise ValueError(f"model {self.model_name!r} has no chat template")
         checked = check_chat_messages(messages)
         parse = self.config.parse_special_tokens_in_content
-        return encode_chat(self.tokenizer, checked, parse_special_tokens=parse)
+        return encode_chat(self.tokenizer, checked, parse_special_tokens=parse, tools=tools)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return decode(self.tokenizer, token_ids)

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixkv.engine.grammar import GrammarError
 from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.engine.outputs import TokenLogprobs
 from radixkv.engine.sampling_params import SamplingParams
@@ -52,6 +53,14 @@ from radixkv.serve.protocol import (
     usage,
 )
 from radixkv.serve.stop_strings import StopStringMatcher
+from radixkv.serve.structured import Constraint
+from radixkv.serve.tools import (
+    ToolCallReader,
+    ToolRequest,
+    messages_with_tools,
+    template_renders_tools,
+    tool_constraint,
+)
 from radixkv.serve.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
@@ -77,6 +86,14 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     stops: StopStringMatcher
+    tools: ToolRequest | None = None
+    constraint: Constraint | None = None  # structured output, compiled before submission
+
+    def tool_reader(self) -> ToolCallReader | None:
+        """A reader of the reply's tool calls, None when it may make none."""
+        if self.tools is None or not self.tools.calls_allowed:
+            return None
+        return ToolCallReader(self.tools.names)
 
 
 class OpenAIServer:
@@ -99,6 +116,12 @@ class OpenAIServer:
             max_prompt_chars=_max_prompt_chars(llm),
             max_messages=llm.config.max_model_len,
         )
+        # Grammars compile here, off the event loop and the preparation thread, within
+        # `grammar_compile_timeout_s`; xgrammar releases the GIL while it compiles.
+        self._compile = ThreadPoolExecutor(
+            max_workers=config.max_grammar_compiles, thread_name_prefix="radixkv-grammar"
+        )
+        self.grammars = llm.grammars if llm.tokenizer is not None else None
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
@@ -123,6 +146,7 @@ class OpenAIServer:
     def stop(self) -> None:
         self.engine.stop()
         self._prep.shutdown(wait=False, cancel_futures=True)
+        self._compile.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_stopping(self) -> bool:
@@ -137,23 +161,57 @@ class OpenAIServer:
 
     def prepare_now(self, raw: bytes, *, chat: bool) -> Job:
         body = parse_json(raw)
+        tools = None
         if chat:
             chat_body = read_chat_body(body, self.limits)
             fields, prompt_param, default = chat_body.sampling, "messages", None
-            prompt = self.chat_prompt(chat_body.messages)
+            tools = chat_body.tools
+            prompt = self.chat_prompt(chat_body.messages, tools)
         else:
             completion = read_completion_body(body, self.limits)
             fields, prompt_param = completion.sampling, "prompt"
             default = DEFAULT_COMPLETION_MAX_TOKENS
             prompt = self.completion_prompt(completion.prompt)
-        params = self.sampling_params(fields, len(prompt), prompt_param, default)
-        return Job(fields, prompt, params, StopStringMatcher(fields.stop_strings))
+        constraint = fields.constraint or (tools and tool_constraint(tools))
+        params = self.sampling_params(fields, len(prompt), prompt_param, default, constraint)
+        stops = StopStringMatcher(fields.stop_strings)
+        return Job(fields, prompt, params, stops, tools, constraint)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    async def compile_grammar(self, job: Job) -> None:
+        """Compile the job's grammar (the engine then finds it cached), off the event loop and
+        within the configured time. APIError(400) naming the field for a grammar that cannot
+        be compiled or takes too long (its compile goes on in its thread, and is cached)."""
+        c, spec = job.constraint, job.params.grammar_spec
+        if c is None or spec is None:
+            return
+        if self.grammars is None:
+            raise bad_request("structured output needs a model with a tokenizer", c.param)
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(self._compile, self.grammars.compile, spec)
+        compiling.add_done_callback(_retrieved)  # its error is read even after a timeout
+        timeout = self.config.grammar_compile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), timeout)
+        except asyncio.TimeoutError:
+            message = f"{c.param} did not compile within {timeout:g} s: simplify it"
+            raise bad_request(message, c.param) from None
+        except GrammarError as exc:
+            raise bad_request(str(exc), c.param) from None
+
+    def chat_prompt(
+        self, messages: Sequence[dict[str, Any]], tools: ToolRequest | None = None
+    ) -> list[int]:
         if not self.llm.has_chat_template:
             raise bad_request(f"model {self.config.model_name!r} has no chat template", "messages")
+        shown = None
+        if tools is not None and template_renders_tools(self.llm.tokenizer):
+            shown = tools.tools
+        elif tools is not None:
+            messages = messages_with_tools(messages, tools.tools)
         try:
-            return self.llm.encode_chat(messages)
+            if shown is None:
+                return self.llm.encode_chat(messages)
+            return self.llm.encode_chat(messages, shown)
         except (ValueError, TypeError) as exc:  # a template may refuse roles or their order
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
@@ -167,7 +225,12 @@ class OpenAIServer:
             raise bad_request(str(exc), "prompt") from exc
 
     def sampling_params(
-        self, fields: SamplingFields, num_prompt_tokens: int, prompt_param: str, default: int | None
+        self,
+        fields: SamplingFields,
+        num_prompt_tokens: int,
+        prompt_param: str,
+        default: int | None,
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; `default` max_tokens, None: as many as the context and
         the KV cache hold. Raises APIError(400) for an unknown model, a prompt (the body field
@@ -207,9 +270,13 @@ class OpenAIServer:
                 frequency_penalty=fields.frequency_penalty or 0.0,
                 logit_bias=fields.logit_bias,
                 logprobs=fields.logprobs,
+                **({} if constraint is None else {constraint.kind: constraint.value}),
             )
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), _sampling_param(exc, fields)) from exc
+            param = _sampling_param(exc, fields)
+            if constraint is not None and str(exc).startswith(constraint.kind):
+                param = constraint.param
+            raise bad_request(str(exc), param) from exc
 
     # ------------------------------------------------------------------ running a request
 
@@ -307,6 +374,11 @@ class OpenAIServer:
             for _ in range(n):
                 self.metrics.inter_token.observe(gap)
         stream.t_last_token = now
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _max_prompt_chars(llm: LLM) -> int | None:
@@ -475,6 +547,7 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     if server.is_stopping:
         raise shutting_down()
     job = await server.prepare(request.scope.get("radixkv.body", b""), chat=chat)
+    await server.compile_grammar(job)
     stream = await server.submit(job, arrival)
     pieces = server.pieces(stream, job.stops)
     model = server.config.model_name
@@ -484,9 +557,12 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     if job.fields.logprobs is not None:
         writer = LogprobsWriter(server.token_text, chat=chat)
     if job.fields.stream:
-        events = (_chat_events if chat else _completion_events)(
-            rid, model, pieces, job.fields.include_usage, writer
-        )
+        if chat:
+            events = _chat_events(
+                rid, model, pieces, job.fields.include_usage, writer, job.tool_reader()
+            )
+        else:
+            events = _completion_events(rid, model, pieces, job.fields.include_usage, writer)
         return StreamingResponse(
             _ending_with_error(events, server),
             media_type="text/event-stream",
@@ -496,9 +572,17 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     if result is None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     text, logprobs, last = result
-    build = chat_response if chat else completion_response
     written = None if writer is None else writer(logprobs)
-    return JSONResponse(build(rid, model, text, last.finish_reason, last.usage, written))
+    if not chat:
+        return JSONResponse(
+            completion_response(rid, model, text, last.finish_reason, last.usage, written)
+        )
+    reader, calls, reason = job.tool_reader(), [], last.finish_reason
+    if reader is not None:
+        text, calls = reader.push(text)
+        text += reader.finish()
+        reason = "tool_calls" if calls and reason == "stop" else reason
+    return JSONResponse(chat_response(rid, model, text, reason, last.usage, written, calls))
 
 
 async def _ending_with_error(
@@ -521,14 +605,26 @@ async def _chat_events(
     pieces: AsyncIterator[_Piece],
     include_usage: bool,
     writer: LogprobsWriter | None,
+    tools: ToolCallReader | None = None,
 ) -> AsyncIterator[str]:
+    """Chat chunks; with `tools`, text that may begin a call is held back until it is one,
+    and each call comes whole in one `tool_calls` delta with its index."""
     yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
     async for piece in pieces:
-        if piece.text or (writer and piece.logprobs):
+        text, calls = piece.text, []
+        if tools is not None:
+            text, calls = tools.push(piece.text)
+            text += tools.finish() if piece.finish_reason is not None else ""
+        if text or (writer and piece.logprobs):
             logprobs = None if writer is None else writer(piece.logprobs)
-            yield _sse(chat_chunk(rid, model, {"content": piece.text}, logprobs=logprobs))
+            yield _sse(chat_chunk(rid, model, {"content": text}, logprobs=logprobs))
+        if calls:
+            yield _sse(chat_chunk(rid, model, {"tool_calls": calls}))
         if piece.finish_reason is not None:
-            yield _sse(chat_chunk(rid, model, {}, piece.finish_reason))
+            reason = piece.finish_reason
+            if tools is not None and tools.num_calls and reason == "stop":
+                reason = "tool_calls"
+            yield _sse(chat_chunk(rid, model, {}, reason))
             if include_usage:
                 yield _sse(chat_chunk(rid, model, None, usage_=piece.usage))
 

@@ -27,6 +27,10 @@ class ServeConfig:
     # SIGTERM / SIGINT: replies in flight may finish for this long; then each ends with an error
     # (a stream: an error event and [DONE]). A second signal ends them at once.
     shutdown_timeout_s: float = 20.0
+    # A structured-output grammar (schema, regex, EBNF, tools) that takes longer to compile is
+    # answered 400; at most this many compile at once.
+    grammar_compile_timeout_s: float = 10.0
+    max_grammar_compiles: int = 2
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -37,11 +41,17 @@ class ServeConfig:
             "max_body_bytes",
             "max_stops",
             "max_stop_chars",
+            "max_grammar_compiles",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("read_timeout_s", "keep_alive_timeout_s", "shutdown_timeout_s"):
+        for name in (
+            "read_timeout_s",
+            "keep_alive_timeout_s",
+            "shutdown_timeout_s",
+            "grammar_compile_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number of seconds, got {value!r}")

@@ -78,7 +78,14 @@ def chat_response(
     finish_reason: str,
     usage_: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """A chat reply; with `tool_calls` (each with its stream `index`, dropped here), its content
+    is None when no text came besides them."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["content"] = text.strip() or None
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
     return {
         "id": rid,
         "object": "chat.completion",
@@ -87,7 +94,7 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }

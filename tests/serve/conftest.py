@@ -66,13 +66,15 @@ class LiveServer:
 def make_server(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., LiveServer]]:
     """(engine kwargs, server kwargs) -> a started LiveServer on a fresh tiny-model LLM.
 
-    Server kwargs: `on_shutdown` for `create_app`, the rest for `ServeConfig`."""
+    Engine kwargs: a `model` (default: the tiny GQA model's folder), then LLM's own (such as
+    `tokenizer`). Server kwargs: `on_shutdown` for `create_app`, the rest for `ServeConfig`."""
     from radixkv.engine import LLM
 
     servers: list[LiveServer] = []
 
     def make(engine: dict[str, Any] | None = None, **config: Any) -> LiveServer:
-        llm = LLM(str(tiny_model_dir("gqa")), **{"num_blocks": 256, **(engine or {})})
+        settings = {"num_blocks": 256, **(engine or {})}
+        llm = LLM(settings.pop("model", None) or str(tiny_model_dir("gqa")), **settings)
         server = LiveServer(llm, **config)
         servers.append(server)
         return server
