@@ -241,6 +241,8 @@ def test_a_conversation_with_earlier_calls_and_results_continues(server):
             "guided_regex",
         ),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"guided_regex": "a" * 70_000}, "guided_regex"),
+        ({"structured_outputs": {"choice": ["x"] * 1025}}, "structured_outputs.choice"),
     ],
 )
 def test_bad_structured_fields_get_400_naming_them(server, fields, param):
