@@ -54,7 +54,13 @@ from radixkv.engine.outputs import (
 )
 from radixkv.engine.overlap import OverlappedSteps
 from radixkv.engine.penalties import adjust_logits
-from radixkv.engine.prompts import PromptInput, check_chat_messages, pack_prompts, params_list
+from radixkv.engine.prompts import (
+    PromptInput,
+    check_chat_messages,
+    expand_choices,
+    pack_prompts,
+    params_list,
+)
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.tier_io import make_tier_io
@@ -248,12 +254,17 @@ class LLM:
         """Generate for one or many prompts (strings or token-id lists), in input order, sharing
         cached KV only with requests of the same `cache_salt` (as `add_request`).
 
+        A prompt whose params have `n` > 1 gives its n outputs one after another (choice i
+        seeded with seed + i when the params have a seed): the choices share the prompt's
+        cached KV, one prefill for all.
+
         Raises ValueError / TypeError, with nothing admitted, for an empty prompt, token ids outside
         the vocabulary, a prompt that can never fit, or params of the wrong type or count. Raises
         the exception of a step that failed one of its requests (the others are aborted).
         """
         packed = pack_prompts(prompts, self.encode, self.vocab_size, self.config.max_model_len)
-        ids = self._submit(packed, params_list(params, len(packed)), None, cache_salt)
+        packed, plist = expand_choices(packed, params_list(params, len(packed)))
+        ids = self._submit(packed, plist, None, cache_salt)
         try:
             records = [self._tracked[rid] for rid in ids]
             while any(t.output is None for t in records):
@@ -330,6 +341,8 @@ class LLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         for p in params:
+            if p.n != 1:
+                raise ValueError("n > 1 is generate()'s: add one request per choice (`choices()`)")
             if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by token id
                 raise ValueError(
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "

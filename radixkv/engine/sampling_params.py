@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from radixkv.cache import check_size
@@ -47,6 +47,11 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
+    # choices per prompt, each its own request: the first's prefill is cached, and the others'
+    # prompts hit it (in-batch prefix caching, for prompts longer than the engine's
+    # `defer_shared_prefix_tokens`). Choice i of a seeded request samples with
+    # seed + i (mod 2**64): `choices()`.
+    n: int = 1
 
     def __post_init__(self) -> None:
         check_size(self.max_tokens, "max_tokens", low=1)
@@ -70,6 +75,8 @@ class SamplingParams:
         if self.logprobs is not None and check_size(self.logprobs, "logprobs", low=0) > 20:
             raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
         _check_structured(self)
+        if check_size(self.n, "n", low=1) > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +86,15 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a bias or penalty changes this request's logits before sampling."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+
+    def choices(self) -> list[SamplingParams]:
+        """The params of each of the n choices: n = 1 each, choice i seeded with seed + i."""
+        if self.n == 1:
+            return [self]
+        return [
+            replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**64)
+            for i in range(self.n)
+        ]
 
     @property
     def grammar_spec(self) -> tuple[str, str] | None:
@@ -137,6 +153,7 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_GRAMMAR_CHARS = 65536  # of a schema, regex, grammar or all choices: bounds compile work
 MAX_CHOICES = 1024
+MAX_N = 128  # choices of one request (the server has its own, smaller, limit)
 
 
 def _check_structured(params: SamplingParams) -> None:
