@@ -38,6 +38,7 @@ from radixkv.serve.bodies import (
     read_chat_body,
     read_completion_body,
 )
+from radixkv.serve.choices import merged, merged_usage
 from radixkv.serve.config import ServeConfig
 from radixkv.serve.door import RequestDoor
 from radixkv.serve.engine_loop import EngineLoop, RequestStream
@@ -115,6 +116,7 @@ class OpenAIServer:
             max_stop_chars=config.max_stop_chars,
             max_prompt_chars=_max_prompt_chars(llm),
             max_messages=llm.config.max_model_len,
+            max_n=config.max_n,
         )
         # Grammars compile here, off the event loop and the preparation thread, within
         # `grammar_compile_timeout_s`; xgrammar releases the GIL while it compiles.
@@ -249,17 +251,25 @@ class OpenAIServer:
         if room < 1:
             raise over_context(num_prompt_tokens, context, prompt_param)
         max_tokens = fields.max_tokens
-        if max_tokens is None:
-            cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
-            max_tokens = max(1, min(room, cache_tokens - num_prompt_tokens, default or room))
+        cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
+        if max_tokens is None:  # the n replies must fit the cache together
+            fits = (cache_tokens - num_prompt_tokens) // fields.n
+            max_tokens = max(1, min(room, fits, default or room))
         elif max_tokens > room:
             raise bad_request(
                 f"prompt ({num_prompt_tokens} tokens) + {fields.max_tokens_param} ({max_tokens}) "
                 f"exceed the model's context length ({context})",
                 fields.max_tokens_param,
             )
+        if fields.n > 1 and num_prompt_tokens + fields.n * max_tokens > cache_tokens:
+            raise bad_request(
+                f"n ({fields.n}) x {fields.max_tokens_param} ({max_tokens}) + the prompt "
+                f"({num_prompt_tokens} tokens) exceed the KV cache ({cache_tokens} tokens)",
+                "n",
+            )
         try:
             return SamplingParams(
+                n=fields.n,
                 max_tokens=max_tokens,
                 temperature=1.0 if fields.temperature is None else fields.temperature,
                 top_p=1.0 if fields.top_p is None else fields.top_p,
@@ -280,7 +290,9 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ running a request
 
-    async def submit(self, job: Job, arrival: _Arrival) -> RequestStream:
+    async def submit(
+        self, job: Job, arrival: _Arrival, params: SamplingParams | None = None
+    ) -> RequestStream:
         """Hand the request to the engine thread; returns once the engine has queued it.
 
         Records the body's receive time, the server overhead (request in -> handed to the engine
@@ -302,7 +314,7 @@ class OpenAIServer:
         try:
             stream = await self.engine.submit(
                 job.prompt_ids,
-                job.params,
+                job.params if params is None else params,
                 cache_salt=job.fields.cache_salt,
                 t_arrival=arrival.headers,
             )
@@ -310,6 +322,20 @@ class OpenAIServer:
             raise bad_request(str(exc)) from exc
         self.metrics.admission.observe(time.perf_counter() - arrival.received)
         return stream
+
+    async def submit_choices(self, job: Job, arrival: _Arrival) -> list[RequestStream]:
+        """`submit` for each of the job's `n` choices, together (so that they meet in one step
+        and share the prompt's prefill); all or none: a refused one releases the others."""
+        results = await asyncio.gather(
+            *(self.submit(job, arrival, p) for p in job.params.choices()), return_exceptions=True
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for stream in streams:
+                self.engine.release(stream)
+            raise errors[0]
+        return streams
 
     async def pieces(
         self, stream: RequestStream, stops: StopStringMatcher
@@ -420,17 +446,18 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _collect(
-    pieces: AsyncIterator[_Piece], request: Request
-) -> tuple[str, list[TokenLogprobs], _Piece] | None:
-    """The whole reply, or None if the client went away first (the request is then aborted)."""
-    reply = asyncio.ensure_future(_join(pieces))
+    pieces: Sequence[AsyncIterator[_Piece]], request: Request
+) -> list[tuple[str, list[TokenLogprobs], _Piece]] | None:
+    """Each whole reply, or None if the client went away first (the requests are then
+    aborted)."""
+    replies = asyncio.ensure_future(asyncio.gather(*(_join(p) for p in pieces)))
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
-    await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if reply.done():
+    await asyncio.wait({replies, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if replies.done():
         gone.cancel()
-        return reply.result()
-    reply.cancel()
-    await asyncio.gather(reply, return_exceptions=True)
+        return replies.result()
+    replies.cancel()
+    await asyncio.gather(replies, return_exceptions=True)
     return None
 
 
@@ -541,48 +568,70 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
 
 
 async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Response:
-    """Run the request; answer with server-sent events or one JSON body in `chat` or completion
-    format. A client that disconnects before the end gets nothing (its request is aborted)."""
+    """Run the request, its `n` choices side by side; answer with server-sent events or one
+    JSON body in `chat` or completion format. A client that disconnects before the end gets
+    nothing (its requests are aborted)."""
     arrival = _Arrival.of(request)
     if server.is_stopping:
         raise shutting_down()
     job = await server.prepare(request.scope.get("radixkv.body", b""), chat=chat)
     await server.compile_grammar(job)
-    stream = await server.submit(job, arrival)
-    pieces = server.pieces(stream, job.stops)
+    streams = await server.submit_choices(job, arrival)
+    pieces = [server.pieces(s, StopStringMatcher(job.fields.stop_strings)) for s in streams]
     model = server.config.model_name
     # Random, as OpenAI's: an id must not tell how many requests the server has seen.
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    writer = None
-    if job.fields.logprobs is not None:
-        writer = LogprobsWriter(server.token_text, chat=chat)
+    replies = [_Reply(job, server.token_text, chat) for _ in streams]
     if job.fields.stream:
-        if chat:
-            events = _chat_events(
-                rid, model, pieces, job.fields.include_usage, writer, job.tool_reader()
-            )
-        else:
-            events = _completion_events(rid, model, pieces, job.fields.include_usage, writer)
+        events = (_chat_events if chat else _completion_events)(
+            rid, model, merged(pieces), job.fields.include_usage, replies
+        )
         return StreamingResponse(
             _ending_with_error(events, server),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    result = await _collect(pieces, request)
-    if result is None:
+    results = await _collect(pieces, request)
+    if results is None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    text, logprobs, last = result
-    written = None if writer is None else writer(logprobs)
-    if not chat:
-        return JSONResponse(
-            completion_response(rid, model, text, last.finish_reason, last.usage, written)
-        )
-    reader, calls, reason = job.tool_reader(), [], last.finish_reason
-    if reader is not None:
-        text, calls = reader.push(text)
-        text += reader.finish()
-        reason = "tool_calls" if calls and reason == "stop" else reason
-    return JSONResponse(chat_response(rid, model, text, reason, last.usage, written, calls))
+    bodies = []
+    for index, ((text, logprobs, last), reply) in enumerate(zip(results, replies, strict=True)):
+        written = None if reply.writer is None else reply.writer(logprobs)
+        if not chat:
+            reason = last.finish_reason
+            bodies.append(completion_response(rid, model, text, reason, None, written, index))
+            continue
+        text, calls, reason = reply.tool_text(text, last.finish_reason, end=True)
+        bodies.append(chat_response(rid, model, text, reason, None, written, calls, index))
+    usage_ = merged_usage([last.usage for _, _, last in results])
+    return JSONResponse(
+        {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": usage_}
+    )
+
+
+class _Reply:
+    """The per-choice state of a reply being written: its logprobs writer and tool reader."""
+
+    __slots__ = ("tools", "writer")
+
+    def __init__(self, job: Job, token_text: Any, chat: bool) -> None:
+        self.writer: LogprobsWriter | None = None
+        if job.fields.logprobs is not None:
+            self.writer = LogprobsWriter(token_text, chat=chat)
+        self.tools: ToolCallReader | None = job.tool_reader() if chat else None
+
+    def tool_text(
+        self, text: str, finish_reason: str | None, *, end: bool
+    ) -> tuple[str, list[dict[str, Any]], str | None]:
+        """`text` less the calls it completes (held back while it may begin one, all of it
+        at the `end`), the calls, and the finish reason: "tool_calls" after a call."""
+        if self.tools is None:
+            return text, [], finish_reason
+        text, calls = self.tools.push(text)
+        text += self.tools.finish() if end else ""
+        if self.tools.num_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return text, calls, finish_reason
 
 
 async def _ending_with_error(
@@ -602,44 +651,48 @@ async def _ending_with_error(
 async def _chat_events(
     rid: str,
     model: str,
-    pieces: AsyncIterator[_Piece],
+    pieces: AsyncIterator[tuple[int, _Piece]],
     include_usage: bool,
-    writer: LogprobsWriter | None,
-    tools: ToolCallReader | None = None,
+    replies: Sequence[_Reply],
 ) -> AsyncIterator[str]:
-    """Chat chunks; with `tools`, text that may begin a call is held back until it is one,
-    and each call comes whole in one `tool_calls` delta with its index."""
-    yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
-    async for piece in pieces:
-        text, calls = piece.text, []
-        if tools is not None:
-            text, calls = tools.push(piece.text)
-            text += tools.finish() if piece.finish_reason is not None else ""
-        if text or (writer and piece.logprobs):
-            logprobs = None if writer is None else writer(piece.logprobs)
-            yield _sse(chat_chunk(rid, model, {"content": text}, logprobs=logprobs))
+    """Chat chunks, each with its choice's index; with tools, text that may begin a call is
+    held back until it is one, and each call comes whole in one `tool_calls` delta with its
+    index. The usage chunk comes once every choice has finished."""
+    for index in range(len(replies)):
+        yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}, index=index))
+    usages = []
+    async for index, piece in pieces:
+        reply = replies[index]
+        end = piece.finish_reason is not None
+        text, calls, reason = reply.tool_text(piece.text, piece.finish_reason, end=end)
+        if text or (reply.writer and piece.logprobs):
+            logprobs = None if reply.writer is None else reply.writer(piece.logprobs)
+            delta = {"content": text}
+            yield _sse(chat_chunk(rid, model, delta, logprobs=logprobs, index=index))
         if calls:
-            yield _sse(chat_chunk(rid, model, {"tool_calls": calls}))
-        if piece.finish_reason is not None:
-            reason = piece.finish_reason
-            if tools is not None and tools.num_calls and reason == "stop":
-                reason = "tool_calls"
-            yield _sse(chat_chunk(rid, model, {}, reason))
-            if include_usage:
-                yield _sse(chat_chunk(rid, model, None, usage_=piece.usage))
+            yield _sse(chat_chunk(rid, model, {"tool_calls": calls}, index=index))
+        if end:
+            yield _sse(chat_chunk(rid, model, {}, reason, index=index))
+            usages.append(piece.usage)
+    if include_usage:
+        yield _sse(chat_chunk(rid, model, None, usage_=merged_usage(usages)))
 
 
 async def _completion_events(
     rid: str,
     model: str,
-    pieces: AsyncIterator[_Piece],
+    pieces: AsyncIterator[tuple[int, _Piece]],
     include_usage: bool,
-    writer: LogprobsWriter | None,
+    replies: Sequence[_Reply],
 ) -> AsyncIterator[str]:
-    async for piece in pieces:
+    usages = []
+    async for index, piece in pieces:
+        writer = replies[index].writer
         if piece.text or piece.finish_reason is not None or (writer and piece.logprobs):
             logprobs = None if writer is None else writer(piece.logprobs)
-            chunk = completion_response(rid, model, piece.text, piece.finish_reason, None, logprobs)
-            yield _sse(chunk)
-        if piece.finish_reason is not None and include_usage:
-            yield _sse(completion_response(rid, model, None, None, piece.usage))
+            reason = piece.finish_reason
+            yield _sse(completion_response(rid, model, piece.text, reason, None, logprobs, index))
+        if piece.finish_reason is not None:
+            usages.append(piece.usage)
+    if include_usage:
+        yield _sse(completion_response(rid, model, None, None, merged_usage(usages)))

@@ -37,6 +37,7 @@ class BodyLimits:
     # text is refused before any templating or tokenizing.
     max_prompt_chars: int | None = None
     max_messages: int | None = None  # a chat with more messages than context tokens cannot fit
+    max_n: int = 1  # choices of one request
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +147,8 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
     if options is not None and not isinstance(options, dict):
         raise _wrong_type("stream_options", "an object", options)
     n = _int(body.get("n"), "n")
-    if n is not None and n != 1:
-        raise bad_request(f"only n=1 is supported, got n={n}", "n")
+    if n is not None and not 1 <= n <= limits.max_n:
+        raise bad_request(f"n must be in [1, {limits.max_n}], got {n}", "n")
     max_tokens = _int(body.get(max_param), max_param)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
@@ -157,6 +158,7 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
     _refuse_unsupported(body, chat=chat)
     return SamplingFields(
         model=_text(body.get("model"), "model"),
+        n=n or 1,
         max_tokens=max_tokens,
         max_tokens_param=max_param,
         temperature=temperature,

@@ -108,6 +108,7 @@ _LIMIT_OPTIONS = [
         "seconds a structured-output grammar may take to compile; a slower one gets 400",
     ),
     ("--max-grammar-compiles", "max_grammar_compiles", int, "grammars compiled at once"),
+    ("--max-n", "max_n", int, "choices one request may ask for (`n`)"),
 ]
 
 

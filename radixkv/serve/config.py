@@ -31,6 +31,7 @@ class ServeConfig:
     # answered 400; at most this many compile at once.
     grammar_compile_timeout_s: float = 10.0
     max_grammar_compiles: int = 2
+    max_n: int = 16  # choices of one request (`n`); more: 400
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -42,6 +43,7 @@ class ServeConfig:
             "max_stops",
             "max_stop_chars",
             "max_grammar_compiles",
+            "max_n",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
