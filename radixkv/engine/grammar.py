@@ -39,8 +39,10 @@ class GrammarCompiler:
     def __init__(
         self, tokenizer: Any, vocab_size: int, max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS
     ) -> None:
-        import xgrammar as xgr
-
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:
+            raise GrammarError(f"structured output needs the xgrammar package ({exc})") from None
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # xgrammar's own cache is off: this one is bounded by entries and shared by all kinds.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -123,7 +124,7 @@ class OpenAIServer:
         self._compile = ThreadPoolExecutor(
             max_workers=config.max_grammar_compiles, thread_name_prefix="radixkv-grammar"
         )
-        self.grammars = llm.grammars if llm.tokenizer is not None else None
+        self._grammars_made = threading.Lock()  # the engine's compiler is made on first use
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
@@ -186,10 +187,8 @@ class OpenAIServer:
         c, spec = job.constraint, job.params.grammar_spec
         if c is None or spec is None:
             return
-        if self.grammars is None:
-            raise bad_request("structured output needs a model with a tokenizer", c.param)
         loop = asyncio.get_running_loop()
-        compiling = loop.run_in_executor(self._compile, self.grammars.compile, spec)
+        compiling = loop.run_in_executor(self._compile, self._compile_now, spec)
         compiling.add_done_callback(_retrieved)  # its error is read even after a timeout
         timeout = self.config.grammar_compile_timeout_s
         try:
@@ -197,8 +196,13 @@ class OpenAIServer:
         except asyncio.TimeoutError:
             message = f"{c.param} did not compile within {timeout:g} s: simplify it"
             raise bad_request(message, c.param) from None
-        except GrammarError as exc:
+        except (GrammarError, ValueError) as exc:  # ValueError: a model without a tokenizer
             raise bad_request(str(exc), c.param) from None
+
+    def _compile_now(self, spec: tuple[str, str]) -> Any:
+        with self._grammars_made:
+            grammars = self.llm.grammars
+        return grammars.compile(spec)
 
     def chat_prompt(
         self, messages: Sequence[dict[str, Any]], tools: ToolRequest | None = None

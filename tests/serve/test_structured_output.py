@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 from serve_helpers import wait_until
 from tiny_llama import build_char_tokenizer, build_model
 
 openai = pytest.importorskip("openai")  # a test extra: absent on the GPU machine
 pydantic = pytest.importorskip("pydantic")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +17,7 @@ from radixkv import LLM, SamplingParams
 from radixkv.engine.chat_template import encode_chat
 from radixkv.serve.tools import (
     CALL_BEGIN,
+    MAX_PARALLEL_CALLS,
     ToolCallReader,
     ToolRequest,
     messages_with_tools,
@@ -25,9 +25,9 @@ from radixkv.serve.tools import (
     tool_constraint,
     tools_system_text,
 )
-from radixkv.serve.tools import (
-    MAX_PARALLEL_CALLS as MAX_CALLS,
-)
+
+jsonschema = pytest.importorskip("jsonschema")  # test extras: absent on the GPU machine
+pytest.importorskip("xgrammar")
 
 PROMPT = random_prompts(5, 1, min_len=4, max_len=8)[0]
 
@@ -83,7 +83,8 @@ def test_forced_calls_parse_and_validate_in_both_step_modes(
         text, calls = reader.push(out.text)
         text += reader.finish()
         assert calls and not text.strip(), (on, out.text)
-        assert len(calls) == 1 or (parallel and choice != "named" and len(calls) <= MAX_CALLS)
+        several = parallel and choice != "named"
+        assert len(calls) == 1 or (several and len(calls) <= MAX_PARALLEL_CALLS)
         for call in calls:
             name = call["function"]["name"]
             assert choice != "named" or name == "f0"
