@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -33,9 +34,9 @@ def engines() -> dict[bool, LLM]:
     }
 
 
-def _run(llm: LLM, params: list[SamplingParams]) -> list:
+def _run(llm: LLM, params: list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list:
     """The finished outputs, stepping with integrity checks after each step."""
-    ids = [llm.add_request(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
+    ids = [llm.add_request(prompts[i % len(prompts)], p) for i, p in enumerate(params)]
     outputs = {}
     while llm.has_unfinished_requests():
         for u in llm.step():
@@ -183,3 +184,32 @@ def test_compiled_grammars_are_cached_by_text_within_a_bound():
     assert compiler.compile(("regex", "b+")) is not b
     with pytest.raises(GrammarError, match="regex"):
         compiler.compile(("regex", "(unclosed"))
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_preempted_grammar_requests_resume_their_matchers(async_scheduling):
+    """A pool too small for the batch preempts requests mid-reply (recompute): their matchers
+    keep the tokens accepted so far, and every reply still matches; aborts return all."""
+    llm = LLM(
+        build_model("gqa"),
+        tokenizer=build_char_tokenizer(),
+        async_scheduling=async_scheduling,
+        block_size=4,
+        num_blocks=32,
+        max_num_seqs=4,
+        chunked_prefill_size=8,
+    )
+    pattern = "[a-z]{40,50}"
+    params = [replace(_sampled(i, regex=pattern), max_tokens=60) for i in range(6)]
+    prompts = random_prompts(4, 6, min_len=30, max_len=35)
+    updates = _run(llm, params, prompts)
+    assert llm.scheduler.num_preemptions > 0, "the small pool preempted"
+    for u in updates:
+        assert u.output.finish_reason == "stop" and re.fullmatch(pattern, u.output.text)
+    rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=40, regex=pattern))
+    llm.step()
+    assert llm.abort_request(rid)
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.check_integrity()
+    assert llm.cache.stats().num_in_use_blocks == 0
