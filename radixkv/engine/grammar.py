@@ -34,7 +34,9 @@ class GrammarError(ValueError):
 class GrammarCompiler:
     """Compiles structured-output constraints for one tokenizer and vocabulary; keeps the
     `max_cached` most recently used compiled grammars, keyed by (kind, text). Thread-safe: the
-    server compiles on its preparation thread, the engine finds the result cached."""
+    server compiles in threads of its own, the engine finds the result cached.
+
+    Invariant: at most `max_cached` entries, each a compiled grammar of this vocabulary."""
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS
@@ -79,6 +81,12 @@ class GrammarCompiler:
         matcher.fill_next_token_bitmask(bitmask)
         if not bool(bitmask.any()):
             raise GrammarError(f"{kind}: no token of this model's vocabulary can begin it")
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert len(self._cache) <= self.max_cached, (len(self._cache), self.max_cached)
+            for spec, compiled in self._cache.items():
+                assert compiled.tokenizer_info.vocab_size == self.vocab_size, spec
 
     def is_cached(self, spec: tuple[str, str]) -> bool:
         with self._lock:

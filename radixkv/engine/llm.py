@@ -241,6 +241,8 @@ class LLM:
         for t in self._tracked.values():
             if t.grammar is not None:
                 t.grammar.check_integrity(t.request.output_token_ids)
+        if self._grammars is not None:
+            self._grammars.check_integrity()
 
     # ------------------------------------------------------------------ generate / stream
 

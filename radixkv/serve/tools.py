@@ -214,7 +214,10 @@ def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
 
 class ToolCallReader:
     """Splits a reply, pushed in pieces, into content text and complete tool calls. Text that
-    may be the start of a call is held back until it is one (or the reply ends)."""
+    may be the start of a call is held back until it is one (or the reply ends).
+
+    Invariant between pushes: what is held back is a call begun and not finished (it starts
+    with CALL_BEGIN) or a proper beginning of CALL_BEGIN; `num_calls` calls were given out."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self._names = frozenset(names)
@@ -242,6 +245,13 @@ class ToolCallReader:
             calls.append(call)
             self._held = self._held[end:]
         return "".join(content), calls
+
+    def check_integrity(self) -> None:
+        held = self._held
+        assert held.startswith(CALL_BEGIN) or (
+            len(held) < len(CALL_BEGIN) and CALL_BEGIN.startswith(held)
+        ), held
+        assert self.num_calls >= 0
 
     def finish(self) -> str:
         """What is still held back, as text (a call the reply left unfinished)."""

@@ -179,6 +179,7 @@ def test_compiled_grammars_are_cached_by_text_within_a_bound():
     b = compiler.compile(("regex", "b+"))
     assert compiler.compile(("regex", "a+")) is a  # a is now the most recent
     compiler.compile(("regex", "c+"))  # evicts b, the least recent
+    compiler.check_integrity()
     assert compiler.num_cached == 2
     assert compiler.compile(("regex", "a+")) is a
     assert compiler.compile(("regex", "b+")) is not b

@@ -102,6 +102,7 @@ def test_the_reader_gives_the_same_text_and_calls_for_any_pieces(piece):
     text, calls = "", []
     for i in range(0, len(REPLY), piece):
         t, c = reader.push(REPLY[i : i + piece])
+        reader.check_integrity()
         text, calls = text + t, calls + c
     text += reader.finish()
     assert text == "Let me look.\nok <tool"
