@@ -454,11 +454,15 @@ async def _collect(
 ) -> list[tuple[str, list[TokenLogprobs], _Piece]] | None:
     """Each whole reply, or None if the client went away first (the requests are then
     aborted)."""
-    replies = asyncio.ensure_future(asyncio.gather(*(_join(p) for p in pieces)))
+    joins = [asyncio.ensure_future(_join(p)) for p in pieces]
+    replies = asyncio.ensure_future(asyncio.gather(*joins))
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     await asyncio.wait({replies, gone}, return_when=asyncio.FIRST_COMPLETED)
     if replies.done():
         gone.cancel()
+        if replies.exception() is not None:  # one choice failed: the others are aborted
+            for join in joins:
+                join.cancel()
         return replies.result()
     replies.cancel()
     await asyncio.gather(replies, return_exceptions=True)
