@@ -315,7 +315,7 @@ def report(rows: list[dict]) -> str:
             f"| {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['overhead_p50_ms'], '.2f')} ms "
             f"| {_fmt(r['admission_p50_ms'], '.2f')} ms "
             f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms "
-            f"| {_fmt(r.get('server_cpu_s'), '.1f')} s | {r['wall_s']:.1f} s |"
+            f"| {_fmt(r.get('server_cpu_s'), '.2f')} s | {r['wall_s']:.1f} s |"
         )
     by_round: dict[int, dict[str, dict]] = {}
     for r in rows:
@@ -345,21 +345,27 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_parser(description: str, clients: int, turns: int) -> argparse.ArgumentParser:
+    """The options of the client workload and the servers' threads (`page_bench` shares them)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--clients", type=int, default=clients)
+    p.add_argument("--turns", type=int, default=turns)
     p.add_argument("--max-tokens", type=int, default=32, help="reply length limit per turn")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of each server")
+    p.add_argument("--rounds", type=int, default=1, help="run each server this many times")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = workload_parser(__doc__.split("\n\n")[0], clients=16, turns=4)
     p.add_argument(
         "--servers",
         default="radixkv,transformers",
         help="comma-separated: radixkv, transformers, radixkv@DIR (radixkv's source in DIR)",
     )
-    p.add_argument("--rounds", type=int, default=1, help="run each server this many times")
     p.add_argument("--tiny", action="store_true", help="2 clients x 2 turns x 4 tokens, radixkv")
-    p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     args = p.parse_args(argv)
     if args.tiny:

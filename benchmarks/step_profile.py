@@ -4,8 +4,9 @@
     python3 -P benchmarks/step_profile.py --tiny    # the tiny model on the CPU: the plumbing
 
 1. Host time per step phase over the decode workload (64 x 512 -> 256): schedule, execute (pack,
-   copy, then a graph replay or eager launches), sample (waits for the GPU, then the draw and
-   `.tolist()`), update, and the rest of the engine's step; medians over the full-batch decodes.
+   copy, then a graph replay or eager launches), draw (queued behind the forward), finish (waits
+   for the GPU, then reads the tokens), update (the scheduler's `fill`), and the rest of the
+   engine's step; medians over the full-batch decodes.
    The engine runs its steps synchronously here (`async_scheduling=False`), so each phase shows:
    these are the host costs that overlapped steps hide (gpu_bench's `sync` system vs `on`).
 2. GPU time of one graph replay per bucket at a 640-token context (CUDA only).
@@ -13,6 +14,7 @@
    kernels, everything else, and the largest (on the CPU: one eager decode step's ops).
 4. A turn-6-like prefill step (32 rows x 129 new tokens over 2,432-token contexts): host enqueue
    time against GPU time (CUDA only).
+5. That prefill step's host time by Python function (cProfile; on the CPU: a small decode step).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def _timing(owner: Any, name: str, record: Callable[[float, Any], None]) -> Call
 
 def step_phases(llm: Any, cfg: Any) -> None:
     """Section 1: the decode workload with every step's phases timed."""
-    import radixkv.engine.llm as llm_module
+    import radixkv.engine.step as step_module
     from radixkv import SamplingParams
 
     current: dict[str, Any] = {}
@@ -109,8 +111,9 @@ def step_phases(llm: Any, cfg: Any) -> None:
     undo = [
         _timing(llm.scheduler, "schedule", phase("schedule")),
         _timing(llm.runner, "execute", phase("execute")),
-        _timing(llm_module, "sample", phase("sample")),
-        _timing(llm.scheduler, "update_from_output", phase("update")),
+        _timing(step_module, "draw", phase("draw")),
+        _timing(llm._steps, "finish", phase("finish")),
+        _timing(llm.scheduler, "fill", phase("update")),
         _timing(llm, "_run_step", lambda s, _: steps.append({**current, "step": s})),
     ]
     gen = torch.Generator().manual_seed(7)
@@ -135,11 +138,12 @@ def step_phases(llm: Any, cfg: Any) -> None:
         f"{cfg.decode_new_tokens}: {wall:.3f} s, {tokens / wall:.0f} output tok/s, {len(steps)} "
         f"steps, {len(decodes)} full-batch decodes"
     )
-    parts = {k: _ms([s[k] for s in decodes]) for k in ("schedule", "execute", "sample", "update")}
+    phases = ("schedule", "execute", "draw", "finish", "update")
+    parts = {k: _ms([s[k] for s in decodes]) for k in phases}
     step = _ms([s["step"] for s in decodes])
     cells = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
     print(f"median decode step {step:.3f} ms = {cells}, rest {step - sum(parts.values()):.3f} ms")
-    print("  (sample waits for the GPU; host work = schedule + execute + update + rest)")
+    print("  (finish waits for the GPU; host work = the other phases and the rest)")
 
 
 def _decode_step(rows: int, context: int, block_size: int, first_block: int = 0) -> Any:
@@ -232,13 +236,15 @@ def kernel_split(llm: Any, cfg: Any) -> None:
         print(f"  {us:9.1f} us  x{count:5.0f}  {name[:100]}")
 
 
-def prefill_step(llm: Any, cfg: Any) -> None:
-    """Section 4: the turn-6-like prefill: host enqueue time against GPU time."""
+PREFILL_SHAPE = (2432, 129, 32)  # context, new tokens, rows: turn 6 of gpu_bench's chat
+
+
+def _prefill_step(cfg: Any) -> Any:
     from radixkv.scheduler.output import ScheduledRequest, SchedulerOutput
 
-    context, new, rows = 2432, 129, 32
+    context, new, rows = PREFILL_SHAPE
     per_row = -(-context // cfg.block_size)
-    step = SchedulerOutput(
+    return SchedulerOutput(
         rows=tuple(
             ScheduledRequest(
                 f"t{i}",
@@ -250,6 +256,12 @@ def prefill_step(llm: Any, cfg: Any) -> None:
             for i in range(rows)
         )
     )
+
+
+def prefill_step(llm: Any, cfg: Any) -> None:
+    """Section 4: the turn-6-like prefill: host enqueue time against GPU time."""
+    context, new, rows = PREFILL_SHAPE
+    step = _prefill_step(cfg)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for i in range(6):
@@ -262,27 +274,64 @@ def prefill_step(llm: Any, cfg: Any) -> None:
         torch.cuda.synchronize()
         if i:
             times.append((enqueue, time.perf_counter() - t0, start.elapsed_time(end) / 1e3))
+    enqueue, wall, gpu = (_ms([t[i] for t in times]) for i in range(3))
+    bound = "host-bound: the GPU waited" if enqueue > 0.8 * wall else "GPU-bound"
     print(
         f"\n## 4. turn-6-like prefill step ({rows} x {new} new over {context}): host enqueue "
-        f"{_ms([t[0] for t in times]):.2f} ms, wall {_ms([t[1] for t in times]):.2f} ms, "
-        f"GPU {_ms([t[2] for t in times]):.2f} ms (enqueue close to wall: host-bound)"
+        f"{enqueue:.2f} ms, wall {wall:.2f} ms, GPU {gpu:.2f} ms ({bound})"
     )
+
+
+def prefill_host_ops(llm: Any, cfg: Any) -> None:
+    """Section 5: where the prefill step's host time goes: its Python functions by own time
+    (cProfile: the Triton launchers and transformers' modules are Python too)."""
+    import cProfile
+    import pstats
+
+    step = _prefill_step(cfg) if llm.runner.device.type == "cuda" else _decode_step(4, 32, 4)
+    llm.runner.execute(step)
+    _sync(llm)
+    t0 = time.perf_counter()
+    llm.runner.execute(step)
+    enqueue = time.perf_counter() - t0
+    _sync(llm)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.runner.execute(step)
+    profiler.disable()
+    _sync(llm)
+    print(f"\n## 5. host time of one prefill step: {enqueue * 1e3:.2f} ms enqueued; by function")
+    print("  (cProfile, which slows what it measures: read the shares)")
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
+    total = sum(v[2] for _, v in rows)
+    for (file, line, name), (_, calls, own, cumulative, _) in rows[:20]:
+        where = f"{Path(file).name}:{line} {name}"
+        print(
+            f"  {100 * own / total:5.1f} %  own {own * 1e3:8.3f} ms  cum {cumulative * 1e3:8.3f}"
+            f"  x{calls:5d}  {where[:80]}"
+        )
+
+
+SECTIONS = {1: step_phases, 2: replay_times, 3: kernel_split, 4: prefill_step, 5: prefill_host_ops}
+CUDA_ONLY = (2, 4)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU")
+    parser.add_argument(
+        "--sections", default="1,2,3,4,5", help="comma-separated section numbers (default: all)"
+    )
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         print("step_profile needs a CUDA device (or --tiny for the CPU)", file=sys.stderr)
         return 2
     llm, cfg = build_engine(args.tiny)
-    step_phases(llm, cfg)
-    if llm.runner.decode_graphs is not None:
-        replay_times(llm, cfg)
-    kernel_split(llm, cfg)
-    if llm.runner.device.type == "cuda":
-        prefill_step(llm, cfg)
+    cuda = llm.runner.decode_graphs is not None
+    for number in sorted({int(n) for n in args.sections.split(",")}):
+        if cuda or number not in CUDA_ONLY:
+            SECTIONS[number](llm, cfg)
     return 0
 
 

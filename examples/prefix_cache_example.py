@@ -50,7 +50,7 @@ def main() -> None:
         f" {stats.num_in_use_blocks} in use"
     )
     freed = cache.evict(4)
-    print(f"evicted least-recently-used blocks {freed}")
+    print(f"evicted blocks {freed} (GDSF: fewest hit tokens lost per block, aged by recency)")
     cache.check_integrity()
 
 

@@ -4,7 +4,8 @@ Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, hea
 
 - `store_kv`: write new tokens' K/V at their slots (slot < 0 skipped).
 - `paged_attention`: causal varlen attention of new tokens over their cached context (decode,
-  extend, prefill; GQA; split-KV for long contexts).
+  extend, prefill; GQA; split-KV for long contexts), of the layer's `AttentionKind`: full causal,
+  or a sliding window, logit soft-capping and learned sinks.
 - `copy_blocks`: copy-on-write of the valid leading slots of partial blocks, across layers.
 - `rms_norm`, `rope_store_kv`: the elementwise work of a Llama layer fused into one kernel each
   (RMSNorm; rotary embedding of q and k together with the K/V store), for the engine's decode.
@@ -27,6 +28,7 @@ interpreter). The interpreter's `tl.dot` returns garbage for bf16 inputs, so bf1
 GPU only (`tests/kernels/test_kernel_gpu.py`).
 """
 
+from radixkv.kernels.attention_kind import FULL, AttentionKind
 from radixkv.kernels.checks import check_attention_metadata
 from radixkv.kernels.dispatch import (
     backend_for,
@@ -44,6 +46,8 @@ from radixkv.kernels.jit_monitor import CompileCounter, compile_counter
 from radixkv.kernels.metadata import AttentionMetadata
 
 __all__ = [
+    "FULL",
+    "AttentionKind",
     "AttentionMetadata",
     "CompileCounter",
     "backend_for",

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from radixkv.kernels import reference
+from radixkv.kernels.attention_kind import AttentionKind
 from radixkv.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,10 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
-    """Causal varlen paged attention (GQA). See `reference.paged_attention` for the contract."""
+    """Causal varlen paged attention (GQA; optionally a sliding window, logit soft-capping,
+    attention sinks). See `reference.paged_attention` for the contract."""
     return _impl("paged_attention", q).paged_attention(
         q,
         k_cache,
@@ -145,6 +148,7 @@ def paged_attention(
         scale,
         out=out,
         num_kv_splits=num_kv_splits,
+        kind=kind,
     )
 
 
@@ -157,11 +161,19 @@ def paged_attention_step(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
     """`paged_attention` over an `AttentionMetadata` (its values were checked when it was built):
     the engine's per-layer call. See `radixkv.kernels.metadata`."""
     return _impl("paged_attention", q).paged_attention_step(
-        q, k_cache, v_cache, metadata, scale, out=out, num_kv_splits=num_kv_splits
+        q,
+        k_cache,
+        v_cache,
+        metadata,
+        scale,
+        out=out,
+        num_kv_splits=num_kv_splits,
+        kind=kind,
     )
 
 

@@ -93,6 +93,9 @@ class AttentionMetadata:
     # The torch reference's gather indices, built with the metadata on the CPU; None elsewhere
     # (Triton reads the tensors above; the reference on CUDA plans per call).
     gather_plan: GatherPlan | None = field(init=False, repr=False)
+    # The reference's batches of each sliding window a layer asked for, built on first use and
+    # reused by the step's later layers of that window (CPU only, like gather_plan).
+    window_batches: dict[int, tuple[GatherBatch, ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = self.kv_cache_shape
@@ -142,6 +145,7 @@ class AttentionMetadata:
         set_field(self, "max_seq_len", max(lens, default=0))
         set_field(self, "max_q_len", max((b - a for a, b in pairwise(cu)), default=0))
         set_field(self, "gather_plan", build_gather_plan(self) if device.type == "cpu" else None)
+        set_field(self, "window_batches", {})
         set_field(self, "host_tensors", None)
 
     def _host_copies(
@@ -295,8 +299,9 @@ def check_attention_step(
 class GatherBatch:
     """One padded batch of the torch reference: n block-table rows with q_len queries each.
 
-    Row i attends to positions `[0, kv_lens[i])` of its block table, its query j sitting at position
-    `kv_lens[i] - q_len + j` (causal).
+    Row i gathers the blocks of its table from its first visible block on (block 0 without a
+    window) up to its length; positions below are relative to that first gathered slot, and its
+    last query sits at the row's last gathered position (causal).
     """
 
     q_rows: slice | torch.Tensor  # the n * q_len rows of q / out, row-major (int64 when a tensor)
@@ -308,7 +313,7 @@ class GatherBatch:
     zero_positions: torch.Tensor | None  # int64: positions of the gathered [n * padded_len] past
     # their row's kv_len, zeroed after the gather; None: nothing to zero
     hidden: torch.Tensor | None  # bool [n, q_len, kv_len]: (query, position) pairs masked before
-    # the softmax (causal and padding); None: nothing masked
+    # the softmax (causal, window and padding); None: nothing masked
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -322,11 +327,31 @@ class GatherPlan:
 
 
 def build_gather_plan(metadata: AttentionMetadata) -> GatherPlan:
-    """Lay out the reference's padded batches (on the metadata's device).
+    """Lay out the reference's padded batches of full causal attention and its store indices (on
+    the metadata's device)."""
+    block_size = metadata.kv_cache_shape[1]
+    store_rows = store_blocks = store_offsets = None
+    if metadata.slot_mapping is not None:
+        slots = metadata.slot_mapping.long()
+        written = slots >= 0
+        if not bool(written.all()):
+            store_rows = written.nonzero().squeeze(1)
+            slots = slots[store_rows]
+        store_blocks, store_offsets = slots // block_size, slots % block_size
+    batches = build_gather_batches(metadata, None)
+    return GatherPlan(batches, store_rows, store_blocks, store_offsets)
 
-    Decode requests (q_len 1) are grouped into padded batches of similar length whose gathered K
+
+def build_gather_batches(
+    metadata: AttentionMetadata, window: int | None
+) -> tuple[GatherBatch, ...]:
+    """The reference's padded batches of one attention kind: full causal (`window` None) or a
+    sliding window, where a query at position p sees (p - window, p].
+
+    Decode requests (q_len 1) are grouped into padded batches of similar span whose gathered K
     stays within DECODE_GROUP_ELEMS; each prefill / extend request is a batch of its own per
-    EXTEND_Q_CHUNK query rows, each chunk gathering only the positions it can see.
+    EXTEND_Q_CHUNK query rows. Every row gathers only the blocks its queries can see: from the
+    block of its first query's first visible position (block 0 without a window) to its end.
     """
     dev = metadata.device
     num_blocks, block_size, num_kv_heads, head_dim = metadata.kv_cache_shape
@@ -334,32 +359,50 @@ def build_gather_plan(metadata: AttentionMetadata) -> GatherPlan:
     q_lens = [b - a for a, b in pairwise(cu)]
     tables = metadata.block_tables
 
+    def first_block(kv_len: int, q_len: int) -> int:
+        """The first block a row of q_len queries ending at kv_len reads."""
+        return 0 if window is None else max(0, kv_len - q_len - window + 1) // block_size
+
     def batch(
         q_rows: slice | torch.Tensor, table_rows: torch.Tensor, kv_lens: list[int], q_len: int
     ) -> GatherBatch:
         n = len(kv_lens)
-        num_used_blocks = -(-max(kv_lens) // block_size)
+        firsts = [first_block(kv, q_len) for kv in kv_lens]
+        spans = [kv - f * block_size for kv, f in zip(kv_lens, firsts, strict=True)]
+        num_used_blocks = -(-max(spans) // block_size)
         padded_len = num_used_blocks * block_size
-        blocks = table_rows[:, :num_used_blocks].reshape(-1).long().clamp_(0, num_blocks - 1)
-        lens_t = torch.tensor(kv_lens, device=dev)
+        if max(firsts) == 0:
+            cols = table_rows[:, :num_used_blocks]
+        else:  # each row from its own first block; padding columns clamped into the table
+            col = torch.tensor(firsts, device=dev)[:, None] + torch.arange(
+                num_used_blocks, device=dev
+            )
+            cols = table_rows.gather(1, col.clamp_(max=table_rows.shape[1] - 1))
+        blocks = cols.reshape(-1).long().clamp_(0, num_blocks - 1)
+        spans_t = torch.tensor(spans, device=dev)
         zero_positions = None
         if n == 1:
-            kv_len = kv_lens[0]  # the tail past it is cut off after the gather, nothing to zero
+            kv_len = spans[0]  # the tail past it is cut off after the gather, nothing to zero
         else:
             kv_len = padded_len
-            if min(kv_lens) < padded_len:
+            if min(spans) < padded_len:
                 pos = torch.arange(padded_len, device=dev)
-                zero_positions = (pos[None, :] >= lens_t[:, None]).view(-1).nonzero().squeeze(1)
+                zero_positions = (pos[None, :] >= spans_t[:, None]).view(-1).nonzero().squeeze(1)
         hidden = None
-        if q_len > 1 or min(kv_lens) < kv_len:
-            # Causal: the query at position p sees [0, p]; p < kv_lens[i], so this hides padding.
-            q_pos = torch.arange(q_len, device=dev) + (lens_t - q_len)[:, None]  # [n, q_len]
-            hidden = torch.arange(kv_len, device=dev)[None, None, :] > q_pos[:, :, None]
+        if q_len > 1 or min(spans) < kv_len or window is not None:
+            # Positions relative to each row's first gathered one. Causal: the query at p sees
+            # [0, p]; p < spans[i], so this hides padding too.
+            q_pos = torch.arange(q_len, device=dev) + (spans_t - q_len)[:, None]  # [n, q_len]
+            kv_pos = torch.arange(kv_len, device=dev)[None, None, :]
+            hidden = kv_pos > q_pos[:, :, None]
+            if window is not None:
+                hidden |= kv_pos <= q_pos[:, :, None] - window
         return GatherBatch(q_rows, n, q_len, kv_len, blocks, zero_positions, hidden)
 
     batches = []
     decode = [r for r, q_len in enumerate(q_lens) if q_len == 1]
-    for group in _decode_groups(decode, lens, num_kv_heads * head_dim):
+    spans = [n - first_block(n, 1) * block_size for n in lens]
+    for group in _decode_groups(decode, spans, num_kv_heads * head_dim):
         r0 = group[0]
         if len(group) == 1:  # slices: no index tensors, no copies
             rows: slice | torch.Tensor = slice(cu[r0], cu[r0] + 1)
@@ -374,31 +417,22 @@ def build_gather_plan(metadata: AttentionMetadata) -> GatherPlan:
         ctx_len = lens[r] - q_len
         for j0 in range(0, q_len, EXTEND_Q_CHUNK):
             j1 = min(j0 + EXTEND_Q_CHUNK, q_len)
-            # Query chunk [j0, j1) sees positions [0, ctx_len + j1): shorten the gather to that.
+            # Query chunk [j0, j1) sees positions before ctx_len + j1: shorten the gather to that.
             rows = slice(cu[r] + j0, cu[r] + j1)
             batches.append(batch(rows, tables[r : r + 1], [ctx_len + j1], j1 - j0))
-
-    store_rows = store_blocks = store_offsets = None
-    if metadata.slot_mapping is not None:
-        slots = metadata.slot_mapping.long()
-        written = slots >= 0
-        if not bool(written.all()):
-            store_rows = written.nonzero().squeeze(1)
-            slots = slots[store_rows]
-        store_blocks, store_offsets = slots // block_size, slots % block_size
-    return GatherPlan(tuple(batches), store_rows, store_blocks, store_offsets)
+    return tuple(batches)
 
 
-def _decode_groups(decode: list[int], lens: tuple[int, ...], row_elems: int) -> list[list[int]]:
-    """Decode requests grouped into padded batches of similar length whose gathered K stays within
-    DECODE_GROUP_ELEMS; a long context is a group of its own. Batching amortises the per-call
-    overhead of short contexts; on long ones padding and a working set past the CPU caches cost
-    more than separate calls."""
+def _decode_groups(decode: list[int], spans: list[int], row_elems: int) -> list[list[int]]:
+    """Decode requests grouped into padded batches of similar span (the positions each gathers)
+    whose gathered K stays within DECODE_GROUP_ELEMS; a long context is a group of its own.
+    Batching amortises the per-call overhead of short contexts; on long ones padding and a working
+    set past the CPU caches cost more than separate calls."""
     groups: list[list[int]] = []
-    for r in sorted(decode, key=lens.__getitem__):
+    for r in sorted(decode, key=spans.__getitem__):
         group = groups[-1] if groups else None
-        # sorted by length: lens[r] is the group's padded length if r joins it
-        if group is not None and (len(group) + 1) * lens[r] * row_elems <= DECODE_GROUP_ELEMS:
+        # sorted by span: spans[r] is the group's padded length if r joins it
+        if group is not None and (len(group) + 1) * spans[r] * row_elems <= DECODE_GROUP_ELEMS:
             group.append(r)
         else:
             groups.append([r])

@@ -11,8 +11,8 @@ Varlen attention batch, request r (packed in request order):
     q rows             cu_seqlens_q[r] ....................... cu_seqlens_q[r + 1]
 
 with `q_len = cu_seqlens_q[r + 1] - cu_seqlens_q[r]` and `ctx_len = seq_len - q_len`; new token j
-(absolute position ctx_len + j) attends to positions `[0, ctx_len + j]`. Decode is q_len == 1, plain
-prefill ctx_len == 0.
+(absolute position ctx_len + j) attends to positions `[0, ctx_len + j]`, or with a sliding window W
+to `(ctx_len + j - W, ctx_len + j]`. Decode is q_len == 1, plain prefill ctx_len == 0.
 
 Math is fp32 whatever the cache dtype. Slots past a request's seq_len may hold anything (NaN): they
 are zeroed after the gather and masked before the softmax, so they never reach the output.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from radixkv.kernels.attention_kind import AttentionKind, check_kind
 from radixkv.kernels.checks import (
     check_copy_blocks,
     check_new_kv,
@@ -38,6 +39,7 @@ from radixkv.kernels.metadata import (
     AttentionMetadata,
     GatherBatch,
     GatherPlan,
+    build_gather_batches,
     build_gather_plan,
     check_attention_step,
     check_store_step,
@@ -114,6 +116,7 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new query tokens over a paged KV cache (GQA).
 
@@ -125,6 +128,8 @@ def paged_attention(
     scale: softmax scale (usually head_dim ** -0.5).
     out: optional [total_q_tokens, num_q_heads, head_dim] result buffer in q's dtype.
     num_kv_splits: accepted for signature parity with the Triton kernel; ignored here.
+    kind: the layer's `AttentionKind` (sliding window, logit soft-cap, sinks); None: full
+        causal attention.
     Returns out (or a new tensor): [total_q_tokens, num_q_heads, head_dim] in q's dtype.
 
     The same computation as `paged_attention_step` with metadata built (and checked) for this one
@@ -136,7 +141,7 @@ def paged_attention(
     )
     # Building checks the values (the messages name block_tables / seq_lens / cu_seqlens_q).
     metadata = AttentionMetadata(block_tables, seq_lens, cu_seqlens_q, tuple(k_cache.shape))
-    return paged_attention_step(q, k_cache, v_cache, metadata, scale, out=out)
+    return paged_attention_step(q, k_cache, v_cache, metadata, scale, out=out, kind=kind)
 
 
 def paged_attention_step(
@@ -148,19 +153,23 @@ def paged_attention_step(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` over metadata checked when it was built; only q, the caches and out are
-    checked here (shapes, dtypes, devices), and the metadata's gather plan is reused."""
+    """`paged_attention` over metadata checked when it was built; only q, the caches, out and the
+    attention options are checked here (shapes, dtypes, devices), and the metadata's gather plan
+    is reused."""
     del num_kv_splits
     check_attention_step(q, k_cache, v_cache, metadata, scale, out)
+    kind = check_kind(q, kind)
     if out is None:
         out = torch.empty_like(q)
     if metadata.num_reqs == 0 or q.shape[0] == 0:
         return out
-    for batch in _plan_of(metadata).batches:
+    for batch in _batches_of(metadata, kind.window):
         n, q_len = batch.n, batch.q_len
         # unflatten: a view whatever q's token / head strides
-        result = _attend(q[batch.q_rows].unflatten(0, (n, q_len)), k_cache, v_cache, batch, scale)
+        q_batch = q[batch.q_rows].unflatten(0, (n, q_len))
+        result = _attend(q_batch, k_cache, v_cache, batch, scale, kind.softcap, kind.sinks)
         out[batch.q_rows] = result.flatten(0, 1).to(out.dtype)
     return out
 
@@ -171,12 +180,26 @@ def _plan_of(metadata: AttentionMetadata) -> GatherPlan:
     return metadata.gather_plan or build_gather_plan(metadata)
 
 
+def _batches_of(metadata: AttentionMetadata, window: int | None) -> tuple[GatherBatch, ...]:
+    """The gather batches of full attention, or of `window` (built once per step and window)."""
+    if window is None or window >= metadata.max_seq_len:  # the window hides nothing
+        return _plan_of(metadata).batches
+    batches = metadata.window_batches.get(window)
+    if batches is None:
+        batches = build_gather_batches(metadata, window)
+        if metadata.gather_plan is not None:  # on the CPU, like the plan itself
+            metadata.window_batches[window] = batches
+    return batches
+
+
 def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: GatherBatch,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, q_len, num_q_heads, head_dim] of one padded batch (see `GatherBatch`).
     Returns fp32 [n, q_len, num_q_heads, head_dim]."""
@@ -197,11 +220,18 @@ def _attend(
     else:
         for h in range(num_kv_heads):
             torch.bmm(qh[h], k[:, :, h].transpose(1, 2), out=scores[h])
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if batch.hidden is not None:  # [n, q_len, kv_len]
         scores.view(num_kv_heads, n, group, q_len, kv_len).masked_fill_(
             batch.hidden[None, :, None], float("-inf")
         )
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # one more score per (query, head), dropped after the softmax: it has no value
+        sink = sinks.float().view(num_kv_heads, 1, group, 1, 1)
+        sink = sink.expand(num_kv_heads, n, group, q_len, 1).reshape(num_kv_heads, n, -1, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :kv_len]
     o = qh.new_empty((num_kv_heads, n, group * q_len, head_dim))
     if n == 1:
         torch.bmm(probs[:, 0], v[0].transpose(0, 1), out=o[:, 0])

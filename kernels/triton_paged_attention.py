@@ -40,12 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
+from radixkv.kernels.attention_kind import AttentionKind, check_kind
 from radixkv.kernels.checks import check_paged_attention
 from radixkv.kernels.metadata import AttentionMetadata, check_attention_step
 
 __all__ = ["default_num_kv_splits", "paged_attention", "paged_attention_step"]
 
 _LOG2E = 1.4426950408889634
+_LOG2E_JIT: tl.constexpr = tl.constexpr(_LOG2E)
 # Decode is memory-bound: keep about 4 programs' loads in flight per SM before splitting further.
 _PROGRAMS_PER_SM = 4
 # A split of 4 BLOCK_N tiles still amortises its partial-output write and merge read.
@@ -79,7 +81,8 @@ _PER_STEP_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")
 
 
 @triton.jit(
-    do_not_specialize=(*_PER_STEP_INTS, "stride_btr"),
+    # window: a per-layer constant, but one variant serves every value of it
+    do_not_specialize=(*_PER_STEP_INTS, "stride_btr", "window"),
     do_not_specialize_on_alignment=_PER_STEP_POINTERS,
 )
 def _paged_attention_kernel(
@@ -89,6 +92,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,  # fp32 [num_splits, num_tokens, num_q_heads, HEAD_DIM] (read when num_splits > 1)
     part_lse_ptr,  # fp32 [num_splits, num_tokens, num_q_heads] (read when num_splits > 1)
+    sinks_ptr,  # [num_q_heads] sink logits (read when HAS_SINKS)
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
@@ -96,6 +100,8 @@ def _paged_attention_kernel(
     num_tokens,
     num_q_heads,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    window,  # a query at position p sees (p - window, p] (read when WINDOWED)
+    softcap_log2,  # logit soft-cap * log2(e) (read when SOFTCAP)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -116,6 +122,9 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,10 +157,15 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # This tile sees positions [0, kv_end); split s takes a whole number of BLOCK_N tiles of it.
+    # This tile sees positions [kv_start, kv_end): from its first query's window (0 without one)
+    # to its last query. Split s takes a whole number of BLOCK_N tiles of that range; positions
+    # before kv_start are never loaded (nor their block-table entries).
     kv_end = ctx_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    kv_lo = split * per_split
+    kv_start = 0
+    if WINDOWED:
+        kv_start = tl.maximum(ctx_len + q_tile_start - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = kv_start + split * per_split
     kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
     table_row = block_tables_ptr + req.to(tl.int64) * stride_btr
@@ -160,6 +174,12 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is one more score without a value: split 0 starts its running softmax from it
+        # (counted once; the merge weighs it in through split 0's log-sum-exp).
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * _LOG2E_JIT
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     for start_n in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -175,7 +195,11 @@ def _paged_attention_kernel(
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:  # cap * tanh(s / cap) in base 2, tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if WINDOWED:
+            visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -243,7 +267,8 @@ def _merge_splits_kernel(
         acc = acc * alpha[:, None] + weight[:, None] * o
         l_i = l_i * alpha + weight
         m_i = m_new
-    merged = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # l > 0: split 0 always sees position 0
+    # l > 0: every row sees its own position, in some split
+    merged = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_offs = token * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
     tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -284,6 +309,7 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new query tokens over a paged KV cache (GQA), in Triton.
 
@@ -295,6 +321,9 @@ def paged_attention(
     out: optional result buffer like q.
     num_kv_splits: split each context into this many parts (merged by log-sum-exp); default: as
         many as needed to fill the GPU (`default_num_kv_splits`), 1 on the CPU.
+    kind: the layer's `AttentionKind`, as in `reference.paged_attention`; each of its options is
+        a compiled variant of its own when set (a constexpr), so full attention runs the very
+        kernel it ran without them.
     Returns out: [total_q_tokens, num_q_heads, head_dim] in q's dtype.
 
     Same semantics as `radixkv.kernels.reference.paged_attention`. Metadata contents are checked
@@ -312,8 +341,9 @@ def paged_attention(
         out,
         check_values=q.device.type == "cpu",
     )
+    kind = check_kind(q, kind)
     return _launch(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, num_kv_splits
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, num_kv_splits, kind
     )
 
 
@@ -326,10 +356,12 @@ def paged_attention_step(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    kind: AttentionKind | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` over metadata checked when it was built: only q, the caches and out are
-    checked here (tensor metadata, no sync)."""
+    """`paged_attention` over metadata checked when it was built: only q, the caches, out and the
+    attention options are checked here (tensor metadata, no sync)."""
     check_attention_step(q, k_cache, v_cache, metadata, scale, out)
+    kind = check_kind(q, kind)
     return _launch(
         q,
         k_cache,
@@ -340,6 +372,7 @@ def paged_attention_step(
         scale,
         out,
         num_kv_splits,
+        kind,
     )
 
 
@@ -353,6 +386,7 @@ def _launch(
     scale: float,
     out: torch.Tensor | None,
     num_kv_splits: int | None,
+    kind: AttentionKind,
 ) -> torch.Tensor:
     if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
         raise ValueError(f"num_kv_splits must be a positive int, got {num_kv_splits!r}")
@@ -381,9 +415,12 @@ def _launch(
 
     if num_kv_splits is None:
         real_tiles = num_reqs if decode_like else triton.cdiv(num_tokens, block_q)
-        num_kv_splits = default_num_kv_splits(
-            real_tiles * num_kv_heads, block_tables.shape[1] * block_size, q.device
-        )
+        # What one tile can read: the table's capacity, or its queries' windows (a per-layer
+        # constant, like the shapes).
+        tile_span = block_tables.shape[1] * block_size
+        if kind.window is not None:
+            tile_span = min(tile_span, kind.window + block_q - 1)
+        num_kv_splits = default_num_kv_splits(real_tiles * num_kv_heads, tile_span, q.device)
     if num_kv_splits > 1:
         part_out = torch.empty(
             (num_kv_splits, num_tokens, num_q_heads, head_dim), device=q.device, dtype=torch.float32
@@ -393,6 +430,7 @@ def _launch(
         )
     else:  # unused, but fp32 like the scratch: a pointer of another dtype is another variant
         part_out = part_lse = torch.empty(0, device=q.device, dtype=torch.float32)
+    sinks = kind.sinks if kind.sinks is not None else part_lse  # unused without sinks
 
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_kv_splits)](
@@ -402,6 +440,7 @@ def _launch(
         out,
         part_out,
         part_lse,
+        sinks,
         block_tables,
         seq_lens,
         cu_seqlens_q,
@@ -409,6 +448,8 @@ def _launch(
         num_tokens,
         num_q_heads,
         scale * _LOG2E,
+        kind.window or 0,
+        (kind.softcap or 1.0) * _LOG2E,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -430,6 +471,9 @@ def _launch(
         BLOCK_N=block_n,
         # fp32 inputs: exact fp32 products (tf32 would lose ~3 decimal digits); else the default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        WINDOWED=kind.window is not None,
+        SOFTCAP=kind.softcap is not None,
+        HAS_SINKS=kind.sinks is not None,
         num_warps=num_warps,
         num_stages=2,
     )

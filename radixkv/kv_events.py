@@ -33,8 +33,9 @@ Block hashes are sent as unsigned 64-bit ints (vLLM's integer form of `ExternalB
 `ts` is the wall-clock time of publication (seconds since the epoch, float64).
 
 The PUB socket binds its endpoint (`tcp://127.0.0.1:5557`: loopback only; `tcp://*:5557`: every
-interface), so that routers which connect to their replicas (vllm-router's kv_aware, Dynamo) find
-it; `connect=True` connects it instead, to a consumer that binds. With `replay_endpoint`, a ROUTER
+interface; `ipc:///PATH`: a socket file, made readable and writable by its owner only), so that
+routers which connect to their replicas (vllm-router's kv_aware, Dynamo) find it; `connect=True`
+connects it instead, to a consumer that binds. With `replay_endpoint`, a ROUTER
 socket serves missed batches as vLLM's does: a request
 `[start sequence (8 bytes, big-endian)]` is answered with one `[seq, payload]` message per
 buffered batch from `start` on, then `[-1 (8 bytes, signed), b""]`.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -114,6 +116,21 @@ def check_address(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a ZeroMQ address like tcp://*:5557, got {value!r}")
 
 
+def _home_expanded(endpoint: str) -> str:
+    """`ipc://~/x` in the user's home folder, as every path radixkv takes."""
+    if endpoint.startswith("ipc://~"):
+        return "ipc://" + os.path.expanduser(endpoint[len("ipc://") :])
+    return endpoint
+
+
+def _owner_only(endpoint: str) -> None:
+    """A bound `ipc://PATH` socket file becomes this user's alone (0600: others cannot connect):
+    the events carry every tenant's token ids and salts. ZeroMQ creates it under the umask, so
+    a folder only its owner can enter is what also closes the moment before this chmod."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # @: no file
+        os.chmod(endpoint[len("ipc://") :], 0o600)
+
+
 def encode_batch(
     events: Sequence[KVEvent],
     *,
@@ -173,8 +190,10 @@ class ZmqEventPublisher:
         context: zmq.Context | None = None,
     ) -> None:
         check_address("endpoint", endpoint)
+        endpoint = _home_expanded(endpoint)
         if replay_endpoint is not None:
             check_address("replay_endpoint", replay_endpoint)
+            replay_endpoint = _home_expanded(replay_endpoint)
         check_event_layout(event_layout)
         self.topic = topic.encode("utf-8")
         self._encode = partial(
@@ -195,9 +214,11 @@ class ZmqEventPublisher:
                 self._pub.connect(endpoint)
             else:
                 self._pub.bind(endpoint)
+                _owner_only(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(replay_endpoint)
+                _owner_only(replay_endpoint)
         except Exception:
             self._close_sockets()
             raise

@@ -8,8 +8,10 @@ Torch-free: `radixkv --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import os
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,6 +28,10 @@ class Option:
     to_field: Callable[[Any], Any] | None = None  # the parsed value -> the field's value
 
 
+# The environment variable of `EngineConfig.kv_cache_secret`: a secret on the command line would
+# show in every process listing.
+SECRET_ENV = "RADIXKV_KV_CACHE_SECRET"
+
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _UNITS |= {f"{k}B": v for k, v in _UNITS.items() if k not in ("", "B")}
 _UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -40,6 +46,15 @@ def parse_bytes(text: str) -> int:
     if match is None or match.group(2).lower() not in units:
         raise argparse.ArgumentTypeError(f"not a size like 4GiB or 512MB: {text!r}")
     return int(float(match.group(1)) * units[match.group(2).lower()])
+
+
+def format_bytes(num_bytes: int) -> str:
+    """A size as `parse_bytes` reads it back, in the largest binary unit it is a whole number
+    of ("8GiB", "512MiB"); plain bytes otherwise."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if num_bytes and num_bytes % _UNITS[unit] == 0:
+            return f"{num_bytes // _UNITS[unit]}{unit}"
+    return str(num_bytes)
 
 
 def _torch_dtype(name: str) -> Any:
@@ -148,7 +163,9 @@ OPTIONS = (
     Option(
         "--kv-cache-dir",
         "kv_cache_dir",
-        "disk tier in this folder, kept across restarts (needs --host-cache)",
+        "disk tier in this folder, kept across restarts (needs --host-cache); its files hold"
+        " prompts' token ids, readable by this user alone; with the environment variable"
+        f" {SECRET_ENV} set, their checksums are keyed by it and a forged file is never loaded",
         type=str,
     ),
     Option("--disk-cache", "disk_cache_bytes", "disk tier budget, e.g. 20GiB", type=parse_bytes),
@@ -169,7 +186,10 @@ def add_engine_options(parser: argparse.ArgumentParser, **defaults: Any) -> None
         kind: dict[str, Any] = {"type": opt.type, "choices": opt.choices, "metavar": metavar}
         if opt.type is None:
             kind = {"action": argparse.BooleanOptionalAction}
-        help_text = opt.help + _default_text(config_defaults[opt.field])
+        default = config_defaults[opt.field]
+        if opt.type is parse_bytes and isinstance(default, int):
+            default = format_bytes(default)
+        help_text = opt.help + _default_text(default)
         parser.add_argument(opt.flag, dest=opt.field, default=None, help=help_text, **kind)
     parser.set_defaults(engine_defaults=defaults)
 
@@ -186,10 +206,53 @@ def _default_text(default: object) -> str:
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The `LLM` keyword arguments (EngineConfig fields) of the options given on the command line,
-    over the command's own defaults."""
+    over the command's own defaults, and the disk tier's secret from the environment."""
     settings = dict(args.engine_defaults)
     for opt in OPTIONS:
         value = getattr(args, opt.field)
         if value is not None:
             settings[opt.field] = value if opt.to_field is None else opt.to_field(value)
+    if os.environ.get(SECRET_ENV) and settings.get("kv_cache_dir") is not None:
+        settings["kv_cache_secret"] = os.environ[SECRET_ENV]
     return settings
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Check the engine options of the command line before any model loads: every value (as
+    `EngineConfig` checks them) and the disk tier's folder. Raises ValueError / TypeError; pass
+    the text through `name_flags` for the user."""
+    config = EngineConfig(**engine_settings(args))
+    if config.kv_cache_dir is not None:
+        check_writable_folder(os.fspath(config.kv_cache_dir), "--kv-cache-dir")
+
+
+def check_writable_folder(folder: str, flag: str) -> None:
+    """Create `folder` if need be and check that this process can write in it; ValueError
+    naming `flag` otherwise."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{flag} {folder} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {folder} cannot be created: {exc.strerror or exc}") from None
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise ValueError(f"{flag} {folder} cannot be written: {exc.strerror or exc}") from None
+
+
+def name_flags(message: str, extra: Mapping[str, str] | None = None) -> str:
+    """`message`, about settings by their field names (`kv_cache_dir needs host_cache_bytes`),
+    with each field named by the command-line flag that sets it (`--kv-cache-dir needs
+    --host-cache`); `extra`: more field -> flag pairs (a command's own options)."""
+    names = {opt.field: opt.flag for opt in OPTIONS} | dict(extra or {})
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    # A one-word field ("device", "seed") is a field only where the message begins with it;
+    # elsewhere it may be a plain word ("a torch device").
+    pattern = rf"^({alternatives})\b|\b({alternatives})\b"
+
+    def flag(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return names[name] if match.group(1) or "_" in name else name
+
+    return re.sub(pattern, flag, message)

@@ -24,16 +24,15 @@ admission is a reservation, so an admitted prefill never stalls half-way or pree
 own chunks, and preemption is a decode-time event. The price: a long prompt holds all its blocks
 from its first chunk on, so fewer requests are admitted under pressure than with per-chunk blocks.
 
-`update_from_output()` advances each row, inserts the written prefix into the tree after every
-prefill chunk (concurrent requests with the same prefix share it at once; the lock moves to the
-new deepest node), appends sampled tokens and finishes requests (insert everything written,
-release the lock, free what is still private).
-
-Overlapped steps (`radixkv.engine.overlap`) split it in two: `advance()` when a step is launched
-(rows written, a placeholder per sampled row), `fill()` one step later with the tokens. A request
-whose placeholder is its last allowed token is not scheduled again, and a request preempted with a
-placeholder is not readmitted until it is filled: no row computes past what it may generate, and
-nothing unknown reaches the tree.
+A launched step is recorded in two calls: `record_launched()` when the step is launched advances
+each row, inserts the written prefix into the tree after every prefill chunk (concurrent requests
+with the same prefix share it at once; the lock moves to the new deepest node) and appends a
+placeholder per sampled row; `fill()` brings the sampled tokens and finishes requests (insert
+everything written, release the lock, free what is still private). A synchronous step calls them
+back to back (`update_from_output()`); overlapped steps (`radixkv.engine.step`) fill one step
+later. A request whose placeholder is its last allowed token is not scheduled again, and a request
+preempted with a placeholder is not readmitted until it is filled: no row computes past what it
+may generate, and nothing unknown reaches the tree.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ class Scheduler:
         self._waiting: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._aborted_ids: list[str] = []  # reported in the next output's finished_ids
-        self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._unrecorded: SchedulerOutput | None = None  # scheduled, not yet record_launched
         self._scheduling = False  # inside schedule(): still set after a fault there
         self.num_preemptions = 0  # since start, every request
 
@@ -154,9 +153,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's rows; allocate, copy-on-write and preempt as needed.
 
-        Each non-empty output must be passed to `update_from_output` before the next call.
+        Each non-empty output must be passed to `record_launched` before the next call.
         """
-        assert self._in_flight is None, "schedule() called again before update_from_output()"
+        assert self._unrecorded is None, "schedule() called again before record_launched()"
         self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
@@ -200,34 +199,29 @@ class Scheduler:
         )
         self._aborted_ids.clear()
         if rows:
-            self._in_flight = output
+            self._unrecorded = output
         self._scheduling = False
         return output
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int]
     ) -> list[Request]:
-        """Record that the KV of `output`'s rows is written and the tokens sampled for the rows
-        with `sample=True`. Returns the requests that finished (stop / length) in this step.
-
-        Rows of requests aborted since `schedule()` are ignored (a token sampled for them too):
-        the engine aborts a request whose row failed before it updates the others.
-        """
+        """A step whose tokens are known when it is recorded: `record_launched`, then `fill`.
+        Returns the requests that finished (stop / length) in this step. Rows of requests
+        aborted since `schedule()` are ignored (a token sampled for them too)."""
         sample_ids = {r.request_id for r in output.rows if r.sample}
         live_ids = {rid for rid in sample_ids if rid in self._running}
         assert live_ids <= sampled.keys() <= sample_ids, (sampled, sample_ids)
-        finished: list[Request] = []
-        for row, req in self._live_rows(output):
-            if self._record_row(row, req, sampled.get(row.request_id)):
-                finished.append(req)
-        return finished
+        self.record_launched(output)
+        return [req for req in self.fill(output, sampled) if req.is_finished]
 
-    def advance(self, output: SchedulerOutput) -> None:
-        """Overlapped steps: record `output`'s rows as written when the step is launched, before
-        its tokens are known; each sampled row appends a placeholder that the next `schedule()`
-        computes (the runner feeds it the token on the device). `fill` brings the tokens."""
+    def record_launched(self, output: SchedulerOutput) -> None:
+        """Record `output`'s rows as written when the step is launched, before its tokens are
+        known; each sampled row appends a placeholder that the next `schedule()` computes (the
+        runner feeds it the token on the device). `fill` brings the tokens, at once or one step
+        later (overlapped steps)."""
         for row, req in self._live_rows(output):
-            self._record_row(row, req, None)
+            self._record_row(row, req)
 
     def fill(
         self,
@@ -235,10 +229,10 @@ class Scheduler:
         sampled: Mapping[str, int],
         requeued: Collection[str] = (),
     ) -> list[Request]:
-        """Overlapped steps: the tokens of an `advance`d step, one step late. Returns the
+        """The tokens of a `record_launched` step, at once or one step late. Returns the
         requests that took a token, in row order (a request that finished or was aborted since,
         or was `requeue`d before the step was launched, takes none). A request that stops here
-        gives back the KV the next step computed for it.
+        gives back the KV a later step computed for it.
         """
         took: list[Request] = []
         for row in output.rows:
@@ -258,29 +252,22 @@ class Scheduler:
     def _live_rows(self, output: SchedulerOutput) -> list[tuple[ScheduledRequest, Request]]:
         """The rows of the last `schedule()`'s output whose requests are still running (rows of
         requests aborted since are dropped); the output is no longer in flight."""
-        assert not output.rows or output is self._in_flight, "not the last schedule()'s output"
+        assert not output.rows or output is self._unrecorded, "not the last schedule()'s output"
         if output.rows:
-            self._in_flight = None
+            self._unrecorded = None
         live = ((row, self._running.get(row.request_id)) for row in output.rows)
         return [(row, req) for row, req in live if req is not None]
 
-    def _record_row(self, row: ScheduledRequest, req: Request, token: int | None) -> bool:
-        """A row's KV is written, and its sampled token (a placeholder when None) appended.
-        Inserts the written prefix after a prefill chunk; True if the request finished."""
+    def _record_row(self, row: ScheduledRequest, req: Request) -> None:
+        """A row's KV is written, and a placeholder appended for its sampled token. Inserts the
+        written prefix after a prefill chunk."""
         assert row.start_position == req.num_computed_tokens, (row, req)
         is_prefill = row.start_position < req.num_prefill_tokens
         req.num_computed_tokens += len(row.token_ids)
         if row.sample:
-            if token is None:
-                req.append_placeholder()
-            else:
-                req.append_output_token(token, self._max_len)
-        if req.is_finished:
-            self._finish_running(req)
-            return True
+            req.append_placeholder()
         if self._use_cache and is_prefill:
             self._insert_written(req, writes_on=True)
-        return False
 
     def _finish_running(self, req: Request) -> None:
         """Insert everything a finished request wrote, then free what it holds."""
@@ -517,9 +504,9 @@ class Scheduler:
         """After a fault in a step: finish the requests it touched with FINISHED_ERROR and return
         their blocks and locks (their KV of that step is not inserted), so the next `schedule()`
         works. Returns them: the rows of the pending step, [] if none is pending (e.g. the fault
-        came after `update_from_output()`), and every live request after a fault inside
+        came after `record_launched()`), and every live request after a fault inside
         `schedule()`, whose partial work no output records."""
-        output, self._in_flight = self._in_flight, None
+        output, self._unrecorded = self._unrecorded, None
         if self._scheduling:
             self._scheduling = False
             ids = list({**self._running, **self._waiting})

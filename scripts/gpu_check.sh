@@ -20,7 +20,8 @@
 #   profile  benchmarks/step_profile.py: host time per step phase, replay time per bucket,
 #            kernel-time split, the turn-6 prefill
 #   pytest   the gpu-marked tests of the files that hold them, each under a timeout
-#   kernels  benchmarks/kernel_bench.py --quick (CUDA-graph replays of each kernel and of SDPA)
+#   kernels  benchmarks/kernel_bench.py --quick (CUDA-graph replays of each kernel and of SDPA;
+#            if that fails, again timed from the host)
 # Logs go to $OUT (default ./gpu-check-out), one per stage (import writes to install's); summary
 # lines and the tail of every failed stage's log go to stdout and to $OUT/summary.txt: at most 7
 # files. Environment: OUT, GPU_CHECK_BUDGET_S (default 480), PYTHON (python3).
@@ -105,20 +106,21 @@ link_packages() {
     ln -s "$PWD/kernels" "$SITE/radixkv/kernels" && ln -s "$PWD/scheduler" "$SITE/radixkv/scheduler"
 }
 
+# The install stages reserve nothing for later ones: every later stage needs radixkv.
 install_radixkv() {
     # --no-deps --no-index: nothing is downloaded; the machine's torch, triton, transformers stay.
     local flags=(-q --disable-pip-version-check --no-cache-dir --no-deps --no-index
         --no-build-isolation)
     if ((DRY)); then
-        run_stage install 90 330 -- "$PY" -m pip install "${flags[@]}" --dry-run -e .
+        run_stage install 90 0 -- "$PY" -m pip install "${flags[@]}" --dry-run -e .
         return
     fi
-    LOG_AS=install run_stage install 90 330 -- "$PY" -m pip install "${flags[@]}" -e .
+    LOG_AS=install run_stage install 90 0 -- "$PY" -m pip install "${flags[@]}" -e .
     if ! importable; then
         say "install: radixkv not importable after the editable install; a plain one into $SITE"
         rm -rf "$SITE"
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-        LOG_AS=install run_stage install-plain 90 330 -- \
+        LOG_AS=install run_stage install-plain 90 0 -- \
             "$PY" -m pip install "${flags[@]}" --target "$SITE" .
         if ! importable; then
             say "install: still not importable; the source folders linked into $SITE"
@@ -141,7 +143,7 @@ fi
 if wanted install || { ((!DRY)) && ! importable; }; then
     wanted install || { say "install: radixkv is not importable here; installing first"; rm -f "$OUT/install.log"; }
     install_radixkv
-    LOG_AS=install run_stage import 60 330 -- "$PY" -c 'import torch, radixkv.engine, radixkv.kernels as k; print("radixkv.kernels from", k.__file__, "| backend on", "cuda:", k.backend_for(torch.device("cuda")))'
+    LOG_AS=install run_stage import 60 0 -- "$PY" -c 'import torch, radixkv.engine, radixkv.kernels as k; print("radixkv.kernels from", k.__file__, "| backend on", "cuda:", k.backend_for(torch.device("cuda")))'
     excerpt install "^radixkv.kernels from" 1
 fi
 
@@ -156,7 +158,7 @@ if wanted profile; then
     tiny=()
     ((DRY)) && tiny=(--tiny)
     run_stage profile 75 60 -- "$PY" benchmarks/step_profile.py "${tiny[@]}"
-    excerpt profile "^(##|LLM|median|bucket|  )" 40
+    excerpt profile "^(##|LLM|median|bucket|  )" 80
 fi
 
 # The files that hold gpu-marked tests: naming them spares collecting the whole suite.
@@ -182,7 +184,11 @@ if wanted kernels; then
         run_stage kernels 240 0 -- "$PY" -m pytest -q -p no:cacheprovider \
             tests/kernels/test_kernel_bench_smoke.py
     else
-        run_stage kernels 90 0 -- "$PY" benchmarks/kernel_bench.py --quick
+        # -X faulthandler: a crash inside a driver call prints the Python stack that made it.
+        if ! run_stage kernels 90 0 -- "$PY" -X faulthandler benchmarks/kernel_bench.py --quick; then
+            LOG_AS=kernels run_stage kernels-host 90 0 -- \
+                "$PY" -X faulthandler benchmarks/kernel_bench.py --quick --timing host
+        fi
         excerpt kernels "^(##|###|torch|device|\|)" 40
     fi
 fi
@@ -191,6 +197,7 @@ say "total: $((SECONDS - START))s of a ${BUDGET_S}s budget; stages not passed: $
 for name in "${FAILED[@]}"; do
     log="$OUT/$name.log"
     [[ $name == install-plain || $name == import ]] && log="$OUT/install.log"
+    [[ $name == kernels-host ]] && log="$OUT/kernels.log"
     [[ -f $log ]] || continue
     say "---- tail of $(basename "$log") ($name)"
     tail -n 20 "$log" | tee -a "$SUMMARY"

@@ -2,7 +2,8 @@
 # Create (or refresh) the project's virtual environment in .venv.
 #
 #   scripts/setup_env.sh          runtime: radixkv + the embedded default model
-#   scripts/setup_env.sh --test   the same plus pytest, hypothesis and ruff
+#   scripts/setup_env.sh --test   the same plus pytest, hypothesis, ruff, selenium, and Debian's
+#                                 chromium + chromium-driver when absent (scripts/setup_browser.sh)
 #
 # Why a script and not a bare `pip install -e .`: an unpinned torch resolves to the CUDA build
 # (several GB of CUDA packages) even on a machine without a GPU. So torch is installed first, CPU
@@ -28,6 +29,8 @@ if [[ $test_tools == 1 ]]; then
     routers=$!
 fi
 routers_ready() { if [[ -n "$routers" ]]; then wait "$routers"; fi; }
+# The browser the live page's tests drive: apt packages, checked on every run (not in the stamp).
+if [[ $test_tools == 1 ]]; then scripts/setup_browser.sh; fi
 
 want="$(cat pyproject.toml scripts/setup_env.sh | cksum)"
 runtime_stamp="$VENV/.radixkv-setup"

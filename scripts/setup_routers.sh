@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Install the cache-aware routers the fleet tests run for real, each in its own virtual
-# environment under .venv-routers/ (their dependencies pin different pydantic / fastapi releases
-# than radixkv's, and none of them may leak into .venv):
+# Install the cache-aware routers the fleet recipes and tests run for real, each in its own
+# virtual environment under $RADIXKV_ROUTERS_DIR (their dependencies pin different pydantic /
+# fastapi releases than radixkv's, and none of them may leak into .venv). The default,
+# radixkv/routers in the user's cache folder, lies outside the checkout, so every checkout of a
+# user shares one install; examples/fleet/fleet.py reads the same variable and default.
 #
-#   .venv-routers/sglang-router       python -m sglang_router.launch_router
-#   .venv-routers/vllm-router         python -m vllm_router.launch_router
-#   .venv-routers/ai-dynamo-runtime   python -m dynamo.indexer (Dynamo's standalone KV indexer)
+#   $RADIXKV_ROUTERS_DIR/sglang-router       python -m sglang_router.launch_router
+#   $RADIXKV_ROUTERS_DIR/vllm-router         python -m vllm_router.launch_router
+#   $RADIXKV_ROUTERS_DIR/ai-dynamo-runtime   python -m dynamo.indexer (Dynamo's KV indexer)
 #
 # Pinned: a router's worker protocol changes between releases. The three install side by side (a
 # couple of minutes on 2 cores, about 550 MB); a venv whose stamp names its pin is skipped.
@@ -13,7 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ROUTERS_DIR="${ROUTERS_DIR:-.venv-routers}"
+ROUTERS_DIR="${RADIXKV_ROUTERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/radixkv/routers}"
+mkdir -p "$ROUTERS_DIR"
 PYTHON="${PYTHON:-python3}"
 PINS=("sglang-router==0.3.2" "vllm-router==0.1.17" "ai-dynamo-runtime==1.6.1")
 

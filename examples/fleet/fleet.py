@@ -1,20 +1,22 @@
 """A fleet: N `radixkv serve` replicas behind a router people already run. The recipes:
 
-    python examples/fleet/fleet.py sglang-cache-aware --replicas 2   # sglang-router cache_aware
-    python examples/fleet/fleet.py vllm-kv-aware --replicas 2        # vllm-router kv_aware
-    python examples/fleet/fleet.py session-hash --replicas 2         # consistent hash, x-session-id
-    python examples/fleet/fleet.py dynamo-indexer --replicas 2       # Dynamo's KV indexer
+    python examples/fleet/fleet.py vllm-kv-aware-session   # kv_aware + session affinity
+    python examples/fleet/fleet.py session-hash            # consistent hash on x-session-id
+    python examples/fleet/fleet.py vllm-kv-aware           # vllm-router kv_aware
+    python examples/fleet/fleet.py sglang-cache-aware      # sglang-router cache_aware
+    python examples/fleet/fleet.py dynamo-indexer          # Dynamo's KV indexer
 
 Each starts the replicas on 127.0.0.1, waits until they answer, starts the router (or indexer)
-and prints where to send requests; Ctrl-C stops everything. Options after `--` go to every
-`radixkv serve` (e.g. `-- --model PATH --block-size 32`). The routers come from
-`scripts/setup_routers.sh` (`make test` runs it): one venv each under `.venv-routers/`.
+and prints where to send requests; Ctrl-C, SIGINT or SIGTERM stops everything. Options after `--`
+go to every `radixkv serve` (e.g. `-- --model PATH --block-size 32`). The session recipes route
+on the `x-session-id` header: send one per conversation. The routers come from
+`scripts/setup_routers.sh` (`make test` runs it): one venv each under $RADIXKV_ROUTERS_DIR
+(default: `radixkv/routers` in the user's cache folder, `~/.cache` or $XDG_CACHE_HOME).
 
 A replica's KV-event publisher binds `tcp://127.0.0.1:PORT` (`--kv-events`; vllm-router and
 Dynamo connect to it) in vLLM's current layout. Dynamo's indexer binds its HTTP port on 0.0.0.0
 with no host flag, so the `dynamo-indexer` recipe re-runs itself in a network namespace that has
-only loopback (`unshare -n`, as root); talk to it from inside (`nsenter`, or run your client
-there too).
+only loopback (`unshare -n`, as root); it prints the `nsenter` command that runs a client there.
 
 The routers log at `info`; RADIXKV_ROUTER_LOG_LEVEL=debug shows vllm-router's routing decisions
 (for kv_aware, the prefix each worker was credited from its events).
@@ -41,9 +43,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-ROUTERS_DIR = Path(os.environ.get("RADIXKV_ROUTERS_DIR", REPO / ".venv-routers"))
+ROUTERS_DIR_ENV = "RADIXKV_ROUTERS_DIR"
 IN_NAMESPACE_ENV = "RADIXKV_FLEET_IN_NETNS"
+SESSION_HEADER = "x-session-id"  # what the session recipes key on
+SESSION_TTL_S = 600  # kv_aware session affinity: a conversation idle this long may move
 
 # cache_aware (sglang-router; vllm-router's is the same algorithm) tuned for multi-turn chat.
 # When the in-flight loads are imbalanced (max - min > abs AND max > rel * min) it sends a
@@ -60,6 +63,10 @@ IN_NAMESPACE_ENV = "RADIXKV_FLEET_IN_NETNS"
 # So: rebalance on any difference in load (abs 0, rel 1.0), which spreads the first turns evenly
 # and sends later turns home, and a threshold under the second-turn match (0.6), so that with
 # equal loads a conversation still follows its history rather than the shared prompt.
+# That second fact holds only in a closed loop (each next turn right after its reply, replies of
+# one length). With think time and replies of natural length it fails, and so do these values
+# (issue 32: a median cached fraction of .67 against one replica's .85): for chat, prefer a
+# session recipe (vllm-kv-aware-session, session-hash), which routes on x-session-id.
 SGLANG_CHAT_THRESHOLDS = {
     "--cache-threshold": "0.6",
     "--balance-abs-threshold": "0",
@@ -71,16 +78,27 @@ ROUTER_KINDS = (
     "sglang-cache-aware",
     "vllm-cache-aware",
     "vllm-kv-aware",
+    "vllm-kv-aware-session",
     "session-hash",
 )
 RECIPES = (*ROUTER_KINDS, "dynamo-indexer")
+USES_SESSION_HEADER = ("vllm-kv-aware-session", "session-hash")
 NEEDS_NAMESPACE = ("dynamo-indexer",)  # binds 0.0.0.0
-NEEDS_EVENTS = ("vllm-kv-aware", "dynamo-indexer")
+NEEDS_EVENTS = ("vllm-kv-aware", "vllm-kv-aware-session", "dynamo-indexer")
+
+
+def routers_dir() -> Path:
+    """Where scripts/setup_routers.sh installs the routers: $RADIXKV_ROUTERS_DIR, else
+    radixkv/routers in the user's cache folder (outside any checkout, shared by all of them)."""
+    if os.environ.get(ROUTERS_DIR_ENV):
+        return Path(os.environ[ROUTERS_DIR_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "radixkv" / "routers"
 
 
 def router_python(package: str) -> Path | None:
     """The python of a router's venv (`sglang-router`, `vllm-router`, `ai-dynamo-runtime`)."""
-    python = ROUTERS_DIR / package / "bin" / "python"
+    python = routers_dir() / package / "bin" / "python"
     return python if python.exists() else None
 
 
@@ -177,6 +195,7 @@ class Fleet:
     router: Process | None = None
     indexer_url: str | None = None
     processes: list[Process] = field(default_factory=list)
+    log_dir: Path | None = None  # each process's log, NAME.log
 
 
 def start(
@@ -243,16 +262,19 @@ def router_command(
             "round-robin": "round_robin",
             "vllm-cache-aware": "cache_aware",
             "vllm-kv-aware": "kv_aware",
+            "vllm-kv-aware-session": "kv_aware",
             "session-hash": "consistent_hash",  # keyed by the x-session-id header
         }[kind]
         cmd = [str(python), "-m", "vllm_router.launch_router", "--policy", policy]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port]
         if kind == "vllm-cache-aware":
             cmd += [a for pair in SGLANG_CHAT_THRESHOLDS.items() for a in pair]
-        if kind == "vllm-kv-aware":
+        if kind in NEEDS_EVENTS:
             for r in replicas:
                 cmd += ["--kv-event-source", f"{r.url}={r.events_endpoint}"]
             cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        if kind == "vllm-kv-aware-session":  # a conversation's turns stay on its first worker
+            cmd += ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
     return cmd + ["--log-level", os.environ.get("RADIXKV_ROUTER_LOG_LEVEL", "info")]
 
@@ -274,7 +296,10 @@ def indexer_command(port: int, replicas: Sequence[Replica], block_size: int) -> 
 def _router_python(package: str) -> Path:
     python = router_python(package)
     if python is None:
-        raise RuntimeError(f"{package} is not installed: run scripts/setup_routers.sh")
+        raise RuntimeError(
+            f"{package} is not installed in {routers_dir()} (${ROUTERS_DIR_ENV}): "
+            "run scripts/setup_routers.sh"
+        )
     return python
 
 
@@ -308,7 +333,7 @@ def start_fleet(
             replicas.append(Replica(f"http://127.0.0.1:{ports[i]}", events_port, process))
         for r in replicas:
             wait_for(r.process, f"{r.url}/health", timeout_s)
-        fleet = Fleet(replicas, None, processes=processes)
+        fleet = Fleet(replicas, None, processes=processes, log_dir=log_dir)
         front = ports[-1]
         if kind == "dynamo-indexer":
             indexer = start("indexer", indexer_command(front, replicas, block_size), log_dir)
@@ -337,7 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--served-model-name", default="radixkv")
+    parser.add_argument(
+        "--log-dir", type=Path, help="where the processes' logs go (default: a new temp folder)"
+    )
     args = parser.parse_args(args_list)
+    if args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
     if args.recipe in NEEDS_NAMESPACE and not in_namespace():
         if not namespace_available():
             print(f"{args.recipe} needs unshare -n (as root)", file=sys.stderr)
@@ -345,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = namespace_command([sys.executable, __file__, *(argv or sys.argv[1:])])
         # exec, not a child: Ctrl-C (SIGINT to this pid) must reach the fleet's owner
         os.execvpe(cmd[0], cmd, {**os.environ, IN_NAMESPACE_ENV: "1"})
-    # Ctrl-C at any moment, starting up included, stops everything (start_fleet's finally).
+    stop_on_signals()
+    # A signal at any moment, starting up included, stops everything (start_fleet's finally).
     with (
         contextlib.suppress(KeyboardInterrupt),
         start_fleet(
@@ -354,17 +385,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_args,
             model=args.served_model_name,
             block_size=args.block_size,
+            log_dir=args.log_dir,
         ) as fleet,
     ):
-        for r in fleet.replicas:
-            print(f"replica  {r.url}  events {r.events_endpoint or '-'}", flush=True)
-        if fleet.url:
-            print(f"router   {fleet.url}/v1  (model {args.served_model_name!r})", flush=True)
-        if fleet.indexer_url:
-            print(f"indexer  {fleet.indexer_url}/query  POST {{token_ids, model_name}}", flush=True)
+        for line in describe(fleet, args.recipe, args.served_model_name):
+            print(line, flush=True)
         while all(p.alive() for p in fleet.processes):
             time.sleep(1)
     return 0
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT stop the fleet. The replicas and the router run in sessions of their
+    own (a terminal's Ctrl-C reaches only this process), so this process must never end without
+    stopping them: SIGTERM's default would orphan them, and a shell's `&` starts it with SIGINT
+    ignored. A second signal while stopping is ignored: stopping is already bounded."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+
+def describe(fleet: Fleet, recipe: str, model: str) -> list[str]:
+    """What a user needs: the logs, each process and where to send requests."""
+    lines = [f"logs     {fleet.log_dir}"]
+    for r in fleet.replicas:
+        events = r.events_endpoint or "-"
+        lines.append(f"replica  {r.url}  events {events}  pid {r.process.popen.pid}")
+    if fleet.url:
+        header = f"  header {SESSION_HEADER}" if recipe in USES_SESSION_HEADER else ""
+        pid = fleet.router.popen.pid if fleet.router else "-"
+        lines.append(f"router   {fleet.url}/v1  (model {model!r}){header}  pid {pid}")
+    if fleet.indexer_url:
+        query = '{"token_ids": [...], "model_name": "default"}'
+        lines.append(f"indexer  {fleet.indexer_url}/query  POST {query}")
+    if in_namespace():  # only loopback here: a client must run in this network namespace
+        lines.append(f"enter    nsenter --target {os.getpid()} --net  (as root; then curl, python)")
+    return lines
 
 
 if __name__ == "__main__":

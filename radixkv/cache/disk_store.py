@@ -18,13 +18,25 @@ pickle runs code):
                                   hash, token count, payload size, prefix digest
     tokens    4 x block_size      the block's token ids (uint32)
     payload   block_nbytes        the block's K/V over all layers, raw, in the engine's layout
-    checksum  8 bytes             xxh3-64 of everything before it
+    checksum  8 bytes             xxh3-64 of everything before it (keyed: see below)
 
 `get` checks all of it against what the caller expects (`BlockKey`): the fingerprint (a file of
 another model or layout is never loaded), the hash, the parent hash, the tokens and the prefix
 digest, a blake2b chain over the namespace and every token of the prefix: prefixes whose 64-bit
 chain hashes collide have different digests, so a collision never loads wrong KV. A file that is
-truncated or fails its checksum is damaged: skipped with one warning and removed.
+truncated or fails its checksum is damaged: skipped with one warning and removed. A file that
+cannot be used and cannot be removed (unreadable, not a regular file, or some other prefix's
+block) is remembered as unusable: `contains` no longer reports it, so a request that missed it
+recomputes instead of probing it again (until this process writes that block itself).
+
+With a `secret` (a deployment's key), the checksum is keyed (blake2b-64 keyed by it), so a file
+forged by whoever can write the folder but lacks the key is damaged, never loaded; keyed stores
+use a layout folder of their own (named from the key too), so stores with and without a key,
+or with different keys, never take each other's files for damaged ones.
+
+Files are created 0600 and folders 0700: the files hold prompts' token ids in clear, so only the
+user running the engine may read them. Files are opened without following links and without
+blocking, and only a regular file is read (a FIFO under a block's name cannot hang the engine).
 
 Writes are atomic: a block goes to a temporary file in its folder, named after its host and
 process, then is renamed over its final name, so a reader sees a whole file or none. A process
@@ -47,6 +59,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 from collections import Counter
@@ -75,6 +88,10 @@ _DIGEST_BYTES = 32
 # A temporary file of another host cannot be tied to a live process: removed once this old.
 FOREIGN_TMP_MAX_AGE_S = 3600.0
 _HOST = socket.gethostname().replace(".", "_") or "host"
+_FILE_MODE = 0o600  # the files hold prompts' token ids: the engine's user alone reads them
+_DIR_MODE = 0o700
+_OPEN_FOR_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FOR_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 # ------------------------------------------------------------------------------------ keys
@@ -151,6 +168,7 @@ class DiskStoreStats:
     num_stored_bytes: int
     num_evicted: int  # files removed for the budget
     num_damaged: int  # files found truncated or corrupt (or of another layout), removed
+    num_unusable: int  # files that could not be used nor removed: not probed again
     num_write_errors: int  # put() that failed (disk full, permissions...): nothing stored
 
 
@@ -158,7 +176,7 @@ class DiskStore:
     """Full KV blocks of one layout under `root`, at most `budget_bytes` of files (see the module
     docstring). `fingerprint`: what the KV depends on (model config, weights identity, dtype,
     block size, layer and head shapes); JSON-serialisable. `block_size` tokens and `block_nbytes`
-    payload bytes per block.
+    payload bytes per block. `secret`: the key of a keyed checksum (None: xxh3, unkeyed).
 
     Invariants (recomputed by `check_integrity`): the LRU index holds exactly the indexed files,
     each once, under its current key; `num_bytes` is their count times the file size and stays
@@ -174,15 +192,20 @@ class DiskStore:
         block_size: int,
         block_nbytes: int,
         budget_bytes: int,
+        secret: bytes | None = None,
     ) -> None:
         self.fingerprint = fingerprint_digest(fingerprint)
+        # blake2b takes keys of at most 64 bytes: a secret of any length is hashed into one
+        self._secret = None if secret is None else hashlib.blake2b(b"radixkv:" + secret).digest()
         self.block_size = block_size
         self.block_nbytes = block_nbytes
         self.file_nbytes = HEADER.size + 4 * block_size + block_nbytes + CHECKSUM.size
         assert budget_bytes >= self.file_nbytes, "the door checks that the budget holds a block"
         self.budget_bytes = budget_bytes
-        self.directory = Path(root) / self.fingerprint.hex()[:32]
+        self.directory = Path(root) / _layout_name(self.fingerprint, secret)
         self._entries: dict[int, _Entry] = {}
+        # Hashes whose file could not be used nor removed: misses for `contains` until written.
+        self._unusable: set[int] = set()
         self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
         self._lru = EvictionIndex(lru_key)
         # Told when this process indexes a block (written, or read from another's file) and
@@ -202,11 +225,13 @@ class DiskStore:
                 "num_stored_bytes",
                 "num_evicted",
                 "num_damaged",
+                "num_unusable",
                 "num_write_errors",
             ),
             0,
         )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        os.makedirs(root, mode=_DIR_MODE, exist_ok=True)
+        self.directory.mkdir(mode=_DIR_MODE, exist_ok=True)
         self._write_fingerprint(fingerprint)
         self._scan()
 
@@ -221,14 +246,17 @@ class DiskStore:
 
     def contains(self, block_hash: int) -> bool:
         """Whether a file of this hash is there (indexed, or written since by another process:
-        indexed when it is read). It may still turn out to hold another prefix or be damaged:
-        `get` decides. Changes nothing."""
+        indexed when it is read), and not found unusable. It may still turn out to hold another
+        prefix or be damaged: `get` decides. Changes nothing."""
         if block_hash in self._entries:
             return True
+        if block_hash in self._unusable:
+            return False
         try:
-            return os.stat(self._path(block_hash)).st_size == self.file_nbytes
+            st = os.lstat(self._path(block_hash))
         except OSError:
             return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == self.file_nbytes
 
     def probe(self, keys: Sequence[BlockKey]) -> int:
         """How many of `keys`, from the first, have a file (`contains`)."""
@@ -240,33 +268,55 @@ class DiskStore:
     def get(self, key: BlockKey, out: Any) -> bool:
         """Load the block `key` names into `out` (a writable buffer of `block_nbytes` bytes, e.g.
         a numpy view of a host KV block). True if loaded; False, with `out` in an undefined state,
-        if there is no such file, it holds another prefix (a hash collision), or it is damaged (one
-        warning, and it is removed)."""
+        if there is no such file, it holds another prefix (a hash collision), it is damaged (one
+        warning, and it is removed) or it cannot be read (one warning): a file that cannot be used
+        and is still there is remembered as unusable (`contains` says False from then on)."""
         view = memoryview(out).cast("B")
         assert view.nbytes == self.block_nbytes, f"{view.nbytes} != {self.block_nbytes}"
         if self._pinned[key.block_hash]:
             self.unpin([key.block_hash])
-        path = self._path(key.block_hash)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                problem = self._read_into(f, key, view)
-                if problem in ("damaged", "layout"):
-                    self._remove_damaged(path, os.fstat(f.fileno()).st_ino, problem)
-        except FileNotFoundError:
-            problem = "gone"  # evicted by another process, or never there
-        except OSError as exc:
-            logger.warning("KV block file %s could not be read (%s): skipped", path, exc)
-            problem = "unreadable"
+        problem = self._load(key, view)
         if problem is not None:
             self._forget(key.block_hash)
             self._counts["num_misses"] += 1
+            if problem != "gone" and os.path.lexists(self._path(key.block_hash)):
+                self._unusable.add(key.block_hash)
+                self._counts["num_unusable"] += 1
             return False
         self._counts["num_hits"] += 1
         self._counts["num_loaded_bytes"] += self.block_nbytes
         self._touch(key)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # the LRU order survives a restart
         return True
+
+    def _load(self, key: BlockKey, view: memoryview) -> str | None:
+        """Read the file of `key` into `view`: None if it is the block, else why not (see
+        `_read_into`, plus "gone" and "unreadable"). Removes a damaged file."""
+        path = self._path(key.block_hash)
+        try:
+            fd = os.open(path, _OPEN_FOR_READ)
+        except FileNotFoundError:
+            return "gone"  # evicted by another process, or never there
+        except OSError as exc:
+            logger.warning("KV block file %s could not be opened (%s): skipped", path, exc)
+            return "unreadable"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                logger.warning("KV block file %s is not a regular file: skipped", path)
+                return "unreadable"
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                problem = self._read_into(f, key, view)
+            if problem in ("damaged", "layout"):
+                self._remove_damaged(path, st.st_ino, problem)
+            elif problem is None:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # the LRU order survives a restart
+            return problem
+        except OSError as exc:
+            logger.warning("KV block file %s could not be read (%s): skipped", path, exc)
+            return "unreadable"
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ writing
     def put(self, key: BlockKey, payload: Any) -> bool:
@@ -298,13 +348,11 @@ class DiskStore:
             self.block_nbytes,
             key.prefix_digest,
         )
-        checksum = xxhash.xxh3_64(header)
-        checksum.update(key.tokens)
-        checksum.update(data)
+        seal = self._checksum((header, key.tokens, data))
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "xb", buffering=0) as f:
-                _write_all(f, (header, key.tokens, data, CHECKSUM.pack(checksum.intdigest())))
+            path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
+            with open(os.open(tmp, _OPEN_FOR_WRITE, _FILE_MODE), "wb", buffering=0) as f:
+                _write_all(f, (header, key.tokens, data, seal))
             os.replace(tmp, path)
         except BaseException as exc:
             with contextlib.suppress(OSError):
@@ -315,6 +363,7 @@ class DiskStore:
             level = logging.WARNING if self._counts["num_write_errors"] == 1 else logging.DEBUG
             logger.log(level, "KV block %016x not written to %s (%s)", h, self.directory, exc)
             return False
+        self._unusable.discard(h)
         self._touch(key)
         self._counts["num_stored"] += 1
         self._counts["num_stored_bytes"] += self.block_nbytes
@@ -323,7 +372,7 @@ class DiskStore:
     def evict(self, num_bytes: int, keep: int | None = None) -> int:
         """Remove least recently used files until `num_bytes` are freed (or none is left but
         pinned ones, and `keep`); returns the bytes freed. A file already removed by another
-        process counts as freed."""
+        process, or that cannot be removed, counts as freed (`discard`)."""
         victims = []
         for entry in self._lru:
             if len(victims) * self.file_nbytes >= num_bytes:
@@ -331,9 +380,7 @@ class DiskStore:
             if entry.block_hash not in self._pinned and entry.block_hash != keep:
                 victims.append(entry)
         for entry in victims:
-            self._forget(entry.block_hash)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(entry.block_hash))
+            self.discard(entry.block_hash)
             self._counts["num_evicted"] += 1
         return len(victims) * self.file_nbytes
 
@@ -348,9 +395,10 @@ class DiskStore:
         self._pinned = +self._pinned  # drop counts at zero
 
     def discard(self, block_hash: int) -> None:
-        """Remove the file of `block_hash`, if any (this process's index and the disk)."""
+        """Remove the file of `block_hash`, if any (this process's index and the disk; one that
+        cannot be removed, such as a folder under its name, is only forgotten)."""
         self._forget(block_hash)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(self._path(block_hash))
 
     def clear(self) -> None:
@@ -433,9 +481,7 @@ class DiskStore:
         if len(head) != HEADER.size + 4 * n or _read_exact(f, view) != nbytes:
             return "damaged"
         tail = f.read(CHECKSUM.size + 1)
-        checksum = xxhash.xxh3_64(head)
-        checksum.update(view)
-        if len(tail) != CHECKSUM.size or CHECKSUM.unpack(tail)[0] != checksum.intdigest():
+        if tail != self._checksum((head, view)):
             return "damaged"
         if fingerprint != self.fingerprint:
             return "layout"
@@ -443,6 +489,18 @@ class DiskStore:
         if stored != (key.block_hash, key.parent_hash, key.tokens, key.prefix_digest):
             return "collision"  # left in place: it is some prefix's block
         return None
+
+    def _checksum(self, parts: Sequence[Any]) -> bytes:
+        """The checksum field over `parts`: xxh3-64, or blake2b-64 keyed by the secret."""
+        if self._secret is None:
+            h = xxhash.xxh3_64()
+            for part in parts:
+                h.update(part)
+            return CHECKSUM.pack(h.intdigest())
+        mac = hashlib.blake2b(key=self._secret, digest_size=CHECKSUM.size)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
 
     def _remove_damaged(self, path: Path, inode: int, why: str) -> None:
         """One warning, and the file goes (unless another process has replaced it since)."""
@@ -458,8 +516,10 @@ class DiskStore:
         if path.exists():
             return
         tmp = path.with_name(f".fingerprint.{_HOST}.{os.getpid()}.0.json{TMP_SUFFIX}")
+        text = json.dumps(fingerprint, sort_keys=True, indent=1) + "\n"
         try:
-            tmp.write_text(json.dumps(fingerprint, sort_keys=True, indent=1) + "\n")
+            with open(os.open(tmp, _OPEN_FOR_WRITE, _FILE_MODE), "w", encoding="utf-8") as f:
+                f.write(text)
             os.replace(tmp, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -496,7 +556,7 @@ class DiskStore:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if st.st_size != self.file_nbytes:
+            if st.st_size != self.file_nbytes or not stat.S_ISREG(st.st_mode):
                 damaged += 1
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
@@ -510,6 +570,13 @@ class DiskStore:
                 "removed %d truncated or foreign KV block files from %s", damaged, self.directory
             )
         self.evict(self.num_bytes - self.budget_bytes)
+
+
+def _layout_name(fingerprint: bytes, secret: bytes | None) -> str:
+    """The layout folder's name: the fingerprint's digest, keyed by the secret if any."""
+    if secret is None:
+        return fingerprint.hex()[:32]
+    return hashlib.blake2b(b"radixkv-layout:" + fingerprint, key=secret, digest_size=16).hexdigest()
 
 
 def _write_all(f: Any, parts: Sequence[Any]) -> None:

@@ -60,6 +60,7 @@ from radixkv.cache.events import XXH64, BlockHasher, EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.path_keys import node_block_keys, prompt_keys
 from radixkv.cache.pool import BlockPool
+from radixkv.cache.summary import EMPTY, TreeSummary, summarize
 from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
 from radixkv.cache.transfers import Transfer
@@ -320,16 +321,16 @@ class PrefixCache:
             self._tiers.pin(keys, h, d)  # type: ignore[union-attr]
         try:
             new = self._allocate(num_new)
-        except BaseException:  # a fault (e.g. an interrupt) must not leave the lock held
+            if partial:  # never write into a tree block got from a match: new[0] replaces it
+                table.copy = (blocks.pop(), new[0], partial)
+            table.blocks = (*blocks, *new)  # from here, closing the table frees `new`
+            if h or d:
+                self._tiers.load(keys, h, d, new)  # type: ignore[union-attr]
+        except BaseException:  # a fault (e.g. an interrupt) leaks no block, lock or pin
             if h or d:
                 self._tiers.unpin(keys, h, d)  # type: ignore[union-attr]
             self.close(table)
             raise
-        if h or d:
-            self._tiers.load(keys, h, d, new)  # type: ignore[union-attr]
-        if partial:  # never write into a tree block got from a match: new[0] replaces it
-            table.copy = (blocks.pop(), new[0], partial)
-        table.blocks = (*blocks, *new)
         return table
 
     # ------------------------------------------------------------- block tables
@@ -495,6 +496,32 @@ class PrefixCache:
                 head_tokens=tuple(unpack_tokens(node.tokens[: 4 * _HEAD_TOKENS])),
                 num_host_blocks=self._num_on_host(node),
             )
+
+    def summary(
+        self,
+        *,
+        namespace: str | None = None,
+        max_nodes: int = 300,
+        prompt: Sequence[int] = (),
+    ) -> TreeSummary:
+        """A bounded picture of one namespace's tree (`radixkv.cache.summary`): at most
+        `max_nodes` nodes, the path `prompt` matches first, the rest folded with counts.
+        Read-only; O(nodes of the namespace). Only that namespace is read: nothing of another
+        tenant shows, not even whether it exists."""
+        _check_namespace(namespace)
+        check_size(max_nodes, "max_nodes", low=0)
+        root = self._tree.roots.get(namespace)
+        if root is None:
+            return EMPTY
+        path: list[TreeNode] = []
+        m = 0
+        if len(prompt):
+            m, node, _ = self._tree.walk(pack_tokens(prompt, "prompt"), len(prompt), namespace)
+            while node is not None and node.parent is not None:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+        return summarize(root, max_nodes, path, m, self._num_on_host)
 
     def _num_on_host(self, node: TreeNode) -> int:
         tiers = self._tiers

@@ -90,14 +90,18 @@ class LowerTiers:
 
     def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, int]:
         """(h, d): keys[:h] are on the host, keys[h:h+d] on disk. The disk run is capped so that
-        it can be staged through the host blocks not holding keys[:h]. Changes nothing."""
+        it can be staged through the host blocks not holding keys[:h], and it stops before a
+        block whose hash the host holds (staging that one would give the host two entries of
+        one hash; a later lookup starts from it). Changes nothing."""
         h = 0
         while h < len(keys) and self.holds(keys[h]):
             h += 1
-        d = 0
-        if self.disk is not None and h < len(keys):
-            d = self.disk.probe(keys[h : h + self.num_host_blocks - h])
-        return h, d
+        if self.disk is None:
+            return h, 0
+        end, cap = h, min(len(keys), self.num_host_blocks)
+        while end < cap and keys[end].block_hash not in self.entries:
+            end += 1
+        return h, self.disk.probe(keys[h:end])
 
     # ------------------------------------------------------------------ planning
     def pin(self, keys: Sequence[BlockKey], h: int, d: int) -> None:
@@ -109,9 +113,11 @@ class LowerTiers:
             self.disk.pin([key.block_hash for key in keys[h : h + d]])
 
     def unpin(self, keys: Sequence[BlockKey], h: int, d: int) -> None:
-        """Undo `pin` (the load will not be planned)."""
+        """Undo `pin` (the load will not be planned, or failed half way)."""
         for key in keys[:h]:
-            self._touch(self.entries[key.block_hash])
+            entry = self.entries.get(key.block_hash)
+            if entry is not None:
+                self._touch(entry)
         if d:
             assert self.disk is not None
             self.disk.unpin([key.block_hash for key in keys[h : h + d]])
@@ -123,9 +129,14 @@ class LowerTiers:
         if h:
             self.moves.append(Load(tuple(hosts), tuple(device[:h])))
         if d:
+            disk_keys = tuple(keys[h : h + d])
+            for key in disk_keys:  # entered the host since the lookup: the staged copy replaces it
+                entry = self.entries.get(key.block_hash)
+                if entry is not None:
+                    assert entry.evict_key is not None, "a pinned entry is one of keys[:h]"
+                    self._remove(entry)
             staged = self._allocate(d)
             assert len(staged) == d, "the disk run is capped by the host blocks not pinned"
-            disk_keys = tuple(keys[h : h + d])
             self.moves.append(DiskRead(disk_keys, tuple(staged)))
             for key, b in zip(disk_keys, staged, strict=True):
                 self._add(key, b)

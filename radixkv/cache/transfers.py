@@ -13,8 +13,9 @@ the destination of a LATER move in the same list, never of an earlier one (the c
 reading move first, then frees the block).
 
 A move that fails leaves its destination blocks holding garbage, and so does every later move
-that reads them (`poisoned`); the engine fails the requests whose tables hold a poisoned device
-block, and the cache forgets every copy held in a poisoned block. A DiskWrite of a poisoned host
+that reads them (`poisoned`); the engine recomputes the requests whose tables hold a poisoned device
+block (a block file that could not be read is only a miss; a second failed copy fails the
+request), and the cache forgets every copy held in a poisoned block. A DiskWrite of a poisoned host
 block is not made (garbage never reaches the disk).
 """
 
@@ -65,29 +66,44 @@ class Poisoned:
     """Which blocks hold garbage so far, while a step's moves run in order: `record` each move
     as it ran (all its blocks, or block by block). A destination block is garbage iff its move
     failed or its source block was garbage; a sound move over a garbage block cures it. A
-    DiskWrite changes no block (the engine skips its garbage blocks: `sound`)."""
+    DiskWrite changes no block (the engine skips its garbage blocks: `sound`).
+
+    Garbage has a cause: a block file that could not be used is a cache miss (another process
+    evicted it, or it is damaged, unreadable or another prefix's), anything else that failed is
+    a fault. `missed` holds the garbage device blocks whose garbage comes from misses alone: a
+    request reading only those is recomputed, not held to account."""
 
     def __init__(self) -> None:
         self.device: set[int] = set()
         self.host: set[int] = set()
+        self.missed: set[int] = set()  # of `device`: garbage from missed block files alone
+        self._missed_host: set[int] = set()  # of `host`: likewise
 
     def __bool__(self) -> bool:
         return bool(self.device or self.host)
+
+    @property
+    def faulty(self) -> set[int]:
+        """The garbage device blocks that a fault made (not only a missed block file)."""
+        return self.device - self.missed
 
     def sound(self, t: DiskWrite) -> list[bool]:
         """Per block of `t`: whether its host block holds what the cache thinks it does."""
         return [h not in self.host for h in t.host]
 
-    def record(self, t: Transfer, ok: bool | Sequence[bool] = True) -> None:
-        """`t` ran: `ok` says whether it worked, as a whole or block by block."""
+    def record(self, t: Transfer, ok: bool | Sequence[bool | None] = True) -> None:
+        """`t` ran: `ok` says whether it worked, as a whole or block by block (None: that block's
+        file was missed, see the class docstring)."""
         oks = [ok] * len(t.host) if isinstance(ok, bool) else list(ok)
         assert len(oks) == len(t.host), "one outcome per block"
+        device = (self.device, self.missed)
+        host = (self.host, self._missed_host)
         if isinstance(t, Offload):
-            _flow(oks, t.device, self.device, t.host, self.host)
+            _flow(oks, t.device, device, t.host, host)
         elif isinstance(t, Load):
-            _flow(oks, t.host, self.host, t.device, self.device)
+            _flow(oks, t.host, host, t.device, device)
         elif isinstance(t, DiskRead):
-            _flow(oks, None, set(), t.host, self.host)
+            _flow(oks, None, (set(), set()), t.host, host)
 
 
 def poisoned(transfers: Sequence[Transfer], failed: Iterable[int]) -> Poisoned:
@@ -101,14 +117,21 @@ def poisoned(transfers: Sequence[Transfer], failed: Iterable[int]) -> Poisoned:
 
 
 def _flow(
-    oks: Sequence[bool],
+    oks: Sequence[bool | None],
     src: Sequence[int] | None,
-    bad_src: set[int],
+    src_bad: tuple[set[int], set[int]],
     dst: Sequence[int],
-    bad_dst: set[int],
+    dst_bad: tuple[set[int], set[int]],
 ) -> None:
+    """Garbage flows from `src` to `dst` block by block; `*_bad` are the (garbage, of it from
+    misses alone) blocks of each side."""
+    bad, missed = dst_bad
     for j, b in enumerate(dst):
-        if not oks[j] or (src is not None and src[j] in bad_src):
-            bad_dst.add(b)
+        if not oks[j]:
+            garbage, from_miss = True, oks[j] is None
+        elif src is not None and src[j] in src_bad[0]:
+            garbage, from_miss = True, src[j] in src_bad[1]
         else:
-            bad_dst.discard(b)
+            garbage = from_miss = False
+        (bad.add if garbage else bad.discard)(b)
+        (missed.add if from_miss else missed.discard)(b)

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
-from radixkv.options import add_engine_options, engine_settings
+from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
 
 if TYPE_CHECKING:
     from radixkv.chat.session import ChatSession
@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--top-p", type=float, default=None, help=f"nucleus mass ({model_default})")
     chat.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default})")
+    # Run by `radixkv.__main__` before this parser: the chat then lives in the browser.
+    chat.add_argument(
+        "--web",
+        action="store_true",
+        help="chat in the browser instead, beside the live page of the cache: this is "
+        "`radixkv serve --ui --open` on 127.0.0.1 (takes the engine options and serve's "
+        "--port, not --system/--script/sampling)",
+    )
     return parser
 
 
@@ -77,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command != "chat":  # `radixkv serve` never gets here (see radixkv.__main__)
             parser.error("this entry point runs the chat only; the server is `radixkv serve`")
+        if args.web:  # `radixkv chat --web` never gets here either
+            parser.error("--web is run by the `radixkv` command: radixkv chat --web")
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         # Library deprecation notices are for developers; in a chat they split a reply.
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -112,9 +122,10 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     try:
         chat_sampling(args, None)  # bad values fail before the model loads
+        check_engine_options(args)
         messages = _message_source(args.script)
     except (ValueError, TypeError, OSError) as exc:
-        print(f"radixkv: {exc}", file=err)
+        print(f"radixkv: {name_flags(str(exc))}", file=err)
         return 2
 
     # Our own progress lines cover the one-time conversion; transformers' per-load weight bars
@@ -314,7 +325,8 @@ def _command(line: str, llm: object, session: object, out: TextIO) -> bool:
 def _message_source(script: str | None) -> list[str] | None:
     """Messages from --script FILE or piped stdin; None means interactive."""
     if script is not None:
-        with open(script, encoding="utf-8", errors="surrogateescape") as f:
+        path = os.path.expanduser(script)
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             return f.read().splitlines()
     if not sys.stdin.isatty():
         return sys.stdin.read().splitlines()

@@ -9,7 +9,11 @@ Llama's attention with one that calls the kernels directly):
 2. the attention function registered as ``"radixkv"`` (`paged_attention_forward`) ignores the dense
    key/value it is given and attends over the paged cache through the block tables with
    `kernels.paged_attention_step`; it does the causal masking itself (transformers passes no
-   mask to an attention name it has no mask function for).
+   mask to an attention name it has no mask function for), with the layer's `AttentionKind`
+   (sliding window, logit soft-cap, sinks) that `attention_layout` read from the model at load:
+   fixed per layer, so a captured decode graph's launches stay right. The scale is the one
+   transformers passes (Gemma's `query_pre_attn_scalar`), and RoPE (Gemma 3's local base
+   included) is applied by transformers before either hook.
 
 transformers does not hand `past_key_values` to the attention function, so the runner passes the
 same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
@@ -18,6 +22,7 @@ transformers forwards to it; nothing is stored in module globals.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from radixkv import kernels
-from radixkv.kernels import AttentionMetadata
+from radixkv.kernels import AttentionKind, AttentionMetadata
 
 ATTENTION_NAME = "radixkv"
 
@@ -35,11 +40,15 @@ class PagedKVCache(Cache):
 
     `k_cache` / `v_cache` are stacked over layers: [num_layers, num_blocks, B, kv_heads, head_dim].
     One instance per step (it carries the step's kernel metadata, validated once when the runner
-    built it, for every layer); it never grows or allocates.
+    built it, for every layer); it never grows or allocates. `kinds[i]` is layer i's attention.
     """
 
     def __init__(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kinds: Sequence[AttentionKind],
     ) -> None:
         # No per-layer objects: transformers' layer bookkeeping (lazy growth, offloading, cropping)
         # has no meaning for a cache whose blocks the scheduler manages.
@@ -47,6 +56,7 @@ class PagedKVCache(Cache):
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.metadata = metadata
+        self.kinds = kinds
 
     def update(
         self,
@@ -91,6 +101,9 @@ def paged_attention_forward(
             "(model(..., past_key_values=cache, radixkv_cache=cache))"
         )
     layer = module.layer_idx
+    kind = radixkv_cache.kinds[layer]
+    # What this call asks for is what the load-time probe read from the same call.
+    assert kwargs.get("sliding_window") == kind.window, "the layer's window changed since load"
     q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim], a view (any strides will do)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
@@ -100,6 +113,7 @@ def paged_attention_forward(
         radixkv_cache.v_cache[layer],
         radixkv_cache.metadata,
         scaling,
+        kind=kind,
     )
     return out.unsqueeze(0), None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache import check_size
@@ -102,7 +102,7 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA if present, else the CPU
     dtype: torch.dtype | None = None  # None: fp32 on a CPU, the checkpoint's dtype on CUDA
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
-    # Overlapped steps (`radixkv.engine.overlap`): the host schedules and packs the next step
+    # Overlapped steps (`radixkv.engine.step`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
     # same, with penalties, logprobs and tiers. None: on where the device is CUDA (1.5x the
     # output tok/s there: benchmarks/RESULTS.md); a CPU runs the forward on the host itself, so
@@ -144,6 +144,11 @@ class EngineConfig:
     host_cache_write_through: bool = False
     kv_cache_dir: str | os.PathLike[str] | None = None
     disk_cache_bytes: int = 8 * 2**30
+    # A deployment's secret: block files then carry a checksum keyed by it (and live in a folder
+    # of their own), so a file forged by whoever can write the folder without the secret is
+    # never loaded (`radixkv.cache.disk_store`). None: unkeyed. The command line takes it from
+    # the environment variable RADIXKV_KV_CACHE_SECRET (`radixkv.options`), never from argv.
+    kv_cache_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name, low in _SIZES.items():
@@ -163,9 +168,24 @@ class EngineConfig:
         if self.kv_cache_dir is not None:
             if not isinstance(self.kv_cache_dir, (str, os.PathLike)):
                 raise TypeError(f"kv_cache_dir must be a path, got {self.kv_cache_dir!r}")
+            # "~/.cache/x" is the user's folder, never a folder named "~" here.
+            folder = os.path.expanduser(os.fspath(self.kv_cache_dir))
+            object.__setattr__(self, "kv_cache_dir", folder)
             if not self.host_cache_bytes:
                 raise ValueError("kv_cache_dir needs host_cache_bytes > 0 (disk reads go there)")
         self._check_kv_events()
+        self._check_kv_cache_secret()
+
+    def _check_kv_cache_secret(self) -> None:
+        secret = self.kv_cache_secret
+        if secret is None:
+            return
+        if not isinstance(secret, (str, bytes)):
+            raise TypeError(f"kv_cache_secret must be a str or bytes, got {type(secret).__name__}")
+        if not secret:
+            raise ValueError("kv_cache_secret must not be empty")
+        if self.kv_cache_dir is None:
+            raise ValueError("kv_cache_secret needs kv_cache_dir")
 
     def _check_kv_events(self) -> None:
         check_kv_events(self.kv_events)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # forward(views of a split step buffer, its metadata) -> logits [1, T, vocab]
 DecodeForward = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
 # Writes input tokens that are still on the device into a step's device `input_ids` (overlapped
-# steps: `radixkv.engine.overlap`).
+# steps: `radixkv.engine.step`).
 TokenFeed = Callable[[torch.Tensor], None]
 
 

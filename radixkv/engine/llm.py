@@ -7,9 +7,9 @@ One step loop, three front doors:
     stream(prompt)                       steps whenever its consumer wants more
         │
         ▼
-    step: schedule() ─► ModelRunner.execute() ─► sample() ─► update_from_output() ─► detokenize
-          (with `async_scheduling`, the next step is launched before this one's tokens are read:
-          `radixkv.engine.overlap`)
+    step: schedule() ─► tier moves ─► launch (forward, draw) ─► finish (read tokens) ─► fill
+          ─► detokenize (`radixkv.engine.step`; with `async_scheduling`, the next step is
+          launched before this one is finished)
 
 Requests of every door advance together in each step. A fault that belongs to one row of a
 step (its sampling, its detokenizing) fails that request alone and the step's other rows go on;
@@ -40,9 +40,8 @@ from radixkv.cache.transfers import Poisoned, Transfer
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
-from radixkv.engine.grammar import GrammarCompiler, RequestGrammar, mask_rows
+from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
 from radixkv.engine.interrupts import sigint_deferred
-from radixkv.engine.logprobs import token_logprobs
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import (
@@ -52,8 +51,6 @@ from radixkv.engine.outputs import (
     StreamDelta,
     TokenLogprobs,
 )
-from radixkv.engine.overlap import OverlappedSteps
-from radixkv.engine.penalties import adjust_logits
 from radixkv.engine.prompts import (
     PromptInput,
     check_chat_messages,
@@ -61,8 +58,9 @@ from radixkv.engine.prompts import (
     pack_prompts,
     params_list,
 )
-from radixkv.engine.sampler import make_generator, sample
+from radixkv.engine.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.step import Launched, SampledRow, Steps, sources
 from radixkv.engine.tier_io import make_tier_io
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Request, Scheduler
@@ -98,7 +96,7 @@ class _Tracked:
     output: RequestOutput | None = None
     error: BaseException | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
-    failed_load: bool = False  # a load of cached KV for it failed once: the next failure fails it
+    failed_load: bool = False  # a copy of cached KV for it failed once: the next failure fails it
     grammar: RequestGrammar | None = None  # its structured-output matcher, if it asked for one
 
 
@@ -137,6 +135,7 @@ class LLM:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
+        self.tokenizer_path = loaded.tokenizer_path or loaded.name  # a local folder where known
         model_len = _max_model_len(self.model.config.get_text_config())
         max_len = min(config.max_model_len or model_len, model_len)
         device_type = next(self.model.parameters()).device.type
@@ -159,9 +158,9 @@ class LLM:
         self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else _event_feed(config)
         overlap = config.async_scheduling
-        if overlap is None:
-            overlap = self.runner.device.type == "cuda"
-        self._overlap = OverlappedSteps(self.scheduler, self.runner) if overlap else None
+        self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._steps = Steps(self.runner)
+        self._in_flight: Launched | None = None  # overlapped: the step launched, not finished
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
@@ -230,12 +229,14 @@ class LLM:
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
         self.scheduler.check_integrity()
-        if self._overlap is not None:
-            self._overlap.check_integrity()
         assert not self._stepping and not self._orphans, self._orphans
         unfinished = {rid for rid, t in self._tracked.items() if t.output is None}
         live = self.scheduler.running_requests + self.scheduler.waiting_requests
         assert unfinished == {r.request_id for r in live}, (unfinished, live)
+        # The requests with placeholders are the step in flight's sampled ones, one each.
+        pending = {r.request_id: r.num_pending for r in live if r.num_pending}
+        waiting = sources(self._in_flight)
+        assert pending == {r.request_id: 1 for r in live if r.request_id in waiting}, pending
         for u in self._outbox:
             assert u.output is None or u.request_id in self._tracked, u
         for t in self._tracked.values():
@@ -405,6 +406,7 @@ class LLM:
             interrupted = not isinstance(exc, Exception)  # the caller's to report: INFO only
             level = logging.INFO if interrupted else logging.ERROR
             logger.log(level, "step failed, failing its requests: %r", exc)
+            self._in_flight = None  # its requests are among the step's, failed here
             self._fail(step_ids, exc)
             if interrupted:
                 raise
@@ -416,57 +418,62 @@ class LLM:
                 self.kv_events.publish(self.cache.take_events())
 
     def _step(self, step_ids: list[str]) -> None:
-        """One step, overlapped or not; each sampled token goes to its request (detokenize,
-        finish, emit). `step_ids` gets the ids of the requests a fault would concern as soon as
-        they are known."""
-        if self._overlap is None:
-            self._synchronous_step(step_ids)
-            return
-        sampled_at, took = self._overlap.step(step_ids, self._sampling_of, self._run_transfers)
-        for req, token, logprobs in took:
-            self._deliver(self._tracked[req.request_id], token, sampled_at, logprobs)
-        for rid, exc in self._overlap.take_faults():
-            self._fail_one(self._tracked[rid], exc)
-
-    def _synchronous_step(self, step_ids: list[str]) -> None:
-        """schedule -> tier moves -> forward -> sample -> update -> deliver."""
+        """Schedule and launch a step; finish it at once, or, overlapped, finish the one launched
+        before it. `step_ids` gets the ids of the requests a fault would concern as soon as they
+        are known."""
         out = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            previous.poll()  # a device done by now: its tokens' time is before this launch
+            step_ids.extend(row.request_id for row in previous.output.rows)
         step_ids.extend(row.request_id for row in out.rows)
-        if out.is_empty:
+        if out.is_empty and previous is None:
             raise RuntimeError(
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
-        failed = self._run_transfers(out) if out.transfers else set()
-        logits = self.runner.execute(out)
-        sample_ids = [row.request_id for row in out.rows if row.sample]
-        records = [self._tracked[rid] for rid in sample_ids]
-        params = [t.params for t in records]
-        outputs = [t.request.output_token_ids for t in records]
-        masked, faults = mask_rows(logits, [t.grammar for t in records], outputs)
-        adjusted = adjust_logits(masked, params, outputs)
-        results = sample(adjusted, params, [t.generator for t in records])
-        results = [faults.get(i, r) for i, r in enumerate(results)]
-        logprobs = token_logprobs(logits, params, results)
+        # Even with no rows: the moves the cache planned since the last step must run.
+        requeued = self._run_transfers(out) if out.transfers else set()
+        launched = None
+        if not out.is_empty:
+            launched = self._steps.launch(out, self._sampled_rows(out), previous, requeued)
+            self.scheduler.record_launched(out)
+        if self._overlap:
+            self._in_flight, launched = launched, previous
+        if launched is not None:
+            self._finish_step(launched)
+
+    def _sampled_rows(self, out: SchedulerOutput) -> list[SampledRow]:
+        records = (self._tracked[row.request_id] for row in out.rows if row.sample)
+        return [SampledRow(t.request, t.params, t.generator, t.grammar) for t in records]
+
+    def _finish_step(self, launched: Launched) -> None:
+        """Read a launched step's tokens: a row that failed fails its request alone (before the
+        scheduler takes the others'); each other request takes its token."""
         sampled: dict[str, int] = {}
-        for t, result in zip(records, results, strict=True):
-            if isinstance(result, Exception):
-                self._fail_one(t, result)  # before the update, which then passes its row over
+        logprobs_of: dict[str, TokenLogprobs | None] = {}
+        for row in self._steps.finish(launched):
+            t = self._tracked.get(row.request_id)
+            if isinstance(row.token, Exception):
+                if t is not None and t.output is None:
+                    self._fail_one(t, row.token)
             else:
-                sampled[t.request.request_id] = result
-        self.scheduler.update_from_output(out, sampled)
-        now = time.perf_counter()
-        for t, token_logprobs_ in zip(records, logprobs, strict=True):
-            token = sampled.get(t.request.request_id)
-            if token is not None and t.request.request_id not in failed:
-                self._deliver(t, token, now, token_logprobs_)
+                sampled[row.request_id] = row.token
+                logprobs_of[row.request_id] = row.logprobs
+        took = self.scheduler.fill(launched.output, sampled, launched.requeued)
+        assert launched.sampled_at is not None  # finish() stamps it
+        for req in took:
+            rid = req.request_id
+            self._deliver(self._tracked[rid], sampled[rid], launched.sampled_at, logprobs_of[rid])
 
     def _deliver(self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None) -> None:
         try:
-            self._advance(t, token, now, logprobs)
+            self._take_token(t, token, now, logprobs)
         except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
             self._fail_one(t, exc)
 
-    def _advance(self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None) -> None:
+    def _take_token(
+        self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None
+    ) -> None:
         """Detokenize a request's new token and hand its update to its front door."""
         t.t_first_token = t.t_first_token or now
         t.t_last_token = now
@@ -483,12 +490,6 @@ class LLM:
         logger.error("request %s failed in a step: %r", t.request.request_id, exc)
         self._fail_requests([t.request.request_id], exc)
 
-    def _sampling_of(
-        self, request_id: str
-    ) -> tuple[SamplingParams, random.Random | None, RequestGrammar | None]:
-        t = self._tracked[request_id]
-        return t.params, t.generator, t.grammar
-
     @sigint_deferred()
     def save_kv_cache(self) -> None:
         """Write every cached full block to the disk tier, so that an engine started later over
@@ -499,6 +500,8 @@ class LLM:
         moves = self.cache.take_transfers()
         if moves:
             self._run_moves(moves)
+        if self.tiers is not None:
+            self.tiers.log_saved()
 
     def _run_moves(self, moves: Sequence[Transfer]) -> Poisoned:
         """Run tier moves in order; the cache forgets the host copies a failed move left holding
@@ -516,14 +519,18 @@ class LLM:
         """The step's tier moves, before its copies and forward. A move that fails leaves blocks
         holding garbage: the cache forgets the host copies among them, and a request whose row
         reads one of the device blocks goes back to the waiting queue, to be admitted from what
-        the cache holds then (a block file another process evicted is a miss, not an error);
-        the second time, it fails. Their rows still run, and are ignored. Returns their ids."""
+        the cache holds then (a block file that could not be read is a miss, not an error: the
+        disk tier does not offer it again); a second failed copy fails it. Their rows still run,
+        and are ignored. Returns their ids."""
         poisoned = self._run_moves(out.transfers)
         if poisoned.device:
             hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
-            failed = [rid for rid in hit if self._tracked[rid].failed_load]
-            for rid in hit:
+            faulty = poisoned.faulty
+            struck = [r.request_id for r in out.rows if faulty.intersection(r.block_table)]
+            failed = [rid for rid in struck if self._tracked[rid].failed_load]
+            for rid in struck:
                 self._tracked[rid].failed_load = True
+            for rid in hit:
                 if rid not in failed:
                     self.scheduler.requeue(rid)
             logger.warning("loading cached KV failed: requeued %s, failing %s", hit, failed)
@@ -647,12 +654,9 @@ def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
 
 
 def _max_model_len(cfg: Any) -> int:
-    n = int(getattr(cfg, "max_position_embeddings", None) or 8192)
-    window = getattr(cfg, "sliding_window", None)
-    # The paged attention is full causal attention: it equals a sliding-window model's
-    # attention only while the whole context fits in the window (Mistral-style configs).
-    uniform = getattr(cfg, "use_sliding_window", True) and not getattr(cfg, "layer_types", None)
-    return min(n, int(window)) if window and uniform else n
+    # The positions the model was trained for; a sliding window limits what a layer sees, not
+    # the context (GPT-2's n_positions answers to this name too).
+    return int(getattr(cfg, "max_position_embeddings", None) or 8192)
 
 
 def _set_cpu_threads(num_threads: int | None) -> None:

@@ -65,17 +65,3 @@ def logprobs_on_device(
     k = max(params[i].logprobs or 0 for i in rows)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     return StepLogprobs(rows, chosen, top_values, top_ids.long())
-
-
-def token_logprobs(
-    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int | Exception]
-) -> list[TokenLogprobs | None]:
-    """Per row of `logits` ([num_rows, vocab]): the logprobs of its sampled token `tokens[i]`
-    and its top alternatives, or None for a row that asked for none (or failed)."""
-    rows = [
-        i for i, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[i], int)
-    ]
-    if not rows:
-        return [None] * len(params)
-    chosen = host_values_on(logits.device, [tokens[i] for i in rows], torch.int64)  # type: ignore[misc]
-    return logprobs_on_device(logits, params, rows, chosen).read(params, tokens)

@@ -40,6 +40,9 @@ class LoadedModel:
     model: Any  # transformers PreTrainedModel, in eval mode, on its device
     tokenizer: Any | None  # transformers tokenizer, or None when the model folder ships none
     name: str  # what the user asked for, or the default model's name
+    # The local folder the tokenizer was read from (None for a Hugging Face id or a model object):
+    # what a replica reports to routers, which would otherwise try to download `name`.
+    tokenizer_path: str | None = None
 
 
 def load_model(
@@ -71,17 +74,33 @@ def load_model(
         for key, value in bundled_model.RECOMMENDED_SAMPLING.items():
             if getattr(gen, key, None) is None:
                 setattr(gen, key, value)
-        return LoadedModel(loaded.model, loaded.tokenizer, bundled_model.NAME)
+        return LoadedModel(loaded.model, loaded.tokenizer, bundled_model.NAME, str(folder))
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
             f"model must be None, a path, a Hugging Face id or a PreTrainedModel, "
             f"got {type(model).__name__}"
         )
-    source = os.fspath(model)
+    source = os.path.expanduser(os.fspath(model))  # no Hugging Face id starts with "~"
     if not source.strip():
         raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
+    if _is_local_path(source) and not os.path.exists(source):
+        # Said here: transformers would answer with advice about Hugging Face repo ids.
+        raise ModelNotFoundError(f"cannot load model {source!r}: no such folder")
     net = _load_causal_lm(source, device, dtype)
-    return LoadedModel(net, tokenizer if tokenizer is not None else _load_tokenizer(source), source)
+    if tokenizer is not None:
+        return LoadedModel(net, tokenizer, source)
+    folder = os.path.abspath(source) if os.path.isdir(source) else None
+    return LoadedModel(net, _load_tokenizer(source), source, folder)
+
+
+def _is_local_path(source: str) -> bool:
+    """Whether `source` can only be a path: a Hugging Face id is "name" or "owner/name"."""
+    return (
+        os.path.isabs(source)
+        or source.startswith((".", "~"))
+        or source.count("/") > 1
+        or (os.sep != "/" and os.sep in source)
+    )
 
 
 def _check_device(device: object) -> torch.device:

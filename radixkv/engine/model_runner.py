@@ -41,6 +41,7 @@ import torch
 
 from radixkv import kernels
 from radixkv.engine.attention import PagedKVCache, register_attention
+from radixkv.engine.attention_layout import AttentionLayout, probe_attention
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.fused_llama import fuse_llama_modules
@@ -71,18 +72,12 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @classmethod
-    def from_model(cls, model: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        cfg = model.config.get_text_config()
-        layer_types = getattr(cfg, "layer_types", None) or ()
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"{type(model).__name__} has non-full attention layers "
-                f"({sorted(set(layer_types))}); radixkv supports full causal attention only"
-            )
-        num_heads = cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
+    def from_layout(
+        cls, layout: AttentionLayout, block_size: int, dtype: torch.dtype
+    ) -> KVCacheSpec:
+        """Every layer's KV in one pool of blocks: window layers keep KV of every token too (the
+        window is applied in attention)."""
+        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size, dtype)
 
 
 def plan_num_blocks(
@@ -132,7 +127,13 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         self.block_size = block_size = config.block_size
-        spec = KVCacheSpec.from_model(model, block_size, param.dtype)
+        # transformers renamed the forward's cache argument (`past_key_values` -> `cache`, the old
+        # name goes in 5.40): pass the one this version declares.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
+        spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype)
         self.num_blocks = num_blocks = plan_num_blocks(
             spec, self.device, num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes
         )
@@ -151,16 +152,13 @@ class ModelRunner:
         # transformers' own modules are the same computation, and cheaper to call.
         on_triton = kernels.backend_for(self.device) == "triton"
         self.fused_modules = on_triton and fuse_llama_modules(model)
-        # transformers renamed the forward's cache argument (`past_key_values` -> `cache`, the old
-        # name goes in 5.40): pass the one this version declares.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB) on %s",
+            "KV cache: %d blocks x %d tokens (%.1f MiB) on %s; %s",
             num_blocks,
             block_size,
             num_blocks * spec.bytes_per_block / 2**20,
             self.device,
+            self.layout.describe(),
         )
         self.stager = InputStager(self.device)
         # Triton's compile counter, when the kernels run on Triton (on the CPU nothing compiles,
@@ -246,7 +244,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model over one packed step (`views`: its split buffer): logits [1, num_kept, vocab]
         of the tokens `keep` indexes (0: every token's)."""
-        cache = PagedKVCache(self.k_cache, self.v_cache, meta)
+        cache = PagedKVCache(self.k_cache, self.v_cache, meta, self.layout.layers)
         out = self.model(
             input_ids=views["input_ids"][None],
             position_ids=views["positions"][None],

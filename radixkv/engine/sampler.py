@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,56 +25,80 @@ def make_generator(seed: int) -> random.Random:
     return random.Random(seed)
 
 
-def sample(
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One step's draw, on the logits' device: a token per row, and per row whether its
+    probabilities were usable (finite, some mass; greedy rows always are); `faults`: rows whose
+    draw raised on the host, by index (their tokens are placeholders)."""
+
+    tokens: torch.Tensor  # [num_rows] int64
+    usable: torch.Tensor  # [num_rows] bool
+    faults: dict[int, Exception]
+
+    def packed(self) -> torch.Tensor:
+        """The tokens, then the usable flags as 0 / 1: one tensor, to be read back at once."""
+        return torch.cat([self.tokens, self.usable.to(self.tokens.dtype)])
+
+    def results(self, packed: list[int]) -> list[int | Exception]:
+        """Per row, from `packed()` as read back: its token, or the exception that fails it."""
+        n = len(packed) // 2
+        results: list[int | Exception] = packed[:n]
+        for i, usable in enumerate(packed[n:]):
+            if i in self.faults:
+                results[i] = self.faults[i]
+            elif not usable:
+                results[i] = RuntimeError("the row's probabilities are not finite")
+        return results
+
+
+def draw(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[random.Random | None],
-) -> list[int | Exception]:
-    """Pick one token per row. logits: [num_rows, vocab] (fp32). A row whose params are greedy
-    takes the argmax and needs no generator; every other row needs one.
+) -> Draw:
+    """Pick one token per row, without reading anything back: on CUDA nothing waits for the
+    device (the host numbers travel through pinned memory). logits: [num_rows, vocab] (fp32). A
+    row whose params are greedy takes the argmax and needs no generator; every other row needs
+    one.
 
-    A row that cannot be sampled gets its exception in its place, and the other rows their
-    tokens: one request's fault (NaN probabilities, say) is its own. A fault in the work the rows
-    share, done before any generator is drawn from, is narrowed down by sampling each row alone.
+    One request's fault is its own: a row whose probabilities are not finite is marked unusable,
+    and a fault in the work the rows share, raised before any generator is drawn from, is
+    narrowed down by drawing each row alone.
     """
     assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
-    if not params:  # a step of non-final prefill chunks: `.tolist()` may wait for the GPU
-        return []
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     try:
         probs = _probs_of(logits, params, sampled_rows)
     except Exception as exc:
         if len(params) == 1:
-            return [exc]
-        return [
-            sample(logits[i : i + 1], [p], [g])[0]
+            return Draw(logits.argmax(dim=-1), _all_usable(logits), {0: exc})
+        alone = [
+            draw(logits[i : i + 1], [p], [g])
             for i, (p, g) in enumerate(zip(params, generators, strict=True))
         ]
+        faults = {i: d.faults[0] for i, d in enumerate(alone) if d.faults}
+        tokens = torch.cat([d.tokens for d in alone])
+        return Draw(tokens, torch.cat([d.usable for d in alone]), faults)
     tokens = _pick(logits, probs, sampled_rows, generators)
-    if not sampled_rows:
-        return tokens.tolist()
-    usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-    # The tokens and the rows' usability in one read: one device sync for the whole batch.
-    read = torch.cat([tokens, usable.to(tokens.dtype)]).tolist()
-    results: list[int | Exception] = read[: len(params)]
-    for i, ok in zip(sampled_rows, read[len(params) :], strict=True):
-        if not ok:
-            results[i] = RuntimeError("the row's probabilities are not finite")
-    return results
+    usable = _all_usable(logits)
+    if sampled_rows:
+        rows = host_values_on(logits.device, sampled_rows, torch.int64)
+        usable[rows] = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    return Draw(tokens, usable, {})
 
 
-def sample_on_device(
+def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[random.Random | None],
-) -> torch.Tensor:
-    """`sample` without reading the tokens back (and so without its per-row faults): int64
-    [num_rows] on the logits' device. On CUDA nothing waits for the device (the host numbers
-    travel through pinned memory)."""
-    assert len(params) == logits.shape[0] == len(generators), "one params and generator per row"
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    probs = _probs_of(logits, params, sampled_rows)
-    return _pick(logits, probs, sampled_rows, generators)
+) -> list[int | Exception]:
+    """`draw`, read back: each row's token, or the exception that failed the row."""
+    drawn = draw(logits, params, generators)
+    return drawn.results(drawn.packed().tolist())
+
+
+def _all_usable(logits: torch.Tensor) -> torch.Tensor:
+    return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
 
 
 def _probs_of(

@@ -7,9 +7,10 @@ earlier copy may still be reading or writing); copies never wait on the host.
 `order_before_compute()` then makes the compute stream wait for the step's copies (on the
 device), before the copy-on-write copies and the forward read the blocks.
 
-A move that fails (an exception in a copy, a block file missing, damaged or of another prefix)
-is logged and counted; `run` returns the blocks it left holding garbage (`Poisoned`), for the
-engine to fail the requests that would read them and the cache to forget those copies. A
+A move that fails (an exception in a copy, a block file missing, damaged, unreadable or of
+another prefix) is logged and counted; `run` returns the blocks it left holding garbage
+(`Poisoned`, which tells a missed file from a fault), for the engine to recompute the requests
+that would read them and the cache to forget those copies. A
 KeyboardInterrupt or another BaseException stops the run: every move not finished counts as
 failed (`poisoned_so_far`), and it is re-raised.
 """
@@ -82,8 +83,26 @@ def make_tier_io(
             block_size=block_size,
             block_nbytes=bytes_per_block,
             budget_bytes=config.disk_cache_bytes,
+            secret=_secret_bytes(config.kv_cache_secret),
+        )
+    logger.info(
+        "host KV tier: %d blocks (%.0f MiB)",
+        num_host_blocks,
+        num_host_blocks * bytes_per_block / 2**20,
+    )
+    if disk is not None:
+        logger.info(
+            "disk KV tier %s: %d block files found at start (%.0f of %.0f MiB)",
+            disk.directory,
+            disk.num_files,
+            disk.num_bytes / 2**20,
+            disk.budget_bytes / 2**20,
         )
     return TierIO(KVCopier(k_cache, v_cache, host), disk)
+
+
+def _secret_bytes(secret: str | bytes | None) -> bytes | None:
+    return secret.encode("utf-8") if isinstance(secret, str) else secret
 
 
 class TierIO:
@@ -97,6 +116,7 @@ class TierIO:
         self.totals = {kind: MoveTotals() for kind in KINDS}
         self.poisoned_so_far = Poisoned()
         self._last_copy: KVCopy | None = None  # the last copy issued (one stream: all before it)
+        self._num_stored_logged = 0  # the disk's files written, as `log_saved` last said
 
     def run(self, moves: Sequence[Transfer]) -> Poisoned:
         """Carry out `moves` in order (see the module docstring); returns the blocks left holding
@@ -115,6 +135,21 @@ class TierIO:
             raise
         return poisoned
 
+    def log_saved(self) -> None:
+        """Say in the log how many block files the disk tier wrote since the last time (or since
+        it opened): what a stopping engine saved for the next one."""
+        if self.disk is None:
+            return
+        stats = self.disk.stats()
+        logger.info(
+            "disk KV tier %s: %d block files written, %d there (%.0f MiB)",
+            stats.directory,
+            stats.num_stored - self._num_stored_logged,
+            stats.num_files,
+            stats.num_bytes / 2**20,
+        )
+        self._num_stored_logged = stats.num_stored
+
     def order_before_compute(self) -> None:
         """The compute stream's next work waits for every copy issued so far (on the device)."""
         if self._last_copy is not None:
@@ -132,14 +167,14 @@ class TierIO:
             self._wait_for_copies()
             oks = self._disk(move, poisoned)
         poisoned.record(move, oks)
-        moved = sum(oks)
+        moved = sum(map(bool, oks))
         totals.num_moves += 1
         totals.num_blocks += moved
         totals.nbytes += moved * self.host.bytes_per_block
         totals.num_failed_blocks += len(oks) - moved
         totals.seconds += time.perf_counter() - t0
 
-    def _copy(self, move: Offload | Load) -> list[bool]:
+    def _copy(self, move: Offload | Load) -> list[bool | None]:
         try:
             if isinstance(move, Offload):
                 copy = self.copier.offload(move.device, move.host)
@@ -152,17 +187,22 @@ class TierIO:
             self._last_copy = copy
         return [True] * len(move.host)
 
-    def _disk(self, move: DiskWrite | DiskRead, poisoned: Poisoned) -> list[bool]:
+    def _disk(self, move: DiskWrite | DiskRead, poisoned: Poisoned) -> list[bool | None]:
+        """Per block: True if it moved, None for a block file the store could not use (a
+        miss), False for a fault (an exception)."""
         disk = self.disk
         assert disk is not None, "the cache plans file moves only with a disk tier"
         writing = isinstance(move, DiskWrite)
         # A garbage block is not written; a write that fails loses only that copy.
         sound = poisoned.sound(move) if writing else [True] * len(move.host)
-        oks = []
+        oks: list[bool | None] = []
         for ok, key, h in zip(sound, move.keys, move.host, strict=True):
             try:
                 buf = self.host.block_buffer(h)
-                oks.append(ok and (disk.put(key, buf) if writing else disk.get(key, buf)))
+                if writing:
+                    oks.append(ok and disk.put(key, buf))
+                else:
+                    oks.append(disk.get(key, buf) or None)
             except Exception:
                 logger.exception(
                     "KV block file %016x: %s failed", key.block_hash, _KIND[type(move)]

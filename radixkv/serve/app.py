@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.grammar import GrammarError
 from radixkv.engine.llm import LLM, RequestUpdate
-from radixkv.engine.outputs import TokenLogprobs
+from radixkv.engine.outputs import RequestOutput, TokenLogprobs
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.bodies import (
     BodyLimits,
@@ -63,11 +63,14 @@ from radixkv.serve.tools import (
     template_renders_tools,
     tool_constraint,
 )
+from radixkv.serve.ui_routes import add_ui_routes
 from radixkv.serve.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,9 @@ class OpenAIServer:
     def __init__(self, llm: LLM, config: ServeConfig) -> None:
         self.llm = llm
         self.config = config
+        # OpenAI's system_fingerprint, one per server process: behind a router, a reply tells
+        # which replica served it (/server_info reports it too). Random, as the request ids.
+        self.fingerprint = f"fp_{uuid.uuid4().hex[:12]}"
         self.engine = EngineLoop(llm, on_update=self._observe_update)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot, lambda: self.engine.num_queued)
         self.limits = BodyLimits(
@@ -130,6 +136,8 @@ class OpenAIServer:
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
         self.token_text = token_texts(llm.tokenizer)
         self.stopping: asyncio.Future[None] | None = None
+        # Called on the asyncio side with each request's final output (the live page's).
+        self.on_finished: list[Callable[[RequestStream, RequestOutput], None]] = []
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.stopping = loop.create_future()
@@ -159,8 +167,13 @@ class OpenAIServer:
 
     async def prepare(self, raw: bytes, *, chat: bool) -> Job:
         """`raw` checked and turned into a Job, in the preparation thread. Raises APIError."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prep, partial(self.prepare_now, raw, chat=chat))
+        return await self.off_loop(partial(self.prepare_now, raw, chat=chat))
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` in the preparation thread: what costs time in proportion to a request's size
+        (parsing, templating, tokenizing, encoding a large reply) never runs on the event loop,
+        and one request at a time runs there."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn)
 
     def prepare_now(self, raw: bytes, *, chat: bool) -> Job:
         body = parse_json(raw)
@@ -384,6 +397,8 @@ class OpenAIServer:
                     else:
                         reason, use = output.finish_reason, usage(output)
                     self.metrics.record_finished(output, reason)
+                    for hook in self.on_finished:
+                        hook(stream, output)
                     yield _Piece(stops.flush(), reason, use)
                     return
         finally:
@@ -515,6 +530,8 @@ def create_app(
     _add_info_routes(app, server)
     _add_completion_routes(app, server)
     add_worker_routes(app, server)
+    if config.ui:
+        add_ui_routes(app, server)
     return app
 
 
@@ -612,8 +629,10 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
         text, calls, reason = reply.tool_text(text, last.finish_reason, end=True)
         bodies.append(chat_response(rid, model, text, reason, None, written, calls, index))
     usage_ = merged_usage([last.usage for _, _, last in results])
+    choices = [b["choices"][0] for b in bodies]
+    fingerprint = server.fingerprint
     return JSONResponse(
-        {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": usage_}
+        {**bodies[0], "choices": choices, "usage": usage_, "system_fingerprint": fingerprint}
     )
 
 

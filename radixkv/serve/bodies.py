@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -83,8 +84,34 @@ class CompletionBody:
     prompt: str | tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizeBody:
+    """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
+
+    model: str | None
+    prompt: str | None
+    messages: tuple[dict[str, str], ...] | None
+    add_special_tokens: bool | None  # vLLM: True for a prompt, False for messages
+    add_generation_prompt: bool
+    continue_final_message: bool
+    return_token_strs: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeBody:
+    model: str | None
+    tokens: tuple[int, ...]
+
+
+# A JSON escape of a UTF-16 surrogate: only a body holding one can carry a lone surrogate
+# (raw bytes that are not UTF-8 already fail to parse), so most bodies skip the walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; APIError(400) for anything else."""
+    """The body as a JSON object whose strings (keys too) are all valid Unicode; APIError(400)
+    for anything else, naming where a lone surrogate is. Every route's body comes through here:
+    no route sees a string that would fail a tokenizer, a hash or the response encoder."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -93,7 +120,26 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {json_type(body)}")
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_strings(body, "")
     return body
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """APIError(400) naming the first string under `value` (at `path`) that is not valid
+    Unicode. Iterative: a body nested to the parser's limit must not exhaust the stack here."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            _text(item, where or "body")
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(item))))
+        elif isinstance(item, dict):
+            for key in reversed(list(item)):
+                name = f"{where}.{key}" if where else key
+                _text(key, name)
+                stack.append((item[key], name))
 
 
 def read_chat_body(body: Mapping[str, Any], limits: BodyLimits) -> ChatBody:
@@ -112,6 +158,37 @@ def read_chat_body(body: Mapping[str, Any], limits: BodyLimits) -> ChatBody:
 def read_completion_body(body: Mapping[str, Any], limits: BodyLimits) -> CompletionBody:
     prompt = _prompt(_required(body, "prompt"), "prompt", limits)
     return CompletionBody(_sampling_fields(body, limits, chat=False), prompt)
+
+
+def read_tokenize_body(body: Mapping[str, Any], limits: BodyLimits) -> TokenizeBody:
+    """/tokenize's body under the completion routes' caps (prompt text, messages); exactly one
+    of `prompt` and `messages`."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    return TokenizeBody(
+        model=_text(body.get("model"), "model"),
+        prompt=None if prompt is None else _prompt_text(prompt, "prompt", limits),
+        messages=None if messages is None else _messages(body, limits),
+        add_special_tokens=_bool(body.get("add_special_tokens"), "add_special_tokens"),
+        add_generation_prompt=_bool(body.get("add_generation_prompt"), "add_generation_prompt")
+        is not False,
+        continue_final_message=bool(
+            _bool(body.get("continue_final_message"), "continue_final_message")
+        ),
+        return_token_strs=bool(_bool(body.get("return_token_strs"), "return_token_strs")),
+    )
+
+
+def read_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    """The field `name` of `body`: a boolean, or None when absent or null."""
+    return _bool(body.get(name), name)
+
+
+def read_detokenize_body(body: Mapping[str, Any], limits: BodyLimits) -> DetokenizeBody:
+    """/detokenize's body: token ids of the vocabulary (integers: `true` and `1.0` are not)."""
+    tokens = _token_ids(_required(body, "tokens"), "tokens", limits, capped=False) or ()
+    return DetokenizeBody(_text(body.get("model"), "model"), tokens)
 
 
 def json_type(value: Any) -> str:
@@ -339,11 +416,7 @@ def _prompt(prompt: Any, param: str, limits: BodyLimits) -> str | tuple[int, ...
     """A completion prompt: text, token ids, or an array of one of those (OpenAI's batch form,
     of which one prompt per request is served)."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", param)
-        if limits.max_prompt_chars is not None and len(prompt) > limits.max_prompt_chars:
-            raise _text_too_long(len(prompt), limits.max_prompt_chars, param)
-        return _text(prompt, param) or ""
+        return _prompt_text(prompt, param, limits)
     if not isinstance(prompt, list):
         raise _wrong_type(param, "a string or an array of token ids", prompt)
     if not prompt:
@@ -353,6 +426,16 @@ def _prompt(prompt: Any, param: str, limits: BodyLimits) -> str | tuple[int, ...
             raise bad_request("one prompt per request is supported", param)
         return _prompt(prompt[0], f"{param}[0]", limits)
     return _token_ids(prompt, param, limits, capped=False) or ()
+
+
+def _prompt_text(prompt: Any, param: str, limits: BodyLimits) -> str:
+    """Prompt text: a non-empty string no longer than any text that could fit the context."""
+    text = _text(prompt, param)
+    if not text:
+        raise bad_request("prompt must not be empty", param)
+    if limits.max_prompt_chars is not None and len(text) > limits.max_prompt_chars:
+        raise _text_too_long(len(text), limits.max_prompt_chars, param)
+    return text
 
 
 def _stop(stop: Any, limits: BodyLimits) -> tuple[tuple[str, ...], tuple[int, ...]]:

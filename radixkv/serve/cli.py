@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
+import socket
 import sys
+import threading
+import time
+import webbrowser
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixkv.options import add_engine_options, engine_settings
+from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
 from radixkv.serve.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -40,6 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default("max_queued_requests"),
         help="requests waiting for admission before new ones get 503 (default %(default)s)",
     )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("RADIXKV_ADMIN_KEY") or None,
+        help="turns on POST /flush_cache for clients that send 'Authorization: Bearer KEY' "
+        "(default: the RADIXKV_ADMIN_KEY environment variable, which other users cannot read "
+        "from the process list; unset: the route is off)",
+    )
+    parser.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the live page of the cache at / and its event stream (default: on when --host is "
+        "a loopback address, off otherwise)",
+    )
+    parser.add_argument(
+        "--open", action="store_true", help="open the page in a web browser once serving"
+    )
     _add_limit_options(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
@@ -52,28 +74,88 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported here so that `radixkv serve --help` answers at once.
-    from radixkv.engine import ModelNotFoundError
+    from radixkv.engine import ModelLoadError
     from radixkv.serve.app import create_app
     from radixkv.serve.http_server import build_server
 
+    listener = None
     try:
+        listener = preflight(args)
         llm = build_llm(args)
         config = serve_config(args, args.served_model_name or llm.model_name)
-    except (ModelNotFoundError, ValueError, TypeError, ImportError, _zmq_error()) as exc:
-        print(f"radixkv serve: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, ImportError, _zmq_error()) as exc:
+        if listener is not None:
+            listener.close()
+        # A model's error names the model in its own words; the others name fields: flags here.
+        text = str(exc) if isinstance(exc, ModelLoadError) else name_flags(str(exc), _SERVE_FLAGS)
+        print(f"radixkv serve: {text}", file=sys.stderr)
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
     server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
-    server.run()
+    url = f"http://{_url_host(args.host)}:{listener.getsockname()[1]}/"
+    if config.ui:
+        logging.getLogger(__name__).info("the live page of the cache: %s", url)
+    if args.open:
+        _open_when_started(server, url, config.ui)
+    server.run(sockets=[listener])
     return 0
+
+
+def _open_when_started(server: Any, url: str, ui: bool) -> None:
+    """Open `url` in a browser once `server` listens (`--open`; `radixkv chat --web`)."""
+    if not ui:
+        logging.getLogger(__name__).warning("--open: the page is off (--no-ui)")
+        return
+
+    def wait_and_open() -> None:
+        deadline = time.monotonic() + 600
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if server.started:
+            print(f"radixkv: the cache's page is at {url}", file=sys.stderr)
+            webbrowser.open(url)
+
+    threading.Thread(target=wait_and_open, name="radixkv-open", daemon=True).start()
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def preflight(args: argparse.Namespace) -> socket.socket:
+    """What the user typed, checked before the model loads (which takes a while): the engine
+    options, the disk tier's folder, the server's limits, and the address, bound now (the
+    returned socket, which the server then runs on). Raises ValueError / TypeError."""
+    from radixkv.serve.http_server import bind_socket
+
+    check_engine_options(args)
+    serve_config(args, "a model")
+    return bind_socket(args.host, args.port)
 
 
 def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
     """The ServeConfig of the parsed options. Raises ValueError for a bad limit."""
     limits = {field: getattr(args, field) for _, field, _, _ in _LIMIT_OPTIONS}
+    ui = is_loopback(args.host) if args.ui is None else args.ui
     return ServeConfig(
-        model_name=model_name, max_queued_requests=args.max_queued_requests, **limits
+        model_name=model_name,
+        max_queued_requests=args.max_queued_requests,
+        admin_key=args.admin_key,
+        ui=ui,
+        **limits,
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine (the page is then on by default)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
 
 
 # The limits a public server needs (what each answers: the README's "Limits"):
@@ -95,6 +177,12 @@ _LIMIT_OPTIONS = [
     ),
     ("--keep-alive-timeout", "keep_alive_timeout_s", float, "idle connections close after it (s)"),
     (
+        "--health-check-timeout",
+        "health_check_timeout_s",
+        float,
+        "seconds /health_generate waits for a token before it answers 503",
+    ),
+    (
         "--shutdown-timeout",
         "shutdown_timeout_s",
         float,
@@ -110,6 +198,13 @@ _LIMIT_OPTIONS = [
     ("--max-grammar-compiles", "max_grammar_compiles", int, "grammars compiled at once"),
     ("--max-n", "max_n", int, "choices one request may ask for (`n`)"),
 ]
+
+
+# ServeConfig fields -> the flags that set them, for error messages
+_SERVE_FLAGS = {field: flag for flag, field, _, _ in _LIMIT_OPTIONS} | {
+    "max_queued_requests": "--max-queued-requests",
+    "admin_key": "--admin-key",
+}
 
 
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:

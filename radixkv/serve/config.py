@@ -32,6 +32,14 @@ class ServeConfig:
     grammar_compile_timeout_s: float = 10.0
     max_grammar_compiles: int = 2
     max_n: int = 16  # choices of one request (`n`); more: 400
+    # /health_generate answers 503 when no token came within this long (SGLang's 20 s).
+    health_check_timeout_s: float = 20.0
+    # The key of the admin routes (/flush_cache), sent as `Authorization: Bearer KEY`; None:
+    # those routes are off (they act on every tenant's cache).
+    admin_key: str | None = None
+    # The live page of the cache at `/` and its event stream (`ui_routes.py`); off unless asked
+    # (`radixkv serve` turns it on by default only on a loopback address).
+    ui: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -48,11 +56,18 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        key = self.admin_key
+        # Printable ASCII: an HTTP header carries it as is.
+        if key is not None and not (
+            isinstance(key, str) and key.strip() and key.isascii() and key.isprintable()
+        ):
+            raise ValueError("admin_key must be a non-empty string of printable ASCII")
         for name in (
             "read_timeout_s",
             "keep_alive_timeout_s",
             "shutdown_timeout_s",
             "grammar_compile_timeout_s",
+            "health_check_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

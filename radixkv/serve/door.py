@@ -6,7 +6,8 @@
   over `max_body_bytes` -> 413, at once when Content-Length says so, else as soon as the count
   passes it (the rest is discarded as it arrives, so the client reads the answer); not all in
   within `read_timeout_s` of the head -> 408; the server began shutting down meanwhile -> 503.
-  The last two close the connection. The route finds the body in `scope["radixkv.body"]`.
+  The last two close the connection. The route finds the body in `scope["radixkv.body"]`, and
+  reading it from the request (`await request.body()`) gives the same bytes.
 - It answers any exception a route lets through with a 500 in OpenAI's error shape, counted in
   /metrics, and the connection stays usable (Starlette alone would answer in plain text and
   uvicorn would then drop the connection).
@@ -58,7 +59,7 @@ class RequestDoor:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_tracked)
+            await self.app(scope, _replaying(body, receive), send_tracked)
         except Exception:
             if started:  # a response broken half-way: only closing the connection tells
                 raise
@@ -108,6 +109,18 @@ class RequestDoor:
             f"the request did not arrive within {self.server.config.read_timeout_s:g} s",
             headers={"Connection": "close"},
         )
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` for the app: the body the door read, as one message, then the connection's own
+    messages (a disconnect). A route that reads its body the usual way (`await request.body()`)
+    gets it at once, within the door's limits, instead of waiting on a body already taken."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 async def send_error(send: Send, exc: APIError, metrics: Any) -> None:

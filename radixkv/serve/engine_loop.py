@@ -55,6 +55,7 @@ class RequestStream:
     t_first_token: float | None = None
     t_last_token: float | None = None
     finished: bool = False
+    cache_salt: str | None = None  # the tenant's, as submitted (None: the shared namespace)
 
 
 class EngineLoop:
@@ -76,6 +77,8 @@ class EngineLoop:
         self._stopping = False
         self._must_step = False  # engine thread: an abort was made; its output comes with a step
         self._ended_with: BaseException | None = None  # asyncio side: set by end_all
+        # asyncio side: perf_counter() when the last token of any request was delivered
+        self.t_last_token: float | None = None
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -137,7 +140,7 @@ class EngineLoop:
                 self.abort(rid)
                 added.set_exception(self._ended_with)
                 return
-            stream = RequestStream(rid, arrival)
+            stream = RequestStream(rid, arrival, cache_salt=cache_salt)
             self._streams[rid] = stream
             stream_box.append(stream)
             added.set_result(rid)
@@ -191,6 +194,8 @@ class EngineLoop:
         return done
 
     def _deliver(self, updates: list[RequestUpdate]) -> None:  # asyncio side
+        if any(update.new_token_ids for update in updates):
+            self.t_last_token = time.perf_counter()
         for update in updates:
             stream = self._streams.get(update.request_id)
             if stream is None:

@@ -6,6 +6,9 @@ Connections (`_TimedH11Protocol`, uvicorn's h11 protocol plus two timers):
   - a request's head must be in within `read_timeout_s` of the connection being ready for it;
     else the connection is closed (a body is the door's: it answers 408, see `door.py`);
   - a request line or headers h11 cannot parse get a 400 in OpenAI's error shape;
+  - a connection that opens with HTTP/2's preface is closed unanswered: routers probe whether a
+    worker speaks HTTP/2 (or gRPC) this way, and h11 would read the preface as a request
+    `PRI *` (a 404, counted as a refused request) and its second half as garbage;
   - TCP_NODELAY on every connection (see `connection_made`).
 
 Shutdown (`ServingServer`), on SIGTERM or SIGINT:
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _FLUSH_S = 5.0  # after replies were ended: time for their last bytes before tasks are cancelled
 _POLL_S = 0.05
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n"
 
 
 def build_server(
@@ -58,6 +62,24 @@ def build_server(
         **uvicorn_kw,
     )
     return ServingServer(uv_config, app.state.server, config.shutdown_timeout_s)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (not yet listening: connections are refused until the
+    server runs on it), so that a port in use or a bad host is known before a model loads.
+    Raises ValueError naming --host / --port."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"cannot listen on --host {host} --port {port}: {reason}") from None
+    return sock
 
 
 class ServingServer(uvicorn.Server):
@@ -119,6 +141,7 @@ class _TimedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._read_timeout_s = read_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._opened = False  # whether any byte came on this connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -132,6 +155,14 @@ class _TimedH11Protocol(H11Protocol):
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
         self._expect_head()
+
+    def data_received(self, data: bytes) -> None:
+        first, self._opened = not self._opened, True
+        if first and data.startswith(_HTTP2_PREFACE):
+            logger.debug("an HTTP/2 connection preface: closed (this server speaks HTTP/1.1)")
+            self.transport.close()
+            return
+        super().data_received(data)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -44,6 +44,13 @@ class ServerMetrics:
             "Prompt tokens served by the prefix cache",
             registry=self.registry,
         )
+        # vllm-router's cache_aware and kv_aware render each request on every worker: work a
+        # replica does for requests another replica may serve.
+        self.renders = Counter(
+            "radixkv_render_requests",
+            "Render calls (/v1/chat/completions/render, /v1/completions/render)",
+            registry=self.registry,
+        )
         self.generated_tokens = Counter(
             "radixkv_generated_tokens", "Tokens generated", registry=self.registry
         )
@@ -79,9 +86,11 @@ class ServerMetrics:
             buckets=_FINE_BUCKETS,
             registry=self.registry,
         )
-        # Totals behind the hit-rate gauge (prometheus_client counters have no public getter).
-        self._num_prompt_tokens = 0
-        self._num_cached_tokens = 0
+        # Totals behind the hit-rate gauge and the live page (prometheus_client counters have
+        # no public getter); read-only outside this class.
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_generated_tokens = 0
         self.registry.register(_EngineCollector(snapshot, queue_depth, self))
 
     def record_finished(self, output: RequestOutput, outcome: str) -> None:
@@ -90,8 +99,9 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.cached_tokens.inc(stats.num_cached_tokens)
         self.generated_tokens.inc(stats.num_output_tokens)
-        self._num_prompt_tokens += stats.num_prompt_tokens
-        self._num_cached_tokens += stats.num_cached_tokens
+        self.num_prompt_tokens += stats.num_prompt_tokens
+        self.num_cached_tokens += stats.num_cached_tokens
+        self.num_generated_tokens += stats.num_output_tokens
 
     def record_refusal(self, exc: APIError) -> None:
         """Count an error answer (a refusal, or a failure of the server or engine)."""
@@ -106,7 +116,7 @@ class ServerMetrics:
         self.requests.labels(outcome).inc()
 
     def hit_rate(self) -> float:
-        return hit_rate(self._num_cached_tokens, self._num_prompt_tokens)
+        return hit_rate(self.num_cached_tokens, self.num_prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,6 +16,7 @@ their sources and seen on the wire:
              request: vLLM's GenerateRequest, whose token_ids the router scores against its index
         POST /tokenize                             the fallback when render is missing
         GET  /get_server_info, /get_model_info, /health_generate   passed through to workers
+             (/health_generate: `health.py`)
 
 Render and tokenize go through `OpenAIServer.prepare` / `chat_prompt` / `completion_prompt`, the
 very code the completion routes run, so the ids a router scores are the ids the engine runs. As
@@ -25,17 +26,27 @@ every POST route, they read the body the door took in (`scope["radixkv.body"]`),
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
-from radixkv.engine.sampling_params import SamplingParams
-from radixkv.serve.bodies import BodyLimits, parse_json, read_chat_body
+from radixkv.serve.bodies import (
+    BodyLimits,
+    TokenizeBody,
+    over_context,
+    parse_json,
+    read_bool,
+    read_detokenize_body,
+    read_tokenize_body,
+)
+from radixkv.serve.health import GenerateProbe
 from radixkv.serve.protocol import APIError, bad_request
 
 if TYPE_CHECKING:
@@ -44,39 +55,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
-HEALTH_CACHE_SALT = "radixkv-health-check"  # its one-token prompt never enters the shared cache
+T = TypeVar("T")
 
 
 class OpenAIServer(Protocol):
     """What these routes use of `radixkv.serve.app.OpenAIServer` (which registers them)."""
 
     llm: LLM
-    config: Any  # ServeConfig: model_name, max_queued_requests
+    config: Any  # ServeConfig: model_name, max_queued_requests, admin_key
     engine: EngineLoop
     limits: BodyLimits
+    is_stopping: bool
 
     def chat_prompt(self, messages: Any) -> list[int]: ...
     def completion_prompt(self, prompt: str | tuple[int, ...]) -> list[int]: ...
     # app.Job (prompt_ids, params, fields); named by app.py, which imports this module
     async def prepare(self, raw: bytes, *, chat: bool) -> Any: ...
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's TokenizeCompletionRequest or TokenizeChatRequest (`prompt` xor `messages`)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[Any] | None = None  # checked as a chat's messages are
-    add_special_tokens: bool | None = None  # vLLM: True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+    async def off_loop(self, fn: Callable[[], T]) -> T: ...
 
 
 def add_worker_routes(app: FastAPI, server: OpenAIServer) -> None:
@@ -111,24 +106,64 @@ def _add_sglang_routes(app: FastAPI, server: OpenAIServer) -> None:
             }
         ]
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        refused = await asyncio.wrap_future(server.engine.call(_flush))
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        _check_admin(server, request)
+        keep_disk = await server.off_loop(partial(_read_flush_body, _raw(request)))
+        flush = partial(_flush, keep_disk=keep_disk)
+        refused, tiers = await asyncio.wrap_future(server.engine.call(flush))
         if refused is None:
-            return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+            return Response(f"Cache flushed: {tiers}.\n", status_code=200, media_type="text/plain")
         # SGLang answers 400 when requests are running or waiting.
         message = f"Cache not flushed: {refused}.\n"
         return Response(message, status_code=400, media_type="text/plain")
 
 
-def _flush(llm: LLM) -> str | None:
-    """Reset the prefix cache when the engine is idle (engine thread). Returns why not, or None."""
+def _check_admin(server: OpenAIServer, request: Request) -> None:
+    """The admin routes (they act on every tenant's cache) answer only a client that sends the
+    server's admin key as `Authorization: Bearer KEY`; a server started without one has them
+    off. A GET (which a page's `<img src>` can send) never reaches them: they are POST only."""
+    key = server.config.admin_key
+    if key is None:
+        raise APIError(
+            403,
+            f"{request.url.path} is off: start the server with --admin-key (or the "
+            "RADIXKV_ADMIN_KEY environment variable) and send 'Authorization: Bearer KEY'",
+            type="permission_error",
+        )
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise APIError(
+            401,
+            f"{request.url.path} needs the server's admin key as 'Authorization: Bearer KEY'",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+
+
+def _read_flush_body(raw: bytes) -> bool:
+    """Whether the flush keeps the disk tier: `{"keep_disk": true}`; no body clears it too."""
+    if not raw.strip():
+        return False
+    return bool(read_bool(parse_json(raw), "keep_disk"))
+
+
+def _flush(llm: LLM, *, keep_disk: bool) -> tuple[str | None, str]:
+    """Reset the prefix cache when the engine is idle (engine thread), and clear the disk tier
+    unless `keep_disk`. Returns (why not, or None; what was cleared and what was kept)."""
     if llm.has_unfinished_requests():
         running, waiting = llm.scheduler.num_running, llm.num_waiting_requests
-        return f"{running} requests running and {waiting} waiting"
+        return f"{running} requests running and {waiting} waiting", ""
     if not llm.cache.reset():
-        return "a request still holds cached blocks"
-    return None
+        return "a request still holds cached blocks", ""
+    disk = None if llm.tiers is None else llm.tiers.disk
+    if disk is None:
+        return None, "every tier cleared (there is no disk tier)"
+    if keep_disk:
+        kept = f"the disk tier kept ({disk.num_files} files indexed)"
+        return None, f"the device and host tiers cleared, {kept}"
+    disk.clear()
+    return None, "every tier cleared, the disk tier's files included"
 
 
 def _server_info(server: OpenAIServer) -> dict[str, Any]:
@@ -138,7 +173,7 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
     max_total_tokens = llm.cache.num_blocks * llm.cache.block_size
     return {
         "model_path": llm.model_name,
-        "tokenizer_path": llm.model_name,
+        "tokenizer_path": llm.tokenizer_path,
         "served_model_name": config.model_name,
         "dp_size": 1,
         "tp_size": 1,
@@ -154,6 +189,7 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
         "max_queued_requests": config.max_queued_requests,
         "internal_states": [],
         "version": _version(),
+        "system_fingerprint": server.fingerprint,  # what this server's replies carry
     }
 
 
@@ -163,7 +199,7 @@ def _model_info(server: OpenAIServer) -> dict[str, Any]:
     model_config = llm.model.config
     return {
         "model_path": llm.model_name,
-        "tokenizer_path": llm.model_name,
+        "tokenizer_path": llm.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
@@ -187,41 +223,38 @@ def _version() -> str:
 def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request) -> dict[str, Any]:
+        server.metrics.renders.inc()
         job = await server.prepare(_raw(request), chat=True)
         return _generate_request("chatcmpl", job)
 
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> list[dict[str, Any]]:
+        server.metrics.renders.inc()
         job = await server.prepare(_raw(request), chat=False)
         return [_generate_request("cmpl", job)]
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        body = _model(TokenizeRequest, request)
-        # Templating and tokenizing off the event loop, as the completion routes do them.
-        tokens = await asyncio.to_thread(_tokenize, server, body)
-        tokenizer = server.llm.tokenizer
-        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-        return {
-            "count": len(tokens),
-            "max_model_len": server.llm.config.max_model_len,
-            "tokens": tokens,
-            "token_strs": strs,
-        }
+    async def tokenize(request: Request) -> Response:
+        return await server.off_loop(partial(_tokenize_reply, server, _raw(request)))
 
     @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, str]:
-        body = _model(DetokenizeRequest, request)
-        _check_model(server, body.model)
-        vocab = server.llm.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}", "tokens")
-        return {"prompt": server.llm.decode(body.tokens)}
+    async def detokenize(request: Request) -> Response:
+        return await server.off_loop(partial(_detokenize_reply, server, _raw(request)))
+
+    probe = GenerateProbe(
+        server.engine,
+        max_queued=server.config.max_queued_requests,
+        timeout_s=server.config.health_check_timeout_s,
+    )
+    app.state.health_probe = probe
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        return await _health_generate(server)
+        # A replica on its way out takes no probe (a router should stop sending it requests).
+        failure = "shutting down" if server.is_stopping else await probe.check()
+        if failure is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": failure}, status_code=503)
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict[str, Any]:
@@ -237,16 +270,6 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
 
 def _raw(request: Request) -> bytes:
     return bytes(request.scope.get("radixkv.body", b""))
-
-
-def _model(kind: type[BaseModel], request: Request) -> Any:
-    """The body as `kind`; APIError(400) naming the first field it gets wrong."""
-    try:
-        return kind.model_validate(parse_json(_raw(request)))
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
-        raise bad_request(f"{param}: {error['msg']}", param) from None
 
 
 def _generate_request(kind: str, job: Any) -> dict[str, Any]:
@@ -270,12 +293,23 @@ def _generate_request(kind: str, job: Any) -> dict[str, Any]:
     }
 
 
-def _tokenize(server: OpenAIServer, body: TokenizeRequest) -> list[int]:
-    """vLLM's /tokenize: a chat through the chat template (with the assistant's turn opened,
-    exactly as generation renders it) or a prompt through the tokenizer."""
+def _tokenize_reply(server: OpenAIServer, raw: bytes) -> Response:
+    """vLLM's /tokenize answer to the body `raw` (preparation thread). The ids are capped at
+    the context length, as a completion's prompt is, so the reply stays small."""
+    body = read_tokenize_body(parse_json(raw), server.limits)
     _check_model(server, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("give exactly one of prompt and messages", "prompt")
+    tokens = _tokenize(server, body)
+    context = server.llm.config.max_model_len
+    if len(tokens) > context:
+        raise over_context(len(tokens), context, "prompt" if body.messages is None else "messages")
+    strs = server.llm.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    reply = {"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": strs}
+    return JSONResponse(reply)  # encoded here, in the preparation thread, as it is built
+
+
+def _tokenize(server: OpenAIServer, body: TokenizeBody) -> list[int]:
+    """A chat through the chat template (with the assistant's turn opened, exactly as generation
+    renders it) or a prompt through the tokenizer."""
     if body.messages is not None:
         if not body.add_generation_prompt or body.continue_final_message:
             raise bad_request(
@@ -285,14 +319,28 @@ def _tokenize(server: OpenAIServer, body: TokenizeRequest) -> list[int]:
             )
         if body.add_special_tokens:
             raise bad_request("the chat template adds the special tokens", "add_special_tokens")
-        messages = read_chat_body({"messages": body.messages}, server.limits).messages
-        return server.chat_prompt(messages)
+        return server.chat_prompt(body.messages)
+    assert body.prompt is not None, "read_tokenize_body gives one of prompt and messages"
     if body.add_special_tokens is False:
         tokenizer = server.llm.tokenizer
         if tokenizer is None:
             raise bad_request("the model has no tokenizer", "prompt")
         return list(tokenizer.encode(body.prompt, add_special_tokens=False))
     return server.completion_prompt(body.prompt)
+
+
+def _detokenize_reply(server: OpenAIServer, raw: bytes) -> Response:
+    """vLLM's /detokenize answer to the body `raw` (preparation thread); as many ids as the
+    context holds."""
+    body = read_detokenize_body(parse_json(raw), server.limits)
+    _check_model(server, body.model)
+    context = server.llm.config.max_model_len
+    if len(body.tokens) > context:
+        raise bad_request(
+            f"{len(body.tokens)} token ids: more than the model's context length ({context})",
+            "tokens",
+        )
+    return JSONResponse({"prompt": server.llm.decode(body.tokens)})
 
 
 def _check_model(server: OpenAIServer, model: str | None) -> None:
@@ -304,22 +352,3 @@ def _check_model(server: OpenAIServer, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-async def _health_generate(server: OpenAIServer) -> Response:
-    """SGLang's /health_generate: 200 once the engine has produced a token for a one-token
-    request (proof that it steps), 503 if it does not within the timeout or is stopped."""
-    if not server.engine.is_alive:
-        return JSONResponse({"status": "engine stopped"}, status_code=503)
-    params = SamplingParams(max_tokens=1)
-    stream = await server.engine.submit([0], params, cache_salt=HEALTH_CACHE_SALT)
-    try:
-        update = await asyncio.wait_for(stream.updates.get(), HEALTH_GENERATE_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        logger.error("health_generate: no token within %.0f s", HEALTH_GENERATE_TIMEOUT_S)
-        return JSONResponse({"status": "no token from the engine"}, status_code=503)
-    finally:
-        server.engine.release(stream)
-    if isinstance(update, BaseException) or update.error is not None:
-        return JSONResponse({"status": "the engine failed"}, status_code=503)
-    return JSONResponse({"status": "ok"})

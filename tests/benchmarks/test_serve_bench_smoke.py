@@ -16,7 +16,7 @@ def test_serve_bench_tiny_runs(tiny_model_dir, capsys) -> None:
     assert cells[3] == "4"  # requests: every turn of every client
     assert cells[8] != "n/a ms"  # the server overhead came from /metrics
     assert cells[10] != "n/a ms"  # and so did the receive time
-    assert float(cells[11].removesuffix(" s")) > 0  # the server process's CPU time
+    assert cells[11] != "n/a s" and float(cells[11].removesuffix(" s")) >= 0  # from /proc
 
 
 def _row(number: int, server: str, ttft_s: float, tok_s: float) -> dict:

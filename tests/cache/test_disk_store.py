@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,167 @@ def test_a_truncated_file_is_caught_at_load_and_at_the_next_open(
     assert len(caplog.records) == 1 and "removed 2" in caplog.text
     assert fresh.num_files == 1 and block_files(tmp_path) == [paths[3]]
     np.testing.assert_array_equal(load(fresh, keys[3]), payload(keys[3]))
+
+
+# --------------------------------------------------------- files that cannot be used
+def unusable_in_place_of(path: Path, kind: str, other: Path) -> None:
+    """Make the block file `path` one that exists and cannot be loaded (the ways a co-writer, a
+    restore under the wrong name or a failing disk do it; `other` is another block's file)."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":  # to a whole block file: a link is never followed
+        path.symlink_to(other)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        assert kind == "swapped"  # another prefix's block under this name
+        path.write_bytes(other.read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "swapped"])
+def test_a_file_that_cannot_be_loaded_is_a_miss_and_is_not_offered_again(
+    make_store: MakeStore, kind: str
+) -> None:
+    """It stays in place (not ours to remove, or some prefix's block), so the store remembers it:
+    a request that missed it recomputes instead of probing it again, until this process writes
+    that block itself. A FIFO cannot hang the reader."""
+    store = make_store()
+    keys = keys_of("t", 3)
+    for key in keys:
+        store.put(key, payload(key))
+    path, other = (store.inner._path(k.block_hash) for k in keys[1:])
+    unusable_in_place_of(path, kind, other)
+    assert store.probe(keys) == 3  # indexed: the store does not know yet
+    assert load_or_hang(store, keys[1]) is None
+    assert os.path.lexists(path)
+    assert not store.contains(keys[1].block_hash) and store.probe(keys) == 1
+    assert store.stats().num_unusable == 1 and store.stats().num_misses == 1
+    fresh = make_store()  # another process: its scan removes what is not a regular file
+    assert fresh.probe(keys) == (3 if kind == "swapped" else 1)
+    if kind != "directory":  # this process writes the block itself: offered again
+        assert store.put(keys[1], payload(keys[1])) and store.probe(keys) == 3
+        np.testing.assert_array_equal(load(store, keys[1]), payload(keys[1]))
+
+
+def test_a_file_this_user_may_not_read_is_a_miss_and_is_not_probed_again() -> None:
+    """Another user's 0600 file in a folder both may enter (an older, shared deployment): the
+    reader, a forked child of another user (the test's own user cannot be denied as root) or
+    this user with the file's mode cleared, finds it, misses it once and never offers it again."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="radixkv-shared-"))
+    try:
+        writer = DiskStore(
+            root, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=FILE * 8
+        )
+        keys = keys_of("t", 3)
+        for key in keys:
+            writer.put(key, payload(key))
+        for folder in (root, *(p for p in root.rglob("*") if p.is_dir())):
+            folder.chmod(0o755)
+        if os.geteuid() != 0:
+            writer._path(keys[1].block_hash).chmod(0)
+        assert in_a_child_of_another_user(lambda: read_back_once(root, keys)) == 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def read_back_once(root: Path, keys: list[BlockKey]) -> None:
+    store = DiskStore(root, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=FILE * 8)
+    assert store.probe(keys) == 3
+    assert load(store, keys[1]) is None
+    assert store.probe(keys) == 1 and not store.contains(keys[1].block_hash)
+    assert store.stats().num_unusable == 1
+    store.check_integrity()
+
+
+def in_a_child_of_another_user(check: Callable[[], None]) -> int:
+    """Run `check` in a forked child, as user nobody when this process is root; its exit status
+    (0: it held; its error on stderr)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            check()
+            status = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def load_or_hang(store: Any, key: BlockKey) -> np.ndarray | None:
+    """`load` in a daemon thread: a reader that blocks fails the test instead of hanging it."""
+    result: list[Any] = []
+    reader = threading.Thread(target=lambda: result.append(load(store, key)), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the read blocked"
+    return result[0]
+
+
+# ------------------------------------------------------------------- who may read them
+def test_files_and_folders_are_the_engines_users_alone(tmp_path: Path) -> None:
+    """The files hold prompts' token ids in clear: 0600 files in 0700 folders, whatever the
+    umask (a folder the user made beforehand keeps its own mode)."""
+    old = os.umask(0o022)
+    try:
+        root = tmp_path / "kv"
+        store = DiskStore(root, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=FILE)
+        key = keys_of("t", 1)[0]
+        assert store.put(key, payload(key))
+    finally:
+        os.umask(old)
+    path = store._path(key.block_hash)
+    for folder in (root, store.directory, path.parent):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    for file in (path, store.directory / "fingerprint.json"):
+        assert file.stat().st_mode & 0o777 == 0o600, file
+
+
+def forge(path: Path, new_payload: bytes) -> None:
+    """Replace a block file's payload and recompute its unkeyed checksum, as a co-writer of the
+    folder who knows the format (not a key) can."""
+    import xxhash
+
+    head = path.read_bytes()[: HEADER.size + 4 * B]
+    checksum = xxhash.xxh3_64(head + new_payload).intdigest()
+    path.write_bytes(head + new_payload + CHECKSUM.pack(checksum))
+
+
+def test_a_keyed_checksum_refuses_a_forged_payload(tmp_path: Path) -> None:
+    def open_store(secret: bytes | None) -> Any:
+        store = DiskStore(
+            tmp_path, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=8 * FILE,
+            secret=secret,
+        )  # fmt: skip
+        return Checked(store)
+
+    key = keys_of("t", 1)[0]
+    forged = bytes(NBYTES)
+    plain = open_store(None)
+    plain.put(key, payload(key))
+    forge(plain.inner._path(key.block_hash), forged)
+    np.testing.assert_array_equal(load(plain, key), np.frombuffer(forged, np.uint8))  # served
+    keyed = open_store(b"deployment secret")
+    assert keyed.directory != plain.directory  # never each other's files
+    keyed.put(key, payload(key))
+    np.testing.assert_array_equal(load(keyed, key), payload(key))
+    forge(keyed.inner._path(key.block_hash), forged)
+    assert load(keyed, key) is None and keyed.stats().num_damaged == 1
+    other = open_store(b"another secret")
+    assert other.directory not in (keyed.directory, plain.directory)
+    assert not other.contains(key.block_hash)
+    again = open_store(b"deployment secret")  # the same key finds the same folder
+    assert again.directory == keyed.directory
 
 
 # ---------------------------------------------------------------------------- the budget

@@ -23,6 +23,8 @@ from lifecycle import CheckedCache
 from radixkv import PrefixCache
 from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored
+from radixkv.cache.path_keys import prompt_keys
+from radixkv.cache.tokens import pack_tokens
 from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload
 
 EMPTY = 0  # a slot nothing was written to
@@ -80,24 +82,33 @@ class Sim:
 
     def serve(self, prompt: list[int], reply: list[int], namespace: str | None = None) -> int:
         """One request's life, KV checked on admission and written as computed; its hit."""
+        table = self.admit(prompt, namespace)
+        self.run_moves()
+        return self.compute(table, prompt, reply, namespace)
+
+    def admit(self, prompt: list[int], namespace: str | None) -> Any:
+        table = self.cache.admit(prompt, max_hit=len(prompt) - 1, namespace=namespace)
+        if table is None:  # its lock pins too much: the scheduler's fallback
+            table = self.cache.admit(prompt, max_hit=0, namespace=namespace)
+        assert table is not None
+        return table
+
+    def compute(self, table: Any, prompt: list[int], reply: list[int], ns: str | None) -> int:
+        """The rest of a request's life once its loads ran: the KV it reads is checked, the KV
+        it computes written, committed and closed; its hit."""
         cache, B = self.cache, self.B
         written = prompt + reply
-        table = cache.admit(prompt, max_hit=len(prompt) - 1, namespace=namespace)
-        if table is None:  # its lock pins too much: the scheduler's fallback
-            table = cache.admit(prompt, max_hit=0, namespace=namespace)
-        assert table is not None
-        self.run_moves()
         if table.copy is not None:
             src, dst, slots = table.copy
             self.device[dst, :slots] = self.device[src, :slots]
         hit = table.num_cached_tokens
         for pos in range(hit):
             b = table.blocks[pos // B]
-            assert self.device[b, pos % B] == kv(namespace, prompt, pos), (pos, b, table)
+            assert self.device[b, pos % B] == kv(ns, prompt, pos), (pos, b, table)
         assert cache.grow(table, -(-len(written) // B) - len(table.blocks))
         self.run_moves()
         for pos in range(hit, len(written)):
-            self.device[table.blocks[pos // B], pos % B] = kv(namespace, written, pos)
+            self.device[table.blocks[pos // B], pos % B] = kv(ns, written, pos)
         cache.commit(table, written)
         cache.close(table)
         self.run_moves()
@@ -197,6 +208,77 @@ def test_kv_events_name_the_tier() -> None:
     sim.serve(list(range(16)), [])
     events = sim.cache.take_events()
     assert not [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+
+
+def keys_of(tokens: Sequence[int], block_size: int = 4) -> list[Any]:
+    return prompt_keys(pack_tokens(tokens), len(tokens) // block_size, 0, None, None, block_size)
+
+
+def test_the_disk_run_stops_before_a_block_the_host_holds(tmp_path: Path) -> None:
+    """The host holds a prompt's blocks 2-3, the disk all four: the disk run stages 0-1 only
+    (staging 2-3 again would leave the host two entries of one block), and the next admission
+    goes on from the host."""
+    sim = Sim(num_blocks=8, block_size=4, host_blocks=8, disk_dir=tmp_path, disk_files=64)
+    a, b = list(range(16)), list(range(100, 116))
+    sim.serve(a, [])
+    sim.serve(b, [])
+    sim.cache.persist()
+    sim.cache.evict(8)  # nothing on the device; every block on the host and on disk
+    sim.run_moves()
+    tiers = sim.cache.inner._tiers
+    lost = keys_of(a)[:2] + keys_of(b)[:2]  # a failed move: their host copies are garbage
+    sim.cache.forget_host_blocks([tiers.entries[k.block_hash].block for k in lost])
+    assert [tiers.holds(k) for k in keys_of(a)] == [False, False, True, True]
+    assert sim.disk is not None and sim.disk.probe(keys_of(a)) == 4
+    match = sim.cache.match(a, max_tokens=15)
+    assert (match.num_cached_tokens, match.num_host_blocks, match.num_disk_blocks) == (8, 0, 2)
+    assert sim.serve(a, []) == 8  # integrity checked after every call
+    sim.cache.evict(8)
+    sim.run_moves()
+    assert sim.cache.match(a, max_tokens=15).num_host_blocks == 4
+    assert sim.serve(a, []) == 15
+
+
+def test_a_disk_load_replaces_a_host_entry_of_the_same_block(tmp_path: Path) -> None:
+    """A block that entered the host between the lookup and the load (a demotion on the way):
+    the staged copy replaces the entry instead of leaving two of one hash."""
+    sim = Sim(num_blocks=8, block_size=4, host_blocks=8, disk_dir=tmp_path, disk_files=64)
+    a = list(range(16))
+    keys = keys_of(a)
+    for i, key in enumerate(keys):
+        assert sim.disk is not None and sim.disk.put(key, sim.host[0] + i)
+    tiers = sim.cache.inner._tiers
+    tiers.pin(keys, 0, 4)
+    tiers.demote(keys[2:], [6, 7])  # as the device's eviction for this admission would
+    tiers.load(keys, 0, 4, [0, 1, 2, 3])
+    tiers.check_integrity()
+    assert len(tiers.entries) == 4 and tiers.pool.num_free == 4
+    read = [m for m in tiers.take_moves() if isinstance(m, DiskRead)]
+    assert [k.block_hash for k in read[0].keys] == [k.block_hash for k in keys]
+
+
+def test_a_fault_while_planning_a_load_leaks_no_block_lock_or_pin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = Sim(num_blocks=8, block_size=4, host_blocks=8, disk_dir=tmp_path, disk_files=64)
+    a = list(range(16))
+    sim.serve(a, [])
+    sim.cache.persist()
+    sim.cache.evict(8)
+    sim.run_moves()
+    tiers = sim.cache.inner._tiers
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiers, "load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sim.cache.admit(a + [99], max_hit=16)  # the wrapper checks integrity on the way out
+    stats = sim.cache.stats()
+    assert stats.num_free_blocks == 8 and stats.num_locked_tables == 0
+    assert len(tiers.lru) == len(tiers.entries)  # nothing left pinned
+    monkeypatch.undo()
+    assert sim.serve(a + [99], []) == 16
 
 
 # ------------------------------------------------------------------------------------ random

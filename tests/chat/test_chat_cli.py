@@ -117,6 +117,26 @@ def test_bad_option_values_are_rejected_before_loading(tmp_path: Path) -> None:
     assert proc.returncode == 2 and str(missing) in proc.stderr
 
 
+@pytest.mark.parametrize("case", ["a file", "no host tier"])
+def test_disk_tier_options_are_checked_before_the_model_loads(
+    tmp_path: Path, capsys, monkeypatch, case
+) -> None:
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("radixkv.engine.LLM", load)
+    file = tmp_path / "file"
+    file.write_text("not a folder")
+    if case == "a file":
+        argv, expected = ["--host-cache", "64KiB", "--kv-cache-dir", str(file)], "is a file"
+    else:
+        argv, expected = ["--kv-cache-dir", str(tmp_path)], "--kv-cache-dir needs --host-cache"
+    capsys.readouterr()
+    assert cli.main(["chat", *argv, "--script", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixkv: ") and len(err.splitlines()) == 1 and expected in err, err
+
+
 def _chat_in_process(
     model: Path, lines: list[str] | bytes, tmp_path: Path, capsys, *extra: str
 ) -> tuple[int, str, str]:
@@ -292,3 +312,9 @@ def test_a_chat_restarted_over_its_kv_directory_picks_up_its_prefixes(
     assert code == 0 and err == ""
     ((prompt, cached),) = [m.groups()[:2] for line in out.splitlines() if (m := STATUS.match(line))]
     assert int(cached) >= int(prompt) // 4 * 4 - 4  # all but the partial tail and its block
+
+
+def test_a_script_under_home_is_the_users(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "chat.txt").write_text("hello\nbye\n")
+    assert cli._message_source("~/chat.txt") == ["hello", "bye"]

@@ -154,3 +154,34 @@ def test_the_compile_counter_keeps_earlier_hooks(monkeypatch):
     assert counter.count == 1 and counter.names_since(0) == ["_k"]
     assert jit_monitor._chain(counter.before_compile, None)(key="b", fn=None) is None
     assert counter.names_since(1) == ["?"] and counter.names_since(2) == []
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt-oss"])
+def test_window_softcap_and_sinks_compile_in_the_warm_up(arch, monkeypatch, tmp_path):
+    """Gemma 2 (window / full layers, soft-cap, query_pre_attn_scalar) and GPT-OSS (window / full
+    layers, sinks) on the Triton kernels: the warm-up compiles both layer kinds' variants, a
+    workload of prompts several windows long adds none, and the greedy tokens are
+    transformers'."""
+    from tiny_archs import WINDOW, build_arch
+    from transformers import AutoModelForCausalLM
+
+    path = build_arch(arch, tmp_path)
+    prompts = random_prompts(7, 2, shared_prefix=3 * WINDOW, max_len=5)
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=0
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+    recorder = VariantRecorder(monkeypatch, radixkv_kernels())
+    with use_backend("triton"):
+        llm = LLM(path, block_size=BLOCK, num_blocks=64, max_num_seqs=2)
+        at_start = recorder.variants()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3))
+    assert [list(o.token_ids) for o in outs] == expected
+    after = recorder.variants()
+    assert after == at_start, "a variant first compiled after the warm-up"
+    # window and full layers, each decode-like and prefill
+    assert len(at_start["paged_attention"]) == 4

@@ -21,7 +21,7 @@ from radixkv.engine import cuda_graphs
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.overlap import token_feed
+from radixkv.engine.step import token_feed
 from radixkv.engine.step_inputs import InputStager
 from radixkv.kernels import use_backend
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
@@ -104,7 +104,7 @@ def test_graph_replays_equal_eager_steps(graph_runner):
 
 def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
     """Overlapped steps' placeholders, fed on the device from the previous step's sampled tokens
-    (`radixkv.engine.overlap`), compute what the real tokens do: in a replay's static inputs and
+    (`radixkv.engine.step`), compute what the real tokens do: in a replay's static inputs and
     in an eager mixed step (the placeholder ends a decode row beside a prefill chunk)."""
     graphs_runner, eager_runner = graph_runner
     a, b, c = list(range(10, 19)), list(range(30, 35)), list(range(50, 56))
@@ -145,3 +145,33 @@ def test_step_profile_stages_a_replay_as_the_runner_runs_it(graph_runner):
         graph = step_profile.staged_graph(graphs, 2, 9, BLOCK)
     assert graph is graphs._graphs[2][0]
     assert graphs.static[:2].tolist() == [5, 5]  # the staged rows' input tokens
+
+
+def test_graph_replays_of_window_softcap_and_sink_layers(monkeypatch):
+    """GPT-OSS (window / full layers, sinks) and Gemma 2 (soft-cap, query_pre_attn_scalar):
+    replayed decode steps past the window equal eager ones. Each layer's kind is fixed at
+    capture, like the shapes the launches are computed from."""
+    from tiny_archs import WINDOW, arch_config, tiny_model
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    prompt = list(range(10, 10 + 3 * WINDOW))
+    table = list(range(1, 1 + 4 * WINDOW // BLOCK))
+    for arch in ("gpt-oss", "gemma2"):
+        model = tiny_model(arch_config(arch))
+        config = EngineConfig(block_size=BLOCK, num_blocks=32)
+        with use_backend("triton"):
+            eager = ModelRunner(model, config)
+            graphs = ModelRunner(model, config)
+            with torch.inference_mode():
+                graphs.decode_graphs = DecodeGraphs(
+                    graphs._forward, graphs.stager, graphs.kv_cache_shape, 2, max_model_len=40
+                )
+            for runner in (eager, graphs):
+                runner.execute(SchedulerOutput(rows=(row("a", prompt, 0, table),)))
+            for i in range(3):
+                step = SchedulerOutput(rows=(row("a", [50 + i], len(prompt) + i, table),))
+                replays = graphs.decode_graphs.num_replays
+                expected = eager.execute(step)
+                torch.testing.assert_close(graphs.execute(step), expected, rtol=1e-5, atol=1e-5)
+                assert graphs.decode_graphs.num_replays == replays + 1

@@ -11,7 +11,14 @@ import pytest
 
 from radixkv import LLM, SamplingParams
 from radixkv.engine.config import EngineConfig
-from radixkv.options import OPTIONS, add_engine_options, engine_settings
+from radixkv.options import (
+    OPTIONS,
+    SECRET_ENV,
+    add_engine_options,
+    engine_settings,
+    format_bytes,
+    parse_bytes,
+)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +50,8 @@ from radixkv.options import OPTIONS, add_engine_options, engine_settings
         ("kv_events_connect", 1, TypeError),
         ("block_hash", "sha1", ValueError),
         ("block_hash_seed", 0, TypeError),
+        ("kv_cache_secret", 1234, TypeError),
+        ("kv_cache_secret", "", ValueError),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
@@ -166,6 +175,28 @@ def test_a_size_that_is_not_one_is_refused(size, capsys) -> None:
     assert "not a size" in capsys.readouterr().err
 
 
+def test_the_disk_secret_comes_from_the_environment_and_never_shows(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="kv_cache_secret needs kv_cache_dir"):
+        EngineConfig(kv_cache_secret="s")
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    assert _parse([]) == {}  # no disk tier, no secret
+    settings = _parse(["--host-cache", "1MiB", "--kv-cache-dir", "kv"])
+    assert settings["kv_cache_secret"] == "s3cret"
+    assert "s3cret" not in repr(EngineConfig(**settings))
+
+
+def test_help_shows_sizes_readably(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    parser.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "disk tier budget, e.g. 20GiB (default: 8GiB)" in text
+    assert str(8 * 2**30) not in text
+    sizes = (8 * 2**30, 3 * 2**20, 1536, 1000, 0)
+    assert [format_bytes(n) for n in sizes] == ["8GiB", "3MiB", "1536", "1000", "0"]
+    assert [parse_bytes(format_bytes(n)) for n in sizes] == list(sizes)
+
+
 def test_help_shows_the_config_defaults(capsys) -> None:
     parser = argparse.ArgumentParser()
     add_engine_options(parser, prefill_first=True)
@@ -201,3 +232,11 @@ def test_a_prompt_must_leave_room_for_one_token(short_context_llm) -> None:
     (out,) = llm.generate([list(range(5, 20))], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
     llm.check_integrity()
+
+
+def test_a_disk_tier_folder_under_home_is_the_users(monkeypatch, tmp_path) -> None:
+    from radixkv.engine.config import EngineConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = EngineConfig(host_cache_bytes=2**16, kv_cache_dir="~/.cache/radixkv-kv")
+    assert config.kv_cache_dir == str(tmp_path / ".cache" / "radixkv-kv")

@@ -18,8 +18,7 @@ from contextlib import contextmanager
 import pytest
 from tiny_llama import random_prompts
 
-import radixkv.engine.llm as llm_module
-import radixkv.engine.overlap as overlap_module
+import radixkv.engine.step as step_module
 from radixkv import LLM, RequestUpdate, SamplingParams, kernels
 from radixkv.engine.attention import PagedKVCache
 from radixkv.engine.detokenizer import IncrementalDetokenizer
@@ -90,18 +89,15 @@ def fault(llm: LLM, point: str, at: int, exc: BaseException) -> Iterator[list[bo
             mp.setattr(
                 llm.scheduler, "schedule", around(llm.scheduler.schedule, point == "schedule")
             )
-        elif point in ("_allocate", "commit"):  # the cache, inside schedule / update_from_output
+        elif point in ("_allocate", "commit"):  # the cache's, in schedule / record / fill
             mp.setattr(llm.cache, point, around(getattr(llm.cache, point), True))
         elif point == "forward":
             hook = llm.model.model.layers[1].register_forward_pre_hook(lambda *_: trip())
         elif point == "kv-store":  # the fused Llama layers' store, or the generic hook's
             mp.setattr(kernels, "rope_store_kv_step", around(kernels.rope_store_kv_step, True))
             mp.setattr(PagedKVCache, "update", around(PagedKVCache.update, True))
-        elif point == "sample":  # the synchronous step's, or the overlapped step's
-            mp.setattr(llm_module, "sample", around(llm_module.sample, True))
-            mp.setattr(
-                overlap_module, "sample_on_device", around(overlap_module.sample_on_device, True)
-            )
+        elif point == "sample":  # the one draw of both step modes
+            mp.setattr(step_module, "draw", around(step_module.draw, True))
         else:
             mp.setattr(IncrementalDetokenizer, "push", around(IncrementalDetokenizer.push, True))
         try:

@@ -146,7 +146,7 @@ def test_placeholders_are_read_one_step_late(model_dir):
 def test_async_scheduling_setting(model_dir):
     default = LLM(model_dir, num_blocks=16)
     assert default.config.async_scheduling is None  # the default: decided by the device
-    assert default._overlap is None  # a CPU: its forward runs on the host, nothing to overlap
+    assert default._overlap is False  # a CPU: its forward runs on the host, nothing to overlap
     assert LLM(model_dir, num_blocks=16, async_scheduling=True).config.async_scheduling is True
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         LLM(model_dir, async_scheduling="yes")

@@ -13,9 +13,9 @@ def model_dir(tiny_model_dir):
     return str(tiny_model_dir("gqa"))
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, block_size=4, num_blocks=256)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlapped"])
+def llm(model_dir, request):
+    return LLM(model_dir, block_size=4, num_blocks=256, async_scheduling=request.param)
 
 
 def tokens(outs):

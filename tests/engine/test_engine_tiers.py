@@ -6,9 +6,11 @@ KV directory picks up the prefixes cached before; bad tier settings are refused 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+from block_files import damage_every_other_file
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
@@ -127,6 +129,61 @@ def test_a_restarted_engine_picks_up_prefixes_from_the_disk_tier(
     assert [list(u.output.token_ids) for u in outs] == expected
     assert restarted.cache.stats().num_disk_hit_tokens >= 30 // 4 * 4
     restarted.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_damaged_block_files_are_misses_and_the_output_is_unchanged(
+    overlap, model_dir, expected, tmp_path
+):
+    """An engine restarted over a folder whose files were damaged after it indexed them: every
+    damaged file is a miss, then a recompute; no request fails and greedy output equals a
+    tier-less engine's, twice over (the second time the damaged files are not probed)."""
+    settings = {**TIERS, "host_cache_bytes": 8 * 3072, "kv_cache_dir": tmp_path}
+    first = LLM(model_dir, **settings)
+    run(first)
+    first.save_kv_cache()
+    del first
+    restarted = LLM(model_dir, **settings, async_scheduling=overlap)
+    assert damage_every_other_file(tmp_path) >= 6
+    for _ in range(2):
+        outs = run(restarted)
+        assert [u.error for u in outs] == [None] * len(PROMPTS)
+        assert [list(u.output.token_ids) for u in outs] == expected
+    disk = restarted.tiers.disk.stats()
+    assert disk.num_misses > 0 and disk.num_unusable > 0 and disk.num_hits > 0
+    stats = restarted.cache.stats()
+    assert stats.num_in_use_blocks == stats.num_private_blocks == 0
+    restarted.check_integrity()
+
+
+def test_a_keyed_disk_tier_is_read_back_with_its_secret_alone_and_says_what_it_holds(
+    model_dir, expected, tmp_path, caplog
+):
+    """The log says how many block files the disk tier found at start and wrote by the stop;
+    an engine with another secret (or none) never takes the files for its own."""
+    settings = {**TIERS, "host_cache_bytes": 8 * 3072, "kv_cache_dir": tmp_path}
+
+    def start(secret: str | None) -> LLM:
+        with caplog.at_level(logging.INFO, logger="radixkv.engine.tier_io"):
+            return LLM(model_dir, **settings, kv_cache_secret=secret)
+
+    first = start("one")
+    assert "0 block files found at start" in caplog.text
+    run(first)
+    with caplog.at_level(logging.INFO, logger="radixkv.engine.tier_io"):
+        first.save_kv_cache()
+    num_files = len(list(tmp_path.rglob("*.kv")))
+    assert num_files > 0 and f": {num_files} block files written" in caplog.text
+    caplog.clear()
+    again = start("one")
+    assert f"{num_files} block files found at start" in caplog.text
+    assert [list(u.output.token_ids) for u in run(again)] == expected
+    assert again.cache.stats().num_disk_hit_tokens > 0
+    for secret in ("two", None):
+        other = start(secret)
+        assert [list(u.output.token_ids) for u in run(other)] == expected
+        assert other.cache.stats().num_disk_hit_tokens == 0
+        assert other.tiers.disk.stats().num_damaged == 0
 
 
 @pytest.mark.parametrize(

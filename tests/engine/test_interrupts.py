@@ -26,6 +26,11 @@ def model_dir(tiny_model_dir):
     return str(tiny_model_dir("gqa"))
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "overlapped"])
+def engine_args(request):
+    return {**ENGINE_ARGS, "async_scheduling": request.param}
+
+
 @pytest.fixture(scope="module")
 def expected(model_dir):
     return [o.token_ids for o in LLM(model_dir, **ENGINE_ARGS).generate(PROMPTS, PARAMS)]
@@ -37,8 +42,10 @@ def assert_idle_and_whole(llm: LLM) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ctrl_c_in_generate_lands_after_the_step(model_dir, expected, monkeypatch, python_sigint):
-    llm = LLM(model_dir, **ENGINE_ARGS)
+def test_ctrl_c_in_generate_lands_after_the_step(
+    engine_args, model_dir, expected, monkeypatch, python_sigint
+):
+    llm = LLM(model_dir, **engine_args)
     commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=3)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, PARAMS)
@@ -51,13 +58,13 @@ def test_ctrl_c_in_generate_lands_after_the_step(model_dir, expected, monkeypatc
 
 
 def test_a_second_ctrl_c_while_generate_aborts_its_requests_aborts_them_all(
-    model_dir, expected, monkeypatch, python_sigint
+    engine_args, model_dir, expected, monkeypatch, python_sigint
 ):
     """generate's clean-up aborts each of its requests; a Ctrl-C during the first abort must not
     leave the others running with nobody to read them."""
     from radixkv.scheduler import Scheduler
 
-    llm = LLM(model_dir, **ENGINE_ARGS)
+    llm = LLM(model_dir, **engine_args)
     ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=2)
     aborts = ctrl_c_inside(monkeypatch, Scheduler, "abort")
     with pytest.raises(KeyboardInterrupt):
@@ -70,11 +77,11 @@ def test_a_second_ctrl_c_while_generate_aborts_its_requests_aborts_them_all(
 
 
 def test_ctrl_c_in_step_keeps_the_step_and_its_updates(
-    model_dir, expected, monkeypatch, python_sigint
+    engine_args, model_dir, expected, monkeypatch, python_sigint
 ):
     """The step the Ctrl-C arrived in completes; step() raises after it, and its updates come
     with the next call: the requests finish exactly as without the interrupt."""
-    llm = LLM(model_dir, **ENGINE_ARGS)
+    llm = LLM(model_dir, **engine_args)
     ids = [llm.add_request(p, PARAMS) for p in PROMPTS]
     commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=4)
     outputs, interrupts = {}, 0
@@ -92,8 +99,10 @@ def test_ctrl_c_in_step_keeps_the_step_and_its_updates(
     assert_idle_and_whole(llm)
 
 
-def test_ctrl_c_while_streaming_aborts_the_stream(model_dir, expected, monkeypatch, python_sigint):
-    llm = LLM(model_dir, **ENGINE_ARGS)
+def test_ctrl_c_while_streaming_aborts_the_stream(
+    engine_args, model_dir, expected, monkeypatch, python_sigint
+):
+    llm = LLM(model_dir, **engine_args)
     commit = ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=2)
     stream = llm.stream(PROMPTS[0], PARAMS)
     with pytest.raises(KeyboardInterrupt):
@@ -107,11 +116,11 @@ def test_ctrl_c_while_streaming_aborts_the_stream(model_dir, expected, monkeypat
 
 
 def test_ctrl_c_while_a_stream_is_closed_lands_after_the_abort(
-    model_dir, expected, monkeypatch, python_sigint
+    engine_args, model_dir, expected, monkeypatch, python_sigint
 ):
     """Closing a stream aborts its request, which returns its blocks: a Ctrl-C inside that
     release waits for its end too."""
-    llm = LLM(model_dir, **ENGINE_ARGS)
+    llm = LLM(model_dir, **engine_args)
     stream = llm.stream(PROMPTS[0], PARAMS)
     next(stream)
     release = ctrl_c_inside(monkeypatch, PrefixCache, "close")
@@ -123,13 +132,13 @@ def test_ctrl_c_while_a_stream_is_closed_lands_after_the_abort(
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
 
 
-def test_a_program_s_own_sigint_handler_is_kept(model_dir, expected, monkeypatch):
+def test_a_program_s_own_sigint_handler_is_kept(engine_args, model_dir, expected, monkeypatch):
     """A program that installed its own handler decides what a Ctrl-C does: the engine neither
     replaces it nor raises."""
     calls: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
     try:
-        llm = LLM(model_dir, **ENGINE_ARGS)
+        llm = LLM(model_dir, **engine_args)
         ctrl_c_inside(monkeypatch, PrefixCache, "commit", at=2)
         outs = llm.generate(PROMPTS, PARAMS)
         assert calls == [signal.SIGINT]
@@ -138,10 +147,10 @@ def test_a_program_s_own_sigint_handler_is_kept(model_dir, expected, monkeypatch
         signal.signal(signal.SIGINT, previous)
 
 
-def test_the_engine_runs_off_the_main_thread(model_dir, expected, python_sigint):
+def test_the_engine_runs_off_the_main_thread(engine_args, model_dir, expected, python_sigint):
     """Only the main thread may set signal handlers (elsewhere signal.signal raises): an engine
     driven by another thread, as the server's is, leaves SIGINT alone."""
-    llm = LLM(model_dir, **ENGINE_ARGS)
+    llm = LLM(model_dir, **engine_args)
     result: list = []
     worker = threading.Thread(target=lambda: result.append(llm.generate(PROMPTS, PARAMS)))
     worker.start()

@@ -10,6 +10,7 @@ Dynamo's reader takes either.
 
 from __future__ import annotations
 
+import stat
 import time
 from typing import Any
 
@@ -148,6 +149,23 @@ def test_a_non_event_fails_its_batch_and_the_publisher_goes_on(caplog) -> None:
 def test_bad_endpoint_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="endpoint must be a ZeroMQ address"):
         ZmqEventPublisher("localhost:5557")
+
+
+def test_an_ipc_publisher_is_its_owners_alone_and_delivers(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    publisher = ZmqEventPublisher(endpoint, replay_endpoint="ipc://~/replay.sock")
+    sub = subscriber(zmq.Context.instance(), endpoint)
+    try:
+        for name in ("events.sock", "replay.sock"):
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+        wait_for_subscription(publisher, sub)
+        publisher(BlockRemoved((7,)))
+        (batch,) = recv_batches(sub, 1)
+        assert DECODER.decode(batch[2]).events[0].block_hashes == [7]
+    finally:
+        sub.close(linger=0)
+        publisher.close()
 
 
 def recv_batches(sub: zmq.Socket, num_events: int, timeout_s: float = 10.0) -> list[list[bytes]]:

@@ -126,3 +126,21 @@ def test_ctrl_c_during_the_conversion_is_one_line_and_leaves_nothing(
     assert err[-1] == "radixkv: interrupted" and not any("Traceback" in line for line in err)
     assert all(line.startswith("radixkv: ") for line in err)  # progress lines, then the one line
     assert list((cache_home / "radixkv" / "models").iterdir()) == []
+
+
+def test_a_model_path_under_home_is_the_users(tiny_model_dir, monkeypatch):
+    folder = tiny_model_dir("gqa")
+    monkeypatch.setenv("HOME", str(folder.parent))
+    loaded = model_loader.load_model(f"~/{folder.name}")
+    assert loaded.name == str(folder)
+    assert loaded.model.config.model_type == "llama"
+
+
+@pytest.mark.parametrize("path", ["./no-such-model", "models/tiny/no-such", "~/no-such-model"])
+def test_a_missing_local_path_says_no_such_folder_not_hugging_face(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ModelNotFoundError) as info:
+        model_loader.load_model(path)
+    message = str(info.value)
+    assert "no such folder" in message and "huggingface" not in message.lower(), message

@@ -38,9 +38,11 @@ def model_dir(tiny_model_dir):
     return str(tiny_model_dir("gqa"))
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, **ENGINE_ARGS)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlapped"])
+def llm(model_dir, request):
+    """Both step modes: overlapped, a row's fault is known one step late, and the outcome must
+    be the same."""
+    return LLM(model_dir, async_scheduling=request.param, **ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +82,12 @@ def test_nan_logits_of_one_request_on_a_decode_step_fail_it_alone(llm, expected)
     guilty: list[str] = []
     poisoned: list[set[str]] = []  # the sampled rows of each step whose logits were poisoned
 
-    def execute(out):
-        logits = real_execute(out).clone()
+    def execute(out, feed=None):
+        logits = real_execute(out, feed).clone()
         sampled = [row.request_id for row in out.rows if row.sample]
         for j, rid in enumerate(sampled):
-            if rid in guilty and len(llm.scheduler.get_request(rid).output_token_ids) == 3:
+            output = llm.scheduler.get_request(rid).output_token_ids  # placeholders included
+            if rid in guilty and len(output) == 3:
                 logits[j] = float("nan")  # its 4th token
                 poisoned.append(set(sampled))
         return logits

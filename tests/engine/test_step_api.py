@@ -8,9 +8,10 @@ from tiny_llama import random_prompts
 from radixkv import LLM, RequestUpdate, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir("gqa")), block_size=4, num_blocks=128, max_num_seqs=3)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlapped"])
+def llm(tiny_model_dir, request):
+    settings = dict(block_size=4, num_blocks=128, max_num_seqs=3, async_scheduling=request.param)
+    return LLM(str(tiny_model_dir("gqa")), **settings)
 
 
 def drive(llm: LLM) -> dict[str, list[RequestUpdate]]:

@@ -36,7 +36,7 @@ def test_prefix_cache_example_gets_token_granular_hits(tmp_path: Path) -> None:
     )
     assert re.match(r"prompt\s+44 tokens:\s+43 cached,\s+1 computed", lines[2])
     assert lines[3].endswith("0 in use")
-    assert re.match(r"evicted least-recently-used blocks \[\d+(, \d+){3}\]", lines[4])
+    assert re.match(r"evicted blocks \[\d+(, \d+){3}\] \(GDSF: ", lines[4])
 
 
 def test_kv_event_router_example_scores_what_the_cache_holds(tmp_path: Path) -> None:

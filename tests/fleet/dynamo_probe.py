@@ -14,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "fleet
 import fleet
 
 
-def main(model_dir: str) -> int:
+def main(model_dir: str, log_dir: str) -> int:
     serve_args = ["--model", model_dir, "--num-blocks", "256"]
     out = []
-    with fleet.start_fleet("dynamo-indexer", 2, serve_args, model="tiny") as f:
+    start = fleet.start_fleet
+    with start("dynamo-indexer", 2, serve_args, model="tiny", log_dir=Path(log_dir)) as f:
         for c in range(4):
             replica = f.replicas[c % 2]
             words = " ".join(f"w{10 + (c * 53 + i * 7) % 240}" for i in range(40))
@@ -39,4 +40,4 @@ def main(model_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2]))

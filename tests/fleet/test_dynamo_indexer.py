@@ -20,7 +20,9 @@ import pytest
 PROBE = Path(__file__).with_name("dynamo_probe.py")
 
 
-def test_dynamo_indexer_credits_the_serving_replica(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_dynamo_indexer_credits_the_serving_replica(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     if fleet.router_python("ai-dynamo-runtime") is None:
         pytest.skip("ai-dynamo-runtime is not installed: run scripts/setup_routers.sh")
     if not fleet.namespace_available():
@@ -28,7 +30,8 @@ def test_dynamo_indexer_credits_the_serving_replica(tiny_model_dir: Callable[[st
             "needs `unshare -n` (a loopback-only network namespace; root): Dynamo's "
             "indexer and the replicas' publishers bind every interface"
         )
-    argv = fleet.namespace_command([sys.executable, str(PROBE), str(tiny_model_dir("gqa"))])
+    probe = [sys.executable, str(PROBE), str(tiny_model_dir("gqa")), str(tmp_path)]
+    argv = fleet.namespace_command(probe)
     env = {**os.environ, fleet.IN_NAMESPACE_ENV: "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

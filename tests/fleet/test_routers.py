@@ -1,6 +1,9 @@
 """Two replicas behind real routers (sglang-router cache_aware; vllm-router kv_aware, fed by the
 replicas' KV events): every request completes, the replicas' /metrics add up to what the clients
-were told, and cache-aware routing beats round robin on the same workload."""
+were told (and count none of the routers' probes as refused requests), and cache-aware routing
+beats round robin on the same workload. On user-like traffic, kv_aware with session affinity
+keeps every later turn on its conversation's home replica; router-cost mode counts the render
+calls vllm-router makes on every worker."""
 
 from __future__ import annotations
 
@@ -16,7 +19,14 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from benchmarks.fleet_bench import Result, Workload, run_policy
+from benchmarks.fleet_bench import (
+    Result,
+    Users,
+    Workload,
+    measure_router_cost,
+    router_cost_report,
+    run_policy,
+)
 
 # An odd number of conversations: with an even one, round robin in lockstep would send each
 # conversation to the same replica on every turn by accident. Replies of 24 tokens keep the
@@ -65,6 +75,8 @@ def assert_complete_and_counted(result: Result) -> None:
     assert result.replica_prompt_tokens == result.prompt_tokens
     assert result.replica_cached_tokens == result.cached_tokens
     assert result.output_tokens == total * WORKLOAD.max_tokens
+    # the routers' HTTP/2 probes (sglang-router's at start) are no refused requests
+    assert result.replica_refusals == 0
 
 
 # The two the issue names; vllm-router's cache_aware (sglang's algorithm again) runs in the
@@ -85,3 +97,39 @@ def test_cache_aware_router_completes_and_beats_round_robin(
         credited = credited_prefixes(logs / "router.log")
         assert credited, "vllm-router logged no kv_aware decision"
         assert max(credited) > 0, "the router's index held none of the replicas' blocks"
+
+
+# More conversations than replicas, shuffled arrivals, think time, replies of drawn lengths.
+USERS = Workload(
+    conversations=3,
+    turns=3,
+    max_tokens=8,
+    system=True,
+    tiny=True,
+    users=Users(think_s=0.5, in_flight=2, seed=1),
+)
+
+
+def test_session_affinity_keeps_later_turns_home_on_user_traffic(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    needs("vllm-router")
+    serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
+    result = run_policy("vllm-kv-aware-session", USERS, 2, serve_args, "tiny", tmp_path)
+    total = USERS.conversations * USERS.turns
+    assert result.num_requests == total and sum(result.per_replica) == total
+    assert result.replica_prompt_tokens == result.prompt_tokens
+    assert result.replica_refusals == 0
+    assert result.later_turns == USERS.conversations * (USERS.turns - 1)
+    assert result.later_turns_home == result.later_turns  # x-session-id pinned each one
+
+
+def test_router_cost_counts_the_renders_vllm_router_asks_of_every_worker(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    needs("vllm-router")
+    serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
+    cost = measure_router_cost("vllm-kv-aware", 3, serve_args, "tiny", tiny=True, log_dir=tmp_path)
+    assert len(cost.direct_ttft_s) == len(cost.routed_ttft_s) == 3
+    assert cost.renders_per_request == 2.0  # each routed request rendered on both replicas
+    assert router_cost_report([cost]).splitlines()[-1].startswith("| vllm-kv-aware | ")

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from radixkv.kernels import AttentionMetadata, backend_for, reference
+from radixkv.kernels import AttentionKind, AttentionMetadata, backend_for, reference
 from radixkv.kernels.triton_copy_blocks import copy_blocks as triton_copy_blocks
 from radixkv.kernels.triton_paged_attention import paged_attention as triton_paged_attention
 from radixkv.kernels.triton_paged_attention import (
@@ -100,6 +100,36 @@ def test_paged_attention_decode_batch_gpu(paged_batch, assert_close, dtype):
     )
     assert backend_for(batch.q.device) == "triton"
     assert_close(triton_paged_attention(*batch.args), reference.paged_attention(*batch.args), dtype)
+
+
+# Gemma-3-like windows (a window a few hundred tokens wide), Gemma 2's soft-cap, GPT-OSS's sinks.
+GPU_KINDS = {
+    "window": dict(window=256),
+    "window-small": dict(window=33),
+    "window-softcap": dict(window=300, softcap=50.0),
+    "softcap": dict(softcap=5.0),
+    "window-sinks": dict(window=128, sinks=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GPU_KINDS))
+@pytest.mark.parametrize(("dtype", "block_size"), [(torch.bfloat16, 16), (torch.float32, 64)])
+@pytest.mark.parametrize("num_kv_splits", [None, 7])
+def test_paged_attention_kinds_gpu(
+    paged_batch, assert_close, name, dtype, block_size, num_kv_splits
+):
+    seq_lens, q_lens = _lens(block_size)
+    batch = paged_batch(
+        seq_lens, q_lens, block_size=block_size, group=4, head_dim=128, dtype=dtype, device="cuda"
+    )
+    options = dict(GPU_KINDS[name])
+    if options.pop("sinks", False):
+        gen = torch.Generator().manual_seed(1)
+        options["sinks"] = torch.randn(batch.q.shape[1], generator=gen).to(dtype).cuda()
+    kind = AttentionKind(**options)
+    expected = reference.paged_attention(*batch.args, kind=kind)
+    actual = triton_paged_attention(*batch.args, num_kv_splits=num_kv_splits, kind=kind)
+    assert_close(actual, expected, dtype)
 
 
 def test_paged_attention_int64_offsets_gpu(assert_close):

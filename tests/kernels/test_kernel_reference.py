@@ -5,26 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from paged_dense import dense_requests
 
 from radixkv.kernels import reference
 
 
 def _dense_attention(batch) -> torch.Tensor:
-    """Per request: gather its K/V into contiguous [seq_len] tensors, then SDPA with a bottom-right
+    """Per request: its K/V gathered into contiguous tensors, then SDPA with a bottom-right
     causal mask (query j of q_len sits at position seq_len - q_len + j), all in fp32."""
-    cu = batch.cu_seqlens_q.tolist()
-    block_size = batch.k_cache.shape[1]
     outs = []
-    for r, seq_len in enumerate(batch.seq_lens.tolist()):
-        q_len = cu[r + 1] - cu[r]
-        if q_len == 0:
-            continue
-        pos = torch.arange(seq_len)
-        blocks = batch.block_tables[r, pos // block_size].long()
-        k = batch.k_cache[blocks, pos % block_size].float().transpose(0, 1)  # [kvh, seq, d]
-        v = batch.v_cache[blocks, pos % block_size].float().transpose(0, 1)
-        q = batch.q[cu[r] : cu[r + 1]].float().transpose(0, 1)  # [qh, q_len, d]
-        q_pos = seq_len - q_len + torch.arange(q_len)
+    for q, k, v, pos, q_pos in dense_requests(batch):
         mask = pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=batch.scale, enable_gqa=True

@@ -237,7 +237,7 @@ class Harness:
                     assert req.num_pending == 0, req
                 sampled[row.request_id] = model(history)
         if out.rows:
-            sched.advance(out)
+            sched.record_launched(out)
             self.launched = (out, sampled)
         if in_flight is not None:
             in_flight()

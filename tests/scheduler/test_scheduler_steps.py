@@ -444,7 +444,7 @@ def test_misuse_of_the_step_protocol_is_an_assert() -> None:
     sched = Scheduler(PrefixCache(num_blocks=8, block_size=4), EngineConfig(max_model_len=64))
     sched.add_request(Request("a", [1, 2, 3], 4))
     out = sched.schedule()
-    with pytest.raises(AssertionError, match="before update_from_output"):
+    with pytest.raises(AssertionError, match="before record_launched"):
         sched.schedule()
     with pytest.raises(AssertionError):
         sched.update_from_output(out, {})  # a sampled row's token missing

@@ -118,6 +118,13 @@ def test_a_rerun_on_a_bare_machine_installs_first(tmp_path, bare_python, refuse,
     assert "import: ok in" in out and "radixkv.kernels from " + str(site) in out, out
 
 
+def test_a_small_budget_still_installs(tmp_path):
+    """A rerun of a few stages with a small budget: the install is not skipped to save time for
+    the stages that need it."""
+    result = run(tmp_path, "--dry-run", "install", GPU_CHECK_BUDGET_S="60")
+    assert "install: ok in" in result.stdout and "import: ok in" in result.stdout, result.stdout
+
+
 def test_stages_beyond_the_budget_are_skipped(tmp_path):
     result = run(tmp_path, "--dry-run", "env", "profile", GPU_CHECK_BUDGET_S="10")
     assert result.returncode != 0

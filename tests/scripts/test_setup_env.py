@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$(dirname "$0")/../calls.log"
 """
-# scripts/setup_routers.sh (which skips what is up to date itself), recording each call.
-FAKE_ROUTERS = """#!/usr/bin/env bash
-echo called >> "$(dirname "$0")/../routers.log"
+# scripts/setup_routers.sh and setup_browser.sh (each skips what is up to date itself),
+# recording each call.
+FAKE_HELPER = """#!/usr/bin/env bash
+echo called >> "$(dirname "$0")/../{log}"
 """
 
 
@@ -25,9 +26,10 @@ def _checkout(tmp_path: Path) -> Path:
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
     shutil.copy(ROOT / "scripts" / "setup_env.sh", repo / "scripts" / "setup_env.sh")
-    routers = repo / "scripts" / "setup_routers.sh"
-    routers.write_text(FAKE_ROUTERS)
-    routers.chmod(0o755)
+    for helper, log in [("setup_routers.sh", "routers.log"), ("setup_browser.sh", "browser.log")]:
+        script = repo / "scripts" / helper
+        script.write_text(FAKE_HELPER.format(log=log))
+        script.chmod(0o755)
     python = repo / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(FAKE_PYTHON)
@@ -60,8 +62,10 @@ def test_switching_between_chat_and_test_installs_once(tmp_path):
     assert len(phases) >= 3 and "ready" in phases[-1]
     for args in [(), ("--test",), (), ("--test",)]:
         assert _setup(repo, *args) == ("", [])
-    # The routers of the fleet tests are set up by every --test run, never by a runtime one.
+    # The routers of the fleet tests and the browser of the page's tests are set up by every
+    # --test run, never by a runtime one.
     assert (repo / "routers.log").read_text().splitlines() == ["called"] * 3
+    assert (repo / "browser.log").read_text().splitlines() == ["called"] * 3
 
 
 def test_runtime_first_then_test_tools_then_a_changed_pyproject(tmp_path):

@@ -226,6 +226,21 @@ def test_300000_stop_strings_let_in_by_a_larger_body_limit_get_400(make_server) 
     assert status == 400 and "300000 entries" in assert_openai_error(answer, "stop")["message"]
 
 
+def test_an_http2_preface_is_closed_unanswered_and_counts_no_request(server) -> None:
+    """Routers probe workers with HTTP/2's connection preface (sglang-router does at start):
+    h11 read it as a request `PRI *`, answered 404 and counted as bad_request on every replica."""
+    before = read_metrics(server.base_url)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert read_until_closed(sock, timeout=10) == b""
+    after = read_metrics(server.base_url)
+    assert metric(after, "radixkv_requests_total", outcome="bad_request") == metric(
+        before, "radixkv_requests_total", outcome="bad_request"
+    )
+    status, _ = post(server.port, CHAT, chat_body())  # HTTP/1.1 still served
+    assert status == 200
+
+
 # ---------------------------------------------------------------------- F3 / F11: read timeouts
 
 
@@ -464,17 +479,17 @@ def test_an_unexpected_error_is_a_counted_500_in_openai_shape_on_a_kept_connecti
 def test_a_fault_in_one_requests_sampling_fails_it_alone_and_the_others_finish(
     make_server, reference_llm, monkeypatch
 ) -> None:
-    import radixkv.engine.llm as llm_module
     import radixkv.engine.sampler as sampler_module
+    import radixkv.engine.step as step_module
     from radixkv.engine.sampling_params import SamplingParams
 
     server = make_server({"max_num_seqs": 8})
-    real_sample, real_probs = llm_module.sample, sampler_module._filtered_probs
+    real_draw, real_probs = step_module.draw, sampler_module._filtered_probs
     state = {"armed": False, "fired": 0}
 
-    def sample(logits, params, generators):
+    def draw(logits, params, generators):
         state["armed"] |= len(params) == 6  # a decode step of all six
-        return real_sample(logits, params, generators)
+        return real_draw(logits, params, generators)
 
     def filtered_probs(logits, params):
         if state["armed"] and any(p.seed == 666 for p in params):
@@ -482,7 +497,7 @@ def test_a_fault_in_one_requests_sampling_fails_it_alone_and_the_others_finish(
             raise RuntimeError("injected: the secret text of request 666")
         return real_probs(logits, params)
 
-    monkeypatch.setattr(llm_module, "sample", sample)
+    monkeypatch.setattr(step_module, "draw", draw)
     monkeypatch.setattr(sampler_module, "_filtered_probs", filtered_probs)
     settings = [{"temperature": 0}] * 4 + [{"temperature": 1.0, "seed": 5}]
     settings.insert(2, {"temperature": 1.0, "seed": 666})  # the guilty one

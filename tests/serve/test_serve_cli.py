@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 
 from radixkv.__main__ import main
@@ -38,29 +41,98 @@ def test_serve_help_lists_the_engine_options(capsys) -> None:
         assert option in out
 
 
-def test_a_missing_model_exits_2_with_one_line(tmp_path, capsys) -> None:
-    assert main(["serve", "--model", str(tmp_path / "no-such-model")]) == 2
+@pytest.mark.parametrize("where", ["absolute", "relative"])
+def test_a_missing_model_exits_2_with_one_line(tmp_path, capsys, monkeypatch, where) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = str(tmp_path / "no-such-model") if where == "absolute" else "./models/no-such-model"
+    assert main(["serve", "--model", model, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("radixkv serve:") and "no-such-model" in err
+    assert len(err.splitlines()) == 1 and "huggingface" not in err.lower(), err
 
 
-def test_a_bad_queue_limit_exits_2(tiny_model_dir, capsys) -> None:
-    argv = ["serve", "--model", str(tiny_model_dir("gqa")), "--max-queued-requests", "0"]
-    assert main(argv) == 2
-    assert "max_queued_requests" in capsys.readouterr().err
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start-up that gets as far as loading the model fails the test: the errors below must
+    be found first."""
+
+    def load(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("radixkv.serve.cli.build_llm", load)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("radixkv serve: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_bad_queue_limit_exits_2(no_model_load, capsys) -> None:
+    assert main(["serve", "--max-queued-requests", "0", "--port", "0"]) == 2
+    assert "--max-queued-requests must be" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize(
-    ("option", "value", "field"),
+    ("option", "value"),
     [
-        ("--read-timeout", "0", "read_timeout_s"),
-        ("--shutdown-timeout", "-1", "shutdown_timeout_s"),
-        ("--max-body-bytes", "0", "max_body_bytes"),
+        ("--read-timeout", "0"),
+        ("--shutdown-timeout", "-1"),
+        ("--max-body-bytes", "0"),
+        ("--health-check-timeout", "0"),
+        ("--admin-key", " "),
+        ("--admin-key", "clé"),
     ],
 )
-def test_a_bad_limit_exits_2(tiny_model_dir, capsys, option, value, field) -> None:
-    assert main(["serve", "--model", str(tiny_model_dir("gqa")), option, value]) == 2
-    assert field in capsys.readouterr().err
+def test_a_bad_limit_exits_2_naming_its_flag(no_model_load, capsys, option, value) -> None:
+    assert main(["serve", option, value, "--port", "0"]) == 2
+    assert f"{option} must be" in one_error_line(capsys)
+
+
+def read_only_folder(tmp_path):
+    """A folder this process cannot write in (root writes anywhere its modes say no)."""
+    if os.geteuid() == 0:
+        return "/sys"
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    return str(folder)
+
+
+@pytest.mark.parametrize("case", ["a file", "read-only", "under a file"])
+def test_a_disk_tier_folder_that_cannot_be_used_exits_2_before_the_model_loads(
+    no_model_load, capsys, tmp_path, case
+) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    folder = {
+        "a file": str(tmp_path / "file"),
+        "read-only": read_only_folder(tmp_path),
+        "under a file": str(tmp_path / "file" / "kv"),
+    }[case]
+    argv = ["serve", "--host-cache", "64KiB", "--kv-cache-dir", folder, "--port", "0"]
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    assert f"--kv-cache-dir {folder}" in err
+
+
+def test_a_disk_tier_without_a_host_tier_is_named_by_flags(no_model_load, capsys, tmp_path) -> None:
+    assert main(["serve", "--kv-cache-dir", str(tmp_path), "--port", "0"]) == 2
+    assert "--kv-cache-dir needs --host-cache" in one_error_line(capsys)
+
+
+def test_a_port_in_use_exits_2_before_the_model_loads(no_model_load, capsys) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = one_error_line(capsys)
+    assert f"--port {port}" in err and "in use" in err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_exits_2_with_one_line(no_model_load, capsys, port) -> None:
+    assert main(["serve", "--port", port]) == 2
+    assert "--port must be in [0, 65535]" in one_error_line(capsys)
 
 
 def test_the_limit_options_reach_the_server_config() -> None:
@@ -74,12 +146,26 @@ def test_the_limit_options_reach_the_server_config() -> None:
     assert config.shutdown_timeout_s == 0
     defaults = serve_config(build_parser().parse_args([]), "m")
     assert defaults.max_body_bytes == 2 * 2**20 and defaults.shutdown_timeout_s == 20
+    assert defaults.health_check_timeout_s == 20
+
+
+def test_the_admin_key_comes_from_its_flag_or_the_environment(monkeypatch) -> None:
+    from radixkv.serve.cli import build_parser, serve_config
+
+    monkeypatch.delenv("RADIXKV_ADMIN_KEY", raising=False)
+    assert serve_config(build_parser().parse_args([]), "m").admin_key is None
+    argv = ["--admin-key", "k1", "--health-check-timeout", "3"]
+    config = serve_config(build_parser().parse_args(argv), "m")
+    assert (config.admin_key, config.health_check_timeout_s) == ("k1", 3)
+    monkeypatch.setenv("RADIXKV_ADMIN_KEY", "k2")
+    assert serve_config(build_parser().parse_args([]), "m").admin_key == "k2"
 
 
 def test_a_device_this_machine_lacks_exits_2_with_one_line(tiny_model_dir, capsys) -> None:
-    assert main(["serve", "--model", str(tiny_model_dir("gqa")), "--device", "gpu0"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("radixkv serve:") and "device" in err and len(err.splitlines()) == 1
+    model = str(tiny_model_dir("gqa"))
+    capsys.readouterr()  # the fixture's own output, the first time it builds the model
+    assert main(["serve", "--model", model, "--device", "gpu0", "--port", "0"]) == 2
+    assert "--device must be a torch device" in one_error_line(capsys)
 
 
 def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:

@@ -52,8 +52,10 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    engine = dict(model=build_model("gqa"), tokenizer=build_char_tokenizer())
-    return make_server(engine, grammar_compile_timeout_s=0.3, max_grammar_compiles=1)
+    engine = dict(tokenizer=build_char_tokenizer())
+    return make_server(
+        engine, model=build_model("gqa"), grammar_compile_timeout_s=0.3, max_grammar_compiles=1
+    )
 
 
 def chat(client, **kwargs):

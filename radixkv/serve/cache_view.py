@@ -1,0 +1,331 @@
+"""What the live page shows, built at a bounded rate and pushed to every page open.
+
+    engine thread                 view thread                    asyncio side
+    capture(): cache.summary  ─►  _build(): previews          ─► CacheView.publish: the same
+    (bounded), stats, tiers       (tree_payload), one JSON text  text to every subscriber
+
+A snapshot is built only while a page is open, at most `MAX_UPDATES_PER_S` times a second (fewer
+when the tree is so large that they would take over `MAX_ENGINE_SHARE` of the engine thread),
+and only when something changed (a step ran, a request finished). The engine thread does only the
+bounded tree walk; decoding and JSON run in the view's own thread: the event loop only hands
+the text on. Each subscriber holds at most one pending snapshot (a slow page skips snapshots,
+never slows the others).
+
+Tenants: the tree shown is the shared namespace's alone (`PrefixCache.summary`), and the last
+request highlighted is the last one without a `cache_salt`: a salted tenant's tokens, nodes
+and requests never reach the page. The gauges are the server's totals, as `/metrics` has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.cache.summary import TreeSummary
+from radixkv.engine.llm import LLM
+from radixkv.engine.outputs import RequestOutput
+from radixkv.serve.engine_loop import RequestStream
+
+logger = logging.getLogger(__name__)
+
+MAX_UPDATES_PER_S = 4
+MAX_NODES = 300  # nodes listed per snapshot; the rest fold into counts
+MAX_SUBSCRIBERS = 16  # pages open at once; more get 503
+PREVIEW_CHARS = 48  # characters of a node's text shown
+MAX_ENGINE_SHARE = 0.02  # of the engine thread's time, the most snapshots may take
+REFRESH_S = 1.0  # while requests run, the longest a snapshot goes unrefreshed
+CAPTURE_TIMEOUT_S = 5.0  # a capture not done by then (engine stopping) is dropped
+
+
+@dataclass(frozen=True, slots=True)
+class LastRequest:
+    """The last finished request of the shared namespace."""
+
+    tokens: tuple[int, ...]  # prompt + the reply's written tokens
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    seq: int  # counts finished shared requests
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """What the engine thread reads for one snapshot."""
+
+    tree: TreeSummary
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_host_blocks: int
+    num_host_cached_blocks: int
+    num_offloaded_blocks: int
+    num_disk_bytes: int
+    disk_budget_bytes: int
+    seconds: float  # the engine thread's time on it
+
+
+def capture(llm: LLM, last: LastRequest | None) -> Capture:
+    """Engine thread only: the bounded summary of the shared tree and the pool's figures."""
+    t0 = time.perf_counter()
+    prompt = () if last is None else last.tokens
+    stats = llm.cache.stats()
+    disk = None if llm.tiers is None else llm.tiers.disk
+    return Capture(
+        tree=llm.cache.summary(max_nodes=MAX_NODES, prompt=prompt),
+        num_blocks=stats.num_blocks,
+        block_size=stats.block_size,
+        num_free_blocks=stats.num_free_blocks,
+        num_evictable_blocks=stats.num_evictable_blocks,
+        num_host_blocks=stats.num_host_blocks,
+        num_host_cached_blocks=stats.num_host_cached_blocks,
+        num_offloaded_blocks=stats.num_offloaded_blocks,
+        num_disk_bytes=0 if disk is None else disk.num_bytes,
+        disk_budget_bytes=0 if disk is None else disk.budget_bytes,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+class NodeAliases:
+    """Node ids as one view shows them: numbered in the order the view first lists each node.
+    The cache numbers the nodes of all namespaces in one sequence, so its own ids would tell
+    how many nodes other tenants made in between.
+
+    Invariant (`check_integrity`): aliases are distinct, each below `next_alias`."""
+
+    def __init__(self) -> None:
+        self._aliases: dict[int, int] = {}  # cache node id -> alias, for the nodes listed last
+        self.next_alias = 0
+
+    def __call__(self, node_id: int) -> int:
+        alias = self._aliases.get(node_id)
+        if alias is None:
+            alias = self._aliases[node_id] = self.next_alias
+            self.next_alias += 1
+        return alias
+
+    def keep_only(self, node_ids: set[int]) -> None:
+        """Forget the nodes no longer listed (one listed again later gets a new alias)."""
+        self._aliases = {k: v for k, v in self._aliases.items() if k in node_ids}
+
+    def check_integrity(self) -> None:
+        values = list(self._aliases.values())
+        assert len(set(values)) == len(values), "two nodes share an alias"
+        assert all(0 <= v < self.next_alias for v in values), "an alias was never issued"
+
+
+def tree_payload(
+    tree: TreeSummary, decode: Callable[[Sequence[int]], str] | None, alias: NodeAliases
+) -> dict[str, Any]:
+    """The tree part of a snapshot: plain numbers and text (the page sets text, never HTML);
+    node ids are `alias`'s, and nothing in it depends on another namespace."""
+    recency = _recency(tree)
+    listed = {n.node_id for n in tree.nodes}
+    nodes = [
+        {
+            "id": alias(n.node_id),
+            "parent": None if n.parent_id is None else alias(n.parent_id),
+            "start": n.start,
+            "end": n.end,
+            "blocks": n.num_blocks,
+            "shared_head": n.head_shared,
+            "locks": n.lock_ref,
+            "recency": recency[n.last_use],
+            "host": n.num_host_blocks,
+            "text": _preview(n.head_tokens, decode) if n.parent_id is not None else "",
+        }
+        for n in tree.nodes
+    ]
+    folded = [
+        {
+            "parent": alias(f.parent_id),
+            "subtrees": f.num_subtrees,
+            "nodes": f.num_nodes,
+            "tokens": f.num_tokens,
+            "recency": recency[f.last_use],
+        }
+        for f in tree.folded
+    ]
+    return {
+        "nodes": nodes,
+        "folded": folded,
+        "num_nodes": tree.num_nodes,
+        "num_tokens": tree.num_tokens,
+        "path": [alias(i) for i in tree.path if i in listed],
+        "path_tokens": tree.num_path_tokens,
+    }
+    alias.keep_only(listed)
+
+
+def _recency(tree: TreeSummary) -> dict[int, int]:
+    """Last use -> how many later uses the listing shows (0: the latest). Ranks, not clock
+    ticks: the cache's clock also counts other namespaces' uses, which must not show."""
+    uses = {n.last_use for n in tree.nodes} | {f.last_use for f in tree.folded}
+    return {use: rank for rank, use in enumerate(sorted(uses, reverse=True))}
+
+
+def _preview(tokens: Sequence[int], decode: Callable[[Sequence[int]], str] | None) -> str:
+    if decode is None:
+        return " ".join(map(str, tokens))[:PREVIEW_CHARS]
+    try:
+        text = decode(tokens)
+    except Exception:  # a token id the tokenizer cannot spell shows as ids
+        return " ".join(map(str, tokens))[:PREVIEW_CHARS]
+    return text[:PREVIEW_CHARS]
+
+
+class CacheView:
+    """The page's snapshots and their subscribers (one per app, asyncio side).
+
+    Invariants (`check_integrity`): at most MAX_SUBSCRIBERS subscribers, each queue holds at
+    most one snapshot; the builder task runs only while someone subscribes."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server  # the app's OpenAIServer: engine loop, metrics, stopping
+        self.last: LastRequest | None = None
+        self._subscribers: set[asyncio.Queue[str]] = set()
+        self._latest: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._seen: tuple[Any, ...] | None = None  # what the latest snapshot was built from
+        self._built_at = 0.0  # time.monotonic() of the latest snapshot
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-view")
+        self._aliases = NodeAliases()  # the view thread's
+        tokenizer = server.llm.tokenizer
+        self._decode = None if tokenizer is None else tokenizer.decode
+        server.on_finished.append(self.record)
+
+    # ------------------------------------------------------------------ requests
+
+    def record(self, stream: RequestStream, output: RequestOutput) -> None:
+        """A request finished: the last shared one is highlighted; salted ones are not seen."""
+        if stream.cache_salt is not None:
+            return
+        written = output.prompt_token_ids + output.token_ids[:-1]  # the last has no KV yet
+        seq = 1 if self.last is None else self.last.seq + 1
+        stats = output.stats
+        self.last = LastRequest(written, stats.num_prompt_tokens, stats.num_cached_tokens, seq)
+
+    # ------------------------------------------------------------------ subscribers
+
+    def subscribe(self) -> asyncio.Queue[str] | None:
+        """A queue of snapshot texts (the latest first, if any); None when too many are open."""
+        if len(self._subscribers) >= MAX_SUBSCRIBERS:
+            return None
+        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+        if self._latest is not None:
+            queue.put_nowait(self._latest)
+        self._subscribers.add(queue)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[str]) -> None:
+        self._subscribers.discard(queue)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def check_integrity(self) -> None:
+        assert len(self._subscribers) <= MAX_SUBSCRIBERS, "too many subscribers"
+        for queue in self._subscribers:
+            assert queue.qsize() <= 1, "a subscriber holds more than one snapshot"
+        if self._subscribers:
+            assert self._task is not None, "subscribers but no builder"
+        self._aliases.check_integrity()
+
+    # ------------------------------------------------------------------ building
+
+    async def _run(self) -> None:
+        while self._subscribers and not self.server.is_stopping:
+            started = time.monotonic()
+            period = 1.0 / MAX_UPDATES_PER_S
+            try:
+                engine_s = await self._update()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a snapshot that fails is skipped; the page keeps the last
+                logger.exception("building the cache view failed")
+            else:
+                # A tree large enough to take the engine thread long gets fewer snapshots.
+                period = max(period, engine_s / MAX_ENGINE_SHARE)
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+
+    async def _update(self) -> float:
+        """Build and publish a snapshot if something changed; returns the engine thread's time
+        it took (0.0 when nothing changed)."""
+        started = time.time()  # the snapshot's time: two are at least a period apart
+        server = self.server
+        # The engine's published counters, the last request and the totals move with every
+        # change of the tree that matters here; while requests run (a prefill chunk inserts
+        # without moving a counter) the view is refreshed at least every REFRESH_S anyway.
+        snap = server.engine.snapshot
+        state = (snap, self.last, server.metrics.num_prompt_tokens)
+        stale = snap.num_running > 0 and time.monotonic() - self._built_at > REFRESH_S
+        if state == self._seen and not stale:
+            return 0.0
+        last = self.last
+        done = server.engine.call(lambda llm: capture(llm, last))
+        cap = await asyncio.wait_for(asyncio.wrap_future(done), CAPTURE_TIMEOUT_S)
+        gauges = self._gauges(cap, started)
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(self._thread, self._build, cap, last, gauges)
+        self._seen = state
+        self._built_at = time.monotonic()
+        self.publish(text)
+        return cap.seconds
+
+    def _gauges(self, cap: Capture, now: float) -> dict[str, Any]:
+        """The server's counters now (asyncio side: the metrics live here)."""
+        metrics, engine = self.server.metrics, self.server.engine
+        snap = engine.snapshot
+        return {
+            "time": now,
+            "prompt_tokens": metrics.num_prompt_tokens,
+            "cached_tokens": metrics.num_cached_tokens,
+            "generated_tokens": metrics.num_generated_tokens,
+            "hit_rate": metrics.hit_rate(),
+            "blocks": cap.num_blocks,
+            "block_size": cap.block_size,
+            "device_used": cap.num_blocks - cap.num_free_blocks,
+            "device_evictable": cap.num_evictable_blocks,
+            "host_blocks": cap.num_host_blocks,
+            "host_used": cap.num_host_cached_blocks,
+            "disk_bytes": cap.num_disk_bytes,
+            "disk_budget": cap.disk_budget_bytes,
+            "evicted_blocks": snap.num_evicted_blocks,
+            "offloaded_blocks": cap.num_offloaded_blocks,
+            "queue": engine.num_queued,
+            "running": snap.num_running,
+        }
+
+    def _build(self, cap: Capture, last: LastRequest | None, gauges: dict[str, Any]) -> str:
+        """View thread: the snapshot's JSON text."""
+        request = None
+        if last is not None:
+            request = {
+                "seq": last.seq,
+                "prompt_tokens": last.num_prompt_tokens,
+                "cached_tokens": last.num_cached_tokens,
+            }
+        body = {
+            "model": self.server.config.model_name,
+            "tree": tree_payload(cap.tree, self._decode, self._aliases),
+            "last_request": request,
+            "gauges": gauges,
+            "limits": {"max_nodes": MAX_NODES, "updates_per_s": MAX_UPDATES_PER_S},
+        }
+        return json.dumps(body, ensure_ascii=True)
+
+    def publish(self, text: str) -> None:
+        """Hand `text` to every subscriber; one that has not taken the previous one loses it."""
+        self._latest = text
+        for queue in self._subscribers:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(text)

@@ -1,0 +1,374 @@
+"""The live page of the cache (`/`), in a real browser: headless Debian chromium driven by
+Selenium, against a real server on 127.0.0.1 over a tiny model whose tokenizer spells text
+character by character."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from page_helpers import char_model_dir, send_from_page, start_browser, text_of, wait_for
+from processes import sigint_restored
+from serve_helpers import metric, read_metrics, wait_until
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return char_model_dir(tmp_path_factory.mktemp("char-model"))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    driver = start_browser()
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def page_server(model_dir: Path, make_server: Callable[..., Any]) -> Callable[..., Any]:
+    """(engine settings) -> a live server of the character model with the page on."""
+
+    def make(**engine: Any) -> Any:
+        return make_server({"block_size": 4, **engine}, model=model_dir, ui=True)
+
+    return make
+
+
+def open_page(browser: Any, server: Any) -> None:
+    browser.get(server.base_url + "/")
+    wait_for(browser, lambda d: text_of(d, "status") == "live", "the page's stream")
+
+
+def reply_growth(browser: Any) -> None:
+    """Record each length the next reply's text takes, as the browser renders it."""
+    browser.execute_script(
+        """
+        window.__lengths = [];
+        new MutationObserver(() => {
+          const r = document.querySelectorAll('#chat-log .msg.assistant .body');
+          if (r.length) window.__lengths.push(r[r.length - 1].textContent.length);
+        }).observe(document.getElementById('chat-log'),
+                   {subtree: true, childList: true, characterData: true});
+        """
+    )
+
+
+def node_count(browser: Any) -> int:
+    return int(text_of(browser, "node-count"))
+
+
+def check_view(server: Any) -> None:
+    server.app.state.cache_view.check_integrity()
+    server.on_engine(lambda llm: llm.cache.check_integrity())
+
+
+def test_chat_streams_the_tree_grows_and_a_second_turn_lights_its_cached_path(
+    browser: Any, page_server: Callable[..., Any]
+) -> None:
+    server = page_server()
+    open_page(browser, server)
+    assert node_count(browser) == 0 and text_of(browser, "hit-tokens") == "0"
+    browser.find_element("id", "temperature").send_keys("0")  # greedy: the same reply each run
+
+    reply_growth(browser)
+    first = send_from_page(browser, "Name three rivers.")
+    lengths = browser.execute_script("return window.__lengths")
+    assert len(set(n for n in lengths if n > 0)) >= 2, f"the reply came in one piece: {lengths}"
+    stats = first.find_element("css selector", ".reply-stats").text
+    prompt_ids = server.llm.encode_chat([{"role": "user", "content": "Name three rivers."}])
+    assert stats.startswith(f"prompt {len(prompt_ids)} tok · cached 0 · computed {len(prompt_ids)}")
+    assert "ttft" in stats
+    wait_for(browser, lambda d: node_count(d) >= 1, "the tree to gain a node")
+    computed = "#tree .node.computed"
+    wait_for(browser, lambda d: d.find_elements("css selector", computed), "its computed path")
+    assert not browser.find_elements("css selector", "#tree .node.hit")  # nothing was cached
+    check_view(server)
+
+    second = send_from_page(browser, "And three mountains?")
+    cached = int(second.find_element("css selector", ".reply-stats .cached").text.split()[1])
+    assert cached >= len(prompt_ids)  # the first turn and its reply came from the cache
+
+    def page_matches_metrics(d: Any) -> bool:
+        samples = read_metrics(server.base_url)
+        want = metric(samples, "radixkv_cached_tokens_total")
+        return text_of(d, "hit-tokens") == str(int(want)) and want == cached
+
+    wait_for(browser, page_matches_metrics, "the page's hit count to equal /metrics")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#tree .node.hit"), "a hit path")
+    hit_ends = [
+        int(e.get_attribute("data-end"))
+        for e in browser.find_elements("css selector", "#tree .node.hit")
+    ]
+    assert max(hit_ends) >= cached  # the highlighted path covers the hit
+    check_view(server)
+
+
+def test_markup_in_a_prompt_stays_text(browser: Any, page_server: Callable[..., Any]) -> None:
+    server = page_server()
+    open_page(browser, server)
+    attack = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
+    send_from_page(browser, attack)
+    wait_for(
+        browser,
+        lambda d: any("<script>" in e.text for e in d.find_elements("css selector", "#tree .text")),
+        "the prompt's text in the tree",
+    )
+    assert browser.execute_script("return window.__xss") is None
+    assert not browser.find_elements("css selector", "#chat-log img, #tree img, #tree script")
+    user = browser.find_elements("css selector", "#chat-log .msg.user .body")[-1]
+    assert user.text == attack
+    check_view(server)
+
+
+def test_a_salted_tenant_never_reaches_the_page(
+    browser: Any, page_server: Callable[..., Any]
+) -> None:
+    server = page_server()
+    open_page(browser, server)
+    send_from_page(browser, "shared words")
+    metrics = server.server_state.metrics
+    before = snapshot_after(server, metrics.num_prompt_tokens)
+    wait_for(browser, lambda d: node_count(d) >= 1, "the shared request's nodes")
+    nodes, last = node_count(browser), text_of(browser, "last-request")
+    secret = "tenant secret zebra quartz"
+    client = server.client()
+    for _ in range(2):  # twice: the second is a hit in the tenant's own namespace
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": secret}],
+            max_tokens=4,
+            extra_body={"cache_salt": "tenant-a"},
+        )
+    after = snapshot_after(server, metrics.num_prompt_tokens)
+    assert "zebra" not in after and "tenant" not in after
+    # The tree, its recency and the last request are as they were: nothing tells of the tenant.
+    assert json.loads(after)["tree"] == json.loads(before)["tree"]
+    assert json.loads(after)["last_request"] == json.loads(before)["last_request"]
+    total = str(metrics.num_prompt_tokens)
+    wait_for(browser, lambda d: text_of(d, "prompt-tokens") == total, "the page's totals")
+    assert node_count(browser) == nodes and text_of(browser, "last-request") == last
+    assert "zebra" not in browser.page_source
+    check_view(server)
+
+
+def snapshot_after(server: Any, num_prompt_tokens: int) -> str:
+    """The first snapshot of /ui/events that counts `num_prompt_tokens` prompt tokens."""
+    with urllib.request.urlopen(server.base_url + "/ui/events", timeout=60) as response:
+        for raw in response:
+            line = raw.decode()
+            if line.startswith("data: "):
+                text = line[6:]
+                if json.loads(text)["gauges"]["prompt_tokens"] == num_prompt_tokens:
+                    return text
+    raise AssertionError("the stream ended without that snapshot")
+
+
+def test_host_and_disk_occupancy_move(
+    browser: Any, page_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    server = page_server(
+        num_blocks=24, max_num_seqs=2, host_cache_bytes=6 * 3072, kv_cache_dir=tmp_path
+    )
+    open_page(browser, server)
+    assert browser.find_element("id", "g-host").get_attribute("data-value") == "0"
+    browser.execute_script(
+        """
+        window.__gone = [];
+        new MutationObserver((changes) => {
+          for (const c of changes) for (const n of c.addedNodes)
+            if (n.classList && n.classList.contains('gone')) window.__gone.push(n.textContent);
+        }).observe(document.getElementById('tree'), {subtree: true, childList: true});
+        """
+    )
+    client = server.client()
+    metrics = server.server_state.metrics
+    for i in range(6):  # distinct prompts overflow the device pool, then the host tier
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"prompt {i} " + "abcdefghij"[i] * 24}],
+            max_tokens=4,
+            temperature=0,
+        )
+        total = str(metrics.num_prompt_tokens)  # the page has seen this request's nodes
+        wait_for(browser, lambda d, t=total: text_of(d, "prompt-tokens") == t, "the request")
+    for gauge in ("g-host", "g-disk", "g-evicted"):
+        wait_for(
+            browser,
+            lambda d, g=gauge: float(d.find_element("id", g).get_attribute("data-value")) > 0,
+            f"{gauge} to move",
+        )
+    # Nodes the page had drawn left the device for the host, and faded out saying so.
+    gone = browser.execute_script("return window.__gone")
+    assert any("→ host" in text for text in gone), gone
+    check_view(server)
+
+
+def test_the_page_is_off_unless_enabled(make_server: Callable[..., Any]) -> None:
+    server = make_server()  # ServeConfig's default: no page
+    for path in ("/", "/ui/events", "/ui/page.js"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server.base_url + path, timeout=10)
+        assert refused.value.code == 404
+
+
+@pytest.mark.parametrize(
+    ("argv", "ui"),
+    [
+        ([], True),
+        (["--host", "127.0.0.2"], True),
+        (["--host", "::1"], True),
+        (["--host", "localhost"], True),
+        (["--host", "0.0.0.0"], False),
+        (["--host", "myhost.example"], False),
+        (["--host", "0.0.0.0", "--ui"], True),
+        (["--no-ui"], False),
+    ],
+)
+def test_the_page_is_on_by_default_only_on_loopback(argv: list[str], ui: bool) -> None:
+    from radixkv.serve.cli import build_parser, serve_config
+
+    assert serve_config(build_parser().parse_args(argv), "m").ui is ui
+
+
+def test_page_files_forbid_inline_script(page_server: Callable[..., Any]) -> None:
+    server = page_server()
+    with urllib.request.urlopen(server.base_url + "/", timeout=10) as response:
+        policy = response.headers["Content-Security-Policy"]
+        html = response.read().decode()
+    assert "script-src 'self'" in policy and "unsafe-inline" not in policy
+    assert "<script>" not in html and "http" not in html.replace('"/ui/', "")  # no CDN
+    with urllib.request.urlopen(server.base_url + "/ui/page.js", timeout=10) as response:
+        script = response.read().decode()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in script  # text reaches the DOM as text only
+    assert "textContent" in script
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(server.base_url + "/ui/..%2Fapp.py", timeout=10)
+    assert refused.value.code == 404
+
+
+def test_chat_web_serves_the_page_and_opens_it(model_dir: Path, tmp_path: Path) -> None:
+    """`radixkv chat --web`: the server starts on loopback with the page, and the browser
+    (here a stand-in named by $BROWSER that records the address) is sent to it."""
+    opened = tmp_path / "opened.txt"
+    browser_cmd = tmp_path / "browser.sh"
+    browser_cmd.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
+    browser_cmd.chmod(0o755)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["chat", "--web", "--model", str(model_dir), "--num-blocks", "64", "--port", str(port)]
+    env = dict(os.environ, BROWSER=f"{browser_cmd} %s")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=sigint_restored,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (opened.exists() and opened.read_text().strip()):
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the page was never opened"
+            time.sleep(0.1)
+        url = opened.read_text().strip()
+        assert url == f"http://127.0.0.1:{port}/"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            assert b"/ui/page.js" in response.read()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_pages_past_the_limit_get_503_and_a_page_gone_is_let_go(
+    page_server: Callable[..., Any],
+) -> None:
+    from radixkv.serve.cache_view import MAX_SUBSCRIBERS
+
+    server = page_server()
+    view = server.app.state.cache_view
+    streams = [
+        urllib.request.urlopen(server.base_url + "/ui/events", timeout=30)
+        for _ in range(MAX_SUBSCRIBERS)
+    ]
+    try:
+        for stream in streams:
+            assert stream.readline() == b"retry: 2000\n"
+        assert view.num_subscribers == MAX_SUBSCRIBERS
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server.base_url + "/ui/events", timeout=30)
+        assert refused.value.code == 503
+        # The requests of the others go on meanwhile.
+        reply = server.client().completions.create(model="tiny", prompt="hello", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+        view.check_integrity()
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_until(lambda: view.num_subscribers == 0, what="the closed pages to be let go")
+    with urllib.request.urlopen(server.base_url + "/ui/events", timeout=30) as again:
+        assert again.readline() == b"retry: 2000\n"
+    view.check_integrity()
+
+
+def test_snapshots_come_at_most_four_a_second_under_load(
+    page_server: Callable[..., Any],
+) -> None:
+    from radixkv.serve.cache_view import MAX_UPDATES_PER_S
+
+    server = page_server()
+    client = server.client()
+    enough = threading.Event()
+
+    def load() -> None:  # requests until the reader has its snapshots (50 at the most)
+        for i in range(50):
+            if enough.is_set():
+                return
+            client.completions.create(model="tiny", prompt=f"load {i} " * 8, max_tokens=16)
+
+    worker = threading.Thread(target=load)
+    times = []
+    with urllib.request.urlopen(server.base_url + "/ui/events", timeout=60) as stream:
+        worker.start()
+        for raw in stream:
+            if raw.startswith(b"data: "):
+                times.append(json.loads(raw[6:])["gauges"]["time"])
+                if len(times) == 6:
+                    break
+            elif raw.startswith(b":") and not worker.is_alive():
+                break  # a heartbeat after the load ended: no more snapshots will come
+    enough.set()
+    worker.join(60)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(gaps) == 5 and min(gaps) >= 1 / MAX_UPDATES_PER_S - 1e-3, gaps
+
+
+def test_shutting_down_ends_the_page_stream(
+    model_dir: Path, make_server: Callable[..., Any]
+) -> None:
+    """A page left open never holds a shutdown for its whole timeout: its stream ends."""
+    server = make_server({"block_size": 4}, model=model_dir, ui=True, shutdown_timeout_s=600)
+    stream = urllib.request.urlopen(server.base_url + "/ui/events", timeout=60)
+    assert stream.readline() == b"retry: 2000\n"
+    closer = threading.Thread(target=server.close)
+    closer.start()
+    rest = stream.read()  # to the end of the stream: a read past 60 s raises
+    closer.join(60)
+    assert not closer.is_alive()
+    assert rest.count(b"event: snapshot") <= 1

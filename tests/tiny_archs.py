@@ -1,0 +1,157 @@
+"""Tiny randomly initialised models of every architecture the README lists as supported.
+
+Each is a config of transformers' own class with the sizes of `tiny_llama` (vocab 256, hidden 64,
+word-level tokenizer), and where the architecture has them: sliding windows of WINDOW tokens (so
+the tests' prompts are several windows long), Gemma's query_pre_attn_scalar set apart from the
+head size and Gemma 2's logit soft-cap low enough to bind, GPT-OSS's sinks drawn at random
+(transformers initialises them to zero).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tiny_llama import EOS_ID, VOCAB_SIZE, build_tokenizer
+
+WINDOW = 8
+_SIZES = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # wider than the default: greedy choices are not float-noise ties
+    bos_token_id=1,
+    eos_token_id=EOS_ID,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=64)  # scale 1/8, not head_dim ** -0.5 = 1/4
+_ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+# test id: (model_type, config fields over _SIZES)
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-window": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    ),
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=16, **_MOE)),
+    "mistral": ("mistral", dict(sliding_window=None)),
+    "mistral-window": ("mistral", dict(sliding_window=WINDOW)),
+    "mixtral-window": (
+        "mixtral",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "gemma": ("gemma", dict(head_dim=16)),
+    "gemma2": (
+        "gemma2",
+        dict(sliding_window=WINDOW, attn_logit_softcapping=1.0, layer_types=_ALTERNATING, **_GEMMA),
+    ),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            **_GEMMA,
+        ),
+    ),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3-window": ("olmo3", dict(sliding_window=WINDOW)),
+    "granite": ("granite", {}),
+    "cohere2-window": ("cohere2", dict(sliding_window=WINDOW)),
+    "starcoder2-window": ("starcoder2", dict(sliding_window=WINDOW)),
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=4, n_head=4, n_positions=512)),
+    "gpt-neox": ("gpt_neox", {}),  # its config carries num_key_value_heads=2; it has 4
+    "gpt-bigcode": ("gpt_bigcode", dict(n_embd=64, n_layer=4, n_head=4, n_positions=512)),
+    "gpt-oss": (
+        "gpt_oss",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=_ALTERNATING,
+        ),
+    ),
+    "phi": ("phi", {}),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+    # Further decoders of transformers that fit the same hooks.
+    "olmo": ("olmo", {}),
+    "cohere": ("cohere", {}),
+    "gpt-j": ("gptj", dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8, n_positions=512)),
+    "codegen": ("codegen", dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8, n_positions=512)),
+    "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "persimmon": ("persimmon", {}),
+    "ernie4.5": ("ernie4_5", dict(head_dim=16)),
+    "apertus": ("apertus", {}),
+    "bitnet": ("bitnet", {}),
+    "seed-oss": ("seed_oss", dict(head_dim=16)),
+    "arcee": ("arcee", {}),
+    "qwen2-moe": ("qwen2_moe", dict(shared_expert_intermediate_size=32, **_MOE)),
+    "glm": ("glm", dict(head_dim=16)),
+    "glm4": ("glm4", dict(head_dim=16)),
+    "glm4-moe": (
+        "glm4_moe",
+        dict(
+            head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
+    "smollm3": ("smollm3", {}),
+    "helium": ("helium", dict(head_dim=16)),
+    "hunyuan-dense": ("hunyuan_v1_dense", dict(head_dim=16)),
+    "granite-moe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "exaone4-window": ("exaone4", dict(sliding_window=WINDOW)),
+    "ministral-window": ("ministral", dict(sliding_window=WINDOW, head_dim=16)),
+    "ministral3-window": ("ministral3", dict(sliding_window=WINDOW, head_dim=16)),
+    "vaultgemma-window": ("vaultgemma", dict(sliding_window=WINDOW, head_dim=16)),
+    "afmoe-window": ("afmoe", dict(sliding_window=WINDOW)),
+}
+
+
+def build_config(model_type: str, **fields):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**_SIZES, **fields})
+
+
+def tiny_model(config, seed: int = 0):
+    """A random model of `config`, its sinks (if any) drawn at random."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.normal_(0.0, 1.0)
+    return model
+
+
+def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
+    """A random model of `config` (`tiny_model`) and the word-level tokenizer, saved into
+    `path`."""
+    tiny_model(config, seed).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def arch_config(arch: str):
+    model_type, fields = ARCHITECTURES[arch]
+    return build_config(model_type, **fields)
+
+
+def build_arch(arch: str, path: Path) -> Path:
+    return save_tiny_model(arch_config(arch), path)
