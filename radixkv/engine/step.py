@@ -3,7 +3,8 @@ what it sampled.
 
     launch: token feed ─► forward ─► grammar masks ─► bias, penalties ─► draw and logprobs
             ─► copies to the host
-            (all queued on the device; nothing waits for it)
+            (all queued on the device; nothing waits for it, but a grammar row's mask, which
+            needs its request's last token: see `_masked`)
     finish: wait for the copies ─► per sampled row: its token, or the fault that is its own
 
 A synchronous step is `finish(launch(...))`. Overlapped steps (`async_scheduling`, as vLLM's async
