@@ -64,6 +64,38 @@ def build_bpe_chat_tokenizer():
     return fast
 
 
+def build_char_tokenizer():
+    """A character-level BPE tokenizer (at most VOCAB_SIZE ids: fits the tiny models) whose
+    alphabet is printable ASCII: it spells any JSON, regex or tool-call text made of those
+    characters, for the structured-output tests. Same specials and EOS as `build_tokenizer`."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
+    tok.decoder = decoders.Fuse()  # tokens joined as they are: the text round-trips
+    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
+    corpus = [
+        '{"name": "value", "items": [1, 2, 3], "ok": true, "x": null, "n": -1.5e3}',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        "system user assistant tool: function arguments parameters",
+    ]
+    tok.train_from_iterator(corpus * 50, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
 def _tiny_sizes(heads: int, kv_heads: int, layers: int) -> dict:
     """The config fields every tiny test model shares, for `heads` / `kv_heads` / `layers`."""
     return dict(

@@ -16,17 +16,22 @@ from typing import Any
 
 
 def encode_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], *, parse_special_tokens: bool
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    parse_special_tokens: bool,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt's token ids. `messages`: checked dicts with string roles and contents. Raises
     ValueError for messages the template refuses, or (content kept as text) a template that
     does not copy each message's content into the prompt exactly once."""
     if parse_special_tokens or not _has_special_text(tokenizer, messages):
-        return _ids(tokenizer, _render(tokenizer, messages), split_special=False)
+        return _ids(tokenizer, _render(tokenizer, messages, tools), split_special=False)
     # Render with a placeholder for each content, then tokenize the template's text between
     # them with its specials and each content as plain text.
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-    text = _render(tokenizer, [{**m, "content": k} for m, k in zip(messages, marks, strict=True)])
+    marked = [{**m, "content": k} for m, k in zip(messages, marks, strict=True)]
+    text = _render(tokenizer, marked, tools)
     ids: list[int] = []
     start = 0
     for message, mark in zip(messages, marks, strict=True):
@@ -43,13 +48,18 @@ def encode_chat(
     return ids + _ids(tokenizer, text[start:], split_special=False)
 
 
-def _render(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> str:
+def _render(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> str:
     import jinja2  # transformers renders chat templates with it
 
     try:
         return str(
             tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
+                list(messages),
+                tools=None if tools is None else list(tools),
+                add_generation_prompt=True,
+                tokenize=False,
             )
         )
     except jinja2.TemplateError as exc:  # also a template's own raise_exception()

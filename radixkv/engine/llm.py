@@ -40,6 +40,7 @@ from radixkv.cache.transfers import Poisoned, Transfer
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
 from radixkv.engine.interrupts import sigint_deferred
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
@@ -50,7 +51,13 @@ from radixkv.engine.outputs import (
     StreamDelta,
     TokenLogprobs,
 )
-from radixkv.engine.prompts import PromptInput, check_chat_messages, pack_prompts, params_list
+from radixkv.engine.prompts import (
+    PromptInput,
+    check_chat_messages,
+    expand_choices,
+    pack_prompts,
+    params_list,
+)
 from radixkv.engine.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
@@ -90,6 +97,7 @@ class _Tracked:
     error: BaseException | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
     failed_load: bool = False  # a copy of cached KV for it failed once: the next failure fails it
+    grammar: RequestGrammar | None = None  # its structured-output matcher, if it asked for one
 
 
 class LLM:
@@ -160,6 +168,7 @@ class LLM:
         self._outbox: list[RequestUpdate] = []  # updates of add_request's requests, not yet taken
         self._stepping = False
         self._orphans: list[str] = []  # streams dropped during a step, released after it
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
     # ------------------------------------------------------------------ step API
 
@@ -230,6 +239,11 @@ class LLM:
         assert pending == {r.request_id: 1 for r in live if r.request_id in waiting}, pending
         for u in self._outbox:
             assert u.output is None or u.request_id in self._tracked, u
+        for t in self._tracked.values():
+            if t.grammar is not None:
+                t.grammar.check_integrity(t.request.output_token_ids)
+        if self._grammars is not None:
+            self._grammars.check_integrity()
 
     # ------------------------------------------------------------------ generate / stream
 
@@ -243,12 +257,17 @@ class LLM:
         """Generate for one or many prompts (strings or token-id lists), in input order, sharing
         cached KV only with requests of the same `cache_salt` (as `add_request`).
 
+        A prompt whose params have `n` > 1 gives its n outputs one after another (choice i
+        seeded with seed + i when the params have a seed): the choices share the prompt's
+        cached KV, one prefill for all.
+
         Raises ValueError / TypeError, with nothing admitted, for an empty prompt, token ids outside
         the vocabulary, a prompt that can never fit, or params of the wrong type or count. Raises
         the exception of a step that failed one of its requests (the others are aborted).
         """
         packed = pack_prompts(prompts, self.encode, self.vocab_size, self.config.max_model_len)
-        ids = self._submit(packed, params_list(params, len(packed)), None, cache_salt)
+        packed, plist = expand_choices(packed, params_list(params, len(packed)))
+        ids = self._submit(packed, plist, None, cache_salt)
         try:
             records = [self._tracked[rid] for rid in ids]
             while any(t.output is None for t in records):
@@ -292,8 +311,11 @@ class LLM:
         """Whether the model has a tokenizer with a chat template (what `encode_chat` needs)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt of a chat: `messages` through the tokenizer's chat template, with the
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt of a chat: `messages` (and `tools`, OpenAI's tool definitions, for a
+        template that renders them) through the tokenizer's chat template, with the
         assistant's turn opened; special-token text in their content is plain text unless the
         config's `parse_special_tokens_in_content` (see `chat_template.py`). Raises ValueError
         for a model without a tokenizer or chat template, a message without a string role and
@@ -303,7 +325,7 @@ class LLM:
             raise ValueError(f"model {self.model_name!r} has no chat template")
         checked = check_chat_messages(messages)
         parse = self.config.parse_special_tokens_in_content
-        return encode_chat(self.tokenizer, checked, parse_special_tokens=parse)
+        return encode_chat(self.tokenizer, checked, parse_special_tokens=parse, tools=tools)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return decode(self.tokenizer, token_ids)
@@ -322,14 +344,17 @@ class LLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         for p in params:
+            if p.n != 1:
+                raise ValueError("n > 1 is generate()'s: add one request per choice (`choices()`)")
             if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:  # sorted by token id
                 raise ValueError(
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        grammars = [self._grammar_of(p) for p in params]  # compile errors before any state
         added: list[str] = []
         try:
-            for tokens, p in zip(prompts, params, strict=True):
+            for tokens, p, grammar in zip(prompts, params, grammars, strict=True):
                 index = self._num_submitted
                 self._num_submitted += 1
                 rid = f"req-{index}"  # never reused, not even after a rollback
@@ -340,11 +365,33 @@ class LLM:
                 added.append(rid)
                 gen = None if p.greedy else make_generator(seed)
                 detok = IncrementalDetokenizer(self.tokenizer)
-                self._tracked[rid] = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
+                t = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
+                t.grammar = None if grammar is None else RequestGrammar(grammar, stop)
+                self._tracked[rid] = t
         except BaseException:
             self._discard(*added)
             raise
         return added
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (made on first use). ValueError without a tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                name = self.model_name
+                raise ValueError(f"model {name!r} has no tokenizer: no structured output")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
+
+    def _grammar_of(self, params: SamplingParams) -> Any:
+        """The compiled grammar of a request's params (None without one); ValueError for one
+        that cannot be compiled or could never end (no stop token)."""
+        spec = params.grammar_spec
+        if spec is None:
+            return None
+        if not params.stop_tokens(self.eos_token_ids):
+            raise ValueError(f"{spec[0]} needs a stop token: ignore_eos with no stop_token_ids")
+        return self.grammars.compile(spec)
 
     @sigint_deferred()
     def _run_step(self) -> None:
@@ -397,7 +444,7 @@ class LLM:
 
     def _sampled_rows(self, out: SchedulerOutput) -> list[SampledRow]:
         records = (self._tracked[row.request_id] for row in out.rows if row.sample)
-        return [SampledRow(t.request, t.params, t.generator) for t in records]
+        return [SampledRow(t.request, t.params, t.generator, t.grammar) for t in records]
 
     def _finish_step(self, launched: Launched) -> None:
         """Read a launched step's tokens: a row that failed fails its request alone (before the

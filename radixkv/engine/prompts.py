@@ -104,3 +104,17 @@ def params_list(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
     return list(params)
+
+
+def expand_choices(
+    prompts: list[PackedTokens], params: list[SamplingParams]
+) -> tuple[list[PackedTokens], list[SamplingParams]]:
+    """One request per choice: a prompt whose params have `n` > 1 repeated n times, in place,
+    with each choice's params (`SamplingParams.choices`)."""
+    out_prompts: list[PackedTokens] = []
+    out_params: list[SamplingParams] = []
+    for prompt, p in zip(prompts, params, strict=True):
+        for choice in p.choices():
+            out_prompts.append(prompt)
+            out_params.append(choice)
+    return out_prompts, out_params

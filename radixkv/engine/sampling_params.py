@@ -5,8 +5,10 @@ Torch-free, like `radixkv.engine.config`: `from radixkv import SamplingParams` l
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from radixkv.cache import check_size
 
@@ -36,6 +38,20 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no logprobs; k: the sampled token's logprob and the k most likely, k <= 20
     logprobs: int | None = None
+    # Structured output (`radixkv.engine.grammar`), at most one: a JSON schema (a dict, or its
+    # JSON text; kept as text), any JSON object, a regex, one of a few strings, an EBNF
+    # grammar (xgrammar's dialect, GBNF-like), or an xgrammar structural tag (JSON text).
+    json_schema: str | Mapping[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    # choices per prompt, each its own request: the first's prefill is cached, and the others'
+    # prompts hit it (in-batch prefix caching, for prompts longer than the engine's
+    # `defer_shared_prefix_tokens`). Choice i of a seeded request samples with
+    # seed + i (mod 2**64): `choices()`.
+    n: int = 1
 
     def __post_init__(self) -> None:
         check_size(self.max_tokens, "max_tokens", low=1)
@@ -58,6 +74,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.logprobs is not None and check_size(self.logprobs, "logprobs", low=0) > 20:
             raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
+        _check_structured(self)
+        if check_size(self.n, "n", low=1) > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +86,29 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a bias or penalty changes this request's logits before sampling."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+
+    def choices(self) -> list[SamplingParams]:
+        """The params of each of the n choices: n = 1 each, choice i seeded with seed + i."""
+        if self.n == 1:
+            return [self]
+        return [
+            replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**64)
+            for i in range(self.n)
+        ]
+
+    @property
+    def grammar_spec(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's structured-output constraint, None without one: the
+        key its compiled grammar is cached under."""
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if kind == "json_object" and value:
+                return kind, ""
+            if kind == "choice" and value is not None:
+                return kind, json.dumps(list(value))
+            if kind != "json_object" and value is not None:
+                return kind, value
+        return None
 
     def stop_tokens(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
         """Every token that ends a request: its own stop tokens, and the model's EOS ids unless
@@ -106,3 +148,51 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         token = check_size(item[0], "logit_bias's token id", low=0)
         pairs[token] = _check_number(item[1], f"logit_bias[{token}]", MAX_BIAS)
     return tuple(sorted(pairs.items()))
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_GRAMMAR_CHARS = 65536  # of a schema, regex, grammar or all choices: bounds compile work
+MAX_CHOICES = 1024
+MAX_N = 128  # choices of one request (the server has its own, smaller, limit)
+
+
+def _check_structured(params: SamplingParams) -> None:
+    """At most one constraint, of the right type, within the size bounds; a schema as text."""
+    if not isinstance(params.json_object, bool):
+        raise TypeError(f"json_object must be a bool, got {type(params.json_object).__name__}")
+    given = [k for k in GRAMMAR_KINDS if getattr(params, k) not in (None, False)]
+    if len(given) > 1:
+        raise ValueError(f"{given[0]} and {given[1]} conflict: give one structured-output field")
+    schema = params.json_schema
+    if isinstance(schema, Mapping):
+        try:
+            schema = json.dumps(schema, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"json_schema is not JSON-serialisable: {exc}") from None
+        object.__setattr__(params, "json_schema", schema)
+    for kind in ("json_schema", "regex", "grammar", "structural_tag"):
+        value = getattr(params, kind)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{kind} must be a str, got {type(value).__name__}")
+        if value is not None and not value:
+            raise ValueError(f"{kind} must not be empty")
+    if params.choice is not None:
+        _check_choice(params)
+    spec = params.grammar_spec
+    if spec is not None and len(spec[1]) > MAX_GRAMMAR_CHARS:
+        raise ValueError(
+            f"{spec[0]} has {len(spec[1])} characters; at most {MAX_GRAMMAR_CHARS} are allowed"
+        )
+
+
+def _check_choice(params: SamplingParams) -> None:
+    choice = params.choice
+    if isinstance(choice, (str, bytes)) or not isinstance(choice, Iterable):
+        raise TypeError(f"choice must be a sequence of strings, got {type(choice).__name__}")
+    choice = tuple(choice)
+    if not choice or len(choice) > MAX_CHOICES:
+        raise ValueError(f"choice must have 1 to {MAX_CHOICES} strings, got {len(choice)}")
+    for c in choice:
+        if not isinstance(c, str) or not c:
+            raise TypeError(f"choice must hold non-empty strings, got {c!r:.40}")
+    object.__setattr__(params, "choice", choice)

@@ -1,8 +1,10 @@
 """One engine step, in two halves: `launch` puts a scheduled batch on the device, `finish` reads
 what it sampled.
 
-    launch: token feed ─► forward ─► bias, penalties ─► draw and logprobs ─► copies to the host
-            (all queued on the device; nothing waits for it)
+    launch: token feed ─► forward ─► grammar masks ─► bias, penalties ─► draw and logprobs
+            ─► copies to the host
+            (all queued on the device; nothing waits for it, but a grammar row's mask, which
+            needs its request's last token: see `_masked`)
     finish: wait for the copies ─► per sampled row: its token, or the fault that is its own
 
 A synchronous step is `finish(launch(...))`. Overlapped steps (`async_scheduling`, as vLLM's async
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.engine.cuda_graphs import TokenFeed
+from radixkv.engine.grammar import RequestGrammar, mask_rows
 from radixkv.engine.logprobs import StepLogprobs, logprobs_on_device
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import TokenLogprobs
@@ -56,6 +59,7 @@ class SampledRow:
     request: Request
     params: SamplingParams
     generator: random.Random | None
+    grammar: RequestGrammar | None = None  # its structured-output matcher, if any
 
 
 @dataclass(slots=True)
@@ -77,6 +81,12 @@ class Launched:
         """Stamp `sampled_at` if the device is done with this step (never waits)."""
         if self.sampled_at is None and (self.ready is None or self.ready.query()):
             self.sampled_at = time.perf_counter()
+
+    def tokens_now(self) -> list[int]:
+        """The sampled tokens (a failed row's is a placeholder), waiting for the device."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()[: len(self.sample_ids)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +117,10 @@ class Steps:
         still in flight, whose tokens this step's placeholders take on the device."""
         logits = self.runner.execute(out, self._feed(out, previous))
         params = [r.params for r in rows]
-        adjusted = _adjusted(logits, rows, previous)
+        masked, grammar_faults = _masked(logits, rows, previous)
+        adjusted = _adjusted(masked, rows, previous)
         drawn = draw(adjusted, params, [r.generator for r in rows])
+        drawn.faults.update(grammar_faults)  # a row its grammar failed fails its request alone
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = None
         if asked:
@@ -173,6 +185,28 @@ def sources(launched: Launched | None) -> dict[str, int]:
         return {}
     ids = launched.sample_ids
     return {rid: i for i, rid in enumerate(ids) if rid not in launched.requeued}
+
+
+def _masked(
+    logits: torch.Tensor, rows: Sequence[SampledRow], previous: Launched | None
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """The logits with the grammar rows' masks applied, and the rows their grammar failed.
+    NOTE: a mask needs the request's last token, which may be the step in flight's: a step
+    holding such a row waits for that step's tokens (the simplest correct choice; this step's
+    forward is queued already, only its draw waits)."""
+    if not any(r.grammar is not None for r in rows):
+        return logits, {}
+    source = sources(previous)
+    waiting = [r for r in rows if r.grammar is not None and r.request.num_pending]
+    in_flight = previous.tokens_now() if previous is not None and waiting else []
+    outputs: list[list[int] | None] = []
+    for r in rows:
+        req = r.request
+        known = req.output_token_ids[: len(req.output_token_ids) - req.num_pending]
+        i = source.get(req.request_id) if req.num_pending else None
+        last = [] if i is None else [in_flight[i]]
+        outputs.append(None if r.grammar is None else [*known, *last])
+    return mask_rows(logits, [r.grammar for r in rows], outputs)
 
 
 def _adjusted(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixkv.engine.grammar import GrammarError
 from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.engine.outputs import RequestOutput, TokenLogprobs
 from radixkv.engine.sampling_params import SamplingParams
@@ -37,6 +39,7 @@ from radixkv.serve.bodies import (
     read_chat_body,
     read_completion_body,
 )
+from radixkv.serve.choices import merged, merged_usage
 from radixkv.serve.config import ServeConfig
 from radixkv.serve.door import RequestDoor
 from radixkv.serve.engine_loop import EngineLoop, RequestStream
@@ -52,6 +55,14 @@ from radixkv.serve.protocol import (
     usage,
 )
 from radixkv.serve.stop_strings import StopStringMatcher
+from radixkv.serve.structured import Constraint
+from radixkv.serve.tools import (
+    ToolCallReader,
+    ToolRequest,
+    messages_with_tools,
+    template_renders_tools,
+    tool_constraint,
+)
 from radixkv.serve.ui_routes import add_ui_routes
 from radixkv.serve.worker_api import add_worker_routes
 
@@ -80,6 +91,14 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     stops: StopStringMatcher
+    tools: ToolRequest | None = None
+    constraint: Constraint | None = None  # structured output, compiled before submission
+
+    def tool_reader(self) -> ToolCallReader | None:
+        """A reader of the reply's tool calls, None when it may make none."""
+        if self.tools is None or not self.tools.calls_allowed:
+            return None
+        return ToolCallReader(self.tools.names)
 
 
 class OpenAIServer:
@@ -104,7 +123,14 @@ class OpenAIServer:
             max_stop_chars=config.max_stop_chars,
             max_prompt_chars=_max_prompt_chars(llm),
             max_messages=llm.config.max_model_len,
+            max_n=config.max_n,
         )
+        # Grammars compile here, off the event loop and the preparation thread, within
+        # `grammar_compile_timeout_s`; xgrammar releases the GIL while it compiles.
+        self._compile = ThreadPoolExecutor(
+            max_workers=config.max_grammar_compiles, thread_name_prefix="radixkv-grammar"
+        )
+        self._grammars_made = threading.Lock()  # the engine's compiler is made on first use
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
@@ -131,6 +157,7 @@ class OpenAIServer:
     def stop(self) -> None:
         self.engine.stop()
         self._prep.shutdown(wait=False, cancel_futures=True)
+        self._compile.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_stopping(self) -> bool:
@@ -150,23 +177,60 @@ class OpenAIServer:
 
     def prepare_now(self, raw: bytes, *, chat: bool) -> Job:
         body = parse_json(raw)
+        tools = None
         if chat:
             chat_body = read_chat_body(body, self.limits)
             fields, prompt_param, default = chat_body.sampling, "messages", None
-            prompt = self.chat_prompt(chat_body.messages)
+            tools = chat_body.tools
+            prompt = self.chat_prompt(chat_body.messages, tools)
         else:
             completion = read_completion_body(body, self.limits)
             fields, prompt_param = completion.sampling, "prompt"
             default = DEFAULT_COMPLETION_MAX_TOKENS
             prompt = self.completion_prompt(completion.prompt)
-        params = self.sampling_params(fields, len(prompt), prompt_param, default)
-        return Job(fields, prompt, params, StopStringMatcher(fields.stop_strings))
+        constraint = fields.constraint or (tools and tool_constraint(tools))
+        params = self.sampling_params(fields, len(prompt), prompt_param, default, constraint)
+        stops = StopStringMatcher(fields.stop_strings)
+        return Job(fields, prompt, params, stops, tools, constraint)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    async def compile_grammar(self, job: Job) -> None:
+        """Compile the job's grammar (the engine then finds it cached), off the event loop and
+        within the configured time. APIError(400) naming the field for a grammar that cannot
+        be compiled or takes too long (its compile goes on in its thread, and is cached)."""
+        c, spec = job.constraint, job.params.grammar_spec
+        if c is None or spec is None:
+            return
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(self._compile, self._compile_now, spec)
+        compiling.add_done_callback(_retrieved)  # its error is read even after a timeout
+        timeout = self.config.grammar_compile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), timeout)
+        except asyncio.TimeoutError:
+            message = f"{c.param} did not compile within {timeout:g} s: simplify it"
+            raise bad_request(message, c.param) from None
+        except (GrammarError, ValueError) as exc:  # ValueError: a model without a tokenizer
+            raise bad_request(str(exc), c.param) from None
+
+    def _compile_now(self, spec: tuple[str, str]) -> Any:
+        with self._grammars_made:
+            grammars = self.llm.grammars
+        return grammars.compile(spec)
+
+    def chat_prompt(
+        self, messages: Sequence[dict[str, Any]], tools: ToolRequest | None = None
+    ) -> list[int]:
         if not self.llm.has_chat_template:
             raise bad_request(f"model {self.config.model_name!r} has no chat template", "messages")
+        shown = None
+        if tools is not None and template_renders_tools(self.llm.tokenizer):
+            shown = tools.tools
+        elif tools is not None:
+            messages = messages_with_tools(messages, tools.tools)
         try:
-            return self.llm.encode_chat(messages)
+            if shown is None:
+                return self.llm.encode_chat(messages)
+            return self.llm.encode_chat(messages, shown)
         except (ValueError, TypeError) as exc:  # a template may refuse roles or their order
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
@@ -180,7 +244,12 @@ class OpenAIServer:
             raise bad_request(str(exc), "prompt") from exc
 
     def sampling_params(
-        self, fields: SamplingFields, num_prompt_tokens: int, prompt_param: str, default: int | None
+        self,
+        fields: SamplingFields,
+        num_prompt_tokens: int,
+        prompt_param: str,
+        default: int | None,
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; `default` max_tokens, None: as many as the context and
         the KV cache hold. Raises APIError(400) for an unknown model, a prompt (the body field
@@ -199,17 +268,25 @@ class OpenAIServer:
         if room < 1:
             raise over_context(num_prompt_tokens, context, prompt_param)
         max_tokens = fields.max_tokens
-        if max_tokens is None:
-            cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
-            max_tokens = max(1, min(room, cache_tokens - num_prompt_tokens, default or room))
+        cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
+        if max_tokens is None:  # the n replies must fit the cache together
+            fits = (cache_tokens - num_prompt_tokens) // fields.n
+            max_tokens = max(1, min(room, fits, default or room))
         elif max_tokens > room:
             raise bad_request(
                 f"prompt ({num_prompt_tokens} tokens) + {fields.max_tokens_param} ({max_tokens}) "
                 f"exceed the model's context length ({context})",
                 fields.max_tokens_param,
             )
+        if fields.n > 1 and num_prompt_tokens + fields.n * max_tokens > cache_tokens:
+            raise bad_request(
+                f"n ({fields.n}) x {fields.max_tokens_param} ({max_tokens}) + the prompt "
+                f"({num_prompt_tokens} tokens) exceed the KV cache ({cache_tokens} tokens)",
+                "n",
+            )
         try:
             return SamplingParams(
+                n=fields.n,
                 max_tokens=max_tokens,
                 temperature=1.0 if fields.temperature is None else fields.temperature,
                 top_p=1.0 if fields.top_p is None else fields.top_p,
@@ -220,13 +297,19 @@ class OpenAIServer:
                 frequency_penalty=fields.frequency_penalty or 0.0,
                 logit_bias=fields.logit_bias,
                 logprobs=fields.logprobs,
+                **({} if constraint is None else {constraint.kind: constraint.value}),
             )
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), _sampling_param(exc, fields)) from exc
+            param = _sampling_param(exc, fields)
+            if constraint is not None and str(exc).startswith(constraint.kind):
+                param = constraint.param
+            raise bad_request(str(exc), param) from exc
 
     # ------------------------------------------------------------------ running a request
 
-    async def submit(self, job: Job, arrival: _Arrival) -> RequestStream:
+    async def submit(
+        self, job: Job, arrival: _Arrival, params: SamplingParams | None = None
+    ) -> RequestStream:
         """Hand the request to the engine thread; returns once the engine has queued it.
 
         Records the body's receive time, the server overhead (request in -> handed to the engine
@@ -248,7 +331,7 @@ class OpenAIServer:
         try:
             stream = await self.engine.submit(
                 job.prompt_ids,
-                job.params,
+                job.params if params is None else params,
                 cache_salt=job.fields.cache_salt,
                 t_arrival=arrival.headers,
             )
@@ -256,6 +339,20 @@ class OpenAIServer:
             raise bad_request(str(exc)) from exc
         self.metrics.admission.observe(time.perf_counter() - arrival.received)
         return stream
+
+    async def submit_choices(self, job: Job, arrival: _Arrival) -> list[RequestStream]:
+        """`submit` for each of the job's `n` choices, together (so that they meet in one step
+        and share the prompt's prefill); all or none: a refused one releases the others."""
+        results = await asyncio.gather(
+            *(self.submit(job, arrival, p) for p in job.params.choices()), return_exceptions=True
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for stream in streams:
+                self.engine.release(stream)
+            raise errors[0]
+        return streams
 
     async def pieces(
         self, stream: RequestStream, stops: StopStringMatcher
@@ -324,6 +421,11 @@ class OpenAIServer:
         stream.t_last_token = now
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _max_prompt_chars(llm: LLM) -> int | None:
     """The longest text that could fit the context: no token covers more characters than the
     longest entry of the vocabulary (byte-level BPE and SentencePiece spell each byte or
@@ -363,17 +465,22 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _collect(
-    pieces: AsyncIterator[_Piece], request: Request
-) -> tuple[str, list[TokenLogprobs], _Piece] | None:
-    """The whole reply, or None if the client went away first (the request is then aborted)."""
-    reply = asyncio.ensure_future(_join(pieces))
+    pieces: Sequence[AsyncIterator[_Piece]], request: Request
+) -> list[tuple[str, list[TokenLogprobs], _Piece]] | None:
+    """Each whole reply, or None if the client went away first (the requests are then
+    aborted)."""
+    joins = [asyncio.ensure_future(_join(p)) for p in pieces]
+    replies = asyncio.ensure_future(asyncio.gather(*joins))
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
-    await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if reply.done():
+    await asyncio.wait({replies, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if replies.done():
         gone.cancel()
-        return reply.result()
-    reply.cancel()
-    await asyncio.gather(reply, return_exceptions=True)
+        if replies.exception() is not None:  # one choice failed: the others are aborted
+            for join in joins:
+                join.cancel()
+        return replies.result()
+    replies.cancel()
+    await asyncio.gather(replies, return_exceptions=True)
     return None
 
 
@@ -486,37 +593,72 @@ def _add_completion_routes(app: FastAPI, server: OpenAIServer) -> None:
 
 
 async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Response:
-    """Run the request; answer with server-sent events or one JSON body in `chat` or completion
-    format. A client that disconnects before the end gets nothing (its request is aborted)."""
+    """Run the request, its `n` choices side by side; answer with server-sent events or one
+    JSON body in `chat` or completion format. A client that disconnects before the end gets
+    nothing (its requests are aborted)."""
     arrival = _Arrival.of(request)
     if server.is_stopping:
         raise shutting_down()
     job = await server.prepare(request.scope.get("radixkv.body", b""), chat=chat)
-    stream = await server.submit(job, arrival)
-    pieces = server.pieces(stream, job.stops)
+    await server.compile_grammar(job)
+    streams = await server.submit_choices(job, arrival)
+    pieces = [server.pieces(s, StopStringMatcher(job.fields.stop_strings)) for s in streams]
     model = server.config.model_name
     # Random, as OpenAI's: an id must not tell how many requests the server has seen.
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    writer = None
-    if job.fields.logprobs is not None:
-        writer = LogprobsWriter(server.token_text, chat=chat)
+    replies = [_Reply(job, server.token_text, chat) for _ in streams]
     if job.fields.stream:
         events = (_chat_events if chat else _completion_events)(
-            rid, model, pieces, job.fields.include_usage, writer
+            rid, model, merged(pieces), job.fields.include_usage, replies
         )
         return StreamingResponse(
             _ending_with_error(events, server),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    result = await _collect(pieces, request)
-    if result is None:
+    results = await _collect(pieces, request)
+    if results is None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    text, logprobs, last = result
-    build = chat_response if chat else completion_response
-    written = None if writer is None else writer(logprobs)
-    body = build(rid, model, text, last.finish_reason, last.usage, written)
-    return JSONResponse({**body, "system_fingerprint": server.fingerprint})
+    bodies = []
+    for index, ((text, logprobs, last), reply) in enumerate(zip(results, replies, strict=True)):
+        written = None if reply.writer is None else reply.writer(logprobs)
+        if not chat:
+            reason = last.finish_reason
+            bodies.append(completion_response(rid, model, text, reason, None, written, index))
+            continue
+        text, calls, reason = reply.tool_text(text, last.finish_reason, end=True)
+        bodies.append(chat_response(rid, model, text, reason, None, written, calls, index))
+    usage_ = merged_usage([last.usage for _, _, last in results])
+    choices = [b["choices"][0] for b in bodies]
+    fingerprint = server.fingerprint
+    return JSONResponse(
+        {**bodies[0], "choices": choices, "usage": usage_, "system_fingerprint": fingerprint}
+    )
+
+
+class _Reply:
+    """The per-choice state of a reply being written: its logprobs writer and tool reader."""
+
+    __slots__ = ("tools", "writer")
+
+    def __init__(self, job: Job, token_text: Any, chat: bool) -> None:
+        self.writer: LogprobsWriter | None = None
+        if job.fields.logprobs is not None:
+            self.writer = LogprobsWriter(token_text, chat=chat)
+        self.tools: ToolCallReader | None = job.tool_reader() if chat else None
+
+    def tool_text(
+        self, text: str, finish_reason: str | None, *, end: bool
+    ) -> tuple[str, list[dict[str, Any]], str | None]:
+        """`text` less the calls it completes (held back while it may begin one, all of it
+        at the `end`), the calls, and the finish reason: "tool_calls" after a call."""
+        if self.tools is None:
+            return text, [], finish_reason
+        text, calls = self.tools.push(text)
+        text += self.tools.finish() if end else ""
+        if self.tools.num_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return text, calls, finish_reason
 
 
 async def _ending_with_error(
@@ -536,32 +678,48 @@ async def _ending_with_error(
 async def _chat_events(
     rid: str,
     model: str,
-    pieces: AsyncIterator[_Piece],
+    pieces: AsyncIterator[tuple[int, _Piece]],
     include_usage: bool,
-    writer: LogprobsWriter | None,
+    replies: Sequence[_Reply],
 ) -> AsyncIterator[str]:
-    yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
-    async for piece in pieces:
-        if piece.text or (writer and piece.logprobs):
-            logprobs = None if writer is None else writer(piece.logprobs)
-            yield _sse(chat_chunk(rid, model, {"content": piece.text}, logprobs=logprobs))
-        if piece.finish_reason is not None:
-            yield _sse(chat_chunk(rid, model, {}, piece.finish_reason))
-            if include_usage:
-                yield _sse(chat_chunk(rid, model, None, usage_=piece.usage))
+    """Chat chunks, each with its choice's index; with tools, text that may begin a call is
+    held back until it is one, and each call comes whole in one `tool_calls` delta with its
+    index. The usage chunk comes once every choice has finished."""
+    for index in range(len(replies)):
+        yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}, index=index))
+    usages = []
+    async for index, piece in pieces:
+        reply = replies[index]
+        end = piece.finish_reason is not None
+        text, calls, reason = reply.tool_text(piece.text, piece.finish_reason, end=end)
+        if text or (reply.writer and piece.logprobs):
+            logprobs = None if reply.writer is None else reply.writer(piece.logprobs)
+            delta = {"content": text}
+            yield _sse(chat_chunk(rid, model, delta, logprobs=logprobs, index=index))
+        if calls:
+            yield _sse(chat_chunk(rid, model, {"tool_calls": calls}, index=index))
+        if end:
+            yield _sse(chat_chunk(rid, model, {}, reason, index=index))
+            usages.append(piece.usage)
+    if include_usage:
+        yield _sse(chat_chunk(rid, model, None, usage_=merged_usage(usages)))
 
 
 async def _completion_events(
     rid: str,
     model: str,
-    pieces: AsyncIterator[_Piece],
+    pieces: AsyncIterator[tuple[int, _Piece]],
     include_usage: bool,
-    writer: LogprobsWriter | None,
+    replies: Sequence[_Reply],
 ) -> AsyncIterator[str]:
-    async for piece in pieces:
+    usages = []
+    async for index, piece in pieces:
+        writer = replies[index].writer
         if piece.text or piece.finish_reason is not None or (writer and piece.logprobs):
             logprobs = None if writer is None else writer(piece.logprobs)
-            chunk = completion_response(rid, model, piece.text, piece.finish_reason, None, logprobs)
-            yield _sse(chunk)
-        if piece.finish_reason is not None and include_usage:
-            yield _sse(completion_response(rid, model, None, None, piece.usage))
+            reason = piece.finish_reason
+            yield _sse(completion_response(rid, model, piece.text, reason, None, logprobs, index))
+        if piece.finish_reason is not None:
+            usages.append(piece.usage)
+    if include_usage:
+        yield _sse(completion_response(rid, model, None, None, merged_usage(usages)))

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.serve.protocol import APIError, bad_request
+from radixkv.serve.structured import Constraint, read_constraint
+from radixkv.serve.tools import ToolRequest, read_tools
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; SamplingParams itself takes any temperature >= 0
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's; each entry costs every step of the request
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's)
@@ -36,6 +38,7 @@ class BodyLimits:
     # text is refused before any templating or tokenizing.
     max_prompt_chars: int | None = None
     max_messages: int | None = None  # a chat with more messages than context tokens cannot fit
+    max_n: int = 1  # choices of one request
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +66,16 @@ class SamplingFields:
     # None: no logprobs; k: each token's logprob and its k most likely alternatives (chat:
     # `logprobs: true` + `top_logprobs: k`; completions: `logprobs: k`)
     logprobs: int | None = None
+    constraint: Constraint | None = None  # structured output (`structured.py`)
 
 
 @dataclass(frozen=True, slots=True)
 class ChatBody:
     sampling: SamplingFields
-    messages: tuple[dict[str, str], ...]  # {"role", "content"}, content as plain text
+    # {"role", "content"}, content as plain text; an assistant's earlier "tool_calls" and a tool
+    # reply's "tool_call_id" kept
+    messages: tuple[dict[str, Any], ...]
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +143,16 @@ def _check_strings(value: Any, path: str) -> None:
 
 
 def read_chat_body(body: Mapping[str, Any], limits: BodyLimits) -> ChatBody:
-    return ChatBody(_sampling_fields(body, limits, chat=True), _messages(body, limits))
+    sampling = _sampling_fields(body, limits, chat=True)
+    tools = read_tools(body)
+    if tools is not None and tools.calls_allowed and sampling.constraint is not None:
+        param = sampling.constraint.param
+        raise bad_request(
+            f"{param} conflicts with tool_choice {tools.choice!r}: each constrains the whole "
+            'reply (set tool_choice "none", or leave one out)',
+            param,
+        )
+    return ChatBody(sampling, _messages(body, limits), tools)
 
 
 def read_completion_body(body: Mapping[str, Any], limits: BodyLimits) -> CompletionBody:
@@ -208,8 +224,8 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
     if options is not None and not isinstance(options, dict):
         raise _wrong_type("stream_options", "an object", options)
     n = _int(body.get("n"), "n")
-    if n is not None and n != 1:
-        raise bad_request(f"only n=1 is supported, got n={n}", "n")
+    if n is not None and not 1 <= n <= limits.max_n:
+        raise bad_request(f"n must be in [1, {limits.max_n}], got {n}", "n")
     max_tokens = _int(body.get(max_param), max_param)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
@@ -219,6 +235,7 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
     _refuse_unsupported(body, chat=chat)
     return SamplingFields(
         model=_text(body.get("model"), "model"),
+        n=n or 1,
         max_tokens=max_tokens,
         max_tokens_param=max_param,
         temperature=temperature,
@@ -236,6 +253,7 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
         frequency_penalty=_number(body.get("frequency_penalty"), "frequency_penalty"),
         logit_bias=_logit_bias(body.get("logit_bias"), limits),
         logprobs=_logprobs(body, chat=chat),
+        constraint=read_constraint(body),
     )
 
 
@@ -297,11 +315,8 @@ def _logit_bias(bias: Any, limits: BodyLimits) -> tuple[tuple[int, float], ...]:
 
 # (field, whether the body's value is supported): each other value is answered 400 naming the field
 _UNSUPPORTED_CHAT = (
-    ("tools", lambda v: v == []),
-    ("tool_choice", lambda v: v == "none"),
-    ("functions", lambda v: v == []),
+    ("functions", lambda v: v == []),  # OpenAI's deprecated forms of tools and tool_choice
     ("function_call", lambda v: v == "none"),
-    ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
 )
 _UNSUPPORTED_COMPLETION = (
     ("echo", lambda v: v is False),
@@ -332,13 +347,13 @@ def _messages(body: Mapping[str, Any], limits: BodyLimits) -> tuple[dict[str, st
             "messages",
         )
     out = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
-    num_chars = sum(len(m["content"]) for m in out)
+    num_chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in out)
     if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
         raise _text_too_long(num_chars, limits.max_prompt_chars, "messages")
     return out
 
 
-def _message(message: Any, path: str) -> dict[str, str]:
+def _message(message: Any, path: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise _wrong_type(path, "an object", message)
     role = _text(_required(message, "role", path), f"{path}.role")
@@ -346,7 +361,35 @@ def _message(message: Any, path: str) -> dict[str, str]:
         raise bad_request(
             f"{path}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{path}.role"
         )
-    return {"role": role, "content": _content(message.get("content"), f"{path}.content")}
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls is not None and message.get("content") is None:
+        content = ""  # OpenAI: an assistant turn that only called tools has no content
+    else:
+        content = _content(message.get("content"), f"{path}.content")
+    out: dict[str, Any] = {"role": role, "content": content}
+    if calls is not None:
+        out["tool_calls"] = _tool_calls(calls, f"{path}.tool_calls")
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = _text(message["tool_call_id"], f"{path}.tool_call_id")
+    return out
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls: {id, type, function: {name, arguments (JSON text)}}."""
+    if not isinstance(calls, list):
+        raise _wrong_type(param, "an array", calls)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        where = f"{param}[{i}].function"
+        if not isinstance(fn, dict):
+            raise _wrong_type(where, "an object", fn)
+        name = _text(_required(fn, "name", where), f"{where}.name")
+        arguments = _text(_required(fn, "arguments", where), f"{where}.arguments")
+        call_id = _text(call.get("id"), f"{param}[{i}].id") or f"call_{i}"
+        function = {"name": name, "arguments": arguments}
+        out.append({"id": call_id, "type": "function", "function": function})
+    return out
 
 
 def _content(content: Any, param: str) -> str:

@@ -189,6 +189,14 @@ _LIMIT_OPTIONS = [
         "on SIGTERM/SIGINT, seconds the replies in flight may go on before they end with an "
         "error event; a second signal ends them at once",
     ),
+    (
+        "--grammar-compile-timeout",
+        "grammar_compile_timeout_s",
+        float,
+        "seconds a structured-output grammar may take to compile; a slower one gets 400",
+    ),
+    ("--max-grammar-compiles", "max_grammar_compiles", int, "grammars compiled at once"),
+    ("--max-n", "max_n", int, "choices one request may ask for (`n`)"),
 ]
 
 

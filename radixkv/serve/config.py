@@ -27,6 +27,11 @@ class ServeConfig:
     # SIGTERM / SIGINT: replies in flight may finish for this long; then each ends with an error
     # (a stream: an error event and [DONE]). A second signal ends them at once.
     shutdown_timeout_s: float = 20.0
+    # A structured-output grammar (schema, regex, EBNF, tools) that takes longer to compile is
+    # answered 400; at most this many compile at once.
+    grammar_compile_timeout_s: float = 10.0
+    max_grammar_compiles: int = 2
+    max_n: int = 16  # choices of one request (`n`); more: 400
     # /health_generate answers 503 when no token came within this long (SGLang's 20 s).
     health_check_timeout_s: float = 20.0
     # The key of the admin routes (/flush_cache), sent as `Authorization: Bearer KEY`; None:
@@ -45,6 +50,8 @@ class ServeConfig:
             "max_body_bytes",
             "max_stops",
             "max_stop_chars",
+            "max_grammar_compiles",
+            "max_n",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -59,6 +66,7 @@ class ServeConfig:
             "read_timeout_s",
             "keep_alive_timeout_s",
             "shutdown_timeout_s",
+            "grammar_compile_timeout_s",
             "health_check_timeout_s",
         ):
             value = getattr(self, name)

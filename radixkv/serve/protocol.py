@@ -78,7 +78,15 @@ def chat_response(
     finish_reason: str,
     usage_: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
+    """A chat reply; with `tool_calls` (each with its stream `index`, dropped here), its content
+    is None when no text came besides them."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["content"] = text.strip() or None
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
     return {
         "id": rid,
         "object": "chat.completion",
@@ -86,8 +94,8 @@ def chat_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "index": index,
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
@@ -103,12 +111,15 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_: dict[str, Any] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """A chat stream chunk; `delta=None` makes the final usage-only chunk (no choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ]
     )
     return {
         "id": rid,
@@ -127,12 +138,13 @@ def completion_response(
     finish_reason: str | None,
     usage_: dict[str, Any] | None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """A completion or one stream chunk of it (`text=None`: the final usage-only chunk)."""
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return {
         "id": rid,

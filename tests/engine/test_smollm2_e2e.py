@@ -79,3 +79,25 @@ def test_streamed_text_equals_the_final_text(llm):
     assert "".join(d.text for d in deltas) == out.text
     assert all("\ufffd" not in d.text for d in deltas)
     assert [t for d in deltas for t in d.token_ids] == list(out.token_ids)
+
+
+def test_a_json_schema_reply_of_the_real_model_validates(llm):
+    """xgrammar's TokenizerInfo from the real byte-level BPE tokenizer (49,152 ids)."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "river": {"type": "string"}},
+        "required": ["city", "river"],
+        "additionalProperties": False,
+    }
+    prompt = llm.encode_chat(
+        [{"role": "user", "content": "Name the capital of France and its river."}]
+    )
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=60, json_schema=schema))
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)
+    llm.check_integrity()

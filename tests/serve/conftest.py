@@ -66,16 +66,17 @@ class LiveServer:
 def make_server(tiny_model_dir: Callable[[str], Path]) -> Iterator[Callable[..., LiveServer]]:
     """(engine kwargs, server kwargs) -> a started LiveServer on a fresh tiny-model LLM.
 
-    Server kwargs: `model` (a model folder instead of the tiny GQA one), `on_shutdown` for
-    `create_app`, the rest for `ServeConfig`."""
+    Server kwargs: `model` (a model folder, or a loaded model, instead of the tiny GQA one),
+    `on_shutdown` for `create_app`, the rest for `ServeConfig`. Engine kwargs: LLM's own (such
+    as `tokenizer`)."""
     from radixkv.engine import LLM
 
     servers: list[LiveServer] = []
 
-    def make(
-        engine: dict[str, Any] | None = None, model: Path | None = None, **config: Any
-    ) -> LiveServer:
-        llm = LLM(str(model or tiny_model_dir("gqa")), **{"num_blocks": 256, **(engine or {})})
+    def make(engine: dict[str, Any] | None = None, model: Any = None, **config: Any) -> LiveServer:
+        source = tiny_model_dir("gqa") if model is None else model
+        source = str(source) if isinstance(source, Path) else source
+        llm = LLM(source, **{"num_blocks": 256, **(engine or {})})
         server = LiveServer(llm, **config)
         servers.append(server)
         return server

@@ -95,9 +95,9 @@ def test_penalties_and_logit_bias_equal_the_engines(server, reference_llm) -> No
 @pytest.mark.parametrize(
     ("kind", "fields", "param"),
     [
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
         ("chat", {"tool_choice": "required"}, "tool_choice"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
         ("chat", {"functions": [{"name": "f"}]}, "functions"),
         ("completion", {"echo": True}, "echo"),
         ("completion", {"best_of": 2}, "best_of"),
@@ -125,7 +125,7 @@ def test_unsupported_and_bad_fields_get_400_naming_them(server, kind, fields, pa
             chat(client, extra_body=fields)
         else:
             client.completions.create(model="tiny", prompt="w12", max_tokens=2, extra_body=fields)
-    assert info.value.body["param"] == param, info.value.body
+    assert info.value.body["param"].startswith(param), info.value.body
     assert param in info.value.body["message"] or "Invalid type" in info.value.body["message"]
 
 

@@ -134,7 +134,7 @@ def test_stop_strings_cut_the_reply(server) -> None:
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 5000}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),  # over the server's max_n
         ({"seed": 2**63}, "seed"),  # OpenAI's seed is a signed 64-bit integer
         ({"stop": [-3]}, "stop"),
     ],

@@ -1,0 +1,234 @@
+"""Constrained decoding through xgrammar: each request with a grammar gets a matcher, and every
+step masks its rows' logits to the tokens the grammar allows next.
+
+    SamplingParams.grammar_spec ──► GrammarCompiler.compile (cached by text) ──► CompiledGrammar
+    per request: RequestGrammar (an xgrammar matcher fed the request's tokens as they are known)
+    per step:    mask_rows(logits, grammars, outputs) before penalties, temperature and top-p
+
+A request's matcher ends on the request's own stop tokens: once the grammar is complete only
+those are allowed, so a request whose grammar terminates finishes with reason "stop" through
+the scheduler's ordinary stop-token check, in either step mode.
+
+Matchers catch up lazily: a row's mask is built from the request's output tokens known at that
+point, so a preempted, recomputed request keeps its matcher and the overlapped step only has to
+hand over the one token still in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+DEFAULT_MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled, or a token it does not allow."""
+
+
+class GrammarCompiler:
+    """Compiles structured-output constraints for one tokenizer and vocabulary; keeps the
+    `max_cached` most recently used compiled grammars, keyed by (kind, text). Thread-safe: the
+    server compiles in threads of its own, the engine finds the result cached.
+
+    Invariant: at most `max_cached` entries, each a compiled grammar of this vocabulary."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS
+    ) -> None:
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:
+            raise GrammarError(f"structured output needs the xgrammar package ({exc})") from None
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # xgrammar's own cache is off: this one is bounded by entries and shared by all kinds.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.max_cached = max_cached
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: tuple[str, str]) -> Any:
+        """The CompiledGrammar of `spec` (from `SamplingParams.grammar_spec`); GrammarError
+        naming the kind for one xgrammar refuses."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        kind, text = spec
+        try:
+            compiled = self._compile_now(kind, text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(f"{kind} cannot be compiled: {exc}") from None
+        self._check_spellable(kind, compiled)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _check_spellable(self, kind: str, compiled: Any) -> None:
+        """GrammarError when no token of the vocabulary can begin the grammar (a tokenizer
+        without its characters): such a request could never make progress."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise GrammarError(f"{kind}: no token of this model's vocabulary can begin it")
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert len(self._cache) <= self.max_cached, (len(self._cache), self.max_cached)
+            for spec, compiled in self._cache.items():
+                assert compiled.tokenizer_info.vocab_size == self.vocab_size, spec
+
+    def is_cached(self, spec: tuple[str, str]) -> bool:
+        with self._lock:
+            return spec in self._cache
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def _compile_now(self, kind: str, text: str) -> Any:
+        c = self._compiler
+        # NOTE: JSON comes compact (one space after ":" and ","), with no free whitespace:
+        # small models otherwise loop on whitespace until max_tokens (vLLM's reason for its
+        # disable-any-whitespace option).
+        if kind == "json_schema":
+            return c.compile_json_schema(json_schema_for_xgrammar(text), any_whitespace=False)
+        if kind == "json_object":
+            any_object = '{"type": "object"}'
+            return c.compile_json_schema(any_object, any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return c.compile_regex(text)
+        if kind == "choice":
+            # JSON string literals are valid EBNF string literals.
+            alternatives = " | ".join(json.dumps(c_) for c_ in json.loads(text))
+            return c.compile_grammar(f"root ::= {alternatives}")
+        if kind == "grammar":
+            return c.compile_grammar(text)
+        assert kind == "structural_tag", kind
+        return c.compile_structural_tag(text)
+
+
+def json_schema_for_xgrammar(text: str) -> str:
+    """The schema as xgrammar is given it: short string lengths become a pattern, since
+    xgrammar's minLength / maxLength grammar admits raw control characters, which JSON forbids.
+    (A pattern's compile time grows with its bound squared, so longer bounds stay as they are.)
+    Raises GrammarError for text that is not a JSON object."""
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("json_schema must be a JSON object")
+    return json.dumps(_lengths_as_patterns(schema))
+
+
+_NOT_SCHEMAS = frozenset(("enum", "const", "default", "examples"))  # values, not subschemas
+MAX_LENGTH_AS_PATTERN = 64
+
+
+def _lengths_as_patterns(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_lengths_as_patterns(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _NOT_SCHEMAS else _lengths_as_patterns(v) for k, v in node.items()}
+    low, high = out.get("minLength", 0), out.get("maxLength")
+    plain = out.get("type") == "string" and "pattern" not in out and "format" not in out
+    short = type(low) is int and type(high) is int and 0 <= low <= high <= MAX_LENGTH_AS_PATTERN
+    if plain and short:
+        del out["maxLength"]
+        out.pop("minLength", None)
+        out["pattern"] = f"^.{{{low},{high}}}$"  # `.`: one unescaped non-control character
+    return out
+
+
+class RequestGrammar:
+    """One request's matcher.
+
+    Invariant: the matcher has accepted exactly `accepted`, a prefix of the request's output
+    tokens; after a stop token it is terminated and accepts nothing more."""
+
+    def __init__(self, compiled: Any, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        assert stop_token_ids, "a grammar needs a stop token to end on"
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
+        self.accepted: list[int] = []
+
+    def catch_up(self, output_token_ids: Sequence[int]) -> None:
+        """Accept the tokens of `output_token_ids` (the request's outputs so far) not yet seen.
+        GrammarError if the grammar refuses one (it was sampled without this grammar's mask)."""
+        n = len(self.accepted)
+        assert not n or output_token_ids[n - 1] == self.accepted[-1], "outputs rewritten"
+        for token in output_token_ids[n:]:
+            if self._matcher.is_terminated():
+                return  # tokens after the stop token: an overlapped step's, dropped later
+            if not self._matcher.accept_token(int(token)):
+                raise GrammarError(f"the grammar does not allow token {token}")
+            self.accepted.append(int(token))
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`; GrammarError if there is none."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            raise GrammarError("the grammar allows no token of this vocabulary next")
+
+    def check_integrity(self, output_token_ids: Sequence[int]) -> None:
+        n = len(self.accepted)
+        assert list(output_token_ids[:n]) == self.accepted, "matcher ahead of the outputs"
+
+
+def mask_rows(
+    logits: torch.Tensor,
+    grammars: Sequence[RequestGrammar | None],
+    outputs: Sequence[Sequence[int] | None],
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """`logits` ([num_rows, vocab]) with each grammar row's disallowed tokens at -inf (a copy;
+    the same tensor when no row has a grammar), and the rows that failed: a token the grammar
+    refused, or no token allowed. `outputs[i]`: row i's output tokens known so far (None for a
+    row without a grammar). A terminated matcher's row is left alone: it is a row an overlapped
+    step computed past the stop token, whose token is dropped."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    faults: dict[int, Exception] = {}
+    if not rows:
+        return logits, faults
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[1])
+    masked: list[int] = []
+    for i in rows:
+        grammar, known = grammars[i], outputs[i]
+        assert grammar is not None and known is not None
+        try:
+            grammar.catch_up(known)
+            if not grammar.is_terminated:
+                grammar.fill(bitmask, i)
+                masked.append(i)
+        except GrammarError as exc:
+            faults[i] = exc
+    if not masked:
+        return logits, faults
+    logits = logits.clone()  # the model's own logits stay as they are (logprobs read them)
+    xgr.apply_token_bitmask_inplace(logits, _to(bitmask, logits), indices=masked)
+    return logits, faults
+
+
+def _to(bitmask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The host bitmask on the logits' device, without a synchronization on CUDA."""
+    if logits.device.type != "cuda":
+        return bitmask
+    return bitmask.pin_memory().to(logits.device, non_blocking=True)

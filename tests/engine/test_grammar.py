@@ -1,0 +1,216 @@
+"""Constrained decoding: on a tiny random model, whose unconstrained output is noise, every reply
+constrained by a JSON schema, JSON object, regex, choice or EBNF grammar matches it, in both step
+modes, and ends with reason "stop"; a bad grammar is refused at the door with nothing queued; a
+row its grammar fails fails alone; compiled grammars are cached by text, within a bound."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schema_strategies import SCHEMAS
+from tiny_llama import build_char_tokenizer, build_model, random_prompts
+
+from radixkv import LLM, SamplingParams
+from radixkv.engine.grammar import GrammarCompiler, GrammarError, json_schema_for_xgrammar
+
+jsonschema = pytest.importorskip("jsonschema")  # test extras: absent on the GPU machine
+pytest.importorskip("xgrammar")
+
+STEP_MODES = (False, True)  # async_scheduling
+PROMPTS = random_prompts(3, 4, min_len=3, max_len=12)
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[bool, LLM]:
+    model, tokenizer = build_model("gqa"), build_char_tokenizer()
+    settings_ = dict(block_size=8, num_blocks=256, max_num_seqs=8)
+    return {
+        on: LLM(model, tokenizer=tokenizer, async_scheduling=on, **settings_) for on in STEP_MODES
+    }
+
+
+def _run(llm: LLM, params: list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list:
+    """The finished outputs, stepping with integrity checks after each step."""
+    ids = [llm.add_request(prompts[i % len(prompts)], p) for i, p in enumerate(params)]
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for u in llm.step():
+            if u.output is not None:
+                outputs[u.request_id] = u
+        llm.check_integrity()
+    assert llm.cache.stats().num_in_use_blocks == 0
+    return [outputs[rid] for rid in ids]
+
+
+def _sampled(i: int, **constraint) -> SamplingParams:
+    """Greedy for even i, seeded sampling for odd i: both must obey the grammar."""
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=300, **constraint)
+    return SamplingParams(max_tokens=300, temperature=1.0, seed=i, **constraint)
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_each_kind_of_constraint_is_obeyed_and_ends_with_stop(engines, async_scheduling):
+    llm = engines[async_scheduling]
+    cases = [
+        (dict(regex=r"[a-c]{2,4}-[0-9]{3}"), lambda t: re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", t)),
+        (dict(choice=("yes", "no", 'say "maybe"')), lambda t: t in ("yes", "no", 'say "maybe"')),
+        (dict(grammar='root ::= "(" [xy]+ ")" | "no"'), lambda t: re.fullmatch(r"\([xy]+\)|no", t)),
+    ]
+    params = [_sampled(i, **c) for i in range(4) for c, _ in cases]
+    checks = [check for _ in range(4) for _, check in cases]
+    for update, check in zip(_run(llm, params), checks, strict=True):
+        out = update.output
+        assert out.finish_reason == "stop", out
+        assert check(out.text), out.text
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_the_mask_comes_before_logit_bias(engines, async_scheduling):
+    """A bias of +100 on tokens the grammar forbids does not bring them in. (A JSON object is
+    unbounded: noise alone may never close one, so the bias also steers it to an end.)"""
+    llm = engines[async_scheduling]
+    vocab = llm.tokenizer.get_vocab()
+    close, quote, z = vocab["}"], vocab['"'], vocab["z"]
+    bias = {quote: 100.0, close: 90.0, z: 100.0}
+    obj = SamplingParams(max_tokens=50, json_object=True, logit_bias=bias)
+    letters = SamplingParams(max_tokens=50, regex="[ab]{1,9}", logit_bias={z: 100.0})
+    first, second = (u.output for u in _run(llm, [obj, letters]))
+    assert first.finish_reason == "stop" and isinstance(json.loads(first.text), dict)
+    assert second.finish_reason == "stop" and re.fullmatch("[ab]{1,9}", second.text)
+
+
+# ------------------------------------------------------------------ JSON schemas, generated
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(schemas=st.lists(SCHEMAS, min_size=1, max_size=4))
+def test_generated_json_schemas_are_obeyed_in_both_step_modes(engines, schemas):
+    for schema in schemas:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    params = [_sampled(i, json_schema=s) for i, s in enumerate(schemas)]
+    for async_scheduling in STEP_MODES:
+        for update, schema in zip(_run(engines[async_scheduling], params), schemas, strict=True):
+            out = update.output
+            assert out.finish_reason == "stop", (schema, out)
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_string_lengths_reach_xgrammar_as_patterns():
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}}
+    converted = json.loads(json_schema_for_xgrammar(json.dumps(schema)))
+    assert converted["properties"]["s"] == {"type": "string", "pattern": "^.{0,3}$"}
+    enum = {"enum": [{"type": "string", "maxLength": 2}]}  # a value, not a subschema: kept
+    assert json.loads(json_schema_for_xgrammar(json.dumps(enum))) == enum
+
+
+# ------------------------------------------------------------------ the door and faults
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        (dict(json_object=True, regex="a"), ValueError),
+        (dict(json_schema="{}", choice=("a",)), ValueError),
+        (dict(regex=""), ValueError),
+        (dict(regex=3), TypeError),
+        (dict(choice="ab"), TypeError),
+        (dict(choice=()), ValueError),
+        (dict(choice=("a", "")), TypeError),
+        (dict(json_object=1), TypeError),
+        (dict(grammar="x" * 70_000), ValueError),
+        (dict(json_schema={"a": float("nan")}), ValueError),
+    ],
+)
+def test_sampling_params_refuse_bad_constraints(fields, error):
+    with pytest.raises(error):
+        SamplingParams(**fields)
+
+
+def test_a_schema_dict_is_kept_as_canonical_text():
+    a = SamplingParams(json_schema={"type": "object", "required": []})
+    b = SamplingParams(json_schema={"required": [], "type": "object"})
+    assert a.json_schema == b.json_schema and a.grammar_spec == b.grammar_spec
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(json_schema="{not json"),
+        dict(json_schema='{"type": "no-such-type"}'),
+        dict(regex="(unclosed"),
+        dict(grammar="root ::= undefined_rule"),
+        dict(json_object=True, ignore_eos=True),  # could never end
+    ],
+)
+def test_a_bad_grammar_is_refused_with_nothing_queued(engines, fields):
+    llm = engines[False]
+    with pytest.raises(ValueError):
+        llm.add_request(PROMPTS[0], SamplingParams(**fields))
+    assert not llm.has_unfinished_requests()
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_a_grammar_the_vocabulary_cannot_spell_fails_its_request_alone(engines, async_scheduling):
+    llm = engines[async_scheduling]
+    with pytest.raises(ValueError, match="vocabulary"):  # refused before it is queued
+        llm.add_request(PROMPTS[0], SamplingParams(max_tokens=20, regex="é+"))
+    unspellable = SamplingParams(max_tokens=20, regex="ab?é")  # stuck after "a" or "ab"
+    fine = SamplingParams(max_tokens=20, regex="[ab]{3}")
+    bad, good = _run(llm, [unspellable, fine])
+    assert bad.output.finish_reason == "error" and isinstance(bad.error, GrammarError)
+    assert good.output.finish_reason == "stop" and re.fullmatch("[ab]{3}", good.output.text)
+
+
+def test_compiled_grammars_are_cached_by_text_within_a_bound():
+    compiler = GrammarCompiler(build_char_tokenizer(), 256, max_cached=2)
+    a = compiler.compile(("regex", "a+"))
+    assert compiler.compile(("regex", "a+")) is a
+    b = compiler.compile(("regex", "b+"))
+    assert compiler.compile(("regex", "a+")) is a  # a is now the most recent
+    compiler.compile(("regex", "c+"))  # evicts b, the least recent
+    compiler.check_integrity()
+    assert compiler.num_cached == 2
+    assert compiler.compile(("regex", "a+")) is a
+    assert compiler.compile(("regex", "b+")) is not b
+    with pytest.raises(GrammarError, match="regex"):
+        compiler.compile(("regex", "(unclosed"))
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_preempted_grammar_requests_resume_their_matchers(async_scheduling):
+    """A pool too small for the batch preempts requests mid-reply (recompute): their matchers
+    keep the tokens accepted so far, and every reply still matches; aborts return all."""
+    llm = LLM(
+        build_model("gqa"),
+        tokenizer=build_char_tokenizer(),
+        async_scheduling=async_scheduling,
+        block_size=4,
+        num_blocks=32,
+        max_num_seqs=4,
+        chunked_prefill_size=8,
+    )
+    pattern = "[a-z]{40,50}"
+    params = [replace(_sampled(i, regex=pattern), max_tokens=60) for i in range(6)]
+    prompts = random_prompts(4, 6, min_len=30, max_len=35)
+    updates = _run(llm, params, prompts)
+    assert llm.scheduler.num_preemptions > 0, "the small pool preempted"
+    for u in updates:
+        assert u.output.finish_reason == "stop" and re.fullmatch(pattern, u.output.text)
+    rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=40, regex=pattern))
+    llm.step()
+    assert llm.abort_request(rid)
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.check_integrity()
+    assert llm.cache.stats().num_in_use_blocks == 0
