@@ -326,7 +326,7 @@ class RadixAdapter(_EvictionCounts):
         # Private blocks for everything written, the reply's included: the copy-on-write target
         # of a partial hit block (`table.copy`, the kernels' job), then the uncached part.
         table = cache.admit(request.written, max_hit=num_prompt - 1)
-        cache.take_transfers()
+        cache.take_moves()
         if table is None:  # the fit is checked read-only: nothing counted, nothing changed
             return None
         self.num_reply_tokens_admitted += len(request.written) - num_prompt

@@ -170,7 +170,7 @@ def run(
         cache.close(table)
         t4 = clock()
         ns[i] = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-        cache.take_transfers()  # planned, not run: no KV here
+        cache.take_moves()  # planned, not run: no KV here
     cache.check_integrity()
     return ns, cache.stats().num_hit_tokens
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixkv.cache.transfers import Transfer
+from radixkv.cache.moves import Move
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +43,9 @@ class SchedulerOutput:
     copies: tuple[BlockCopy, ...] = ()  # block copies to perform before the forward
     preempted_ids: tuple[str, ...] = ()  # requests moved back to waiting this step
     finished_ids: tuple[str, ...] = ()  # requests finished by abort/rejection
-    # tier moves (`radixkv.cache.transfers`) the cache planned since the last step, in order: run
+    # tier moves (`radixkv.cache.moves`) the cache planned since the last step, in order: run
     # before the copies and the forward
-    transfers: tuple[Transfer, ...] = ()
+    moves: tuple[Move, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

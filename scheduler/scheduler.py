@@ -195,7 +195,7 @@ class Scheduler:
             tuple(copies),
             tuple(preempted),
             tuple(self._aborted_ids),
-            tuple(self.cache.take_transfers()),
+            tuple(self.cache.take_moves()),
         )
         self._aborted_ids.clear()
         if rows:

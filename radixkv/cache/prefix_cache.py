@@ -63,7 +63,7 @@ from radixkv.cache.pool import BlockPool
 from radixkv.cache.summary import EMPTY, TreeSummary, summarize
 from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
-from radixkv.cache.transfers import Transfer
+from radixkv.cache.moves import Move
 from radixkv.cache.tree import RadixTree, TreeNode
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()
@@ -227,7 +227,7 @@ class PrefixCache:
         a host tier: its reads and writes go through host blocks). Evicted device blocks are
         demoted to the host (write-back); `write_through` copies every committed full block
         to the host at once instead, so an eviction finds it there. The moves are drained with
-        `take_transfers()` (see `radixkv.cache.tiers`). The lower tiers' blocks are named by
+        `take_moves()` (see `radixkv.cache.tiers`). The lower tiers' blocks are named by
         xxh64 chains: their events are recorded only when the device's are hashed alike."""
         if eviction not in EVICTION_ORDERS:
             raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
@@ -286,7 +286,7 @@ class PrefixCache:
         and no lock), a private copy of a partial hit block (`BlockTable.copy`, to be done
         before the KV is written), private blocks for the rest, evicting on demand. A hit that
         goes on in the lower tiers is loaded into the first of the private blocks (the loads
-        are planned for `take_transfers()`, to run before anything reads them).
+        are planned for `take_moves()`, to run before anything reads them).
 
         None if the blocks are not there, and then the cache is untouched: no query counted, no
         recency refreshed. The fit is exact: free + evictable blocks, less those that locking
@@ -433,7 +433,7 @@ class PrefixCache:
                 self._demote(node, 0)
         tiers.write_to_disk()
 
-    def take_transfers(self) -> list[Transfer]:
+    def take_moves(self) -> list[Move]:
         """The tier moves planned since the last call, in the order they must run: before the
         forward of the step that reads their blocks ([] without lower tiers)."""
         return [] if self._tiers is None else self._tiers.take_moves()

@@ -10,7 +10,7 @@ The host tier is a `BlockPool` of host block ids (one owner each: its index entr
 one eviction machinery (`EvictionIndex`, LRU on a logical clock). A host block evicted for room is
 written to the disk store first when there is one (`DiskWrite`), else dropped.
 
-Nothing here touches KV: every decision is appended to `moves` (`radixkv.cache.transfers`) in the
+Nothing here touches KV: every decision is appended to `moves` (`radixkv.cache.moves`) in the
 order it was taken, and the engine runs them in that order before the step's forward. That order
 is what makes reuse safe: a block a move reads may be freed and become the destination of a LATER
 move only. Entries a planned load still reads are pinned (out of the LRU order) until the load is
@@ -34,7 +34,7 @@ from radixkv.cache.disk_store import BlockKey, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored, EventRecorder
 from radixkv.cache.eviction import EvictionIndex, lru_key
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Transfer
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Move
 
 HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
 DISK_MEDIUM = "DISK"  # vLLM names no disk tier: this name is ours
@@ -71,7 +71,7 @@ class LowerTiers:
             disk.on_removed = lambda h: events.queue.append(BlockRemoved((h,), DISK_MEDIUM))
         self.entries: dict[int, HostEntry] = {}  # block hash -> entry
         self.lru = EvictionIndex(lru_key)
-        self.moves: list[Transfer] = []
+        self.moves: list[Move] = []
         self._clock = 0
         self._ids = itertools.count()
         self.counts = dict.fromkeys(
@@ -182,7 +182,7 @@ class LowerTiers:
         for entry in list(self.entries.values()):
             self._remove(entry)
 
-    def take_moves(self) -> list[Transfer]:
+    def take_moves(self) -> list[Move]:
         moves, self.moves = self.moves, []
         return moves
 

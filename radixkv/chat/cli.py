@@ -281,7 +281,7 @@ def stats_text(llm: object) -> str:
 
 def tier_lines(llm: object) -> list[str]:
     """The host and disk tiers' lines of /stats (none without them)."""
-    tiers = llm.tiers  # type: ignore[attr-defined]
+    tiers = llm.tier_io  # type: ignore[attr-defined]
     if tiers is None:
         return []
     s = llm.cache.stats()  # type: ignore[attr-defined]

@@ -36,7 +36,7 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.events import make_block_hasher
-from radixkv.cache.transfers import Poisoned, Transfer
+from radixkv.cache.moves import Poisoned, Move
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
@@ -144,15 +144,15 @@ class LLM:
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
         self.runner.warm_up()
-        self.tiers = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
+        self.tier_io = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
         self.cache = PrefixCache(
             self.runner.num_blocks,
             config.block_size,
             kv_events=hasher,
-            host_blocks=0 if self.tiers is None else self.tiers.host.num_blocks,
-            disk=None if self.tiers is None else self.tiers.disk,
+            host_blocks=0 if self.tier_io is None else self.tier_io.host.num_blocks,
+            disk=None if self.tier_io is None else self.tier_io.disk,
             write_through=config.host_cache_write_through,
         )
         self.scheduler = Scheduler(self.cache, self.config)
@@ -432,7 +432,7 @@ class LLM:
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
         # Even with no rows: the moves the cache planned since the last step must run.
-        requeued = self._run_transfers(out) if out.transfers else set()
+        requeued = self._run_step_moves(out) if out.moves else set()
         launched = None
         if not out.is_empty:
             launched = self._steps.launch(out, self._sampled_rows(out), previous, requeued)
@@ -497,32 +497,32 @@ class LLM:
         to do without a disk tier. Not during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
         self.cache.persist()
-        moves = self.cache.take_transfers()
+        moves = self.cache.take_moves()
         if moves:
             self._run_moves(moves)
-        if self.tiers is not None:
-            self.tiers.log_saved()
+        if self.tier_io is not None:
+            self.tier_io.log_saved()
 
-    def _run_moves(self, moves: Sequence[Transfer]) -> Poisoned:
+    def _run_moves(self, moves: Sequence[Move]) -> Poisoned:
         """Run tier moves in order; the cache forgets the host copies a failed move left holding
         garbage, whatever happens. Returns the blocks that failed."""
-        tiers = self.tiers
-        assert tiers is not None, "the cache plans moves only with a host tier"
+        tier_io = self.tier_io
+        assert tier_io is not None, "the cache plans moves only with a host tier"
         try:
-            poisoned = tiers.run(moves)
+            poisoned = tier_io.run(moves)
         finally:
-            self.cache.forget_host_blocks(sorted(tiers.poisoned_so_far.host))
-        tiers.order_before_compute()
+            self.cache.forget_host_blocks(sorted(tier_io.poisoned_so_far.host))
+        tier_io.order_before_compute()
         return poisoned
 
-    def _run_transfers(self, out: SchedulerOutput) -> set[str]:
+    def _run_step_moves(self, out: SchedulerOutput) -> set[str]:
         """The step's tier moves, before its copies and forward. A move that fails leaves blocks
         holding garbage: the cache forgets the host copies among them, and a request whose row
         reads one of the device blocks goes back to the waiting queue, to be admitted from what
         the cache holds then (a block file that could not be read is a miss, not an error: the
         disk tier does not offer it again); a second failed copy fails it. Their rows still run,
         and are ignored. Returns their ids."""
-        poisoned = self._run_moves(out.transfers)
+        poisoned = self._run_moves(out.moves)
         if poisoned.device:
             hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
             faulty = poisoned.faulty

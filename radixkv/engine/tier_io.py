@@ -1,4 +1,4 @@
-"""Runs the cache's tier moves (`radixkv.cache.transfers`) and measures them.
+"""Runs the cache's tier moves (`radixkv.cache.moves`) and measures them.
 
 `TierIO.run(moves)` carries out one step's moves in order: copies between the device pool and the
 host pool through the `KVCopier` (asynchronous on CUDA), block files through the `DiskStore`.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
-from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Poisoned, Transfer
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Poisoned, Move
 from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint
 
@@ -118,7 +118,7 @@ class TierIO:
         self._last_copy: KVCopy | None = None  # the last copy issued (one stream: all before it)
         self._num_stored_logged = 0  # the disk's files written, as `log_saved` last said
 
-    def run(self, moves: Sequence[Transfer]) -> Poisoned:
+    def run(self, moves: Sequence[Move]) -> Poisoned:
         """Carry out `moves` in order (see the module docstring); returns the blocks left holding
         garbage (empty when every move worked)."""
         self.poisoned_so_far = poisoned = Poisoned()
@@ -157,7 +157,7 @@ class TierIO:
             self._last_copy = None
 
     # ---------------------------------------------------------------- internals
-    def _run_one(self, move: Transfer, poisoned: Poisoned) -> None:
+    def _run_one(self, move: Move, poisoned: Poisoned) -> None:
         kind = _KIND[type(move)]
         totals = self.totals[kind]
         t0 = time.perf_counter()

@@ -75,7 +75,7 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
     t0 = time.perf_counter()
     prompt = () if last is None else last.tokens
     stats = llm.cache.stats()
-    disk = None if llm.tiers is None else llm.tiers.disk
+    disk = None if llm.tier_io is None else llm.tier_io.disk
     return Capture(
         tree=llm.cache.summary(max_nodes=MAX_NODES, prompt=prompt),
         num_blocks=stats.num_blocks,

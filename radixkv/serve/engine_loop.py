@@ -280,8 +280,8 @@ class EngineLoop:
             num_preemptions=scheduler.num_preemptions,
             hit_tokens_by_tier=_hit_tokens_by_tier(stats),
             tier_moves={}
-            if self.llm.tiers is None
-            else {k: (t.nbytes, t.seconds) for k, t in self.llm.tiers.totals.items()},
+            if self.llm.tier_io is None
+            else {k: (t.nbytes, t.seconds) for k, t in self.llm.tier_io.totals.items()},
         )
 
 

@@ -156,7 +156,7 @@ def _flush(llm: LLM, *, keep_disk: bool) -> tuple[str | None, str]:
         return f"{running} requests running and {waiting} waiting", ""
     if not llm.cache.reset():
         return "a request still holds cached blocks", ""
-    disk = None if llm.tiers is None else llm.tiers.disk
+    disk = None if llm.tier_io is None else llm.tier_io.disk
     if disk is None:
         return None, "every tier cleared (there is no disk tier)"
     if keep_disk:

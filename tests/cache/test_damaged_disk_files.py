@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tiers import BASES, Sim
 
-from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Poisoned
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Poisoned
 
 B = 4
 DAMAGES = ("vanish", "truncate", "flip", "swap", "folder", "fifo")
@@ -33,7 +33,7 @@ class DamagedSim(Sim):
 
     def run_moves(self) -> Poisoned:  # type: ignore[override]
         poisoned = Poisoned()
-        for move in self.cache.take_transfers():
+        for move in self.cache.take_moves():
             oks: list[bool | None] = [True] * len(move.host)
             if isinstance(move, Offload):
                 self.host[list(move.host)] = self.device[list(move.device)]

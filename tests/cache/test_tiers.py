@@ -25,7 +25,7 @@ from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.path_keys import prompt_keys
 from radixkv.cache.tokens import pack_tokens
-from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 
 EMPTY = 0  # a slot nothing was written to
 
@@ -66,7 +66,7 @@ class Sim:
         self.moves: list[Any] = []
 
     def run_moves(self) -> None:
-        for move in self.cache.take_transfers():
+        for move in self.cache.take_moves():
             self.moves.append(move)
             if isinstance(move, Offload):
                 self.host[list(move.host)] = self.device[list(move.device)]

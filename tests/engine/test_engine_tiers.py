@@ -66,7 +66,7 @@ def test_a_failed_move_fails_only_the_requests_that_read_it(
     disk = dict(host_cache_bytes=6 * 3072, kv_cache_dir=tmp_path) if point == "disk-read" else {}
     llm = LLM(model_dir, **{**TIERS, **disk}, async_scheduling=overlap)
     assert [list(u.output.token_ids) for u in run(llm)] == expected
-    tiers = llm.tiers
+    tiers = llm.tier_io
     target, name = {
         "load": (tiers.copier, "load"),
         "offload": (tiers.copier, "offload"),
@@ -100,7 +100,7 @@ def test_a_block_file_gone_between_probe_and_read_is_a_miss(overlap, model_dir, 
     settings = {**TIERS, "host_cache_bytes": 6 * 3072, "kv_cache_dir": tmp_path}
     llm = LLM(model_dir, **settings, async_scheduling=overlap)
     run(llm)
-    disk = llm.tiers.disk
+    disk = llm.tier_io.disk
     real_get = disk.get
 
     def get_after_another_process_evicted(key, out):
@@ -149,7 +149,7 @@ def test_damaged_block_files_are_misses_and_the_output_is_unchanged(
         outs = run(restarted)
         assert [u.error for u in outs] == [None] * len(PROMPTS)
         assert [list(u.output.token_ids) for u in outs] == expected
-    disk = restarted.tiers.disk.stats()
+    disk = restarted.tier_io.disk.stats()
     assert disk.num_misses > 0 and disk.num_unusable > 0 and disk.num_hits > 0
     stats = restarted.cache.stats()
     assert stats.num_in_use_blocks == stats.num_private_blocks == 0
@@ -183,7 +183,7 @@ def test_a_keyed_disk_tier_is_read_back_with_its_secret_alone_and_says_what_it_h
         other = start(secret)
         assert [list(u.output.token_ids) for u in run(other)] == expected
         assert other.cache.stats().num_disk_hit_tokens == 0
-        assert other.tiers.disk.stats().num_damaged == 0
+        assert other.tier_io.disk.stats().num_damaged == 0
 
 
 @pytest.mark.parametrize(

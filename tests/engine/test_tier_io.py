@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixkv.cache.disk_store import DiskStore, chain_keys
-from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 from radixkv.engine.host_kv import HostKVPool, KVCopier
 from radixkv.engine.tier_io import TierIO
 

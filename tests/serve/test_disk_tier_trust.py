@@ -37,7 +37,7 @@ def test_a_server_over_damaged_block_files_answers_every_request(
     again = make_server(engine)
     for _ in range(2):  # the second time, no damaged file is probed again
         assert complete_all(again) == expected
-    disk = again.on_engine(lambda llm: llm.tiers.disk.stats())
+    disk = again.on_engine(lambda llm: llm.tier_io.disk.stats())
     assert disk.num_unusable > 0 and disk.num_hits > 0
     again.on_engine(lambda llm: llm.check_integrity())
     client = again.client(max_retries=0)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv.cache.disk_store import chain_keys
-from radixkv.cache.transfers import DiskRead, DiskWrite, Load, Offload, Poisoned, poisoned
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Poisoned, poisoned
 
 NUM = 6  # device blocks, host blocks and files
 KEYS = chain_keys("t", np.arange(NUM * 2, dtype="<u4").tobytes(), 2)

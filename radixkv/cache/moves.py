@@ -59,7 +59,7 @@ class DiskRead:
     host: tuple[int, ...]
 
 
-Transfer = Offload | Load | DiskWrite | DiskRead
+Move = Offload | Load | DiskWrite | DiskRead
 
 
 class Poisoned:
@@ -91,7 +91,7 @@ class Poisoned:
         """Per block of `t`: whether its host block holds what the cache thinks it does."""
         return [h not in self.host for h in t.host]
 
-    def record(self, t: Transfer, ok: bool | Sequence[bool | None] = True) -> None:
+    def record(self, t: Move, ok: bool | Sequence[bool | None] = True) -> None:
         """`t` ran: `ok` says whether it worked, as a whole or block by block (None: that block's
         file was missed, see the class docstring)."""
         oks = [ok] * len(t.host) if isinstance(ok, bool) else list(ok)
@@ -106,12 +106,12 @@ class Poisoned:
             _flow(oks, None, (set(), set()), t.host, host)
 
 
-def poisoned(transfers: Sequence[Transfer], failed: Iterable[int]) -> Poisoned:
-    """The blocks holding garbage after `transfers` ran in order, when the moves at the indices
+def poisoned(moves: Sequence[Move], failed: Iterable[int]) -> Poisoned:
+    """The blocks holding garbage after `moves` ran in order, when the moves at the indices
     `failed` did not happen. Mutates nothing."""
     failed = set(failed)
     result = Poisoned()
-    for i, t in enumerate(transfers):
+    for i, t in enumerate(moves):
         result.record(t, i not in failed)
     return result
 
