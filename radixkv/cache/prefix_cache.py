@@ -58,12 +58,12 @@ from dataclasses import dataclass, field
 from radixkv.cache.disk_store import BlockKey, DiskStore
 from radixkv.cache.events import XXH64, BlockHasher, EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
+from radixkv.cache.moves import Move
 from radixkv.cache.path_keys import node_block_keys, prompt_keys
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.summary import EMPTY, TreeSummary, summarize
 from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
-from radixkv.cache.moves import Move
 from radixkv.cache.tree import RadixTree, TreeNode
 
 _HEAD_TOKENS = 8  # tokens shown per node by nodes()

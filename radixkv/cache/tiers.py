@@ -33,8 +33,8 @@ import numpy as np
 from radixkv.cache.disk_store import BlockKey, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored, EventRecorder
 from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Move
 
 HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
 DISK_MEDIUM = "DISK"  # vLLM names no disk tier: this name is ours

@@ -36,7 +36,7 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.events import make_block_hasher
-from radixkv.cache.moves import Poisoned, Move
+from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
-from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Poisoned, Move
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
 from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint
 

@@ -23,9 +23,9 @@ from lifecycle import CheckedCache
 from radixkv import PrefixCache
 from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 from radixkv.cache.path_keys import prompt_keys
 from radixkv.cache.tokens import pack_tokens
-from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 
 EMPTY = 0  # a slot nothing was written to
 
