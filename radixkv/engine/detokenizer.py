@@ -51,7 +51,7 @@ class IncrementalDetokenizer:
     """Feed generated token ids with `push`; it returns the newly completed text.
 
     Invariant: `emitted` (the concatenation of all returned deltas) is a prefix of
-    `decode(token_ids)` once no character is pending; `finish()` returns whatever remains.
+    `decode(token_ids)`; `finish()` returns whatever remains but an incomplete last character.
     """
 
     def __init__(self, tokenizer: Any | None) -> None:
@@ -77,10 +77,12 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """The rest of the full decode (e.g. a dangling incomplete character at the end)."""
+        """The rest of the full decode, less a character left incomplete at the end: a reply cut
+        in the middle of one (by max_tokens, say) ends before it, not in a U+FFFD no one wrote."""
         full = decode(self.tokenizer, self.token_ids)
         # Should the incremental decode ever disagree with the full one, never re-emit text.
         rest = full[len(self.emitted) :] if full.startswith(self.emitted) else ""
+        rest = rest.rstrip(_REPLACEMENT)
         self.emitted += rest
         return rest
 

@@ -82,13 +82,14 @@ def test_one_token_at_a_time(byte_tokenizer, path, text):
     assert "".join(deltas) == text and rest == ""  # nothing was pending at the end
 
 
-def test_special_tokens_are_skipped_and_a_dangling_byte_is_flushed(byte_tokenizer, path):
-    ids = byte_tokenizer.encode("ok 🙂")
+def test_special_tokens_are_skipped_and_a_cut_character_is_dropped(byte_tokenizer, path):
+    ids = byte_tokenizer.encode("ok 🙂 x🙂")
     detok = IncrementalDetokenizer(byte_tokenizer)
-    # The emoji's last byte never comes: the held-back bytes are flushed by finish().
+    # The last emoji's last byte never comes (a reply cut by max_tokens): the reply ends before
+    # that character, not in the U+FFFD its first bytes decode to.
     text = "".join(detok.push([t]) for t in [*ids[:-1], byte_tokenizer.eos_token_id])
-    assert text == "ok "
-    assert detok.finish() == byte_tokenizer.decode(ids[:-1], skip_special_tokens=True)[3:]
+    assert byte_tokenizer.decode(ids[:-1], skip_special_tokens=True).endswith("\ufffd")
+    assert text + detok.finish() == "ok 🙂 x" == detok.emitted
 
 
 def test_the_fast_path_serves_the_tokenizers_backed_tokenizers(
