@@ -76,6 +76,16 @@ class PagedLlamaAttention(LlamaAttention):
         return self.o_proj(out.view(1, num_tokens, -1)), None
 
 
+def unfuse_llama_modules(model: Any) -> None:
+    """Undo `fuse_llama_modules` (in place; nothing to do for a model it never changed): a runner
+    built over a model another runner fused probes transformers' own modules."""
+    for module in model.modules():
+        if type(module) is FusedLlamaRMSNorm:
+            module.__class__ = LlamaRMSNorm
+        elif type(module) is PagedLlamaAttention:
+            module.__class__ = LlamaAttention
+
+
 def fuse_llama_modules(model: Any) -> bool:
     """Swap the fused modules into a `LlamaForCausalLM` (in place; the class of each module
     changes, nothing else). Returns False, changing nothing, for any other model: a subclass or

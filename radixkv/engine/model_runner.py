@@ -44,7 +44,7 @@ from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.attention_layout import AttentionLayout, probe_attention
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
-from radixkv.engine.fused_llama import fuse_llama_modules
+from radixkv.engine.fused_llama import fuse_llama_modules, unfuse_llama_modules
 from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step, split_step
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
@@ -132,6 +132,7 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        unfuse_llama_modules(model)  # fused by an earlier runner: the probe needs the originals
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
         spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype)
         self.num_blocks = num_blocks = plan_num_blocks(
@@ -168,16 +169,27 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             # Without a max_model_len no sequence can outgrow the pool.
             max_len = config.max_model_len or num_blocks * block_size
+            self.decode_graphs = self.capture_decode_graphs(config.max_num_seqs, max_len)
+        self._compiles_seen = self._compiles.count if self._compiles is not None else 0
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_len: int) -> DecodeGraphs | None:
+        """The decode step's CUDA graphs, or None, with a warning, for a model whose forward
+        cannot be captured (transformers' grouped MoE experts copy host tensors to the device
+        as they run): its decode steps then run eager, as on a CPU."""
+        try:
             with torch.inference_mode():
-                self.decode_graphs = DecodeGraphs(
+                return DecodeGraphs(
                     self._forward,
                     self.stager,
                     self.kv_cache_shape,
-                    config.max_num_seqs,
+                    max_num_seqs,
                     max_len,
                     self._compiles,
                 )
-        self._compiles_seen = self._compiles.count if self._compiles is not None else 0
+        except RuntimeError as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            logger.warning("CUDA graphs off: the decode step cannot be captured (%s)", why)
+            return None
 
     @torch.inference_mode()
     def warm_up(self) -> None:

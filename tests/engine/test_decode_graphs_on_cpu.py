@@ -175,3 +175,33 @@ def test_graph_replays_of_window_softcap_and_sink_layers(monkeypatch):
                 expected = eager.execute(step)
                 torch.testing.assert_close(graphs.execute(step), expected, rtol=1e-5, atol=1e-5)
                 assert graphs.decode_graphs.num_replays == replays + 1
+
+
+def test_a_forward_that_cannot_be_captured_runs_eager(graph_runner, monkeypatch, caplog):
+    """A model whose decode forward cannot be captured (transformers' grouped MoE experts copy
+    host tensors during the capture, which CUDA refuses) runs its decode steps eager, with a
+    warning, instead of failing to load."""
+    runner = graph_runner[1]
+
+    def refuse(fn, device, pool):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", refuse)
+    with use_backend("triton"), caplog.at_level("WARNING"):
+        assert runner.capture_decode_graphs(3, 40) is None
+    assert "CUDA graphs off: the decode step cannot be captured (Cannot copy" in caplog.text
+    monkeypatch.setattr(cuda_graphs, "capture_graph", fake_capture)
+    with use_backend("triton"):
+        assert runner.capture_decode_graphs(3, 40) is not None
+
+
+def test_a_model_another_runner_fused_loads_again():
+    """A runner swaps the fused Llama modules into the model it is given; a second runner over
+    the same model (a test, a benchmark reusing its model) probes transformers' own modules."""
+    model = build_model("gqa")
+    with use_backend("triton"):
+        first = ModelRunner(model, EngineConfig(block_size=BLOCK, num_blocks=16))
+        assert first.fused_modules
+        second = ModelRunner(model, EngineConfig(block_size=BLOCK, num_blocks=16))
+    assert second.fused_modules and second.layout.describe() == first.layout.describe()
+    assert second.kv_cache_shape == first.kv_cache_shape
