@@ -8,7 +8,7 @@ test:
 	scripts/setup_env.sh --test
 	.venv/bin/python -m ruff check .
 	.venv/bin/python -m ruff format --check .
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2
 
 setup:
 	@scripts/setup_env.sh
