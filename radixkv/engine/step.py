@@ -82,11 +82,13 @@ class Launched:
         if self.sampled_at is None and (self.ready is None or self.ready.query()):
             self.sampled_at = time.perf_counter()
 
-    def tokens_now(self) -> list[int]:
-        """The sampled tokens (a failed row's is a placeholder), waiting for the device."""
+    def read(self) -> list[int]:
+        """The sampled tokens (a failed row's is a placeholder), then the rows' usable flags,
+        waiting for the device."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()[: len(self.sample_ids)]
+        self.poll()
+        return self.host.tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +145,7 @@ class Steps:
     def finish(self, launched: Launched) -> list[RowOutcome]:
         """Wait for a launched step's tokens; per sampled row, its token or its fault, and its
         logprobs (None where not asked for)."""
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        launched.poll()
-        read = launched.host.tolist()
+        read = launched.read()
         tokens = launched.draw.results(read)
         logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
         if launched.logprobs is not None:
@@ -187,6 +186,16 @@ def sources(launched: Launched | None) -> dict[str, int]:
     return {rid: i for i, rid in enumerate(ids) if rid not in launched.requeued}
 
 
+def _known_output(req: Request, source: dict[str, int]) -> tuple[list[int], int | None]:
+    """A row's request's generated tokens known on the host, and, when its last one is still a
+    placeholder, that token's index among the step in flight's (`source`: `sources(previous)`)."""
+    assert req.num_pending <= 1, req
+    known = req.output_token_ids[: len(req.output_token_ids) - req.num_pending]
+    i = source.get(req.request_id) if req.num_pending else None
+    assert (i is None) == (not req.num_pending), (req, "a placeholder of no step in flight")
+    return known, i
+
+
 def _masked(
     logits: torch.Tensor, rows: Sequence[SampledRow], previous: Launched | None
 ) -> tuple[torch.Tensor, dict[int, Exception]]:
@@ -198,12 +207,10 @@ def _masked(
         return logits, {}
     source = sources(previous)
     waiting = [r for r in rows if r.grammar is not None and r.request.num_pending]
-    in_flight = previous.tokens_now() if previous is not None and waiting else []
+    in_flight = previous.read() if previous is not None and waiting else []
     outputs: list[list[int] | None] = []
     for r in rows:
-        req = r.request
-        known = req.output_token_ids[: len(req.output_token_ids) - req.num_pending]
-        i = source.get(req.request_id) if req.num_pending else None
+        known, i = _known_output(r.request, source)
         last = [] if i is None else [in_flight[i]]
         outputs.append(None if r.grammar is None else [*known, *last])
     return mask_rows(logits, [r.grammar for r in rows], outputs)
@@ -221,11 +228,8 @@ def _adjusted(
     outputs: list[list[int]] = []
     in_flight: list[torch.Tensor | None] = []
     for r in rows:
-        req = r.request
-        assert req.num_pending <= 1, req
-        outputs.append(req.output_token_ids[: len(req.output_token_ids) - req.num_pending])
-        i = source.get(req.request_id) if req.num_pending else None
-        assert (i is None) == (not req.num_pending), (req, "a placeholder of no step in flight")
+        known, i = _known_output(r.request, source)
+        outputs.append(known)
         in_flight.append(None if i is None else previous.draw.tokens[i : i + 1])  # type: ignore[union-attr]
     return adjust_logits(logits, params, outputs, in_flight)
 
