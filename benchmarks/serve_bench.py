@@ -36,10 +36,17 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Servers start here, not in the repository root: `python -m` puts its working directory first on
+# sys.path, where this checkout's radixkv/ would shadow radixkv@DIR's.
+SERVER_CWD = tempfile.gettempdir()
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [
@@ -184,6 +191,31 @@ def server_env(name: str, args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def server_source(name: str, args: argparse.Namespace) -> Path:
+    """The folder whose radixkv a server `name` imports, found the way the server will find it."""
+    probe = "import radixkv, pathlib; print(pathlib.Path(radixkv.__file__).resolve().parent.parent)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=server_env(name, args),
+        cwd=SERVER_CWD,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def check_source(name: str, args: argparse.Namespace) -> None:
+    """Fail before timing anything when radixkv@DIR would not run DIR's radixkv (an A/B of one
+    tree against itself reads as a result)."""
+    if not is_radixkv(name):
+        return
+    want = Path(name.split("@", 1)[1]) if "@" in name else ROOT
+    got = server_source(name, args)
+    if got != want.resolve():
+        raise SystemExit(f"serve_bench: {name} would import radixkv from {got}, not {want}")
+
+
 def histogram_p50(base_url: str, name: str) -> float | None:
     """p50 of the histogram `name` on the server's /metrics, interpolated in its buckets."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -218,6 +250,7 @@ def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> d
     proc = subprocess.Popen(
         server_command(name, args, model_path, port),
         env=server_env(name, args),
+        cwd=SERVER_CWD,
         stdout=subprocess.DEVNULL,
         stderr=None if args.verbose else subprocess.DEVNULL,
     )
@@ -380,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"serve_bench: unknown servers {sorted(unknown)}", file=sys.stderr)
         return 2
-    model_path = args.model
+    for name in servers:
+        check_source(name, args)
+    model_path = args.model and os.path.abspath(args.model)
     if model_path is None:
         from radixkv.bundled_model import ensure_converted
 

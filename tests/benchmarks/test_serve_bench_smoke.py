@@ -4,6 +4,8 @@ workload completed and the report prints."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import serve_bench
 
 
@@ -53,3 +55,20 @@ def test_report_compares_radixkv_with_radixkv_from_another_source() -> None:
     assert "radixkv / radixkv@/src/main" in line
     assert "TTFT p50 x0.50" in line and "output tok/s x1.50" in line
     assert serve_bench.is_radixkv("radixkv@/src/main") and not serve_bench.is_radixkv("vllm")
+
+
+def test_a_server_from_another_source_imports_that_source(tmp_path) -> None:
+    # Run from the repository root, `python -m radixkv` would import this checkout's radixkv
+    # whatever PYTHONPATH says: an A/B of one tree against itself.
+    (tmp_path / "radixkv").mkdir()
+    (tmp_path / "radixkv" / "__init__.py").write_text("")
+    args = serve_bench.parse_args(["--threads", "1"])
+    assert serve_bench.server_source(f"radixkv@{tmp_path}", args) == tmp_path.resolve()
+    assert serve_bench.server_source("radixkv", args) == serve_bench.ROOT
+    serve_bench.check_source(f"radixkv@{tmp_path}", args)
+
+
+def test_a_source_without_radixkv_is_refused_before_timing(tmp_path) -> None:
+    args = serve_bench.parse_args([])
+    with pytest.raises(SystemExit, match="would import radixkv from"):
+        serve_bench.check_source(f"radixkv@{tmp_path}", args)
