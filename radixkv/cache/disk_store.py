@@ -8,9 +8,10 @@ A store directory (`root`) holds one folder per KV layout:
     root/<layout>/<hh>/<hash>.kv    one full block; <hash> is its chained block hash (16 hex
                                     digits), <hh> the first two of them
 
-A block is named by the chained hash the KV events compute (`chain_keys`): namespace-salted and
-covering the whole prefix, so a lookup past what the tree holds goes on by hashing the next full
-blocks of a prompt and probing for their files (`probe`), as LMCache and vLLM look up theirs.
+A block is named by the wire form of its key (`radixkv.cache.keys`), the KV events' hash:
+namespace-salted and covering the whole prefix, so a lookup past what the tree holds goes on by
+hashing the next full blocks of a prompt and probing for their files (`probe`), as LMCache and
+vLLM look up theirs.
 A file's bytes, little-endian, no pickle anywhere (a KV directory may be shared, and loading a
 pickle runs code):
 
@@ -70,8 +71,8 @@ from typing import Any
 
 import xxhash
 
-from radixkv.cache.events import hash_block, namespace_seed
 from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.keys import BlockKey
 
 logger = logging.getLogger(__name__)
 
@@ -92,49 +93,6 @@ _FILE_MODE = 0o600  # the files hold prompts' token ids: the engine's user alone
 _DIR_MODE = 0o700
 _OPEN_FOR_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _OPEN_FOR_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-
-
-# ------------------------------------------------------------------------------------ keys
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """What names one full block on disk and what loading it checks."""
-
-    block_hash: int  # the chained xxh64 of the KV events: the file's name
-    # the previous block's hash; None for a first block (whose hash the namespace seeds), as the
-    # KV events say it
-    parent_hash: int | None
-    tokens: bytes  # the block's token ids, little-endian uint32
-    prefix_digest: bytes  # blake2b-256 over the namespace and every token up to this block's end
-
-
-def namespace_digest(namespace: str | None) -> bytes:
-    """The digest chain's start for `namespace` (None: the shared one; "" is another)."""
-    tag = b"\x00" if namespace is None else b"\x01" + namespace.encode("utf-8")
-    return hashlib.blake2b(b"radixkv-prefix:" + tag, digest_size=_DIGEST_BYTES).digest()
-
-
-def chain_keys(
-    namespace: str | None, tokens_le: bytes, block_size: int, *, after: BlockKey | None = None
-) -> list[BlockKey]:
-    """Keys of the consecutive full blocks in `tokens_le` (little-endian uint32 ids, a whole number
-    of blocks), the first one following `after` (None: the first block of a sequence in
-    `namespace`; `namespace` is not read then). Mutates nothing."""
-    nbytes = 4 * block_size
-    assert len(tokens_le) % nbytes == 0, "chain_keys takes whole blocks"
-    if after is None:
-        parent, seed = None, None if namespace is None else namespace_seed(namespace)
-        digest = namespace_digest(namespace)
-    else:
-        parent, digest = after.block_hash, after.prefix_digest
-        seed = parent
-    keys = []
-    for start in range(0, len(tokens_le), nbytes):
-        tokens = tokens_le[start : start + nbytes]
-        h = hash_block(seed, tokens)
-        digest = hashlib.blake2b(digest + tokens, digest_size=_DIGEST_BYTES).digest()
-        keys.append(BlockKey(h, parent, tokens, digest))
-        parent = seed = h
-    return keys
 
 
 def fingerprint_digest(fingerprint: Mapping[str, Any]) -> bytes:

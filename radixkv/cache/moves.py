@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from radixkv.cache.disk_store import BlockKey
+from radixkv.cache.keys import BlockKey
 
 
 @dataclass(frozen=True, slots=True)

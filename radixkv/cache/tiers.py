@@ -28,11 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from radixkv.cache.disk_store import BlockKey, DiskStore
-from radixkv.cache.events import BlockRemoved, BlockStored, EventRecorder
+from radixkv.cache.disk_store import DiskStore
+from radixkv.cache.events import EventRecorder
 from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.keys import BlockKey
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload
 from radixkv.cache.pool import BlockPool
 
@@ -67,8 +66,8 @@ class LowerTiers:
         self.disk = disk
         self.events = events
         if disk is not None and events is not None:
-            disk.on_stored = lambda key: self._record_stored(key, DISK_MEDIUM)
-            disk.on_removed = lambda h: events.queue.append(BlockRemoved((h,), DISK_MEDIUM))
+            disk.on_stored = lambda key: events.stored([key], medium=DISK_MEDIUM)
+            disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM)
         self.entries: dict[int, HostEntry] = {}  # block hash -> entry
         self.lru = EvictionIndex(lru_key)
         self.moves: list[Move] = []
@@ -225,15 +224,8 @@ class LowerTiers:
         entry = HostEntry(next(self._ids), key, block)
         self.entries[key.block_hash] = entry
         self._touch(entry)
-        self._record_stored(key, HOST_MEDIUM)
-
-    def _record_stored(self, key: BlockKey, medium: str) -> None:
         if self.events is not None:
-            tokens = tuple(np.frombuffer(key.tokens, "<u4").tolist())
-            B, parent = self.block_size, key.parent_hash
-            self.events.queue.append(
-                BlockStored((key.block_hash,), parent, tokens, B, medium=medium)
-            )
+            self.events.stored([key], medium=HOST_MEDIUM)
 
     def _touch(self, entry: HostEntry) -> int:
         """The entry becomes the most recently used (and unpinned); returns its host block."""
@@ -248,4 +240,4 @@ class LowerTiers:
         del self.entries[entry.key.block_hash]
         self.pool.release([entry.block])
         if self.events is not None:
-            self.events.queue.append(BlockRemoved((entry.key.block_hash,), HOST_MEDIUM))
+            self.events.removed([entry.key.block_hash], HOST_MEDIUM)

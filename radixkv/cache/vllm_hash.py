@@ -1,6 +1,6 @@
 """vLLM's `sha256_cbor` block-hash chain, for consumers that compute block keys themselves.
 
-radixkv's own chain is xxh64 (`radixkv.cache.events`). A router that hashes request tokens the
+radixkv's own chain is xxh64 (`radixkv.cache.keys`). A router that hashes request tokens the
 way vLLM does (llm-d's KV-cache manager, configured with vLLM's hash seed) can only match a
 replica's events if they carry vLLM's hashes. vLLM computes them so
 (`vllm/v1/core/kv_cache_utils.py`: `init_none_hash`, `hash_block_tokens`,
@@ -105,7 +105,7 @@ class _FirstBlock:
 
 
 class Sha256CborHasher:
-    """The `BlockHasher` (`radixkv.cache.events`) of vLLM's chain: nodes hold the 32-byte
+    """The `BlockHasher` (`radixkv.cache.keys`) of vLLM's chain: nodes hold the 32-byte
     digests, events their low 64 bits. A namespace is vLLM's cache salt."""
 
     def __init__(self, seed: str = DEFAULT_SEED) -> None:

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,10 @@ from radixkv.cache.disk_store import (
     CHECKSUM,
     FOREIGN_TMP_MAX_AGE_S,
     HEADER,
-    BlockKey,
     DiskStore,
-    chain_keys,
     fingerprint_digest,
 )
-from radixkv.cache.events import chain_hashes, namespace_seed
+from radixkv.cache.keys import BlockKey, chain_hashes, chain_keys, namespace_seed
 
 B = 4  # tokens per block
 NBYTES = 96  # payload bytes per block
@@ -175,11 +174,11 @@ def test_a_64_bit_collision_with_equal_tokens_is_caught_by_the_prefix_digest(
     key = keys_of("t", 2)[1]
     store.put(key, payload(key))
     # Another prefix whose chain hash collides (forged: same hash, parent and tokens).
-    forged = BlockKey(key.block_hash, key.parent_hash, key.tokens, bytes(32))
+    forged = replace(key, prefix_digest=bytes(32))
     assert load(store, forged) is None
     np.testing.assert_array_equal(load(store, key), payload(key))
-    other_tokens = BlockKey(key.block_hash, key.parent_hash, tokens(9, 9, 9, 9), key.prefix_digest)
-    other_parent = BlockKey(key.block_hash, 12345, key.tokens, key.prefix_digest)
+    other_tokens = replace(key, tokens=tokens(9, 9, 9, 9))
+    other_parent = replace(key, parent_hash=12345)
     assert load(store, other_tokens) is None and load(store, other_parent) is None
 
 
@@ -500,7 +499,8 @@ def test_a_failed_write_stores_nothing_and_leaves_nothing(
 
 CHILD_PRELUDE = f"""
 import os, sys, numpy as np
-from radixkv.cache.disk_store import DiskStore, chain_keys
+from radixkv.cache.disk_store import DiskStore
+from radixkv.cache.keys import chain_keys
 B, NBYTES, FILE = {B}, {NBYTES}, {FILE}
 FINGERPRINT = {FINGERPRINT!r}
 def payload(key):

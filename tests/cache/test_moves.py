@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.cache.disk_store import chain_keys
+from radixkv.cache.keys import chain_keys
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Poisoned, poisoned
 
 NUM = 6  # device blocks, host blocks and files

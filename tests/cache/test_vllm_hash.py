@@ -9,10 +9,12 @@ import hashlib
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from lifecycle import put
 from vllm_kv_events import vllm_chain
 
 from radixkv.cache import PrefixCache, vllm_hash
-from radixkv.cache.events import BlockStored, make_block_hasher
+from radixkv.cache.events import BlockStored
+from radixkv.cache.keys import make_block_hasher
 
 cbor2 = pytest.importorskip("cbor2")
 
@@ -116,3 +118,21 @@ def test_block_hash_names_are_checked() -> None:
         make_block_hasher("sha1")
     with pytest.raises(ValueError, match="applies to block_hash='sha256_cbor' only"):
         make_block_hasher("xxh64", "0")
+
+
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_the_host_tiers_events_carry_vllms_hashes_too(salt: str | None) -> None:
+    """Every tier names a block by the node's one key chain: a block demoted to the host is
+    announced there ("CPU") under the hash vLLM computes, and a lookup finds it by that key."""
+    B = 4
+    cache = PrefixCache(4, B, host_blocks=8, kv_events=make_block_hasher("sha256_cbor"))
+    a, b = list(range(16)), list(range(100, 116))
+    for tokens in (a, b):  # b's blocks evict a's: demoted to the host
+        put(cache, tokens, salt)
+        cache.check_integrity()
+    events = cache.take_events()
+    on_host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    on_host_hashes = [h for e in on_host for h in e.block_hashes]
+    assert on_host_hashes == vllm_chain("vllm-none-hash", a, B, salt)
+    match = cache.match(a, max_tokens=len(a) - 1, namespace=salt)
+    assert (match.num_cached_tokens, match.num_host_blocks) == (15, 4)
