@@ -45,7 +45,7 @@ killed mid-write leaves only its temporary file, which the next open removes (it
 Several processes may share a directory: files are only created by a rename and removed whole, and
 a reader keeps reading the file it opened. Each process indexes the files it knows (found when it
 opened the store, written, or found by a probe) and keeps those within its byte budget, evicting
-the least recently used first (the cache's `EvictionIndex` in LRU order, one logical tick per use;
+the least recently used first (`LruEntries`, as the host tier, one logical tick per use;
 a load also refreshes the file's mtime, so the order survives a restart). With P processes writing
 one directory at once it can hold up to P budgets until they reopen it. The store is not
 thread-safe: one thread uses it.
@@ -65,13 +65,13 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.eviction import LruEntries, LruEntry
 from radixkv.cache.keys import BlockKey
 
 logger = logging.getLogger(__name__)
@@ -102,16 +102,6 @@ def fingerprint_digest(fingerprint: Mapping[str, Any]) -> bytes:
 
 
 # ----------------------------------------------------------------------------------- store
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """One indexed file; an `EvictableNode` of the store's LRU index."""
-
-    node_id: int  # order of discovery: breaks ties between equal ticks
-    block_hash: int
-    tick: int  # last use on the store's logical clock
-    evict_key: Any = field(default=None, repr=False)
-
-
 @dataclass(frozen=True, slots=True)
 class DiskStoreStats:
     directory: str  # the layout folder
@@ -161,18 +151,15 @@ class DiskStore:
         assert budget_bytes >= self.file_nbytes, "the door checks that the budget holds a block"
         self.budget_bytes = budget_bytes
         self.directory = Path(root) / _layout_name(self.fingerprint, secret)
-        self._entries: dict[int, _Entry] = {}
+        self._entries = LruEntries()  # every file indexed (pins do not leave the order)
         # Hashes whose file could not be used nor removed: misses for `contains` until written.
         self._unusable: set[int] = set()
         self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
-        self._lru = EvictionIndex(lru_key)
         # Told when this process indexes a block (written, or read from another's file) and
         # when it forgets one (evicted, removed, found gone or damaged): the KV events of the disk
         # tier. The files found when the store opened are indexed without a word.
         self.on_stored: Callable[[BlockKey], None] | None = None
         self.on_removed: Callable[[int], None] | None = None
-        self._clock = 0
-        self._ids = itertools.count()
         self._tmp_ids = itertools.count()
         self._counts = dict.fromkeys(
             (
@@ -332,7 +319,7 @@ class DiskStore:
         pinned ones, and `keep`); returns the bytes freed. A file already removed by another
         process, or that cannot be removed, counts as freed (`discard`)."""
         victims = []
-        for entry in self._lru:
+        for entry in self._entries.order:
             if len(victims) * self.file_nbytes >= num_bytes:
                 break
             if entry.block_hash not in self._pinned and entry.block_hash != keep:
@@ -378,15 +365,9 @@ class DiskStore:
     def check_integrity(self) -> None:
         """Recompute the invariants in the class docstring; AssertionError names the first one
         broken. O(files)."""
-        members = self._lru.items()
-        got = {entry.block_hash for _, entry in members}
-        if len(members) != len(self._entries) or got != set(self._entries):
-            raise AssertionError(f"LRU index {sorted(got)} != files {sorted(self._entries)}")
-        for k, entry in members:
-            if self._entries[entry.block_hash] is not entry or k != lru_key(entry):
-                raise AssertionError(f"file {entry.block_hash:016x} indexed under a stale key")
-            if entry.tick > self._clock:
-                raise AssertionError(f"file {entry.block_hash:016x} tick ahead of the clock")
+        self._entries.check_integrity("disk")
+        if len(self._entries.order) != len(self._entries):
+            raise AssertionError("a file is indexed out of the LRU order")
         unpinned = [h for h in self._entries if not self._pinned[h]]
         if self.num_bytes > self.budget_bytes and unpinned:
             raise AssertionError(f"{self.num_bytes} bytes indexed > budget {self.budget_bytes}")
@@ -396,32 +377,21 @@ class DiskStore:
         name = f"{block_hash:016x}"
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _index(self, block_hash: int, tick: int) -> None:
-        entry = _Entry(next(self._ids), block_hash, tick)
-        self._entries[block_hash] = entry
-        self._lru.add(entry)
-
     def _forget(self, block_hash: int) -> None:
-        entry = self._entries.pop(block_hash, None)
-        if entry is not None:
-            self._lru.discard(entry)
-            if self.on_removed is not None:
-                self.on_removed(block_hash)
+        if self._entries.remove(block_hash) is not None and self.on_removed is not None:
+            self.on_removed(block_hash)
 
     def _touch(self, key: BlockKey) -> None:
         """The file becomes the most recently used (indexed if it was not: written just now, or
         by another process), and the index is kept within the budget."""
         block_hash = key.block_hash
-        entry = self._entries.pop(block_hash, None)
+        entry = self._entries.get(block_hash)
         if entry is not None:
-            self._lru.discard(entry)
-        elif self.on_stored is not None:
-            self.on_stored(key)
-        self._index(block_hash, self._tick())
+            self._entries.touch(entry)
+        else:
+            self._entries.add(LruEntry(block_hash))
+            if self.on_stored is not None:
+                self.on_stored(key)
         self.evict(self.num_bytes - self.budget_bytes, keep=block_hash)
         self.evict(self.num_bytes - self.budget_bytes)  # only pinned files left: this one too
 
@@ -521,7 +491,7 @@ class DiskStore:
                 continue
             found.append((st.st_mtime_ns, block_hash))
         for _, block_hash in sorted(found):
-            self._index(block_hash, self._tick())
+            self._entries.add(LruEntry(block_hash))
         if damaged:
             self._counts["num_damaged"] += damaged
             logger.warning(

@@ -277,7 +277,7 @@ def test_a_fault_while_planning_a_load_leaks_no_block_lock_or_pin(
         sim.cache.admit(a + [99], max_hit=16)  # the wrapper checks integrity on the way out
     stats = sim.cache.stats()
     assert stats.num_free_blocks == 8 and stats.num_locked_tables == 0
-    assert len(tiers.lru) == len(tiers.entries)  # nothing left pinned
+    assert len(tiers.entries.order) == len(tiers.entries)  # nothing left pinned
     monkeypatch.undo()
     assert sim.serve(a + [99], []) == 16
 
