@@ -55,14 +55,13 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.disk_store import DiskStore
 from radixkv.cache.events import EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
 from radixkv.cache.keys import XXH64, BlockHasher, BlockKey, KeyChain
 from radixkv.cache.moves import Move
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.summary import EMPTY, TreeSummary, summarize
-from radixkv.cache.tiers import LowerTiers
+from radixkv.cache.tiers import DiskIndex, LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
 from radixkv.cache.tree import RadixTree, TreeNode
 
@@ -216,7 +215,7 @@ class PrefixCache:
         eviction: str = "gdsf",
         kv_events: bool | BlockHasher = False,
         host_blocks: int = 0,
-        disk: DiskStore | None = None,
+        disk: DiskIndex | None = None,
         write_through: bool = False,
     ) -> None:
         """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed

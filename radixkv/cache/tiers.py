@@ -1,4 +1,4 @@
-"""The tiers below the device pool: a host pool of full KV blocks and, optionally, the disk store.
+"""The tiers below the device pool: a host pool of full KV blocks and, optionally, the disk tier.
 
 Both lower tiers hold FULL blocks named by their `BlockKey` (the chained, namespace-salted block
 hash of the KV events, plus the prefix digest that rules out hash collisions), so a tenant's block
@@ -24,10 +24,10 @@ disk store's own invariants.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from radixkv.cache.disk_store import DiskStore
 from radixkv.cache.events import EventRecorder
 from radixkv.cache.eviction import LruEntries, LruEntry
 from radixkv.cache.keys import BlockKey
@@ -36,6 +36,24 @@ from radixkv.cache.pool import BlockPool
 
 HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
 DISK_MEDIUM = "DISK"  # vLLM names no disk tier: this name is ours
+
+
+class DiskIndex(Protocol):
+    """What the cache plans with of the disk tier: which files there are, and which a planned
+    read still needs. The engine's `DiskStore` is one; it reads and writes the files (the cache
+    holds no file handle) and tells the cache which blocks it indexes and forgets."""
+
+    block_size: int
+    on_stored: Callable[[BlockKey], None] | None
+    on_removed: Callable[[int], None] | None
+
+    def probe(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def pin(self, block_hashes: Sequence[int]) -> None: ...
+
+    def unpin(self, block_hashes: Sequence[int]) -> None: ...
+
+    def check_integrity(self) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -54,7 +72,7 @@ class LowerTiers:
         self,
         num_host_blocks: int,
         block_size: int,
-        disk: DiskStore | None,
+        disk: DiskIndex | None,
         events: EventRecorder | None,
     ) -> None:
         self.pool = BlockPool(num_host_blocks, block_size)

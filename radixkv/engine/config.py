@@ -146,7 +146,7 @@ class EngineConfig:
     disk_cache_bytes: int = 8 * 2**30
     # A deployment's secret: block files then carry a checksum keyed by it (and live in a folder
     # of their own), so a file forged by whoever can write the folder without the secret is
-    # never loaded (`radixkv.cache.disk_store`). None: unkeyed. The command line takes it from
+    # never loaded (`radixkv.engine.disk_store`). None: unkeyed. The command line takes it from
     # the environment variable RADIXKV_KV_CACHE_SECRET (`radixkv.options`), never from argv.
     kv_cache_secret: str | bytes | None = field(default=None, repr=False)
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
+from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint
 

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from lifecycle import CheckedCache
 
 from radixkv import PrefixCache
-from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.keys import KeyChain
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 from radixkv.cache.tokens import pack_tokens
+from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
 
 EMPTY = 0  # a slot nothing was written to
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiny_llama import build_model
 
-from radixkv.cache.disk_store import DiskStore
 from radixkv.cache.keys import chain_keys
+from radixkv.engine.disk_store import DiskStore
 from radixkv.engine.host_kv import LOAD, OFFLOAD, HostKVPool, KVCopier, _runs, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint, weights_digest
 

@@ -1,5 +1,8 @@
 """The disk tier: full KV blocks as content-addressed files that outlive the process.
 
+The engine's side of it, beside the tier mover (`tier_io.py`) that reads and writes through it;
+the cache plans with it as a `DiskIndex` (`radixkv.cache.tiers`: probe, pin) and touches no file.
+
 A store directory (`root`) holds one folder per KV layout:
 
     root/<layout>/                  first 32 hex digits of the fingerprint's digest: files of
