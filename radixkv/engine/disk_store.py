@@ -112,11 +112,8 @@ class DiskStoreStats:
     num_files: int  # indexed by this process
     num_bytes: int  # their size on disk
     file_nbytes: int  # the size of one block file
-    num_hits: int  # get() that loaded a block
-    num_misses: int  # get() of a block that was not there (or not this prefix's)
-    num_loaded_bytes: int
-    num_stored: int  # put() that wrote a file
-    num_stored_bytes: int
+    # What only the store sees (the blocks read and written are the tier mover's `MoveTotals`)
+    num_stored: int  # put() that wrote a file (not one already there)
     num_evicted: int  # files removed for the budget
     num_damaged: int  # files found truncated or corrupt (or of another layout), removed
     num_unusable: int  # files that could not be used nor removed: not probed again
@@ -166,11 +163,7 @@ class DiskStore:
         self._tmp_ids = itertools.count()
         self._counts = dict.fromkeys(
             (
-                "num_hits",
-                "num_misses",
-                "num_loaded_bytes",
                 "num_stored",
-                "num_stored_bytes",
                 "num_evicted",
                 "num_damaged",
                 "num_unusable",
@@ -226,13 +219,10 @@ class DiskStore:
         problem = self._load(key, view)
         if problem is not None:
             self._forget(key.block_hash)
-            self._counts["num_misses"] += 1
             if problem != "gone" and os.path.lexists(self._path(key.block_hash)):
                 self._unusable.add(key.block_hash)
                 self._counts["num_unusable"] += 1
             return False
-        self._counts["num_hits"] += 1
-        self._counts["num_loaded_bytes"] += self.block_nbytes
         self._touch(key)
         return True
 
@@ -314,7 +304,6 @@ class DiskStore:
         self._unusable.discard(h)
         self._touch(key)
         self._counts["num_stored"] += 1
-        self._counts["num_stored_bytes"] += self.block_nbytes
         return True
 
     def evict(self, num_bytes: int, keep: int | None = None) -> int:

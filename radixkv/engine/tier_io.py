@@ -41,8 +41,8 @@ _KIND = {Offload: "offload", Load: "load", DiskWrite: "disk_write", DiskRead: "d
 
 @dataclass(slots=True)
 class MoveTotals:
-    """What the moves of one kind did. Copies count when issued: their time is the host's time to
-    issue them on CUDA (`KVCopier.totals` has the device's)."""
+    """What the moves of one kind did: the engine's one record of them. Copies count when
+    issued: their time is the host's time to issue them on CUDA."""
 
     num_moves: int = 0
     num_blocks: int = 0  # blocks moved (a failed block not included)

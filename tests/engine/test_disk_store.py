@@ -129,8 +129,6 @@ def test_blocks_round_trip_and_survive_a_restart(make_store: MakeStore, tmp_path
     assert again.probe(keys_of("t", 6)) == 4
     for key in keys:
         np.testing.assert_array_equal(load(again, key), payload(key))
-    stats = again.stats()
-    assert (stats.num_hits, stats.num_misses, stats.num_loaded_bytes) == (4, 0, 4 * NBYTES)
     fingerprint = (again.directory / "fingerprint.json").read_text()
     assert '"model": "tiny"' in fingerprint
 
@@ -141,7 +139,7 @@ def test_a_missing_block_is_a_quiet_miss(make_store: MakeStore, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert load(store, key) is None
         assert not store.contains(key.block_hash) and store.probe([key]) == 0
-    assert not caplog.records and store.stats().num_misses == 1
+    assert not caplog.records
 
 
 # ---------------------------------------------------------------------- tenants on disk
@@ -221,7 +219,7 @@ def test_a_corrupt_file_is_skipped_with_one_warning_and_removed(
         assert load(store, key) is None  # gone: a quiet miss now
     assert len(caplog.records) == 1 and "truncated or corrupt" in caplog.text
     assert not path.exists() and not store.contains(key.block_hash)
-    assert store.stats().num_damaged == 1 and store.stats().num_misses == 2
+    assert store.stats().num_damaged == 1
 
 
 def test_a_truncated_file_is_caught_at_load_and_at_the_next_open(
@@ -281,7 +279,7 @@ def test_a_file_that_cannot_be_loaded_is_a_miss_and_is_not_offered_again(
     assert load_or_hang(store, keys[1]) is None
     assert os.path.lexists(path)
     assert not store.contains(keys[1].block_hash) and store.probe(keys) == 1
-    assert store.stats().num_unusable == 1 and store.stats().num_misses == 1
+    assert store.stats().num_unusable == 1
     fresh = make_store()  # another process: its scan removes what is not a regular file
     assert fresh.probe(keys) == (3 if kind == "swapped" else 1)
     if kind != "directory":  # this process writes the block itself: offered again
