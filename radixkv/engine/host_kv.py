@@ -38,16 +38,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.cache import check_size
-
 LOAD = "load"  # host -> device
 OFFLOAD = "offload"  # device -> host
 
 
 def plan_host_blocks(bytes_per_block: int, host_cache_bytes: int) -> int:
-    """How many host blocks `host_cache_bytes` holds (0: no host tier). TypeError for a size that
-    is not an int, ValueError for a negative one or one that holds no block."""
-    n = check_size(host_cache_bytes, "host_cache_bytes", low=0) // bytes_per_block
+    """How many host blocks `host_cache_bytes` (an int >= 0: `EngineConfig` checked it) holds (0:
+    no host tier). ValueError for a size that holds no block of this model's."""
+    assert host_cache_bytes >= 0, host_cache_bytes
+    n = host_cache_bytes // bytes_per_block
     if host_cache_bytes and n < 1:
         raise ValueError(
             f"host_cache_bytes={host_cache_bytes} holds no KV block ({bytes_per_block} bytes each)"

@@ -54,10 +54,8 @@ def test_plan_host_blocks_checks_the_budget() -> None:
     assert plan_host_blocks(100, 0) == 0 and plan_host_blocks(100, 250) == 2
     with pytest.raises(ValueError, match="holds no KV block"):
         plan_host_blocks(100, 99)
-    with pytest.raises(ValueError, match="host_cache_bytes"):
+    with pytest.raises(AssertionError):  # the door (EngineConfig) checks the type and sign
         plan_host_blocks(100, -1)
-    with pytest.raises(TypeError, match="host_cache_bytes"):
-        plan_host_blocks(100, 1.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
