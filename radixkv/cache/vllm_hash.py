@@ -1,4 +1,5 @@
-"""vLLM's `sha256_cbor` block-hash chain, for consumers that compute block keys themselves.
+"""vLLM's `sha256_cbor` block hash, for consumers that compute block keys themselves (the chain
+is built by `radixkv.cache.keys.chain_keys`, as every chain).
 
 radixkv's own chain is xxh64 (`radixkv.cache.keys`). A router that hashes request tokens the
 way vLLM does (llm-d's KV-cache manager, configured with vLLM's hash seed) can only match a
@@ -25,7 +26,6 @@ for each (RFC 8949, 4.2.1), written out here rather than adding a CBOR dependenc
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,23 +68,6 @@ def sha256_cbor(value: object) -> bytes:
 def none_hash(seed: str) -> bytes:
     """vLLM's NONE_HASH for PYTHONHASHSEED=`seed`: the parent of every first block."""
     return sha256_cbor(seed)
-
-
-def chain(
-    parent: bytes, token_ids: Sequence[int], block_size: int, *, first_extra: tuple | None = None
-) -> list[bytes]:
-    """The digests of the consecutive full blocks of `token_ids` (a whole number of blocks),
-    chained from `parent` (NONE_HASH for a sequence's first block); `first_extra` is the extra
-    keys of the first of them (vLLM: `salt_keys(cache_salt)` on a salted request's block 0)."""
-    assert len(token_ids) % block_size == 0, "chain takes whole blocks"
-    digests = []
-    extra = first_extra
-    for start in range(0, len(token_ids), block_size):
-        block = tuple(int(t) for t in token_ids[start : start + block_size])
-        parent = sha256_cbor((parent, block, extra))
-        digests.append(parent)
-        extra = None
-    return digests
 
 
 def wire_hash(digest: bytes) -> int:
