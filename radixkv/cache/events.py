@@ -26,9 +26,9 @@ the tiers name a block by the same key, so the events of every tier agree under 
 Recording is the cache's choice at construction (`PrefixCache(kv_events=True)`), as in SGLang's
 radix cache and vLLM's block pool: the cache appends events to a queue and its owner drains it
 (`PrefixCache.take_events()`, after each engine step). A cache built without it has no recorder
-at all: no hashing, no queue. Recording from the first block on means the queue describes the
-whole content, with no snapshot to take; a router that joins later re-syncs from the publisher's
-replay buffer, as it does with vLLM.
+at all: no queue (and, without lower tiers, no hashing). Recording from the first block on means
+the queue describes the whole content, with no snapshot to take; a router that joins later
+re-syncs from the publisher's replay buffer, as it does with vLLM.
 
 Where the cache produces them: a full block of a path is announced by the node in which it ENDS
 (block i by the node with start < (i+1)*B <= end), from the keys the node keeps. Tokens enter the
