@@ -133,44 +133,26 @@ class LruEntry:
     evict_key: Any = field(default=None, repr=False)
 
 
-class LruEntries:
-    """A lower tier's index (the host tier's blocks, the disk tier's files): entries by block
-    hash, the unpinned ones ordered least recently used first on a logical clock (one tick per
-    use). Reads like a dict of hash -> entry.
+class LruEntries(dict):
+    """A lower tier's index (the host tier's blocks, the disk tier's files): a dict of block hash
+    -> entry, the unpinned entries ordered least recently used first on a logical clock (one tick
+    per use). Read it as a dict; change it only through `add`, `touch`, `pin` and `remove`.
 
     Invariants (`check_integrity`): each entry is filed under its hash; the order holds exactly
     the unpinned entries, each under its current key; no tick is ahead of the clock.
     """
 
     def __init__(self) -> None:
-        self._by_hash: dict[int, Any] = {}
+        super().__init__()
         self.order = EvictionIndex(lru_key)
         self.clock = 0
         self._ids = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self._by_hash)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._by_hash)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._by_hash
-
-    def __getitem__(self, block_hash: int) -> Any:
-        return self._by_hash[block_hash]
-
-    def get(self, block_hash: int) -> Any:
-        return self._by_hash.get(block_hash)
-
-    def values(self) -> list[Any]:
-        return list(self._by_hash.values())
-
     def add(self, entry: Any) -> Any:
         """File a new entry (its hash not filed yet) as the most recently used; returns it."""
-        assert entry.block_hash not in self._by_hash, f"{entry.block_hash:016x} filed twice"
+        assert entry.block_hash not in self, f"{entry.block_hash:016x} filed twice"
         entry.node_id = next(self._ids)
-        self._by_hash[entry.block_hash] = entry
+        self[entry.block_hash] = entry
         return self.touch(entry)
 
     def touch(self, entry: Any) -> Any:
@@ -187,7 +169,7 @@ class LruEntries:
 
     def remove(self, block_hash: int) -> Any:
         """Drop the entry of `block_hash`; returns it (None: there was none)."""
-        entry = self._by_hash.pop(block_hash, None)
+        entry = self.pop(block_hash, None)
         if entry is not None:
             self.order.discard(entry)
         return entry
@@ -195,7 +177,7 @@ class LruEntries:
     def check_integrity(self, tier: str) -> None:
         """Recompute the invariants in the class docstring; AssertionError names `tier`."""
         unpinned = set()
-        for h, entry in self._by_hash.items():
+        for h, entry in self.items():
             if entry.block_hash != h or entry.tick > self.clock:
                 raise AssertionError(f"{tier} entry {h:016x} misfiled or ticked ahead")
             if entry.evict_key is not None:

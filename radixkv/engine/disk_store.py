@@ -94,6 +94,7 @@ FOREIGN_TMP_MAX_AGE_S = 3600.0
 _HOST = socket.gethostname().replace(".", "_") or "host"
 _FILE_MODE = 0o600  # the files hold prompts' token ids: the engine's user alone reads them
 _DIR_MODE = 0o700
+_COUNTERS = ("num_stored", "num_evicted", "num_damaged", "num_unusable", "num_write_errors")
 _OPEN_FOR_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _OPEN_FOR_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -161,16 +162,7 @@ class DiskStore:
         self.on_stored: Callable[[BlockKey], None] | None = None
         self.on_removed: Callable[[int], None] | None = None
         self._tmp_ids = itertools.count()
-        self._counts = dict.fromkeys(
-            (
-                "num_stored",
-                "num_evicted",
-                "num_damaged",
-                "num_unusable",
-                "num_write_errors",
-            ),
-            0,
-        )
+        self._counts = dict.fromkeys(_COUNTERS, 0)
         os.makedirs(root, mode=_DIR_MODE, exist_ok=True)
         self.directory.mkdir(mode=_DIR_MODE, exist_ok=True)
         self._write_fingerprint(fingerprint)
