@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.cache.disk_store import DiskStore, chain_keys
+from radixkv.cache.keys import chain_keys
+from radixkv.engine.disk_store import DiskStore
 from radixkv.engine.host_kv import HostKVPool, KVCopier
 
 try:

@@ -22,8 +22,8 @@ from radixkv.cache.events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    chain_hashes,
 )
+from radixkv.cache.keys import chain_hashes
 
 BLOCK = 4
 

@@ -448,7 +448,6 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit
-        req.last_num_cached_tokens = num_hit
         req.num_prefill_tokens = len(tokens)
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req

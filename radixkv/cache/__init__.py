@@ -5,7 +5,8 @@ node.py          TreeNode: one node of the radix tree
 tokens.py        the door's checks: PackedTokens, token validation, sizes; the common-prefix helper
 tree.py          RadixTree: token paths per namespace, block ownership, locks, insert plan/commit
 eviction.py      the sorted set of evictable leaves
-events.py        KV events: chained block hashes and the recorder the owner drains
+keys.py          block keys: the one chain per node that KV events and the lower tiers read
+events.py        KV events: the queue the owner drains
 summary.py       a bounded picture of one namespace's tree, for a live view
 prefix_cache.py  PrefixCache: the one contract (match; admit / grow / commit / close a
                  BlockTable), stats, integrity

@@ -18,50 +18,34 @@ tier announces what this process writes or reads and forgets (not the files foun
 Only FULL blocks are announced: a router indexes whole blocks, and a partial tail (which radixkv
 caches, token-granular) would never match one of its block keys anyway.
 
-Block hashes are chained, as nano-vllm and vLLM chain them, so that a hash names the whole prefix
-ending at its block:
-
-    h_0 = hash_block(None, tokens of block 0)
-    h_i = hash_block(h_{i-1}, tokens of block i)      (xxh64 over the parent as 8 little-endian
-                                                       bytes ++ the tokens, by default)
-
-tokens as little-endian uint32. A cache namespace (a tenant's cache salt) seeds the chain:
-`namespace_seed(name)` is mixed in as h_{-1}, so equal tokens in two namespaces never share a
-hash (the wire still shows `parent_block_hash=None` for a first block). A `BlockHasher` is the
-one place the chain is chosen: `XXH64` (the default, above) or vLLM's sha256_cbor chain
-(`radixkv.cache.vllm_hash`), for routers that hash request tokens themselves as vLLM does
-(`make_block_hasher`). Nodes hold the hasher's own values; events carry their 64-bit wire form.
+Block hashes are the wire form of the blocks' chained keys (`radixkv.cache.keys`: xxh64 by
+default, or vLLM's sha256_cbor chain), so that a hash names the whole prefix ending at its block,
+namespace-salted (the wire still shows `parent_block_hash=None` for a first block). The tree and
+the tiers name a block by the same key, so the events of every tier agree under either chain.
 
 Recording is the cache's choice at construction (`PrefixCache(kv_events=True)`), as in SGLang's
 radix cache and vLLM's block pool: the cache appends events to a queue and its owner drains it
 (`PrefixCache.take_events()`, after each engine step). A cache built without it has no recorder
-at all: no hashing, no queue. Recording from the first block on means the queue describes the
-whole content, with no snapshot to take; a router that joins later re-syncs from the publisher's
-replay buffer, as it does with vLLM.
+at all: no queue (and, without lower tiers, no hashing). Recording from the first block on means
+the queue describes the whole content, with no snapshot to take; a router that joins later
+re-syncs from the publisher's replay buffer, as it does with vLLM.
 
-Where the tree produces them (`EventRecorder`): a full block of a path is announced by the node in
-which it ENDS (block i by the node with start < (i+1)*B <= end). Tokens enter the tree only as new
-leaves (`stored`); they leave only when a leaf is trimmed or removed (`removed`), or all at once
-(`cleared`). A split cuts a node's list of hashes in two and changes no block's hash; block ids
-(copy-on-write copies, superseded tails, co-owned heads) never enter a hash, so re-owning a block
-announces nothing.
+Where the cache produces them: a full block of a path is announced by the node in which it ENDS
+(block i by the node with start < (i+1)*B <= end), from the keys the node keeps. Tokens enter the
+tree only as new leaves (`stored`); they leave only when a leaf is trimmed or removed (`removed`),
+or all at once (`cleared`). A split changes no block's key; block ids (copy-on-write copies,
+superseded tails, co-owned heads) never enter a key, so re-owning a block announces nothing.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
-import xxhash
 
+from radixkv.cache.keys import BlockKey
 from radixkv.cache.node import TreeNode
-from radixkv.cache.tokens import unpack_tokens
-
-_xxh64 = xxhash.xxh64_intdigest
-_NATIVE_LITTLE = sys.byteorder == "little"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,104 +76,19 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-HashFn = Callable[[Any, bytes], Any]  # (parent hash, block tokens LE) -> hash
 
 
-# ---------------------------------------------------------------------------------- hashing
-def token_bytes_le(packed: bytes) -> bytes:
-    """Native uint32 token bytes (how the tree stores tokens) as little-endian ones, the hash
-    input on every machine."""
-    return packed if _NATIVE_LITTLE else np.frombuffer(packed, "=u4").astype("<u4").tobytes()
-
-
-def hash_block(parent_hash: int | None, tokens_le: bytes) -> int:
-    """Chained hash of one block: xxh64(parent hash as 8 little-endian bytes, if any ++ tokens)."""
-    if parent_hash is None:
-        return _xxh64(tokens_le)
-    return _xxh64(parent_hash.to_bytes(8, "little") + tokens_le)
-
-
-def chain_hashes(
-    parent_hash: int | None,
-    tokens_le: bytes,
-    block_size: int,
-    hash_fn: HashFn = hash_block,
-) -> list[Any]:
-    """Hashes of the consecutive full blocks in `tokens_le` (little-endian uint32 ids, a whole
-    number of blocks), chained from `parent_hash`. Mutates nothing."""
-    nbytes = 4 * block_size
-    assert len(tokens_le) % nbytes == 0, "chain_hashes takes whole blocks"
-    hashes = []
-    h = parent_hash
-    for start in range(0, len(tokens_le), nbytes):
-        h = hash_fn(h, tokens_le[start : start + nbytes])
-        hashes.append(h)
-    return hashes
-
-
-def namespace_seed(namespace: str) -> int:
-    """The h_{-1} of a namespace's chains: keeps equal prefixes of two namespaces apart."""
-    return _xxh64(b"radixkv-namespace:" + namespace.encode("utf-8"))
-
-
-class BlockHasher(Protocol):
-    """A block-hash chain: `block(parent, tokens_le)` hashes one block from its parent's hash,
-    `first_parent(namespace)` is the parent of a namespace's block 0, `wire(h)` the uint64 an
-    event carries."""
-
-    def first_parent(self, namespace: str | None) -> Any: ...
-
-    def block(self, parent: Any, tokens_le: bytes) -> Any: ...
-
-    def wire(self, h: Any) -> int: ...
-
-
-class Xxh64Hasher:
-    """radixkv's own chain (`hash_block`, `namespace_seed`): hashes are their wire form."""
-
-    block = staticmethod(hash_block)
-
-    @staticmethod
-    def first_parent(namespace: str | None) -> int | None:
-        return None if namespace is None else namespace_seed(namespace)
-
-    @staticmethod
-    def wire(h: int) -> int:
-        return h
-
-
-XXH64 = Xxh64Hasher()
-BLOCK_HASHES = ("xxh64", "sha256_cbor")
-
-
-def make_block_hasher(name: str = "xxh64", seed: str | None = None) -> BlockHasher:
-    """The chain called `name` (one of BLOCK_HASHES); `seed` is sha256_cbor's (vLLM's
-    PYTHONHASHSEED; None: vLLM's default) and must be None for xxh64. Raises ValueError."""
-    if name == "xxh64":
-        if seed is not None:
-            raise ValueError("block_hash_seed applies to block_hash='sha256_cbor' only")
-        return XXH64
-    if name == "sha256_cbor":
-        from radixkv.cache.vllm_hash import DEFAULT_SEED, Sha256CborHasher
-
-        return Sha256CborHasher(DEFAULT_SEED if seed is None else seed)
-    raise ValueError(f"block_hash must be one of {BLOCK_HASHES}, got {name!r}")
-
-
-# ------------------------------------------------------------------------------ recorder
 class EventRecorder:
-    """The tree's side of KV events: chained hashes of the full blocks each node ends, and the
-    queue of events as blocks enter and leave. Owned by one `RadixTree` (only when the cache
-    records events), which calls `stored`, `removed`, `split` and `cleared` at the only places
-    where its paths change.
+    """The queue of events as blocks enter and leave a tier, which the cache's owner drains.
+    The cache calls `stored`, `removed` and `cleared` where its paths change; the lower tiers
+    where theirs do, naming their `medium`.
 
-    Invariant (recomputed by `check_integrity`): every attached node's `block_hashes` is the chain
-    of the full blocks ending in it, recomputed from its path's tokens.
+    Invariant (`check_integrity`): every attached node keeps its block keys (announced when it
+    was attached; the key chain checks their values).
     """
 
-    def __init__(self, block_size: int, hasher: BlockHasher = XXH64) -> None:
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.hasher = hasher
         self.queue: list[KVEvent] = []
 
     def take(self) -> list[KVEvent]:
@@ -197,86 +96,30 @@ class EventRecorder:
         events, self.queue = self.queue, []
         return events
 
-    def stored(self, leaf: TreeNode) -> None:
-        """`leaf` was attached (its ancestors are hashed): hash the full blocks ending in it and
-        announce them (partial tails never)."""
-        tokens, leaf.block_hashes = self._chain(leaf)
-        if leaf.block_hashes:
+    def stored(
+        self, keys: Sequence[BlockKey], namespace: str | None = None, medium: str | None = None
+    ) -> None:
+        """Consecutive full blocks of one path entered a tier; `namespace` is published only
+        with a path's block 0."""
+        if keys:
+            parent = keys[0].parent_hash
+            tokens = tuple(np.frombuffer(b"".join(k.tokens for k in keys), "<u4").tolist())
+            hashes = tuple(k.block_hash for k in keys)
+            namespace = namespace if parent is None else None
             B = self.block_size
-            wire = self.hasher.wire
-            hashes = tuple(map(wire, leaf.block_hashes))
-            tokens_ids = tuple(unpack_tokens(tokens))
-            if leaf.start < B:  # block 0 of its path
-                stored = BlockStored(hashes, None, tokens_ids, B, namespace_of(leaf))
-            else:
-                stored = BlockStored(hashes, wire(self._last_hash(leaf.parent)), tokens_ids, B)
-            self.queue.append(stored)
+            self.queue.append(BlockStored(hashes, parent, tokens, B, namespace, medium))
 
-    def removed(self, node: TreeNode, keep: int) -> None:
-        """`node` is about to lose its full blocks from its `keep`-th on (0: all, the node goes;
-        more: a trim back to a block boundary). Call before the node changes."""
-        hashes = node.block_hashes
-        assert hashes is not None, f"[{node.start},{node.end}) was never hashed"
-        gone = hashes[keep:]
-        del hashes[keep:]
-        if gone:
-            self.queue.append(BlockRemoved(tuple(map(self.hasher.wire, reversed(gone)))))
-
-    def split(self, prefix: TreeNode, suffix: TreeNode, p: int) -> None:
-        """`suffix` [s, e) is being split at p into `prefix` [s, p) and itself [p, e): blocks
-        ending at or before p now end in the prefix. Call before `suffix.start` changes."""
-        hashes = suffix.block_hashes
-        assert hashes is not None, f"[{suffix.start},{suffix.end}) was never hashed"
-        k = p // self.block_size - suffix.start // self.block_size
-        prefix.block_hashes, suffix.block_hashes = hashes[:k], hashes[k:]
+    def removed(self, hashes: Sequence[int], medium: str | None = None) -> None:
+        """Blocks (deepest first along a path) left a tier."""
+        if hashes:
+            self.queue.append(BlockRemoved(tuple(hashes), medium))
 
     def cleared(self) -> None:
         self.queue.append(AllBlocksCleared())
 
     def check_integrity(self, nodes: Iterable[TreeNode]) -> None:
-        """The class invariant over the tree's attached `nodes` (parents first). Raises
-        AssertionError naming the node's segment."""
+        """The class invariant over the tree's attached `nodes`. Raises AssertionError naming
+        the node's segment."""
         for node in nodes:
-            if node.block_hashes != self._chain(node)[1]:
-                raise AssertionError(f"[{node.start},{node.end}) holds stale block hashes")
-
-    # ---------------------------------------------------------------- internals
-    def _chain(self, node: TreeNode) -> tuple[bytes, list[int]]:
-        """The tokens of the full blocks ending in `node` and their hashes, chained from the
-        last full block above it (whose hashes must be computed). Mutates nothing."""
-        B = self.block_size
-        tokens = path_bytes(node, node.start // B * B, node.end // B * B)
-        parent = self._last_hash(node.parent)
-        return tokens, chain_hashes(parent, token_bytes_le(tokens), B, self.hasher.block)
-
-    def _last_hash(self, node: TreeNode | None) -> Any:
-        """Hash of the last full block on the path to `node` (whose hashes, and its ancestors',
-        are computed); the hasher's first parent for the path's namespace when there is none."""
-        while node is not None and node.parent is not None:
-            if node.block_hashes:
-                return node.block_hashes[-1]
-            node = node.parent
-        return self.hasher.first_parent(None if node is None else node.namespace)
-
-
-def namespace_of(node: TreeNode) -> str | None:
-    """The namespace of the root above `node` (or of `node`, a root)."""
-    while node.parent is not None:
-        node = node.parent
-    return node.namespace
-
-
-def path_bytes(node: TreeNode, lo: int, hi: int) -> bytes:
-    """Packed tokens of path positions [lo, hi) (hi <= node.end; hi may lie above the node, in
-    an ancestor), read up the ancestors."""
-    parts = []
-    cursor: TreeNode | None = node
-    end = hi
-    while lo < end:
-        assert cursor is not None and cursor.parent is not None
-        a = max(lo, cursor.start)
-        if a < end:  # else the range ends above this node
-            parts.append(cursor.tokens[4 * (a - cursor.start) : 4 * (end - cursor.start)])
-            end = a
-        cursor = cursor.parent
-    return b"".join(reversed(parts))
+            if node.block_keys is None:
+                raise AssertionError(f"[{node.start},{node.end}) was never hashed")

@@ -25,7 +25,9 @@ Two policies, both fully deterministic (logical clock, node id last):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedList
@@ -118,3 +120,71 @@ class EvictionIndex:
     def items(self) -> list[tuple[Any, TreeNode]]:
         """(key, node) pairs in eviction order, for integrity checks and displays."""
         return [(k, self._nodes[k]) for k in self._keys]
+
+
+@dataclass(slots=True, eq=False)
+class LruEntry:
+    """One full block a lower tier indexes by its hash; a member of the LRU order unless pinned.
+    Duck-types the `TreeNode` fields `lru_key` and `EvictionIndex` read."""
+
+    block_hash: int
+    node_id: int = 0  # order of arrival: breaks ties between equal ticks
+    tick: int = 0  # last use on the index's logical clock
+    evict_key: Any = field(default=None, repr=False)
+
+
+class LruEntries(dict):
+    """A lower tier's index (the host tier's blocks, the disk tier's files): a dict of block hash
+    -> entry, the unpinned entries ordered least recently used first on a logical clock (one tick
+    per use). Read it as a dict; change it only through `add`, `touch`, `pin` and `remove`.
+
+    Invariants (`check_integrity`): each entry is filed under its hash; the order holds exactly
+    the unpinned entries, each under its current key; no tick is ahead of the clock.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = EvictionIndex(lru_key)
+        self.clock = 0
+        self._ids = itertools.count()
+
+    def add(self, entry: Any) -> Any:
+        """File a new entry (its hash not filed yet) as the most recently used; returns it."""
+        assert entry.block_hash not in self, f"{entry.block_hash:016x} filed twice"
+        entry.node_id = next(self._ids)
+        self[entry.block_hash] = entry
+        return self.touch(entry)
+
+    def touch(self, entry: Any) -> Any:
+        """The entry becomes the most recently used (and unpinned); returns it."""
+        self.order.discard(entry)
+        self.clock += 1
+        entry.tick = self.clock
+        self.order.add(entry)
+        return entry
+
+    def pin(self, entry: Any) -> None:
+        """Take the entry out of the order (`touch` puts it back)."""
+        self.order.discard(entry)
+
+    def remove(self, block_hash: int) -> Any:
+        """Drop the entry of `block_hash`; returns it (None: there was none)."""
+        entry = self.pop(block_hash, None)
+        if entry is not None:
+            self.order.discard(entry)
+        return entry
+
+    def check_integrity(self, tier: str) -> None:
+        """Recompute the invariants in the class docstring; AssertionError names `tier`."""
+        unpinned = set()
+        for h, entry in self.items():
+            if entry.block_hash != h or entry.tick > self.clock:
+                raise AssertionError(f"{tier} entry {h:016x} misfiled or ticked ahead")
+            if entry.evict_key is not None:
+                unpinned.add(id(entry))
+        members = self.order.items()
+        if {id(e) for _, e in members} != unpinned or len(members) != len(unpinned):
+            raise AssertionError(f"the {tier} LRU order does not hold exactly the unpinned entries")
+        for k, entry in members:
+            if k != lru_key(entry):
+                raise AssertionError(f"{tier} entry {entry.block_hash:016x} under a stale key")

@@ -13,7 +13,7 @@ the destination of a LATER move in the same list, never of an earlier one (the c
 reading move first, then frees the block).
 
 A move that fails leaves its destination blocks holding garbage, and so does every later move
-that reads them (`poisoned`); the engine recomputes the requests whose tables hold a poisoned device
+that reads them (`Poisoned`); the engine recomputes the requests whose tables hold a poisoned device
 block (a block file that could not be read is only a miss; a second failed copy fails the
 request), and the cache forgets every copy held in a poisoned block. A DiskWrite of a poisoned host
 block is not made (garbage never reaches the disk).
@@ -21,10 +21,10 @@ block is not made (garbage never reaches the disk).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixkv.cache.disk_store import BlockKey
+from radixkv.cache.keys import BlockKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +104,6 @@ class Poisoned:
             _flow(oks, t.host, host, t.device, device)
         elif isinstance(t, DiskRead):
             _flow(oks, None, (set(), set()), t.host, host)
-
-
-def poisoned(moves: Sequence[Move], failed: Iterable[int]) -> Poisoned:
-    """The blocks holding garbage after `moves` ran in order, when the moves at the indices
-    `failed` did not happen. Mutates nothing."""
-    failed = set(failed)
-    result = Poisoned()
-    for i, t in enumerate(moves):
-        result.record(t, i not in failed)
-    return result
 
 
 def _flow(

@@ -1,5 +1,5 @@
-"""TreeNode: one node of the radix tree, the record the tree, the eviction index and the KV-event
-recorder all read (`tree.py` explains the block map of a path)."""
+"""TreeNode: one node of the radix tree, the record the tree, the eviction index and the key chain
+all read (`tree.py` explains the block map of a path)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,9 @@ class TreeNode:
     evict_key: Any = None  # key in the eviction index while an unlocked leaf, else None
     namespace: str | None = None  # the namespace of a root (None on every other node)
     gdsf_base: int = 0  # the tree's inflation at the last use of this node (or, lazily, below)
-    # chained hashes of the full blocks ending here (only when the cache records KV events), in
-    # the recorder's hasher's own form (xxh64: uint64; sha256_cbor: 32-byte digests)
-    block_hashes: list[Any] | None = field(default=None, repr=False)
-    # the lower tiers' keys of the full blocks ending here (`disk_store.BlockKey`; typed Any so
-    # that the node imports nothing of the cache), kept once computed (`radixkv.cache.path_keys`);
-    # None: not computed yet
+    # the keys of the full blocks ending here (`radixkv.cache.keys.BlockKey`; typed Any so that
+    # the node imports nothing of the cache), read by KV events and the lower tiers alike, kept
+    # once computed (at once when the cache records events); None: not computed yet
     block_keys: list[Any] | None = field(default=None, repr=False)
 
     @property

@@ -55,14 +55,13 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.disk_store import BlockKey, DiskStore
-from radixkv.cache.events import XXH64, BlockHasher, EventRecorder, KVEvent
+from radixkv.cache.events import EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
+from radixkv.cache.keys import XXH64, BlockHasher, BlockKey, KeyChain
 from radixkv.cache.moves import Move
-from radixkv.cache.path_keys import node_block_keys, prompt_keys
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.summary import EMPTY, TreeSummary, summarize
-from radixkv.cache.tiers import LowerTiers
+from radixkv.cache.tiers import DiskIndex, LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
 from radixkv.cache.tree import RadixTree, TreeNode
 
@@ -216,7 +215,7 @@ class PrefixCache:
         eviction: str = "gdsf",
         kv_events: bool | BlockHasher = False,
         host_blocks: int = 0,
-        disk: DiskStore | None = None,
+        disk: DiskIndex | None = None,
         write_through: bool = False,
     ) -> None:
         """`eviction`: the order unlocked leaves go in, "gdsf" (fewest tokens lost per freed
@@ -227,8 +226,8 @@ class PrefixCache:
         a host tier: its reads and writes go through host blocks). Evicted device blocks are
         demoted to the host (write-back); `write_through` copies every committed full block
         to the host at once instead, so an eviction finds it there. The moves are drained with
-        `take_moves()` (see `radixkv.cache.tiers`). The lower tiers' blocks are named by
-        xxh64 chains: their events are recorded only when the device's are hashed alike."""
+        `take_moves()` (see `radixkv.cache.tiers`). Every tier names a block by the same key
+        (`radixkv.cache.keys`), so the lower tiers' events use the events' chain too."""
         if eviction not in EVICTION_ORDERS:
             raise ValueError(f"eviction must be one of {sorted(EVICTION_ORDERS)}, got {eviction!r}")
         check_size(host_blocks, "host_blocks", low=0)
@@ -237,15 +236,16 @@ class PrefixCache:
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
-        hasher = XXH64 if kv_events is True else kv_events
-        self._events = EventRecorder(self.block_size, hasher) if hasher else None
+        hasher = XXH64 if isinstance(kv_events, bool) else kv_events
+        self._events = EventRecorder(self.block_size) if kv_events else None
+        self._keys = KeyChain(self.block_size, hasher) if kv_events or host_blocks else None
         order = EVICTION_ORDERS[eviction](self.block_size)
-        self._tree = RadixTree(self._pool, order, self._events)
+        self._tree = RadixTree(self._pool, order, self._keys)
         self._tiers: LowerTiers | None = None
         if host_blocks:
-            tier_events = self._events if hasher is XXH64 else None
-            self._tiers = LowerTiers(host_blocks, self.block_size, disk, tier_events)
-            self._tree.on_evict = self._demote
+            self._tiers = LowerTiers(host_blocks, self.block_size, disk, self._events)
+        if self._keys is not None:
+            self._tree.on_cut = self._cut
         self._write_through = write_through and self._tiers is not None
         self._private: set[int] = set()
         self._open: set[BlockTable] = set()  # tables admitted and not yet closed
@@ -381,6 +381,8 @@ class PrefixCache:
         self._counts["num_inserted_tokens"] += n - m
         self._counts["num_duplicate_blocks_freed"] += len(plan.duplicates)
         self._counts["num_superseded_tails_freed"] += superseded
+        if n > m and self._events is not None:  # a new leaf: its full blocks are announced
+            self._events.stored(self._keys.node_keys(table.node), table.namespace)  # type: ignore[union-attr]
         if self._write_through and n > m:
             self._demote(table.node, 0)  # the new leaf's full blocks
 
@@ -416,6 +418,8 @@ class PrefixCache:
         if any(root.lock_ref for root in self._tree.roots.values()):
             return False
         self._tree.clear()
+        if self._events is not None:
+            self._events.cleared()
         if self._tiers is not None:
             self._tiers.clear()
         return True
@@ -544,6 +548,8 @@ class PrefixCache:
         self._pool.check_integrity(owners)
         if self._tiers is not None:
             self._tiers.check_integrity()
+        if self._events is not None:
+            self._events.check_integrity(self._tree.iter_attached())
         # free + evictable + in use == all, where evictable + in use = blocks with an owner
         free, owned = self._pool.num_free, len(owners)
         if free + owned != self.num_blocks:
@@ -597,7 +603,7 @@ class PrefixCache:
             return m, [], 0, 0
         if not tiers.entries and tiers.disk is None:
             return m, [], 0, 0
-        keys = prompt_keys(qb, num_full, m, node, namespace, B)
+        keys = self._keys.prompt_keys(qb, num_full, m, node, namespace)  # type: ignore[union-attr]
         h, d = tiers.lookup(keys)
         hit = min(limit, (i0 + h + d) * B)
         if hit <= m:
@@ -618,6 +624,15 @@ class PrefixCache:
             c["num_disk_hit_tokens"] += hit - lower_start - from_host
         c["num_hit_tokens"] += max(m, hit)
 
+    def _cut(self, node: TreeNode, keep: int) -> None:
+        """The tree is about to cut `node`'s blocks from its `keep`-th on: the lower tiers take
+        copies of the full ones, and they are announced as gone from the device."""
+        if self._tiers is not None:
+            self._demote(node, keep)
+        if self._events is not None:
+            gone = self._keys.node_keys(node)[keep:]  # type: ignore[union-attr]
+            self._events.removed([key.block_hash for key in reversed(gone)])
+
     def _demote(self, node: TreeNode, keep: int) -> None:
         """`node`'s full blocks from its `keep`-th on are leaving the device (or, written
         through, may later): the lower tiers take copies of those they lack."""
@@ -633,7 +648,8 @@ class PrefixCache:
         first, full_end = node.start // B, node.end // B  # full blocks ending in node
         if first + keep >= full_end:
             return [], []
-        return node_block_keys(node, B)[keep:], node.blocks[keep : full_end - first]
+        keys = self._keys.node_keys(node)  # type: ignore[union-attr]
+        return keys[keep:], node.blocks[keep : full_end - first]
 
     def _fits(self, num_blocks: int, lock: TreeNode | None) -> bool:
         """Whether `num_blocks` can be allocated (evicting what it takes) once `lock`, if any, is

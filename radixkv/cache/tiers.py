@@ -1,4 +1,4 @@
-"""The tiers below the device pool: a host pool of full KV blocks and, optionally, the disk store.
+"""The tiers below the device pool: a host pool of full KV blocks and, optionally, the disk tier.
 
 Both lower tiers hold FULL blocks named by their `BlockKey` (the chained, namespace-salted block
 hash of the KV events, plus the prefix digest that rules out hash collisions), so a tenant's block
@@ -7,7 +7,7 @@ demoted here (write-back), and a lookup past what the tree holds goes on by hash
 next full blocks and probing the host index, then the disk store (`lookup`).
 
 The host tier is a `BlockPool` of host block ids (one owner each: its index entry) ordered by the
-one eviction machinery (`EvictionIndex`, LRU on a logical clock). A host block evicted for room is
+LRU index of the lower tiers (`LruEntries`, on a logical clock). A host block evicted for room is
 written to the disk store first when there is one (`DiskWrite`), else dropped.
 
 Nothing here touches KV: every decision is appended to `moves` (`radixkv.cache.moves`) in the
@@ -24,15 +24,13 @@ disk store's own invariants.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-import numpy as np
-
-from radixkv.cache.disk_store import BlockKey, DiskStore
-from radixkv.cache.events import BlockRemoved, BlockStored, EventRecorder
-from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.events import EventRecorder
+from radixkv.cache.eviction import LruEntries, LruEntry
+from radixkv.cache.keys import BlockKey
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload
 from radixkv.cache.pool import BlockPool
 
@@ -40,15 +38,30 @@ HOST_MEDIUM = "CPU"  # vLLM's name of the host tier in KV events
 DISK_MEDIUM = "DISK"  # vLLM names no disk tier: this name is ours
 
 
-@dataclass(slots=True, eq=False)
-class HostEntry:
-    """One full block in the host tier; a member of the tier's LRU index unless pinned."""
+class DiskIndex(Protocol):
+    """What the cache plans with of the disk tier: which files there are, and which a planned
+    read still needs. The engine's `DiskStore` is one; it reads and writes the files (the cache
+    holds no file handle) and tells the cache which blocks it indexes and forgets."""
 
-    node_id: int  # order of arrival: breaks ties between equal ticks
-    key: BlockKey
-    block: int  # host block id
-    tick: int = 0
-    evict_key: Any = field(default=None, repr=False)
+    block_size: int
+    on_stored: Callable[[BlockKey], None] | None
+    on_removed: Callable[[int], None] | None
+
+    def probe(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def pin(self, block_hashes: Sequence[int]) -> None: ...
+
+    def unpin(self, block_hashes: Sequence[int]) -> None: ...
+
+    def check_integrity(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class HostEntry(LruEntry):
+    """One full block in the host tier."""
+
+    key: BlockKey = field(kw_only=True)
+    block: int = field(kw_only=True)  # host block id
 
 
 class LowerTiers:
@@ -59,7 +72,7 @@ class LowerTiers:
         self,
         num_host_blocks: int,
         block_size: int,
-        disk: DiskStore | None,
+        disk: DiskIndex | None,
         events: EventRecorder | None,
     ) -> None:
         self.pool = BlockPool(num_host_blocks, block_size)
@@ -67,13 +80,10 @@ class LowerTiers:
         self.disk = disk
         self.events = events
         if disk is not None and events is not None:
-            disk.on_stored = lambda key: self._record_stored(key, DISK_MEDIUM)
-            disk.on_removed = lambda h: events.queue.append(BlockRemoved((h,), DISK_MEDIUM))
-        self.entries: dict[int, HostEntry] = {}  # block hash -> entry
-        self.lru = EvictionIndex(lru_key)
+            disk.on_stored = lambda key: events.stored([key], medium=DISK_MEDIUM)
+            disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM)
+        self.entries = LruEntries()  # block hash -> HostEntry
         self.moves: list[Move] = []
-        self._clock = 0
-        self._ids = itertools.count()
         self.counts = dict.fromkeys(
             ("num_offloaded_blocks", "num_loaded_blocks", "num_disk_reads", "num_disk_writes"), 0
         )
@@ -107,7 +117,7 @@ class LowerTiers:
     def pin(self, keys: Sequence[BlockKey], h: int, d: int) -> None:
         """Keep keys[:h] on the host and keys[h:h+d] on disk until `load` is planned."""
         for key in keys[:h]:
-            self.lru.discard(self.entries[key.block_hash])
+            self.entries.pin(self.entries[key.block_hash])
         if d:
             assert self.disk is not None
             self.disk.pin([key.block_hash for key in keys[h : h + d]])
@@ -117,7 +127,7 @@ class LowerTiers:
         for key in keys[:h]:
             entry = self.entries.get(key.block_hash)
             if entry is not None:
-                self._touch(entry)
+                self.entries.touch(entry)
         if d:
             assert self.disk is not None
             self.disk.unpin([key.block_hash for key in keys[h : h + d]])
@@ -125,7 +135,7 @@ class LowerTiers:
     def load(self, keys: Sequence[BlockKey], h: int, d: int, device: Sequence[int]) -> None:
         """Plan the loads of pinned keys[:h] (host) and keys[h:h+d] (disk, staged through new host
         entries) into the device blocks `device`, and unpin them."""
-        hosts = [self._touch(self.entries[key.block_hash]) for key in keys[:h]]
+        hosts = [self.entries.touch(self.entries[key.block_hash]).block for key in keys[:h]]
         if h:
             self.moves.append(Load(tuple(hosts), tuple(device[:h])))
         if d:
@@ -154,7 +164,7 @@ class LowerTiers:
             if entry is None:
                 missing.append((key, b))
             elif entry.key == key and entry.evict_key is not None:
-                self._touch(entry)
+                self.entries.touch(entry)
         hosts = self._allocate(len(missing))
         if hosts:
             missing = missing[: len(hosts)]
@@ -189,19 +199,13 @@ class LowerTiers:
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Recompute the invariants in the module docstring; AssertionError names the first."""
+        self.entries.check_integrity("host")
         owners = {}
-        for h, entry in self.entries.items():
-            if entry.key.block_hash != h or entry.block in owners or entry.tick > self._clock:
-                raise AssertionError(f"host entry {h:016x} is malformed or shares its block")
+        for entry in self.entries.values():
+            if entry.key.block_hash != entry.block_hash or entry.block in owners:
+                raise AssertionError(f"host entry {entry.block_hash:016x} is malformed or shared")
             owners[entry.block] = 1
         self.pool.check_integrity(owners)
-        members = self.lru.items()
-        unpinned = {id(e) for e in self.entries.values() if e.evict_key is not None}
-        if {id(e) for _, e in members} != unpinned or len(members) != len(unpinned):
-            raise AssertionError("the host LRU index does not hold exactly the unpinned entries")
-        for k, entry in members:
-            if k != lru_key(entry):  # type: ignore[arg-type]
-                raise AssertionError(f"host entry {entry.key.block_hash:016x} under a stale key")
         if self.disk is not None:
             self.disk.check_integrity()
 
@@ -209,9 +213,9 @@ class LowerTiers:
     def _allocate(self, n: int) -> list[int]:
         """Up to `n` host blocks, evicting the least recently used unpinned entries (each
         written to disk first, with a disk tier)."""
-        short = min(n - self.pool.num_free, len(self.lru))
+        short = min(n - self.pool.num_free, len(self.entries.order))
         if short > 0:
-            victims = list(itertools.islice(self.lru, short))
+            victims = list(itertools.islice(self.entries.order, short))
             if self.disk is not None:
                 self.moves.append(
                     DiskWrite(tuple(e.block for e in victims), tuple(e.key for e in victims))
@@ -222,30 +226,12 @@ class LowerTiers:
         return self.pool.allocate(min(n, self.pool.num_free)) or []
 
     def _add(self, key: BlockKey, block: int) -> None:
-        entry = HostEntry(next(self._ids), key, block)
-        self.entries[key.block_hash] = entry
-        self._touch(entry)
-        self._record_stored(key, HOST_MEDIUM)
-
-    def _record_stored(self, key: BlockKey, medium: str) -> None:
+        self.entries.add(HostEntry(key.block_hash, key=key, block=block))
         if self.events is not None:
-            tokens = tuple(np.frombuffer(key.tokens, "<u4").tolist())
-            B, parent = self.block_size, key.parent_hash
-            self.events.queue.append(
-                BlockStored((key.block_hash,), parent, tokens, B, medium=medium)
-            )
-
-    def _touch(self, entry: HostEntry) -> int:
-        """The entry becomes the most recently used (and unpinned); returns its host block."""
-        self.lru.discard(entry)
-        self._clock += 1
-        entry.tick = self._clock
-        self.lru.add(entry)  # type: ignore[arg-type]
-        return entry.block
+            self.events.stored([key], medium=HOST_MEDIUM)
 
     def _remove(self, entry: HostEntry) -> None:
-        self.lru.discard(entry)  # type: ignore[arg-type]
-        del self.entries[entry.key.block_hash]
+        self.entries.remove(entry.block_hash)
         self.pool.release([entry.block])
         if self.events is not None:
-            self.events.queue.append(BlockRemoved((entry.key.block_hash,), HOST_MEDIUM))
+            self.events.removed([entry.key.block_hash], HOST_MEDIUM)

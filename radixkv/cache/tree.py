@@ -34,10 +34,9 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from radixkv.cache.events import EventRecorder
 from radixkv.cache.eviction import EvictionIndex, EvictionKey, gdsf_priority
+from radixkv.cache.keys import KeyChain, split_keys, trim_keys
 from radixkv.cache.node import TreeNode
-from radixkv.cache.path_keys import check_block_keys, split_keys, trim_keys
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, common_prefix_len
 
@@ -75,26 +74,23 @@ class RadixTree:
       `gdsf_base` is lazy like ticks (a node's is the largest of its subtree's last uses);
     * `num_evictable_blocks` = blocks whose shallowest owner is unlocked (those `evict` can free);
     * `num_nodes` (roots excluded) and `num_cached_tokens` match the tree;
-    * with `events`, every node's block hashes are its path's chain (`EventRecorder`);
-    * a node's kept `block_keys` are the lower tiers' keys of the full blocks ending in it, as
-      `chain_keys` gives them over its path (`radixkv.cache.path_keys`).
+    * a node's kept `block_keys` are the keys of the full blocks ending in it, as the key chain
+      gives them over its path (`radixkv.cache.keys`); without a chain no node keeps keys.
     """
 
-    def __init__(
-        self, pool: BlockPool, eviction_key: EvictionKey, events: EventRecorder | None
-    ) -> None:
-        """`eviction_key`: the eviction order (`radixkv.cache.eviction`); `events`: where KV
-        events are recorded (None: nowhere, and nothing is hashed)."""
+    def __init__(self, pool: BlockPool, eviction_key: EvictionKey, keys: KeyChain | None) -> None:
+        """`eviction_key`: the eviction order (`radixkv.cache.eviction`); `keys`: the chain the
+        nodes' block keys are checked against (None: nothing is hashed)."""
         self.pool = pool
         self.block_size = pool.block_size
         self._node_ids = itertools.count(1)  # 0 is the shared root's
         self.roots: dict[str | None, TreeNode] = {None: TreeNode(0)}
         self.index = EvictionIndex(eviction_key)
         self.inflation = 0  # GDSF's L: the largest priority evicted so far
-        self.events = events
-        # Called as (node, keep) before an eviction takes the node's blocks from the `keep`-th
-        # on (0: the node goes): the cache demotes them to a lower tier.
-        self.on_evict: Callable[[TreeNode, int], None] | None = None
+        self.keys = keys
+        # Called as (node, keep) before an eviction cuts the node's blocks from the `keep`-th
+        # on (0: the node goes): the cache demotes them to a lower tier and announces them.
+        self.on_cut: Callable[[TreeNode, int], None] | None = None
         self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
 
     @property
@@ -257,8 +253,6 @@ class RadixTree:
             next(self._node_ids), parent, s, p, node.tokens[:cut], blocks, node.head_shared
         )
         prefix.lock_ref, prefix.tick, prefix.gdsf_base = node.lock_ref, node.tick, node.gdsf_base
-        if self.events is not None:
-            self.events.split(prefix, node, p)
         split_keys(prefix, node, p, B)
         member = node.evict_key is not None
         self.index.discard(node)  # the suffix's key reads its start: re-keyed below
@@ -322,8 +316,6 @@ class RadixTree:
         parent.children[first] = leaf
         self.num_nodes += 1
         self.num_cached_tokens += leaf.end - leaf.start
-        if self.events is not None:
-            self.events.stored(leaf)
         return leaf
 
     # ------------------------------------------------------------------ locking
@@ -423,10 +415,8 @@ class RadixTree:
         new_end = (leaf.start // B + len(leaf.blocks) - num_blocks) * B
         assert leaf.start < new_end < leaf.end
         keep = new_end // B - leaf.start // B
-        if self.on_evict is not None:
-            self.on_evict(leaf, keep)
-        if self.events is not None:
-            self.events.removed(leaf, keep)
+        if self.on_cut is not None:
+            self.on_cut(leaf, keep)
         trim_keys(leaf, keep)
         self.index.discard(leaf)
         removed = leaf.end - new_end
@@ -445,10 +435,8 @@ class RadixTree:
         """Remove an evictable leaf whole; its parent may become an evictable leaf (or, a root,
         be dropped). Returns the tokens removed."""
         self.index.discard(leaf)
-        if self.on_evict is not None:
-            self.on_evict(leaf, 0)
-        if self.events is not None:
-            self.events.removed(leaf, 0)
+        if self.on_cut is not None:
+            self.on_cut(leaf, 0)
         parent = leaf.parent
         assert parent is not None
         del parent.children[leaf.first_token]
@@ -466,9 +454,9 @@ class RadixTree:
 
     def clear(self) -> None:
         """Drop every cached path (no node may be locked): all blocks go back to the pool, the
-        inflation restarts, one `AllBlocksCleared` is recorded."""
+        inflation restarts."""
         assert all(root.lock_ref == 0 for root in self.roots.values()), "clear with live locks"
-        for node in self._iter_attached():
+        for node in self.iter_attached():
             self.pool.release(node.blocks)
             node.evict_key = None
         self.roots = {None: self.root}
@@ -477,10 +465,8 @@ class RadixTree:
         self.index = EvictionIndex(self.index.key)
         self.inflation = 0
         self.num_nodes = self.num_cached_tokens = self.num_evictable_blocks = 0
-        if self.events is not None:
-            self.events.cleared()
 
-    def _iter_attached(self) -> Iterator[TreeNode]:
+    def iter_attached(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
         return (node for node, _ in self.iter_nodes() if node.parent is not None)
 
@@ -516,11 +502,10 @@ class RadixTree:
         self._check_locks_and_index(order, locks_on, clock)
         owners = self._check_ownership(order)
         attached = [n for n in order if n.parent is not None]
-        if self.events is not None:
-            self.events.check_integrity(attached)
-        elif any(n.block_hashes is not None for n in attached):
-            _fail("a node holds block hashes, yet no events are recorded")
-        check_block_keys(attached, self.block_size)
+        if self.keys is not None:
+            self.keys.check(attached)
+        elif any(n.block_keys is not None for n in attached):
+            _fail("a node keeps block keys, yet nothing is hashed")
         return owners
 
     def _check_structure(self) -> list[TreeNode]:

@@ -1,6 +1,7 @@
-"""vLLM's `sha256_cbor` block-hash chain, for consumers that compute block keys themselves.
+"""vLLM's `sha256_cbor` block hash, for consumers that compute block keys themselves (the chain
+is built by `radixkv.cache.keys.chain_keys`, as every chain).
 
-radixkv's own chain is xxh64 (`radixkv.cache.events`). A router that hashes request tokens the
+radixkv's own chain is xxh64 (`radixkv.cache.keys`). A router that hashes request tokens the
 way vLLM does (llm-d's KV-cache manager, configured with vLLM's hash seed) can only match a
 replica's events if they carry vLLM's hashes. vLLM computes them so
 (`vllm/v1/core/kv_cache_utils.py`: `init_none_hash`, `hash_block_tokens`,
@@ -25,7 +26,6 @@ for each (RFC 8949, 4.2.1), written out here rather than adding a CBOR dependenc
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,23 +70,6 @@ def none_hash(seed: str) -> bytes:
     return sha256_cbor(seed)
 
 
-def chain(
-    parent: bytes, token_ids: Sequence[int], block_size: int, *, first_extra: tuple | None = None
-) -> list[bytes]:
-    """The digests of the consecutive full blocks of `token_ids` (a whole number of blocks),
-    chained from `parent` (NONE_HASH for a sequence's first block); `first_extra` is the extra
-    keys of the first of them (vLLM: `salt_keys(cache_salt)` on a salted request's block 0)."""
-    assert len(token_ids) % block_size == 0, "chain takes whole blocks"
-    digests = []
-    extra = first_extra
-    for start in range(0, len(token_ids), block_size):
-        block = tuple(int(t) for t in token_ids[start : start + block_size])
-        parent = sha256_cbor((parent, block, extra))
-        digests.append(parent)
-        extra = None
-    return digests
-
-
 def wire_hash(digest: bytes) -> int:
     """The block hash an event carries: the digest's low 64 bits."""
     return int.from_bytes(digest, "big") & _MASK64
@@ -105,7 +88,7 @@ class _FirstBlock:
 
 
 class Sha256CborHasher:
-    """The `BlockHasher` (`radixkv.cache.events`) of vLLM's chain: nodes hold the 32-byte
+    """The `BlockHasher` (`radixkv.cache.keys`) of vLLM's chain: nodes hold the 32-byte
     digests, events their low 64 bits. A namespace is vLLM's cache salt."""
 
     def __init__(self, seed: str = DEFAULT_SEED) -> None:

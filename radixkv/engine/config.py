@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache import check_size
-from radixkv.cache.events import BLOCK_HASHES, make_block_hasher
+from radixkv.cache.keys import BLOCK_HASHES, make_block_hasher
 from radixkv.engine.sampling_params import check_seed
 from radixkv.kv_events import EVENT_LAYOUTS, check_address, check_event_layout, check_kv_events
 from radixkv.scheduler.policy import POLICIES
@@ -130,7 +130,7 @@ class EngineConfig:
     kv_events_connect: bool = False
     # The block-hash chain of the events: "xxh64" (radixkv's) or "sha256_cbor" (vLLM's, which
     # llm-d computes request keys with), seeded as vLLM is by PYTHONHASHSEED (None: vLLM's
-    # default seed). `radixkv.cache.events.make_block_hasher`.
+    # default seed). `radixkv.cache.keys.make_block_hasher`.
     block_hash: str = "xxh64"
     block_hash_seed: str | None = None
 
@@ -146,7 +146,7 @@ class EngineConfig:
     disk_cache_bytes: int = 8 * 2**30
     # A deployment's secret: block files then carry a checksum keyed by it (and live in a folder
     # of their own), so a file forged by whoever can write the folder without the secret is
-    # never loaded (`radixkv.cache.disk_store`). None: unkeyed. The command line takes it from
+    # never loaded (`radixkv.engine.disk_store`). None: unkeyed. The command line takes it from
     # the environment variable RADIXKV_KV_CACHE_SECRET (`radixkv.options`), never from argv.
     kv_cache_secret: str | bytes | None = field(default=None, repr=False)
 

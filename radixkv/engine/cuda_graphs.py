@@ -46,8 +46,7 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, up to and including
     `max_num_seqs` (a step of n rows replays the smallest bucket >= n: at most 7 pad rows past
     8, where a row costs little next to the weights every row shares)."""
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    assert max_num_seqs >= 1, f"EngineConfig checks max_num_seqs, got {max_num_seqs!r}"
     sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
     sizes.update(range(16, max_num_seqs + 1, 8))
     sizes.add(max_num_seqs)

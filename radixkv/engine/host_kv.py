@@ -31,8 +31,6 @@ The caller keeps the blocks a copy reads or writes out of any other use until it
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,16 +38,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.cache import check_size
-
 LOAD = "load"  # host -> device
 OFFLOAD = "offload"  # device -> host
 
 
 def plan_host_blocks(bytes_per_block: int, host_cache_bytes: int) -> int:
-    """How many host blocks `host_cache_bytes` holds (0: no host tier). TypeError for a size that
-    is not an int, ValueError for a negative one or one that holds no block."""
-    n = check_size(host_cache_bytes, "host_cache_bytes", low=0) // bytes_per_block
+    """How many host blocks `host_cache_bytes` (an int >= 0: `EngineConfig` checked it) holds (0:
+    no host tier). ValueError for a size that holds no block of this model's."""
+    assert host_cache_bytes >= 0, host_cache_bytes
+    n = host_cache_bytes // bytes_per_block
     if host_cache_bytes and n < 1:
         raise ValueError(
             f"host_cache_bytes={host_cache_bytes} holds no KV block ({bytes_per_block} bytes each)"
@@ -102,10 +99,7 @@ class KVCopy:
     direction: str
     num_blocks: int
     nbytes: int
-    # CUDA: recorded on the side stream around the copy; None on the CPU (done when returned)
-    start: Any = None
-    done: Any = None
-    seconds: float | None = None  # the copy's duration, once complete (CUDA: see `poll`)
+    done: Any = None  # CUDA: recorded on the side stream after the copy; None on the CPU (done)
 
     @property
     def complete(self) -> bool:
@@ -113,23 +107,11 @@ class KVCopy:
         return self.done is None or bool(self.done.query())
 
 
-@dataclass(slots=True)
-class CopyTotals:
-    """What the copies of one direction moved, counting complete copies only."""
-
-    num_copies: int = 0
-    num_blocks: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
 class KVCopier:
     """Batched block copies between a device pool (`k_cache`, `v_cache`: [num_layers, num_blocks,
     block_size, kv_heads, head_dim]) and a `HostKVPool` of the same block shape and dtype; see
-    the module docstring for how they are ordered on CUDA.
-
-    Invariant: `pending` holds the CUDA copies not yet seen complete by `poll`, in issue order;
-    `totals` counts every copy seen complete."""
+    the module docstring for how they are ordered on CUDA. What the copies move is counted
+    once, by the tier mover (`radixkv.engine.tier_io.MoveTotals`)."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, host: HostKVPool) -> None:
         assert k_cache.shape == v_cache.shape and k_cache.dtype == host.data.dtype
@@ -141,8 +123,6 @@ class KVCopier:
         self.cuda = self.device.type == "cuda"
         assert host.pinned or not self.cuda, "asynchronous copies need a pinned host pool"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.pending: deque[KVCopy] = deque()
-        self.totals = {LOAD: CopyTotals(), OFFLOAD: CopyTotals()}
 
     def offload(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> KVCopy:
         """Copy device blocks `device_ids[i]` into host blocks `host_ids[i]`, every layer."""
@@ -162,18 +142,6 @@ class KVCopier:
         """Wait on the host until `copy` is done (before the CPU reads or reuses its blocks)."""
         if copy.done is not None:
             copy.done.synchronize()
-        self.poll()
-
-    def poll(self) -> list[KVCopy]:
-        """The CUDA copies that completed since the last call, in issue order, with `seconds`
-        set and counted in `totals` (copies complete in issue order: one stream). Never waits."""
-        finished = []
-        while self.pending and self.pending[0].done.query():
-            copy = self.pending.popleft()
-            copy.seconds = copy.start.elapsed_time(copy.done) / 1e3
-            self._count(copy)
-            finished.append(copy)
-        return finished
 
     # ---------------------------------------------------------------- internals
     def _copy(self, direction: str, src_ids: Sequence[int], dst_ids: Sequence[int]) -> KVCopy:
@@ -181,19 +149,14 @@ class KVCopier:
         n = len(src_ids)
         copy = KVCopy(direction, n, n * self.host.bytes_per_block)
         if n == 0:
-            copy.seconds = 0.0
             return copy
         device_ids, host_ids = (dst_ids, src_ids) if direction == LOAD else (src_ids, dst_ids)
         if not self.cuda:
-            t0 = time.perf_counter()
             d = torch.as_tensor(device_ids, dtype=torch.long)
             h = torch.as_tensor(host_ids, dtype=torch.long)
             (self._load_cpu if direction == LOAD else self._offload_cpu)(h, d)
-            copy.seconds = time.perf_counter() - t0
-            self._count(copy)
             return copy
         self._copy_cuda(copy, np.asarray(host_ids, dtype=np.int64), device_ids)
-        self.pending.append(copy)
         return copy
 
     def _offload_cpu(self, h: torch.Tensor, d: torch.Tensor) -> None:
@@ -213,10 +176,8 @@ class KVCopier:
         stream = self.stream
         assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        copy.start = torch.cuda.Event(enable_timing=True)
-        copy.done = torch.cuda.Event(enable_timing=True)
+        copy.done = torch.cuda.Event()
         with torch.cuda.stream(stream):
-            copy.start.record(stream)
             # The ids reach the device from pinned memory: a pageable copy would block the host
             # until the compute stream's queued work is done.
             index = torch.as_tensor(device_ids, dtype=torch.long).pin_memory()
@@ -238,13 +199,6 @@ class KVCopier:
                 for kv, cache in enumerate((self.k_cache, self.v_cache)):
                     cache.index_copy_(1, d, stage[:, :, kv].transpose(0, 1))
             copy.done.record(stream)
-
-    def _count(self, copy: KVCopy) -> None:
-        totals = self.totals[copy.direction]
-        totals.num_copies += 1
-        totals.num_blocks += copy.num_blocks
-        totals.nbytes += copy.nbytes
-        totals.seconds += copy.seconds or 0.0
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
-from radixkv.cache.events import make_block_hasher
+from radixkv.cache.keys import make_block_hasher
 from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig

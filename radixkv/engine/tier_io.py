@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
+from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint
 
@@ -41,8 +41,8 @@ _KIND = {Offload: "offload", Load: "load", DiskWrite: "disk_write", DiskRead: "d
 
 @dataclass(slots=True)
 class MoveTotals:
-    """What the moves of one kind did. Copies count when issued: their time is the host's time to
-    issue them on CUDA (`KVCopier.totals` has the device's)."""
+    """What the moves of one kind did: the engine's one record of them. Copies count when
+    issued: their time is the host's time to issue them on CUDA."""
 
     num_moves: int = 0
     num_blocks: int = 0  # blocks moved (a failed block not included)

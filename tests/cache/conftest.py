@@ -1,6 +1,6 @@
 """Factories for the core cache tests: `make_cache` builds a cache wrapped so that every public
 call is followed by `check_integrity()`; `serve` runs one request's whole life (see
-`lifecycle.py`)."""
+`tests/lifecycle.py`, shared with the engine's disk-store tests)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,8 @@ from radixkv.cache.events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    chain_hashes,
-    hash_block,
-    namespace_seed,
 )
+from radixkv.cache.keys import chain_hashes, hash_block, namespace_seed
 
 
 def le(tokens: list[int]) -> bytes:
@@ -73,10 +71,10 @@ def test_a_cache_built_without_events_records_and_hashes_nothing() -> None:
     put(cache, [1, 2, 3, 4, 5])
     cache.evict(1)
     cache.reset()
-    assert cache._events is None and cache._tree.events is None
+    assert cache._events is None and cache._tree.keys is None
     assert cache.take_events() == []
     put(cache, [1, 2, 3, 4, 5])
-    assert all(node.block_hashes is None for node, _ in cache._tree.iter_nodes())
+    assert all(node.block_keys is None for node, _ in cache._tree.iter_nodes())
     cache.check_integrity()
 
 

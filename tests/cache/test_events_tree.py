@@ -20,9 +20,8 @@ from radixkv.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    chain_hashes,
-    namespace_seed,
 )
+from radixkv.cache.keys import chain_hashes, namespace_seed
 
 Namespace = str | None
 

@@ -9,7 +9,6 @@ import pytest
 from lifecycle import put
 
 from radixkv import PrefixCache
-from radixkv.cache.path_keys import node_block_keys
 
 B = 4
 
@@ -92,8 +91,8 @@ def test_check_integrity_catches(corrupt: Callable[[PrefixCache], None]) -> None
 
 
 EVENT_CORRUPTIONS: dict[str, Callable[[PrefixCache], None]] = {
-    "a stale block hash": lambda c: _split_child(c).block_hashes.__setitem__(0, 5),
-    "a node left unhashed": lambda c: setattr(_split_child(c), "block_hashes", None),
+    "a stale block hash": lambda c: _split_child(c).block_keys.__setitem__(0, 5),
+    "a node left unhashed": lambda c: setattr(_split_child(c), "block_keys", None),
 }
 
 
@@ -107,18 +106,19 @@ def test_check_integrity_catches_wrong_block_hashes(corrupt) -> None:
 
 def test_a_cache_without_events_holds_no_hashes() -> None:
     cache = busy_cache()
-    _split_child(cache).block_hashes = []
-    with pytest.raises(AssertionError, match="no events are recorded"):
+    _split_child(cache).block_keys = []
+    with pytest.raises(AssertionError, match="nothing is hashed"):
         cache.check_integrity()
 
 
 def test_check_integrity_catches_stale_block_keys() -> None:
-    """A node keeping the tier keys of blocks that no longer end in it (what a split that did not
+    """A node keeping the keys of blocks that no longer end in it (what a split that did not
     cut its list, or a trim that kept its tail, would leave)."""
-    cache = busy_cache()
+    cache = busy_cache(kv_events=True)
     child = _split_child(cache)
-    assert node_block_keys(child, B)
+    keys = cache._keys
+    assert keys is not None and keys.node_keys(child)
     cache.check_integrity()  # kept keys that are right pass
-    child.block_keys = [*node_block_keys(child.parent, B), *node_block_keys(child, B)]
+    child.block_keys = [*keys.node_keys(child.parent), *keys.node_keys(child)]
     with pytest.raises(AssertionError, match="stale block keys"):
         cache.check_integrity()

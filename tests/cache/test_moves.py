@@ -7,13 +7,21 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.cache.disk_store import chain_keys
-from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload, Poisoned, poisoned
+from radixkv.cache.keys import chain_keys
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
 
 NUM = 6  # device blocks, host blocks and files
 KEYS = chain_keys("t", np.arange(NUM * 2, dtype="<u4").tobytes(), 2)
 GARBAGE = "garbage"  # what a fault leaves in a block
 MISSED = "missed"  # what a block file that could not be used leaves
+
+
+def poisoned(moves: list[Move], failed: list[int]) -> Poisoned:
+    """The blocks holding garbage after `moves` ran in order, the moves at `failed` failing."""
+    result = Poisoned()
+    for i, t in enumerate(moves):
+        result.record(t, i not in failed)
+    return result
 
 
 def test_a_failed_offload_poisons_its_host_blocks_and_what_is_loaded_from_them() -> None:

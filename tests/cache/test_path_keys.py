@@ -1,4 +1,4 @@
-"""The lower tiers' block keys kept on tree nodes (`radixkv.cache.path_keys`): equal to the keys
+"""The block keys kept on tree nodes (`radixkv.cache.keys`): equal to the keys
 `chain_keys` gives over the whole path after any sequence of splits, evictions, demotions and
 lookups, and computed once: a lookup hashes only the prompt's blocks past the tree's hit, a
 demotion only the node's blocks not keyed yet."""
@@ -14,10 +14,15 @@ from hypothesis import strategies as st
 from lifecycle import CheckedCache, put, serve_request
 
 from radixkv import PrefixCache
-from radixkv.cache import disk_store
-from radixkv.cache.disk_store import BlockKey, chain_keys
-from radixkv.cache.events import namespace_of, path_bytes, token_bytes_le
-from radixkv.cache.path_keys import last_key, node_block_keys, prompt_keys
+from radixkv.cache import keys as keys_module
+from radixkv.cache.keys import (
+    BlockKey,
+    KeyChain,
+    chain_keys,
+    namespace_of,
+    path_bytes,
+    token_bytes_le,
+)
 from radixkv.cache.tokens import TOKEN_BYTES, pack_tokens
 
 
@@ -32,11 +37,12 @@ def fresh_keys(namespace: str | None, tokens: bytes, block_size: int) -> list[Bl
 def check_node_keys(cache: PrefixCache, deepest_first: bool) -> None:
     """Every node's block keys and last key, reused where kept, equal fresh ones."""
     B = cache.block_size
+    chain = KeyChain(B)
     nodes = [n for n, _ in cache._tree.iter_nodes() if n.parent is not None]
     for node in reversed(nodes) if deepest_first else nodes:
         fresh = fresh_keys(namespace_of(node), path_bytes(node, 0, node.end), B)
-        assert node_block_keys(node, B) == fresh[node.start // B :], node
-        assert last_key(node, B) == (fresh[-1] if fresh else None), node
+        assert chain.node_keys(node) == fresh[node.start // B :], node
+        assert chain.last_key(node) == (fresh[-1] if fresh else None), node
 
 
 def check_prompt_keys(cache: PrefixCache, prompt: Sequence[int], namespace: str | None) -> None:
@@ -45,7 +51,7 @@ def check_prompt_keys(cache: PrefixCache, prompt: Sequence[int], namespace: str 
     qb = pack_tokens(prompt)
     m, node, _ = cache._tree.walk(qb, len(prompt), namespace)
     num_full = len(prompt) // B
-    keys = prompt_keys(qb, num_full, m, node, namespace, B)
+    keys = KeyChain(B).prompt_keys(qb, num_full, m, node, namespace)
     assert keys == fresh_keys(namespace, qb, B)[m // B :], (m, node)
 
 
@@ -100,17 +106,17 @@ def test_kept_keys_equal_fresh_ones_after_every_operation(
 
 
 class HashCount:
-    """Counts the blocks `chain_keys` hashes (its one hashing call, `hash_block`)."""
+    """Counts the blocks `chain_keys` hashes (its one hashing call, the hasher's `block`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.num_blocks = 0
-        real = disk_store.hash_block
+        real = keys_module.hash_block
 
         def counting(parent: int | None, tokens: bytes) -> int:
             self.num_blocks += 1
             return real(parent, tokens)
 
-        monkeypatch.setattr(disk_store, "hash_block", counting)
+        monkeypatch.setattr(keys_module.Xxh64Hasher, "block", staticmethod(counting))
 
     def take(self) -> int:
         n, self.num_blocks = self.num_blocks, 0

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from lifecycle import CheckedCache
 
 from radixkv import PrefixCache
-from radixkv.cache.disk_store import CHECKSUM, HEADER, DiskStore
 from radixkv.cache.events import BlockRemoved, BlockStored
+from radixkv.cache.keys import KeyChain
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
-from radixkv.cache.path_keys import prompt_keys
 from radixkv.cache.tokens import pack_tokens
+from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
 
 EMPTY = 0  # a slot nothing was written to
 
@@ -211,7 +211,8 @@ def test_kv_events_name_the_tier() -> None:
 
 
 def keys_of(tokens: Sequence[int], block_size: int = 4) -> list[Any]:
-    return prompt_keys(pack_tokens(tokens), len(tokens) // block_size, 0, None, None, block_size)
+    num_full = len(tokens) // block_size
+    return KeyChain(block_size).prompt_keys(pack_tokens(tokens), num_full, 0, None, None)
 
 
 def test_the_disk_run_stops_before_a_block_the_host_holds(tmp_path: Path) -> None:
@@ -276,7 +277,7 @@ def test_a_fault_while_planning_a_load_leaks_no_block_lock_or_pin(
         sim.cache.admit(a + [99], max_hit=16)  # the wrapper checks integrity on the way out
     stats = sim.cache.stats()
     assert stats.num_free_blocks == 8 and stats.num_locked_tables == 0
-    assert len(tiers.lru) == len(tiers.entries)  # nothing left pinned
+    assert len(tiers.entries.order) == len(tiers.entries)  # nothing left pinned
     monkeypatch.undo()
     assert sim.serve(a + [99], []) == 16
 

@@ -6,19 +6,31 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from lifecycle import put
 from vllm_kv_events import vllm_chain
 
 from radixkv.cache import PrefixCache, vllm_hash
-from radixkv.cache.events import BlockStored, make_block_hasher
+from radixkv.cache.events import BlockStored
+from radixkv.cache.keys import BlockKey, chain_keys, make_block_hasher
 
 cbor2 = pytest.importorskip("cbor2")
 
 
 def vllm_sha256_cbor(value: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def sha256_keys(
+    seed: str, token_ids: list[int], block_size: int, salt: str | None = None, after=None
+) -> list[BlockKey]:
+    """The cache's keys of whole blocks under vLLM's chain (the one chain builder, `chain_keys`)."""
+    tokens_le = np.asarray(token_ids, dtype="<u4").tobytes()
+    hasher = make_block_hasher("sha256_cbor", seed)
+    return chain_keys(salt, tokens_le, block_size, after=after, hasher=hasher)
 
 
 values = st.recursive(
@@ -44,17 +56,15 @@ def test_cbor_is_cbor2_canonical(value: object) -> None:
 )
 def test_chain_is_vllms(seed: str, block_size: int, token_ids: list[int], salt: str | None) -> None:
     whole = token_ids[: len(token_ids) // block_size * block_size]
-    first_extra = vllm_hash.salt_keys(salt)
-    digests = vllm_hash.chain(vllm_hash.none_hash(seed), whole, block_size, first_extra=first_extra)
-    assert [vllm_hash.wire_hash(d) for d in digests] == vllm_chain(seed, whole, block_size, salt)
+    keys = sha256_keys(seed, whole, block_size, salt)
+    assert [key.block_hash for key in keys] == vllm_chain(seed, whole, block_size, salt)
 
 
 def test_a_chain_continues_from_its_parent_digest() -> None:
     tokens = list(range(100, 164))
-    root = vllm_hash.none_hash("0")
-    whole = vllm_hash.chain(root, tokens, 16)
-    assert vllm_hash.chain(whole[1], tokens[32:], 16) == whole[2:]
-    assert whole[0] != vllm_hash.chain(vllm_hash.none_hash("1"), tokens[:16], 16)[0]
+    whole = sha256_keys("0", tokens, 16)
+    assert sha256_keys("0", tokens[32:], 16, after=whole[1]) == whole[2:]
+    assert whole[0].link != sha256_keys("1", tokens[:16], 16)[0].link
 
 
 def test_pinned_values() -> None:
@@ -62,8 +72,8 @@ def test_pinned_values() -> None:
     # vllm_chain does, so a change in either side's encoding shows here
     root = vllm_hash.none_hash("0")
     assert root.hex() == "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
-    digests = vllm_hash.chain(root, [1, 2, 3, 4, 5, 6, 7, 8], 4)
-    assert [vllm_hash.wire_hash(d) for d in digests] == [2164874634404590027, 17270480062156288726]
+    keys = sha256_keys("0", [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert [key.block_hash for key in keys] == [2164874634404590027, 17270480062156288726]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, {"a": 1}])
@@ -90,7 +100,8 @@ def test_a_caches_events_carry_vllms_hashes(
 ) -> None:
     """A cache recording with the sha256_cbor hasher announces, for every inserted sequence,
     the hashes vLLM computes for it: the events' chains rebuilt per path equal vllm_chain."""
-    cache = PrefixCache(64, block_size, kv_events=make_block_hasher("sha256_cbor", seed))
+    # 4 prompts of <= 40 tokens fit in 160 blocks of 1: nothing is evicted
+    cache = PrefixCache(160, block_size, kv_events=make_block_hasher("sha256_cbor", seed))
     announced: dict[int, tuple[int, ...]] = {}  # wire hash -> the path's token ids up to it
     for tokens in prompts:
         table = cache.admit(tokens, max_hit=len(tokens), namespace=salt)
@@ -99,7 +110,7 @@ def test_a_caches_events_carry_vllms_hashes(
         cache.close(table)
         cache.check_integrity()
         for event in cache.take_events():
-            assert isinstance(event, BlockStored)  # nothing is evicted in 64 blocks
+            assert isinstance(event, BlockStored)
             path = () if event.parent_block_hash is None else announced[event.parent_block_hash]
             assert event.namespace == (salt if event.parent_block_hash is None else None)
             for i, h in enumerate(event.block_hashes):
@@ -116,3 +127,21 @@ def test_block_hash_names_are_checked() -> None:
         make_block_hasher("sha1")
     with pytest.raises(ValueError, match="applies to block_hash='sha256_cbor' only"):
         make_block_hasher("xxh64", "0")
+
+
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_the_host_tiers_events_carry_vllms_hashes_too(salt: str | None) -> None:
+    """Every tier names a block by the node's one key chain: a block demoted to the host is
+    announced there ("CPU") under the hash vLLM computes, and a lookup finds it by that key."""
+    B = 4
+    cache = PrefixCache(4, B, host_blocks=8, kv_events=make_block_hasher("sha256_cbor"))
+    a, b = list(range(16)), list(range(100, 116))
+    for tokens in (a, b):  # b's blocks evict a's: demoted to the host
+        put(cache, tokens, salt)
+        cache.check_integrity()
+    events = cache.take_events()
+    on_host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    on_host_hashes = [h for e in on_host for h in e.block_hashes]
+    assert on_host_hashes == vllm_chain("vllm-none-hash", a, B, salt)
+    match = cache.match(a, max_tokens=len(a) - 1, namespace=salt)
+    assert (match.num_cached_tokens, match.num_host_blocks) == (15, 4)

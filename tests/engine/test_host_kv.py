@@ -12,8 +12,9 @@ import pytest
 import torch
 from tiny_llama import build_model
 
-from radixkv.cache.disk_store import DiskStore, chain_keys
-from radixkv.engine.host_kv import LOAD, OFFLOAD, HostKVPool, KVCopier, _runs, plan_host_blocks
+from radixkv.cache.keys import chain_keys
+from radixkv.engine.disk_store import DiskStore
+from radixkv.engine.host_kv import OFFLOAD, HostKVPool, KVCopier, _runs, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint, weights_digest
 
 L, N, B, H, D = 3, 12, 4, 2, 8  # layers, device blocks, block size, kv heads, head dim
@@ -53,10 +54,8 @@ def test_plan_host_blocks_checks_the_budget() -> None:
     assert plan_host_blocks(100, 0) == 0 and plan_host_blocks(100, 250) == 2
     with pytest.raises(ValueError, match="holds no KV block"):
         plan_host_blocks(100, 99)
-    with pytest.raises(ValueError, match="host_cache_bytes"):
+    with pytest.raises(AssertionError):  # the door (EngineConfig) checks the type and sign
         plan_host_blocks(100, -1)
-    with pytest.raises(TypeError, match="host_cache_bytes"):
-        plan_host_blocks(100, 1.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,17 +74,13 @@ def test_offload_then_load_moves_every_layer_of_exactly_those_blocks(dtype: torc
     untouched = [b for b in range(N) if b not in targets]
     assert torch.equal(k[:, untouched], before_k[:, untouched])
     assert torch.equal(v[:, untouched], before_v[:, untouched])
-    totals = copier.totals
-    assert (totals[OFFLOAD].num_copies, totals[OFFLOAD].num_blocks) == (1, 5)
-    assert (totals[LOAD].num_blocks, totals[LOAD].nbytes) == (5, 5 * host.bytes_per_block)
-    assert totals[LOAD].seconds > 0 and not copier.pending and copier.poll() == []
 
 
 def test_an_empty_copy_does_nothing() -> None:
     k, _, _, copier = pools()
     before = k.clone()
     assert copier.load([], []).num_blocks == 0 and copier.offload([], []).complete
-    assert torch.equal(k, before) and copier.totals[LOAD].num_copies == 0
+    assert torch.equal(k, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -182,10 +177,7 @@ def test_cuda_copies_match_and_never_wait_on_the_host() -> None:
     got = (k[:, [10, 11, 0]] + 0).cpu()  # read on the compute stream, after the wait
     torch.testing.assert_close(got, host.data[[2, 3, 8], :, 0].transpose(0, 1), rtol=0, atol=0)
     torch.cuda.synchronize()
-    finished = copier.poll()
-    assert [c.direction for c in finished] == [LOAD]  # the others were counted by synchronize()
-    assert copier.totals[OFFLOAD].seconds > 0 and copier.totals[LOAD].seconds > 0
-    assert not copier.pending
+    assert first.complete and second.complete
 
 
 @pytest.mark.gpu

@@ -33,8 +33,8 @@ from radixkv.cache.events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    chain_hashes,
 )
+from radixkv.cache.keys import chain_hashes
 from radixkv.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
 
 msgpack = pytest.importorskip("msgpack")  # the kv-events extra: absent on the GPU machine

@@ -49,7 +49,7 @@ def test_decode_buckets():
     assert decode_buckets(16) == (1, 2, 4, 8, 16)
     assert decode_buckets(30) == (1, 2, 4, 8, 16, 24, 30)
     assert decode_buckets(64)[-3:] == (48, 56, 64)
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    with pytest.raises(AssertionError, match="max_num_seqs"):  # the door (EngineConfig) checks
         decode_buckets(0)
 
 

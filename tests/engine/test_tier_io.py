@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from radixkv.cache.disk_store import DiskStore, chain_keys
+from radixkv.cache.keys import chain_keys
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
+from radixkv.engine.disk_store import DiskStore
 from radixkv.engine.host_kv import HostKVPool, KVCopier
 from radixkv.engine.tier_io import TierIO
 

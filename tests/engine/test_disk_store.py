@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from lifecycle import CheckedCache as Checked
 
-from radixkv.cache.disk_store import (
+from radixkv.cache.keys import BlockKey, chain_hashes, chain_keys, namespace_seed
+from radixkv.engine.disk_store import (
     CHECKSUM,
     FOREIGN_TMP_MAX_AGE_S,
     HEADER,
-    BlockKey,
     DiskStore,
-    chain_keys,
     fingerprint_digest,
 )
-from radixkv.cache.events import chain_hashes, namespace_seed
 
 B = 4  # tokens per block
 NBYTES = 96  # payload bytes per block
@@ -130,8 +129,6 @@ def test_blocks_round_trip_and_survive_a_restart(make_store: MakeStore, tmp_path
     assert again.probe(keys_of("t", 6)) == 4
     for key in keys:
         np.testing.assert_array_equal(load(again, key), payload(key))
-    stats = again.stats()
-    assert (stats.num_hits, stats.num_misses, stats.num_loaded_bytes) == (4, 0, 4 * NBYTES)
     fingerprint = (again.directory / "fingerprint.json").read_text()
     assert '"model": "tiny"' in fingerprint
 
@@ -142,7 +139,7 @@ def test_a_missing_block_is_a_quiet_miss(make_store: MakeStore, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert load(store, key) is None
         assert not store.contains(key.block_hash) and store.probe([key]) == 0
-    assert not caplog.records and store.stats().num_misses == 1
+    assert not caplog.records
 
 
 # ---------------------------------------------------------------------- tenants on disk
@@ -175,11 +172,11 @@ def test_a_64_bit_collision_with_equal_tokens_is_caught_by_the_prefix_digest(
     key = keys_of("t", 2)[1]
     store.put(key, payload(key))
     # Another prefix whose chain hash collides (forged: same hash, parent and tokens).
-    forged = BlockKey(key.block_hash, key.parent_hash, key.tokens, bytes(32))
+    forged = replace(key, prefix_digest=bytes(32))
     assert load(store, forged) is None
     np.testing.assert_array_equal(load(store, key), payload(key))
-    other_tokens = BlockKey(key.block_hash, key.parent_hash, tokens(9, 9, 9, 9), key.prefix_digest)
-    other_parent = BlockKey(key.block_hash, 12345, key.tokens, key.prefix_digest)
+    other_tokens = replace(key, tokens=tokens(9, 9, 9, 9))
+    other_parent = replace(key, parent_hash=12345)
     assert load(store, other_tokens) is None and load(store, other_parent) is None
 
 
@@ -197,7 +194,7 @@ def test_another_model_or_layout_uses_another_folder_and_is_never_loaded(
     target = other.inner._path(key.block_hash)
     target.parent.mkdir(exist_ok=True)
     target.write_bytes(mine.inner._path(key.block_hash).read_bytes())
-    with caplog.at_level(logging.WARNING, logger="radixkv.cache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
         assert load(other, key) is None
         assert load(other, key) is None
     assert len(caplog.records) == 1 and "another model or layout" in caplog.text
@@ -217,12 +214,12 @@ def test_a_corrupt_file_is_skipped_with_one_warning_and_removed(
     at = {"header": 20, "tokens": HEADER.size + 1, "payload": FILE - 20, "checksum": FILE - 1}
     data[at[where]] ^= 0x40
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="radixkv.cache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
         assert load(store, key) is None
         assert load(store, key) is None  # gone: a quiet miss now
     assert len(caplog.records) == 1 and "truncated or corrupt" in caplog.text
     assert not path.exists() and not store.contains(key.block_hash)
-    assert store.stats().num_damaged == 1 and store.stats().num_misses == 2
+    assert store.stats().num_damaged == 1
 
 
 def test_a_truncated_file_is_caught_at_load_and_at_the_next_open(
@@ -235,14 +232,14 @@ def test_a_truncated_file_is_caught_at_load_and_at_the_next_open(
     paths = [store.inner._path(k.block_hash) for k in keys]
     with open(paths[0], "r+b") as f:  # truncated after this process indexed it
         f.truncate(FILE - 7)
-    with caplog.at_level(logging.WARNING, logger="radixkv.cache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
         assert load(store, keys[0]) is None
     assert len(caplog.records) == 1 and not paths[0].exists()
     caplog.clear()
     for path in paths[1:3]:  # two more, found by the next process's scan: one warning for both
         with open(path, "r+b") as f:
             f.truncate(HEADER.size)
-    with caplog.at_level(logging.WARNING, logger="radixkv.cache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
         fresh = make_store()
     assert len(caplog.records) == 1 and "removed 2" in caplog.text
     assert fresh.num_files == 1 and block_files(tmp_path) == [paths[3]]
@@ -282,7 +279,7 @@ def test_a_file_that_cannot_be_loaded_is_a_miss_and_is_not_offered_again(
     assert load_or_hang(store, keys[1]) is None
     assert os.path.lexists(path)
     assert not store.contains(keys[1].block_hash) and store.probe(keys) == 1
-    assert store.stats().num_unusable == 1 and store.stats().num_misses == 1
+    assert store.stats().num_unusable == 1
     fresh = make_store()  # another process: its scan removes what is not a regular file
     assert fresh.probe(keys) == (3 if kind == "swapped" else 1)
     if kind != "directory":  # this process writes the block itself: offered again
@@ -481,7 +478,7 @@ def test_a_failed_write_stores_nothing_and_leaves_nothing(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", disk_full)
-    with caplog.at_level(logging.WARNING, logger="radixkv.cache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
         assert not store.put(keys[0], payload(keys[0]))
         assert not store.put(keys[1], payload(keys[1]))
     assert len(caplog.records) == 1  # the first failure warns; later ones are counted
@@ -500,7 +497,8 @@ def test_a_failed_write_stores_nothing_and_leaves_nothing(
 
 CHILD_PRELUDE = f"""
 import os, sys, numpy as np
-from radixkv.cache.disk_store import DiskStore, chain_keys
+from radixkv.engine.disk_store import DiskStore
+from radixkv.cache.keys import chain_keys
 B, NBYTES, FILE = {B}, {NBYTES}, {FILE}
 FINGERPRINT = {FINGERPRINT!r}
 def payload(key):
@@ -525,7 +523,7 @@ def test_a_process_killed_mid_write_leaves_nothing_a_later_start_loads(
     child = run_child(
         """
         import signal
-        import radixkv.cache.disk_store as ds
+        import radixkv.engine.disk_store as ds
         store = open_store(sys.argv[1], 8)
         key = chain_keys("t", np.arange(1, 1 + B, dtype="<u4").tobytes(), B)[0]
         def write_half_then_die(f, parts):
@@ -547,7 +545,7 @@ def test_a_process_killed_mid_write_leaves_nothing_a_later_start_loads(
 
 
 def test_a_live_writers_temporary_file_is_left_alone(make_store: MakeStore) -> None:
-    from radixkv.cache.disk_store import _HOST
+    from radixkv.engine.disk_store import _HOST
 
     store = make_store()
     shard = store.directory / "ab"

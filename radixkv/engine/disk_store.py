@@ -1,5 +1,8 @@
 """The disk tier: full KV blocks as content-addressed files that outlive the process.
 
+The engine's side of it, beside the tier mover (`tier_io.py`) that reads and writes through it;
+the cache plans with it as a `DiskIndex` (`radixkv.cache.tiers`: probe, pin) and touches no file.
+
 A store directory (`root`) holds one folder per KV layout:
 
     root/<layout>/                  first 32 hex digits of the fingerprint's digest: files of
@@ -8,9 +11,10 @@ A store directory (`root`) holds one folder per KV layout:
     root/<layout>/<hh>/<hash>.kv    one full block; <hash> is its chained block hash (16 hex
                                     digits), <hh> the first two of them
 
-A block is named by the chained hash the KV events compute (`chain_keys`): namespace-salted and
-covering the whole prefix, so a lookup past what the tree holds goes on by hashing the next full
-blocks of a prompt and probing for their files (`probe`), as LMCache and vLLM look up theirs.
+A block is named by the wire form of its key (`radixkv.cache.keys`), the KV events' hash:
+namespace-salted and covering the whole prefix, so a lookup past what the tree holds goes on by
+hashing the next full blocks of a prompt and probing for their files (`probe`), as LMCache and
+vLLM look up theirs.
 A file's bytes, little-endian, no pickle anywhere (a KV directory may be shared, and loading a
 pickle runs code):
 
@@ -44,7 +48,7 @@ killed mid-write leaves only its temporary file, which the next open removes (it
 Several processes may share a directory: files are only created by a rename and removed whole, and
 a reader keeps reading the file it opened. Each process indexes the files it knows (found when it
 opened the store, written, or found by a probe) and keeps those within its byte budget, evicting
-the least recently used first (the cache's `EvictionIndex` in LRU order, one logical tick per use;
+the least recently used first (`LruEntries`, as the host tier, one logical tick per use;
 a load also refreshes the file's mtime, so the order survives a restart). With P processes writing
 one directory at once it can hold up to P budgets until they reopen it. The store is not
 thread-safe: one thread uses it.
@@ -64,14 +68,14 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from radixkv.cache.events import hash_block, namespace_seed
-from radixkv.cache.eviction import EvictionIndex, lru_key
+from radixkv.cache.eviction import LruEntries, LruEntry
+from radixkv.cache.keys import BlockKey
 
 logger = logging.getLogger(__name__)
 
@@ -90,51 +94,9 @@ FOREIGN_TMP_MAX_AGE_S = 3600.0
 _HOST = socket.gethostname().replace(".", "_") or "host"
 _FILE_MODE = 0o600  # the files hold prompts' token ids: the engine's user alone reads them
 _DIR_MODE = 0o700
+_COUNTERS = ("num_stored", "num_evicted", "num_damaged", "num_unusable", "num_write_errors")
 _OPEN_FOR_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _OPEN_FOR_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-
-
-# ------------------------------------------------------------------------------------ keys
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """What names one full block on disk and what loading it checks."""
-
-    block_hash: int  # the chained xxh64 of the KV events: the file's name
-    # the previous block's hash; None for a first block (whose hash the namespace seeds), as the
-    # KV events say it
-    parent_hash: int | None
-    tokens: bytes  # the block's token ids, little-endian uint32
-    prefix_digest: bytes  # blake2b-256 over the namespace and every token up to this block's end
-
-
-def namespace_digest(namespace: str | None) -> bytes:
-    """The digest chain's start for `namespace` (None: the shared one; "" is another)."""
-    tag = b"\x00" if namespace is None else b"\x01" + namespace.encode("utf-8")
-    return hashlib.blake2b(b"radixkv-prefix:" + tag, digest_size=_DIGEST_BYTES).digest()
-
-
-def chain_keys(
-    namespace: str | None, tokens_le: bytes, block_size: int, *, after: BlockKey | None = None
-) -> list[BlockKey]:
-    """Keys of the consecutive full blocks in `tokens_le` (little-endian uint32 ids, a whole number
-    of blocks), the first one following `after` (None: the first block of a sequence in
-    `namespace`; `namespace` is not read then). Mutates nothing."""
-    nbytes = 4 * block_size
-    assert len(tokens_le) % nbytes == 0, "chain_keys takes whole blocks"
-    if after is None:
-        parent, seed = None, None if namespace is None else namespace_seed(namespace)
-        digest = namespace_digest(namespace)
-    else:
-        parent, digest = after.block_hash, after.prefix_digest
-        seed = parent
-    keys = []
-    for start in range(0, len(tokens_le), nbytes):
-        tokens = tokens_le[start : start + nbytes]
-        h = hash_block(seed, tokens)
-        digest = hashlib.blake2b(digest + tokens, digest_size=_DIGEST_BYTES).digest()
-        keys.append(BlockKey(h, parent, tokens, digest))
-        parent = seed = h
-    return keys
 
 
 def fingerprint_digest(fingerprint: Mapping[str, Any]) -> bytes:
@@ -144,16 +106,6 @@ def fingerprint_digest(fingerprint: Mapping[str, Any]) -> bytes:
 
 
 # ----------------------------------------------------------------------------------- store
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """One indexed file; an `EvictableNode` of the store's LRU index."""
-
-    node_id: int  # order of discovery: breaks ties between equal ticks
-    block_hash: int
-    tick: int  # last use on the store's logical clock
-    evict_key: Any = field(default=None, repr=False)
-
-
 @dataclass(frozen=True, slots=True)
 class DiskStoreStats:
     directory: str  # the layout folder
@@ -161,11 +113,8 @@ class DiskStoreStats:
     num_files: int  # indexed by this process
     num_bytes: int  # their size on disk
     file_nbytes: int  # the size of one block file
-    num_hits: int  # get() that loaded a block
-    num_misses: int  # get() of a block that was not there (or not this prefix's)
-    num_loaded_bytes: int
-    num_stored: int  # put() that wrote a file
-    num_stored_bytes: int
+    # What only the store sees (the blocks read and written are the tier mover's `MoveTotals`)
+    num_stored: int  # put() that wrote a file (not one already there)
     num_evicted: int  # files removed for the budget
     num_damaged: int  # files found truncated or corrupt (or of another layout), removed
     num_unusable: int  # files that could not be used nor removed: not probed again
@@ -203,33 +152,17 @@ class DiskStore:
         assert budget_bytes >= self.file_nbytes, "the door checks that the budget holds a block"
         self.budget_bytes = budget_bytes
         self.directory = Path(root) / _layout_name(self.fingerprint, secret)
-        self._entries: dict[int, _Entry] = {}
+        self._entries = LruEntries()  # every file indexed (pins do not leave the order)
         # Hashes whose file could not be used nor removed: misses for `contains` until written.
         self._unusable: set[int] = set()
         self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
-        self._lru = EvictionIndex(lru_key)
         # Told when this process indexes a block (written, or read from another's file) and
         # when it forgets one (evicted, removed, found gone or damaged): the KV events of the disk
         # tier. The files found when the store opened are indexed without a word.
         self.on_stored: Callable[[BlockKey], None] | None = None
         self.on_removed: Callable[[int], None] | None = None
-        self._clock = 0
-        self._ids = itertools.count()
         self._tmp_ids = itertools.count()
-        self._counts = dict.fromkeys(
-            (
-                "num_hits",
-                "num_misses",
-                "num_loaded_bytes",
-                "num_stored",
-                "num_stored_bytes",
-                "num_evicted",
-                "num_damaged",
-                "num_unusable",
-                "num_write_errors",
-            ),
-            0,
-        )
+        self._counts = dict.fromkeys(_COUNTERS, 0)
         os.makedirs(root, mode=_DIR_MODE, exist_ok=True)
         self.directory.mkdir(mode=_DIR_MODE, exist_ok=True)
         self._write_fingerprint(fingerprint)
@@ -278,13 +211,10 @@ class DiskStore:
         problem = self._load(key, view)
         if problem is not None:
             self._forget(key.block_hash)
-            self._counts["num_misses"] += 1
             if problem != "gone" and os.path.lexists(self._path(key.block_hash)):
                 self._unusable.add(key.block_hash)
                 self._counts["num_unusable"] += 1
             return False
-        self._counts["num_hits"] += 1
-        self._counts["num_loaded_bytes"] += self.block_nbytes
         self._touch(key)
         return True
 
@@ -366,7 +296,6 @@ class DiskStore:
         self._unusable.discard(h)
         self._touch(key)
         self._counts["num_stored"] += 1
-        self._counts["num_stored_bytes"] += self.block_nbytes
         return True
 
     def evict(self, num_bytes: int, keep: int | None = None) -> int:
@@ -374,7 +303,7 @@ class DiskStore:
         pinned ones, and `keep`); returns the bytes freed. A file already removed by another
         process, or that cannot be removed, counts as freed (`discard`)."""
         victims = []
-        for entry in self._lru:
+        for entry in self._entries.order:
             if len(victims) * self.file_nbytes >= num_bytes:
                 break
             if entry.block_hash not in self._pinned and entry.block_hash != keep:
@@ -420,15 +349,9 @@ class DiskStore:
     def check_integrity(self) -> None:
         """Recompute the invariants in the class docstring; AssertionError names the first one
         broken. O(files)."""
-        members = self._lru.items()
-        got = {entry.block_hash for _, entry in members}
-        if len(members) != len(self._entries) or got != set(self._entries):
-            raise AssertionError(f"LRU index {sorted(got)} != files {sorted(self._entries)}")
-        for k, entry in members:
-            if self._entries[entry.block_hash] is not entry or k != lru_key(entry):
-                raise AssertionError(f"file {entry.block_hash:016x} indexed under a stale key")
-            if entry.tick > self._clock:
-                raise AssertionError(f"file {entry.block_hash:016x} tick ahead of the clock")
+        self._entries.check_integrity("disk")
+        if len(self._entries.order) != len(self._entries):
+            raise AssertionError("a file is indexed out of the LRU order")
         unpinned = [h for h in self._entries if not self._pinned[h]]
         if self.num_bytes > self.budget_bytes and unpinned:
             raise AssertionError(f"{self.num_bytes} bytes indexed > budget {self.budget_bytes}")
@@ -438,32 +361,21 @@ class DiskStore:
         name = f"{block_hash:016x}"
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _index(self, block_hash: int, tick: int) -> None:
-        entry = _Entry(next(self._ids), block_hash, tick)
-        self._entries[block_hash] = entry
-        self._lru.add(entry)
-
     def _forget(self, block_hash: int) -> None:
-        entry = self._entries.pop(block_hash, None)
-        if entry is not None:
-            self._lru.discard(entry)
-            if self.on_removed is not None:
-                self.on_removed(block_hash)
+        if self._entries.remove(block_hash) is not None and self.on_removed is not None:
+            self.on_removed(block_hash)
 
     def _touch(self, key: BlockKey) -> None:
         """The file becomes the most recently used (indexed if it was not: written just now, or
         by another process), and the index is kept within the budget."""
         block_hash = key.block_hash
-        entry = self._entries.pop(block_hash, None)
+        entry = self._entries.get(block_hash)
         if entry is not None:
-            self._lru.discard(entry)
-        elif self.on_stored is not None:
-            self.on_stored(key)
-        self._index(block_hash, self._tick())
+            self._entries.touch(entry)
+        else:
+            self._entries.add(LruEntry(block_hash))
+            if self.on_stored is not None:
+                self.on_stored(key)
         self.evict(self.num_bytes - self.budget_bytes, keep=block_hash)
         self.evict(self.num_bytes - self.budget_bytes)  # only pinned files left: this one too
 
@@ -563,7 +475,7 @@ class DiskStore:
                 continue
             found.append((st.st_mtime_ns, block_hash))
         for _, block_hash in sorted(found):
-            self._index(block_hash, self._tick())
+            self._entries.add(LruEntry(block_hash))
         if damaged:
             self._counts["num_damaged"] += damaged
             logger.warning(
