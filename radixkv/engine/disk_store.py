@@ -154,7 +154,10 @@ class DiskStore:
         self.directory = Path(root) / _layout_name(self.fingerprint, secret)
         self._entries = LruEntries()  # every file indexed (pins do not leave the order)
         # Hashes whose file could not be used nor removed: misses for `contains` until written.
-        self._unusable: set[int] = set()
+        # Oldest first, at most as many as the budget holds files: a folder that others keep
+        # filling with bad files costs a bounded memory (a forgotten one is read, and fails, again).
+        self._unusable: dict[int, None] = {}
+        self.max_unusable = budget_bytes // self.file_nbytes
         self._pinned: Counter[int] = Counter()  # files a planned read needs: not evicted
         # Told when this process indexes a block (written, or read from another's file) and
         # when it forgets one (evicted, removed, found gone or damaged): the KV events of the disk
@@ -212,8 +215,7 @@ class DiskStore:
         if problem is not None:
             self._forget(key.block_hash)
             if problem != "gone" and os.path.lexists(self._path(key.block_hash)):
-                self._unusable.add(key.block_hash)
-                self._counts["num_unusable"] += 1
+                self._remember_unusable(key.block_hash)
             return False
         self._touch(key)
         return True
@@ -293,7 +295,7 @@ class DiskStore:
             level = logging.WARNING if self._counts["num_write_errors"] == 1 else logging.DEBUG
             logger.log(level, "KV block %016x not written to %s (%s)", h, self.directory, exc)
             return False
-        self._unusable.discard(h)
+        self._unusable.pop(h, None)
         self._touch(key)
         self._counts["num_stored"] += 1
         return True
@@ -355,11 +357,19 @@ class DiskStore:
         unpinned = [h for h in self._entries if not self._pinned[h]]
         if self.num_bytes > self.budget_bytes and unpinned:
             raise AssertionError(f"{self.num_bytes} bytes indexed > budget {self.budget_bytes}")
+        if len(self._unusable) > self.max_unusable:
+            raise AssertionError(f"{len(self._unusable)} unusable hashes > {self.max_unusable}")
 
     # ---------------------------------------------------------------- internals
     def _path(self, block_hash: int) -> Path:
         name = f"{block_hash:016x}"
         return self.directory / name[:2] / f"{name}{SUFFIX}"
+
+    def _remember_unusable(self, block_hash: int) -> None:
+        self._unusable[block_hash] = None
+        self._counts["num_unusable"] += 1
+        if len(self._unusable) > self.max_unusable:
+            del self._unusable[next(iter(self._unusable))]
 
     def _forget(self, block_hash: int) -> None:
         if self._entries.remove(block_hash) is not None and self.on_removed is not None:

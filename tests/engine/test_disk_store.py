@@ -311,6 +311,25 @@ def test_a_file_this_user_may_not_read_is_a_miss_and_is_not_probed_again() -> No
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_unusable_files_remembered_are_bounded_by_the_budget(make_store: MakeStore) -> None:
+    """A folder others keep filling with files that cannot be loaded must not grow the store's
+    memory without end: it remembers at most as many as its budget holds files, the oldest
+    forgotten first (and then read, and refused, again)."""
+    store = make_store(budget_files=3)
+    keys = keys_of("t", 6)
+    other = store.inner._path(keys[0].block_hash)
+    store.put(keys[0], payload(keys[0]))
+    for key in keys[1:]:
+        store.put(key, payload(key))
+        unusable_in_place_of(store.inner._path(key.block_hash), "swapped", other)
+        assert load(store, key) is None
+    assert store.stats().num_unusable == 5
+    assert len(store.inner._unusable) == 3  # checked by every call's check_integrity too
+    assert list(store.inner._unusable) == [k.block_hash for k in keys[3:]]
+    assert store.contains(keys[1].block_hash)  # forgotten: offered, and refused, again
+    assert load(store, keys[1]) is None and not store.contains(keys[1].block_hash)
+
+
 def read_back_once(root: Path, keys: list[BlockKey]) -> None:
     store = DiskStore(root, FINGERPRINT, block_size=B, block_nbytes=NBYTES, budget_bytes=FILE * 8)
     assert store.probe(keys) == 3
