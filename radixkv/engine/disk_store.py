@@ -117,7 +117,7 @@ class DiskStoreStats:
     num_stored: int  # put() that wrote a file (not one already there)
     num_evicted: int  # files removed for the budget
     num_damaged: int  # files found truncated or corrupt (or of another layout), removed
-    num_unusable: int  # files that could not be used nor removed (not probed again while remembered)
+    num_unusable: int  # files that could neither be used nor removed (skipped while remembered)
     num_write_errors: int  # put() that failed (disk full, permissions...): nothing stored
 
 
