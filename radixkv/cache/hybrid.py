@@ -13,7 +13,9 @@ A request's life, as `PrefixCache`'s with a window table beside the block table:
     t = admit(tokens, max_hit, ...)    None: does not fit now, nothing changed; `t.full` covers
                                        every token, `t.window` the first `num_window_tokens`
     extend(t, num_tokens)              window blocks up to `num_tokens` (the next chunk)
-    slide(t, num_written)              window blocks no later query reads go back to the pool
+    slide(t, num_written)              window blocks no later query reads go back to the pool;
+                                       the window KV before the point where the request's
+                                       tokens left the full tree's path is kept first
     commit(t, tokens)                  the full group inserts, the window group keeps a tail
     close(t)
 
@@ -23,7 +25,7 @@ A model without window layers uses `PrefixCache` alone: none of this runs for it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixkv.cache.prefix_cache import BlockTable, PrefixCache
 from radixkv.cache.tokens import PackedTokens, check_size
@@ -36,6 +38,11 @@ class HybridTable:
 
     full: BlockTable
     window: WindowTable
+    tokens: bytes = field(repr=False)  # packed, as admitted
+    # Where the request's tokens leave the full tree's cached path, past the hit: a point a
+    # later request can resume from (the next question about the same document), whose window
+    # KV is kept once written (`HybridCache.slide`). None: none, or kept already.
+    branch: int | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -87,7 +94,8 @@ class HybridCache:
         packed = _packed(tokens)
         qb = packed.tobytes()
         max_hit = check_size(max_hit, "max_hit", low=0)
-        hit = self.match(packed, max_tokens=max_hit, namespace=namespace)
+        full_hit = self.full.match(packed, max_tokens=max_hit, namespace=namespace)
+        hit = self.window.hit(qb, full_hit.num_cached_tokens, namespace)
         n = len(packed) if num_window_tokens is None else num_window_tokens
         if not self.window.fits(qb, hit, namespace, n):
             return None
@@ -97,7 +105,8 @@ class HybridCache:
         assert full.num_cached_tokens == hit, "the full path up to a window hit is cached"
         window = self.window.open(qb, hit, namespace)
         assert window is not None and self.window.extend(window, n), "checked by fits()"
-        table = HybridTable(full, window)
+        branch = full_hit.num_cached_tokens
+        table = HybridTable(full, window, qb, branch if branch > hit else None)
         self._open.add(table)
         return table
 
@@ -111,6 +120,12 @@ class HybridCache:
         return self.window.extend(table.window, num_tokens)
 
     def slide(self, table: HybridTable, num_written: int) -> None:
+        """Tokens [0, num_written) are written in both groups: keep the window tail at the
+        table's branch point once reached, then release what no later query reads."""
+        branch = table.branch
+        if branch is not None and branch <= num_written:
+            self.window.commit(table.window, table.tokens, branch, branch=True)
+            table.branch = None
         self.window.slide(table.window, num_written)
 
     def commit(self, table: HybridTable, tokens: Sequence[int]) -> None:

@@ -15,7 +15,11 @@ per request indexed like the full one (entry i holds positions [i*B, (i+1)*B)), 
   them and copies the partial last block, as the full group does (`open`, `WindowTable.copy`);
 * a hit is valid up to the deepest point of the full match that has a tail (`hit`): without the
   window KV of the W tokens before it, a resume would need the tokens' KV recomputed;
-* tails are reclaimed least recently used first when the pool runs short (`evict`).
+* tails are reclaimed when the pool runs short (`evict`), in two segments, each least recently
+  used first: *speculative* tails first (kept at a request's end or chunk end, never resumed
+  from, or superseded: the request that resumed there kept a deeper tail on the same path, as a
+  chat's next turn does), then *proven* ones (resumed from, or kept at a point where the tree's
+  paths branch: the next question about the same document resumes there).
 
 Where this differs from the anchors: SGLang's `SWARadixCache` keeps window KV per tree node and
 marks nodes whose window KV is gone as tombstones; vLLM's sliding-window manager caches window
@@ -63,6 +67,8 @@ class WindowTable:
     namespace: str | None
     copy: tuple[int, int, int] | None = None  # (source, target, slots) of a partial hit block
     pinned: int | None = field(default=None, repr=False)  # the copy's source, held until it ran
+    # the tail the request last resumed from or kept: a deeper one supersedes it
+    last_tail: TailKey | None = field(default=None, repr=False)
 
     @property
     def num_live_blocks(self) -> int:
@@ -76,6 +82,8 @@ class _Tail:
     end: int
     first: int
     blocks: tuple[int, ...]
+    proven: bool  # in the proven segment, else in the speculative one
+    branch: bool  # kept at a branch point of the tree's paths
 
 
 class WindowGroup:
@@ -84,7 +92,8 @@ class WindowGroup:
     Invariants (recomputed by `check_integrity`):
     * every block's ref count = tails listing it + open tables listing it + tables pinning it;
     * a tail ending at e holds exactly the blocks of indices first_live_index(e) .. ceil(e/B)-1;
-    * each namespace's sorted ends list the ends of its tails; the recency order lists every tail;
+    * each namespace's sorted ends list the ends of its tails; the two eviction segments list
+      every tail once, in the segment its `proven` names;
     * a table's listed blocks are one run that reaches its last entry.
     """
 
@@ -92,7 +101,10 @@ class WindowGroup:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.window = check_size(window, "window", low=1)
-        self._tails: OrderedDict[TailKey, _Tail] = OrderedDict()  # least recently used first
+        self._tails: dict[TailKey, _Tail] = {}
+        # the eviction order: speculative tails, then proven ones, least recently used first
+        self._speculative: OrderedDict[TailKey, None] = OrderedDict()
+        self._proven: OrderedDict[TailKey, None] = OrderedDict()
         self._ends: dict[str | None, SortedList] = {}
         self._tail_refs: Counter[int] = Counter()
         self._open: set[WindowTable] = set()
@@ -115,6 +127,10 @@ class WindowGroup:
                 return end
             last = end
         return 0
+
+    def tail_prefixes(self) -> list[TailKey]:
+        """(namespace, packed prefix) of every tail, in eviction order."""
+        return [*self._speculative, *self._proven]
 
     def live_blocks(self, num_tokens: int) -> int:
         """Blocks a table covering `num_tokens` written tokens lists once slid."""
@@ -151,7 +167,7 @@ class WindowGroup:
         held = (*shared, tail.blocks[-1]) if partial else shared
         for b in held:  # before any eviction: what the table reads must stay
             self.pool.add_owner(b)
-        self._tails.move_to_end(key)  # used now: the copy's allocation evicts older tails first
+        self._place(key, proven=True)  # used now: the copy's allocation evicts others first
         new: list[int] = []
         if partial:
             got = self._allocate(1)
@@ -159,7 +175,7 @@ class WindowGroup:
                 self.pool.release(held)
                 return None
             new = got
-        table = WindowTable((None,) * tail.first + (*shared, *new), namespace)
+        table = WindowTable((None,) * tail.first + (*shared, *new), namespace, last_tail=key)
         if partial:
             table.copy = (tail.blocks[-1], new[0], partial)
             table.pinned = tail.blocks[-1]
@@ -190,25 +206,46 @@ class WindowGroup:
             self.pool.release(dead)
             table.blocks = (None,) * live + table.blocks[live:]
 
-    def commit(self, table: WindowTable, qb: bytes, num_tokens: int) -> None:
+    def commit(
+        self, table: WindowTable, qb: bytes, num_tokens: int, *, branch: bool = False
+    ) -> None:
         """Keep a tail at `num_tokens` (the KV of tokens [0, num_tokens) of `qb` is written): a
-        later request can resume there. An existing tail at the same prefix is refreshed."""
+        later request can resume there. `branch`: the tree's paths branch there (the tail is
+        proven at once). An existing tail at the same prefix is refreshed instead. A tail kept
+        at a request's end supersedes the one it last resumed from or kept, if that one was not
+        a branch point: it goes first."""
         assert table in self._open, "commit an open table"
         if not num_tokens:
             return
         key = (table.namespace, qb[: TOKEN_BYTES * num_tokens])
-        if key in self._tails:
-            self._tails.move_to_end(key)
+        tail = self._tails.get(key)
+        if tail is not None:
+            self._place(key, proven=tail.proven or branch)
             return
         first = first_live_index(num_tokens, self.window, self.block_size)
         blocks = table.blocks[first : -(-num_tokens // self.block_size)]
         assert None not in blocks, f"the window of {num_tokens} tokens was released: {blocks}"
-        tail = _Tail(num_tokens, first, blocks)  # type: ignore[arg-type]
-        for b in tail.blocks:
-            self.pool.add_owner(b)
-        self._tail_refs.update(tail.blocks)
-        self._tails[key] = tail
+        for b in blocks:
+            self.pool.add_owner(b)  # type: ignore[arg-type]
+        self._tail_refs.update(blocks)  # type: ignore[arg-type]
+        self._tails[key] = _Tail(num_tokens, first, blocks, branch, branch)  # type: ignore[arg-type]
+        (self._proven if branch else self._speculative)[key] = None
         self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
+        if not branch:
+            old = self._tails.get(table.last_tail) if table.last_tail is not None else None
+            if old is not None and not old.branch:
+                self._place(table.last_tail, proven=False, first=True)  # type: ignore[arg-type]
+            table.last_tail = key
+
+    def _place(self, key: TailKey, *, proven: bool, first: bool = False) -> None:
+        """Move a tail to the recent end (`first`: the front) of a segment."""
+        tail = self._tails[key]
+        (self._proven if tail.proven else self._speculative).pop(key)
+        tail.proven = proven
+        segment = self._proven if proven else self._speculative
+        segment[key] = None
+        if first:
+            segment.move_to_end(key, last=False)
 
     def close(self, table: WindowTable) -> None:
         """Release every block the table lists or pins; the table is left empty."""
@@ -234,7 +271,8 @@ class WindowGroup:
         returns the blocks freed. A tail whose blocks a table still lists frees none of them."""
         freed: list[int] = []
         while len(freed) < num_blocks and self._tails:
-            key, tail = self._tails.popitem(last=False)
+            key, _ = (self._speculative or self._proven).popitem(last=False)
+            tail = self._tails.pop(key)
             self._ends[key[0]].remove(tail.end)
             if not self._ends[key[0]]:
                 del self._ends[key[0]]
@@ -260,6 +298,11 @@ class WindowGroup:
         B = self.block_size
         owners: Counter[int] = Counter()
         ends: dict[str | None, list[int]] = {}
+        segments = {**dict.fromkeys(self._speculative, False), **dict.fromkeys(self._proven, True)}
+        if len(segments) != len(self._speculative) + len(self._proven) or segments != {
+            k: t.proven for k, t in self._tails.items()
+        }:
+            raise AssertionError("the eviction segments do not list every tail once, as marked")
         for (namespace, prefix), tail in self._tails.items():
             end = len(prefix) // TOKEN_BYTES
             first = first_live_index(end, self.window, B)

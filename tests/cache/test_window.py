@@ -89,6 +89,30 @@ def test_tails_go_least_recently_used_first_and_the_hit_falls_back() -> None:
     group.check_integrity()
 
 
+def test_speculative_and_superseded_tails_go_before_proven_ones() -> None:
+    group = WindowGroup(16, 4, window=4)
+    chat, doc = _qb(range(1, 30)), _qb(range(100, 130))
+    table = group.open(chat, 0, None)
+    assert table is not None
+    for end in (10, 18):  # the tail at 18 supersedes the one at 10: a chat's next turn
+        assert group.extend(table, end)
+        group.slide(table, end)
+        group.commit(table, chat, end)
+    group.close(table)
+    table = group.open(doc, 0, None)
+    assert table is not None and group.extend(table, 10)
+    group.commit(table, doc, 10, branch=True)  # where the tree's paths branch: proven
+    group.commit(table, doc, 6)  # a speculative tail on the same path, kept at a chunk's end
+    group.close(table)
+    ends = [len(prefix) // 4 for _, prefix in group.tail_prefixes()]
+    assert ends == [10, 18, 6, 10], "superseded, speculative, then proven"
+    group.check_integrity()
+    assert len(group.evict(1)) == 2  # the tail at 10 goes, with its blocks of indices 1, 2
+    assert group.hit(chat, 17, None) == 0 and group.hit(chat, 20, None) == 18
+    assert group.hit(doc, 20, None) == 10
+    group.check_integrity()
+
+
 def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -> None:
     cache = HybridCache(num_blocks=32, num_window_blocks=5, block_size=4, window=8)
     prompt = PackedTokens(range(1, 22))
@@ -113,6 +137,30 @@ def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -
     cache.check_integrity()
     cache.close(resumed)
     cache.check_integrity()
+
+
+def test_the_window_before_a_branch_point_is_kept_for_the_next_request() -> None:
+    cache = HybridCache(num_blocks=64, num_window_blocks=32, block_size=4, window=8)
+    doc = list(range(1, 40))
+
+    def serve(question: list[int]) -> int:
+        tokens = doc + question
+        table = cache.admit(tokens, max_hit=len(tokens) - 1, num_window_tokens=0)
+        assert table is not None
+        hit = table.num_cached_tokens
+        for pos, end in ((hit, 30), (30, len(tokens))):  # two chunks, the branch inside the 2nd
+            pos, end = max(pos, hit), max(end, hit)
+            assert cache.extend(table, end)
+            cache.slide(table, pos)
+        cache.slide(table, len(tokens))
+        cache.commit(table, tokens)
+        cache.close(table)
+        cache.check_integrity()
+        return hit
+
+    assert serve([90, 91, 92]) == 0
+    assert serve([80, 81]) == 0  # the full tree has the document, its window KV is gone
+    assert serve([70, 71, 72, 73]) == len(doc)  # kept by the second request at its branch
 
 
 # ---------------------------------------------------------------------------------------------
