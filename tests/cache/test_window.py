@@ -261,3 +261,30 @@ def test_every_query_reads_the_kv_it_needs_under_eviction(block_size: int, seed:
         )
     assert hits > 0
     assert cache.window.num_evicted_tails > 0
+
+
+def _group_with_a_tail_and_a_table() -> tuple[WindowGroup, object]:
+    group = WindowGroup(16, 4, window=8)
+    tokens = _qb(range(1, 30))
+    table = group.open(tokens, 0, None)
+    assert table is not None and group.extend(table, 13)
+    group.commit(table, tokens, 13)
+    group.check_integrity()
+    return group, table
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda g, t: g.pool.add_owner(t.blocks[1]),  # an owner nobody records
+        lambda g, t: g._tail_refs.update([t.blocks[0]]),  # a tail reference without a tail
+        lambda g, t: g._proven.update(g._speculative),  # a tail in both segments
+        lambda g, t: g._ends[None].add(7),  # an end without a tail
+        lambda g, t: setattr(t, "blocks", (t.blocks[0], None, *t.blocks[2:])),  # a hole
+    ],
+)
+def test_check_integrity_catches_corruption(corrupt) -> None:
+    group, table = _group_with_a_tail_and_a_table()
+    corrupt(group, table)
+    with pytest.raises(AssertionError):
+        group.check_integrity()
