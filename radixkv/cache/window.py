@@ -40,12 +40,19 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
 
-TailKey = tuple[str | None, bytes]  # (namespace, packed tokens of the prefix)
+# (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
+# many tails end inside it; the tail keeps the tokens, compared before a hit is served
+TailKey = tuple[str | None, int, int]
+
+
+def tail_key(namespace: str | None, qb: bytes, num_tokens: int) -> TailKey:
+    return (namespace, num_tokens, xxhash.xxh3_128_intdigest(qb[: TOKEN_BYTES * num_tokens]))
 
 
 def first_live_index(num_written: int, window: int, block_size: int) -> int:
@@ -80,6 +87,7 @@ class _Tail:
     """The window blocks of indices `first .. ceil(end / B) - 1` of one cached prefix."""
 
     end: int
+    prefix: bytes = field(repr=False)  # the packed tokens [0, end)
     first: int
     blocks: tuple[int, ...]
     proven: bool  # in the proven segment, else in the speculative one
@@ -91,7 +99,8 @@ class WindowGroup:
 
     Invariants (recomputed by `check_integrity`):
     * every block's ref count = tails listing it + open tables listing it + tables pinning it;
-    * a tail ending at e holds exactly the blocks of indices first_live_index(e) .. ceil(e/B)-1;
+    * a tail ending at e holds e tokens under their key and exactly the blocks of indices
+      first_live_index(e) .. ceil(e/B)-1;
     * each namespace's sorted ends list the ends of its tails; the two eviction segments list
       every tail once, in the segment its `proven` names;
     * a table's listed blocks are one run that reaches its last entry.
@@ -117,20 +126,28 @@ class WindowGroup:
     # ----------------------------------------------------------------- reading
     def hit(self, qb: bytes, num_matched: int, namespace: str | None) -> int:
         """The deepest point e <= `num_matched` of the packed tokens `qb` that has a tail (0:
-        none), where `num_matched` is what the full layers' cache matched. Mutates nothing."""
+        none), where `num_matched` is what the full layers' cache matched. Mutates nothing.
+        O(num_matched + tails ending up to it): one hash over the prompt, digests taken at each
+        end on the way."""
         ends = self._ends.get(namespace)
         if not ends:
             return 0
-        last = None
-        for end in ends.irange(maximum=num_matched, reverse=True):
-            if end != last and (namespace, qb[: TOKEN_BYTES * end]) in self._tails:
-                return end
-            last = end
+        hasher, done = xxhash.xxh3_128(), 0
+        keys = []
+        for end in ends.irange(maximum=num_matched):
+            if end != done:
+                hasher.update(qb[TOKEN_BYTES * done : TOKEN_BYTES * end])
+                done = end
+                keys.append((namespace, end, hasher.intdigest()))
+        for key in reversed(keys):
+            tail = self._tails.get(key)
+            if tail is not None and qb.startswith(tail.prefix):
+                return key[1]
         return 0
 
-    def tail_prefixes(self) -> list[TailKey]:
+    def tail_prefixes(self) -> list[tuple[str | None, bytes]]:
         """(namespace, packed prefix) of every tail, in eviction order."""
-        return [*self._speculative, *self._proven]
+        return [(key[0], self._tails[key].prefix) for key in (*self._speculative, *self._proven)]
 
     def live_blocks(self, num_tokens: int) -> int:
         """Blocks a table covering `num_tokens` written tokens lists once slid."""
@@ -145,7 +162,7 @@ class WindowGroup:
         need = (hit % B != 0) + max(0, -(-num_tokens // B) - -(-hit // B))
         if need <= self.pool.num_free:
             return True
-        held = self._tails[(namespace, qb[: TOKEN_BYTES * hit])].blocks if hit else ()
+        held = self._tails[tail_key(namespace, qb, hit)].blocks if hit else ()
         pool, refs = self.pool, self._tail_refs
         pinned = sum(pool.ref_count(b) == refs[b] for b in held)  # the table's refs pin them
         return need <= pool.num_free + self.num_evictable_blocks() - pinned
@@ -160,7 +177,7 @@ class WindowGroup:
             table = WindowTable((), namespace)
             self._open.add(table)
             return table
-        key = (namespace, qb[: TOKEN_BYTES * hit])
+        key = tail_key(namespace, qb, hit)
         tail = self._tails[key]
         partial = hit % self.block_size
         shared = tail.blocks[:-1] if partial else tail.blocks
@@ -217,7 +234,7 @@ class WindowGroup:
         assert table in self._open, "commit an open table"
         if not num_tokens:
             return
-        key = (table.namespace, qb[: TOKEN_BYTES * num_tokens])
+        key = tail_key(table.namespace, qb, num_tokens)
         tail = self._tails.get(key)
         if tail is not None:
             self._place(key, proven=tail.proven or branch)
@@ -228,7 +245,9 @@ class WindowGroup:
         for b in blocks:
             self.pool.add_owner(b)  # type: ignore[arg-type]
         self._tail_refs.update(blocks)  # type: ignore[arg-type]
-        self._tails[key] = _Tail(num_tokens, first, blocks, branch, branch)  # type: ignore[arg-type]
+        prefix = qb[: TOKEN_BYTES * num_tokens]
+        tail = _Tail(num_tokens, prefix, first, blocks, branch, branch)  # type: ignore[arg-type]
+        self._tails[key] = tail
         (self._proven if branch else self._speculative)[key] = None
         self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
         if not branch:
@@ -303,10 +322,12 @@ class WindowGroup:
             k: t.proven for k, t in self._tails.items()
         }:
             raise AssertionError("the eviction segments do not list every tail once, as marked")
-        for (namespace, prefix), tail in self._tails.items():
-            end = len(prefix) // TOKEN_BYTES
+        for key, tail in self._tails.items():
+            namespace, end = key[0], tail.end
             first = first_live_index(end, self.window, B)
-            if tail.end != end or tail.first != first or len(tail.blocks) != -(-end // B) - first:
+            if key != tail_key(namespace, tail.prefix, len(tail.prefix) // TOKEN_BYTES) or (
+                key[1] != end or tail.first != first or len(tail.blocks) != -(-end // B) - first
+            ):
                 raise AssertionError(f"tail at {end} holds {tail} (first index {first})")
             owners.update(tail.blocks)
             ends.setdefault(namespace, []).append(end)
