@@ -213,14 +213,18 @@ def no_sharing_trace(seed: int, num_requests: int = 256) -> Trace:
 
 
 def doc_qa_trace(
-    seed: int, num_documents: int = 24, num_requests: int = 320, system_len: int = 57
+    seed: int,
+    num_documents: int = 24,
+    num_requests: int = 320,
+    system_len: int = 57,
+    doc_len: tuple[int, int] = (1200, 2600),
 ) -> Trace:
     """Questions about long documents: system prompt + one document + a question. Documents are
     picked with Zipf-like popularity (the k-th most popular ~ 1/k), so a few stay hot while the
     tail is asked about rarely: what to keep under pressure matters."""
     rng = np.random.default_rng([seed, 6])
     system = _rand_tokens(rng, system_len)
-    documents = [_rand_tokens(rng, int(rng.integers(1200, 2600))) for _ in range(num_documents)]
+    documents = [_rand_tokens(rng, int(rng.integers(*doc_len))) for _ in range(num_documents)]
     popularity = 1.0 / np.arange(1, num_documents + 1)
     popularity /= popularity.sum()
     requests = []

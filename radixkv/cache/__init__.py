@@ -10,6 +10,9 @@ events.py        KV events: the queue the owner drains
 summary.py       a bounded picture of one namespace's tree, for a live view
 prefix_cache.py  PrefixCache: the one contract (match; admit / grow / commit / close a
                  BlockTable), stats, integrity
+window.py        WindowGroup: sliding-window layers' blocks, released as they leave the window,
+                 kept as tails where a later request can resume
+hybrid.py        HybridCache: a PrefixCache (full layers) and a WindowGroup side by side
 """
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent

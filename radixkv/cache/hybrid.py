@@ -1,0 +1,149 @@
+"""HybridCache: the prefix cache of a model whose layers are full causal or windowed (window W).
+
+Two block groups, each with its own pool and a table per request (vLLM's hybrid manager and
+SGLang's full + SWA pools have the same shape):
+
+    full group     `PrefixCache`: the full layers' KV of every token, the radix tree, GDSF
+    window group   `WindowGroup`: the window layers' KV of the last W tokens only (window.py)
+
+A request's life, as `PrefixCache`'s with a window table beside the block table:
+
+    match(tokens, max_tokens)          the full match, cut back to the deepest point that has
+                                       the window KV of the W tokens before it
+    t = admit(tokens, max_hit, ...)    None: does not fit now, nothing changed; `t.full` covers
+                                       every token, `t.window` the first `num_window_tokens`
+    extend(t, num_tokens)              window blocks up to `num_tokens` (the next chunk)
+    slide(t, num_written)              window blocks no later query reads go back to the pool;
+                                       the window KV before the point where the request's
+                                       tokens left the full tree's path is kept first
+    commit(t, tokens)                  the full group inserts, the window group keeps a tail
+    close(t)
+
+A model without window layers uses `PrefixCache` alone: none of this runs for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from radixkv.cache.prefix_cache import BlockTable, PrefixCache
+from radixkv.cache.tokens import PackedTokens, check_size
+from radixkv.cache.window import WindowGroup, WindowTable
+
+
+@dataclass(slots=True, eq=False)
+class HybridTable:
+    """One request's tables: the full layers' and the window layers' (same block indices)."""
+
+    full: BlockTable
+    window: WindowTable
+    tokens: bytes = field(repr=False)  # packed, as admitted
+    # Where the request's tokens leave the full tree's cached path, past the hit: a point a
+    # later request can resume from (the next question about the same document), whose window
+    # KV is kept once written (`HybridCache.slide`). None: none, or kept already.
+    branch: int | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.full.num_cached_tokens
+
+
+class HybridCache:
+    """A `PrefixCache` of `num_blocks` full-layer blocks and a `WindowGroup` of
+    `num_window_blocks` window-layer blocks of window `window`, one block size.
+
+    Invariants (recomputed by `check_integrity`): both groups' own (a table's two halves are
+    counted there, each by its group).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_window_blocks: int,
+        block_size: int,
+        window: int,
+        *,
+        eviction: str = "gdsf",
+    ) -> None:
+        self.full = PrefixCache(num_blocks, block_size, eviction=eviction)
+        self.window = WindowGroup(num_window_blocks, block_size, window)
+        self.block_size = self.full.block_size
+        self._open: set[HybridTable] = set()
+
+    def match(
+        self, tokens: Sequence[int], *, max_tokens: int | None = None, namespace: str | None = None
+    ) -> int:
+        """Tokens a request can resume after: the full match, cut back to the deepest point
+        whose window KV is kept. Mutates nothing; raises like `PrefixCache.match`."""
+        packed = _packed(tokens)
+        m = self.full.match(packed, max_tokens=max_tokens, namespace=namespace).num_cached_tokens
+        return self.window.hit(packed.tobytes(), m, namespace)
+
+    def admit(
+        self,
+        tokens: Sequence[int],
+        *,
+        max_hit: int,
+        namespace: str | None = None,
+        num_window_tokens: int | None = None,
+    ) -> HybridTable | None:
+        """Tables for `tokens`: the hit (at most `max_hit` tokens, at a point with window KV),
+        full blocks for every token, window blocks up to `num_window_tokens` (None: every
+        token). None, nothing changed, if the blocks are not there."""
+        packed = _packed(tokens)
+        qb = packed.tobytes()
+        max_hit = check_size(max_hit, "max_hit", low=0)
+        full_hit = self.full.match(packed, max_tokens=max_hit, namespace=namespace)
+        hit = self.window.hit(qb, full_hit.num_cached_tokens, namespace)
+        n = len(packed) if num_window_tokens is None else num_window_tokens
+        if not self.window.fits(qb, hit, namespace, n):
+            return None
+        full = self.full.admit(packed, max_hit=hit, namespace=namespace)
+        if full is None:
+            return None
+        assert full.num_cached_tokens == hit, "the full path up to a window hit is cached"
+        window = self.window.open(qb, hit, namespace)
+        assert window is not None and self.window.extend(window, n), "checked by fits()"
+        branch = full_hit.num_cached_tokens
+        table = HybridTable(full, window, qb, branch if branch > hit else None)
+        self._open.add(table)
+        return table
+
+    def extend(self, table: HybridTable, num_tokens: int) -> bool:
+        """Full and window blocks for every token up to `num_tokens`; False if the window
+        blocks are not there (full blocks got meanwhile stay with the table)."""
+        B = self.block_size
+        need = -(-num_tokens // B) - len(table.full.blocks)
+        if need > 0 and not self.full.grow(table.full, need):
+            return False
+        return self.window.extend(table.window, num_tokens)
+
+    def slide(self, table: HybridTable, num_written: int) -> None:
+        """Tokens [0, num_written) are written in both groups: keep the window tail at the
+        table's branch point once reached, then release what no later query reads."""
+        branch = table.branch
+        if branch is not None and branch <= num_written:
+            self.window.commit(table.window, table.tokens, branch, branch=True)
+            table.branch = None
+        self.window.slide(table.window, num_written)
+
+    def commit(self, table: HybridTable, tokens: Sequence[int]) -> None:
+        """Insert `tokens` (their KV written in both groups) and keep their window tail."""
+        packed = _packed(tokens)
+        self.full.commit(table.full, packed)
+        self.window.commit(table.window, packed.tobytes(), len(packed))
+
+    def close(self, table: HybridTable) -> None:
+        self._open.remove(table)
+        self.full.close(table.full)
+        self.window.close(table.window)
+
+    def check_integrity(self) -> None:
+        self.full.check_integrity()
+        self.window.check_integrity()
+
+
+def _packed(tokens: Sequence[int]) -> PackedTokens:
+    """Tokens validated once for both groups (raises like `PrefixCache.match`)."""
+    return tokens if type(tokens) is PackedTokens else PackedTokens(tokens)

@@ -1,0 +1,348 @@
+"""The window group: KV blocks of sliding-window layers, which only the last W tokens need.
+
+A window-W layer's query at position p reads keys (p - W, p] and nothing older. So the window
+layers' KV lives in blocks of its own pool (the full layers' in `PrefixCache`'s), with one table
+per request indexed like the full one (entry i holds positions [i*B, (i+1)*B)), and:
+
+    positions     0 ............................ n-W+1 ......... n   (n = tokens written)
+    entries       None  None  None  None   | live  live  live  live
+                  released: no later query |  what the query at n and later ones read
+                  reads them               |  (`first_live_index(n)` on)
+
+* a running request releases the entries that fall out of the window (`slide`);
+* a point a later request can resume from keeps a *tail*: the window blocks of the last W tokens
+  before it (`commit`), shared by reference, never copied; a request resuming there references
+  them and copies the partial last block, as the full group does (`open`, `WindowTable.copy`);
+* a hit is valid up to the deepest point of the full match that has a tail (`hit`): without the
+  window KV of the W tokens before it, a resume would need the tokens' KV recomputed;
+* tails are reclaimed when the pool runs short (`evict`), in two segments, each least recently
+  used first: *speculative* tails first (kept at a request's end or chunk end, never resumed
+  from, or superseded: the request that resumed there kept a deeper tail on the same path, as a
+  chat's next turn does), then *proven* ones (resumed from, or kept at a point where the tree's
+  paths branch: the next question about the same document resumes there).
+
+Where this differs from the anchors: SGLang's `SWARadixCache` keeps window KV per tree node and
+marks nodes whose window KV is gone as tombstones; vLLM's sliding-window manager caches window
+blocks by block hash like full ones. Here a tail is keyed by its exact token prefix and namespace,
+apart from the tree: the tree's code and events are unchanged, a tail never pins tree nodes and
+is never pinned by a lock (a running request holds its own references to every window block it
+reads), and a point that the full tree evicts and later caches again is valid again at once.
+The cost: hits resume at commit points only (a prompt's end, a chunk's end, a finished reply),
+not mid-node as the full group's token-granular hits do.
+
+Ref counts: a window block's owners are the tails and the open tables that list it (each once),
+plus a table's pinned copy source (released at its next `slide` or `close`, once its copy has
+run). Deterministic: recency is the order of use, nothing reads the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import xxhash
+from sortedcontainers import SortedList
+
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.tokens import TOKEN_BYTES, check_size
+
+# (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
+# many tails end inside it; the tail keeps the tokens, compared before a hit is served
+TailKey = tuple[str | None, int, int]
+
+
+def tail_key(namespace: str | None, qb: bytes, num_tokens: int) -> TailKey:
+    return (namespace, num_tokens, xxhash.xxh3_128_intdigest(qb[: TOKEN_BYTES * num_tokens]))
+
+
+def first_live_index(num_written: int, window: int, block_size: int) -> int:
+    """The first block index that the query at position `num_written` or any later one reads:
+    that query sees keys (num_written - window, num_written]."""
+    return max(0, num_written - window + 1) // block_size
+
+
+@dataclass(slots=True, eq=False)
+class WindowTable:
+    """A request's window-layer blocks: issued by `WindowGroup.open`, changed by `extend` and
+    `slide`, given back by `close` (the group's methods are its only writers).
+
+    `blocks[i]` is the block of index i, None once released (or, below the hit's live start,
+    never held). A tuple replaced whole on every change, as `BlockTable.blocks`. The table holds
+    one reference to every block it lists."""
+
+    blocks: tuple[int | None, ...]
+    namespace: str | None
+    copy: tuple[int, int, int] | None = None  # (source, target, slots) of a partial hit block
+    pinned: int | None = field(default=None, repr=False)  # the copy's source, held until it ran
+    # the tail the request last resumed from or kept: a deeper one supersedes it
+    last_tail: TailKey | None = field(default=None, repr=False)
+
+    @property
+    def num_live_blocks(self) -> int:
+        return sum(b is not None for b in self.blocks)
+
+
+@dataclass(slots=True, eq=False)
+class _Tail:
+    """The window blocks of indices `first .. ceil(end / B) - 1` of one cached prefix."""
+
+    end: int
+    prefix: bytes = field(repr=False)  # the packed tokens [0, end)
+    first: int
+    blocks: tuple[int, ...]
+    proven: bool  # in the proven segment, else in the speculative one
+    branch: bool  # kept at a branch point of the tree's paths
+
+
+class WindowGroup:
+    """`num_blocks` window blocks of `block_size` tokens for layers of window `window`.
+
+    Invariants (recomputed by `check_integrity`):
+    * every block's ref count = tails listing it + open tables listing it + tables pinning it;
+    * a tail ending at e holds e tokens under their key and exactly the blocks of indices
+      first_live_index(e) .. ceil(e/B)-1;
+    * each namespace's sorted ends list the ends of its tails; the two eviction segments list
+      every tail once, in the segment its `proven` names;
+    * a table's listed blocks are one run that reaches its last entry.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = self.pool.block_size
+        self.window = check_size(window, "window", low=1)
+        self._tails: dict[TailKey, _Tail] = {}
+        # the eviction order: speculative tails, then proven ones, least recently used first
+        self._speculative: OrderedDict[TailKey, None] = OrderedDict()
+        self._proven: OrderedDict[TailKey, None] = OrderedDict()
+        self._ends: dict[str | None, SortedList] = {}
+        self._tail_refs: Counter[int] = Counter()
+        self._open: set[WindowTable] = set()
+        self.num_evicted_tails = 0
+
+    @property
+    def num_tails(self) -> int:
+        return len(self._tails)
+
+    # ----------------------------------------------------------------- reading
+    def hit(self, qb: bytes, num_matched: int, namespace: str | None) -> int:
+        """The deepest point e <= `num_matched` of the packed tokens `qb` that has a tail (0:
+        none), where `num_matched` is what the full layers' cache matched. Mutates nothing.
+        O(num_matched + tails ending up to it): one hash over the prompt, digests taken at each
+        end on the way."""
+        ends = self._ends.get(namespace)
+        if not ends:
+            return 0
+        hasher, done = xxhash.xxh3_128(), 0
+        keys = []
+        for end in ends.irange(maximum=num_matched):
+            if end != done:
+                hasher.update(qb[TOKEN_BYTES * done : TOKEN_BYTES * end])
+                done = end
+                keys.append((namespace, end, hasher.intdigest()))
+        for key in reversed(keys):
+            tail = self._tails.get(key)
+            if tail is not None and qb.startswith(tail.prefix):
+                return key[1]
+        return 0
+
+    def tail_prefixes(self) -> list[tuple[str | None, bytes]]:
+        """(namespace, packed prefix) of every tail, in eviction order."""
+        return [(key[0], self._tails[key].prefix) for key in (*self._speculative, *self._proven)]
+
+    def live_blocks(self, num_tokens: int) -> int:
+        """Blocks a table covering `num_tokens` written tokens lists once slid."""
+        return -(-num_tokens // self.block_size) - first_live_index(
+            num_tokens, self.window, self.block_size
+        )
+
+    def fits(self, qb: bytes, hit: int, namespace: str | None, num_tokens: int) -> bool:
+        """Whether `open(qb, hit, namespace)` then `extend(table, num_tokens)` would succeed.
+        Read-only: O(tail blocks) when the free list is short."""
+        B = self.block_size
+        need = (hit % B != 0) + max(0, -(-num_tokens // B) - -(-hit // B))
+        if need <= self.pool.num_free:
+            return True
+        held = self._tails[tail_key(namespace, qb, hit)].blocks if hit else ()
+        pool, refs = self.pool, self._tail_refs
+        pinned = sum(pool.ref_count(b) == refs[b] for b in held)  # the table's refs pin them
+        return need <= pool.num_free + self.num_evictable_blocks() - pinned
+
+    # ----------------------------------------------------------------- tables
+    def open(self, qb: bytes, hit: int, namespace: str | None) -> WindowTable | None:
+        """A table resuming at `hit` (0, or a point `hit()` returned for `qb`): references to
+        the tail's blocks and a private copy of its partial last block (`WindowTable.copy`, to
+        run before the request writes). None if the copy's block is not there (`fits` says so
+        beforehand, read-only)."""
+        if not hit:
+            table = WindowTable((), namespace)
+            self._open.add(table)
+            return table
+        key = tail_key(namespace, qb, hit)
+        tail = self._tails[key]
+        partial = hit % self.block_size
+        shared = tail.blocks[:-1] if partial else tail.blocks
+        held = (*shared, tail.blocks[-1]) if partial else shared
+        for b in held:  # before any eviction: what the table reads must stay
+            self.pool.add_owner(b)
+        self._place(key, proven=True)  # used now: the copy's allocation evicts others first
+        new: list[int] = []
+        if partial:
+            got = self._allocate(1)
+            if got is None:
+                self.pool.release(held)
+                return None
+            new = got
+        table = WindowTable((None,) * tail.first + (*shared, *new), namespace, last_tail=key)
+        if partial:
+            table.copy = (tail.blocks[-1], new[0], partial)
+            table.pinned = tail.blocks[-1]
+        self._open.add(table)
+        return table
+
+    def extend(self, table: WindowTable, num_tokens: int) -> bool:
+        """Blocks for every index up to `num_tokens` tokens (allocated, evicting tails on
+        demand); False, nothing changed, if they are not there."""
+        assert table in self._open, "extend an open table"
+        need = -(-num_tokens // self.block_size) - len(table.blocks)
+        if need <= 0:
+            return True
+        new = self._allocate(need)
+        if new is None:
+            return False
+        table.blocks += tuple(new)
+        return True
+
+    def slide(self, table: WindowTable, num_written: int) -> None:
+        """Release the entries no query at position `num_written` or later reads, and the pinned
+        copy source (the copy ran with the step that wrote the tokens before `num_written`)."""
+        assert table in self._open, "slide an open table"
+        self._unpin(table)
+        live = min(first_live_index(num_written, self.window, self.block_size), len(table.blocks))
+        dead = [b for b in table.blocks[:live] if b is not None]
+        if dead:
+            self.pool.release(dead)
+            table.blocks = (None,) * live + table.blocks[live:]
+
+    def commit(
+        self, table: WindowTable, qb: bytes, num_tokens: int, *, branch: bool = False
+    ) -> None:
+        """Keep a tail at `num_tokens` (the KV of tokens [0, num_tokens) of `qb` is written): a
+        later request can resume there. `branch`: the tree's paths branch there (the tail is
+        proven at once). An existing tail at the same prefix is refreshed instead. A tail kept
+        at a request's end supersedes the one it last resumed from or kept, if that one was not
+        a branch point: it goes first."""
+        assert table in self._open, "commit an open table"
+        if not num_tokens:
+            return
+        key = tail_key(table.namespace, qb, num_tokens)
+        tail = self._tails.get(key)
+        if tail is not None:
+            self._place(key, proven=tail.proven or branch)
+            return
+        first = first_live_index(num_tokens, self.window, self.block_size)
+        blocks = table.blocks[first : -(-num_tokens // self.block_size)]
+        assert None not in blocks, f"the window of {num_tokens} tokens was released: {blocks}"
+        for b in blocks:
+            self.pool.add_owner(b)  # type: ignore[arg-type]
+        self._tail_refs.update(blocks)  # type: ignore[arg-type]
+        prefix = qb[: TOKEN_BYTES * num_tokens]
+        tail = _Tail(num_tokens, prefix, first, blocks, branch, branch)  # type: ignore[arg-type]
+        self._tails[key] = tail
+        (self._proven if branch else self._speculative)[key] = None
+        self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
+        if not branch:
+            old = self._tails.get(table.last_tail) if table.last_tail is not None else None
+            if old is not None and not old.branch:
+                self._place(table.last_tail, proven=False, first=True)  # type: ignore[arg-type]
+            table.last_tail = key
+
+    def _place(self, key: TailKey, *, proven: bool, first: bool = False) -> None:
+        """Move a tail to the recent end (`first`: the front) of a segment."""
+        tail = self._tails[key]
+        (self._proven if tail.proven else self._speculative).pop(key)
+        tail.proven = proven
+        segment = self._proven if proven else self._speculative
+        segment[key] = None
+        if first:
+            segment.move_to_end(key, last=False)
+
+    def close(self, table: WindowTable) -> None:
+        """Release every block the table lists or pins; the table is left empty."""
+        assert table in self._open, "a table is closed once, by the group that issued it"
+        self._open.remove(table)
+        self._unpin(table)
+        self.pool.release([b for b in table.blocks if b is not None])
+        table.blocks, table.copy = (), None
+
+    def _unpin(self, table: WindowTable) -> None:
+        if table.pinned is not None:
+            self.pool.release([table.pinned])
+            table.pinned = None
+
+    # ----------------------------------------------------------------- eviction
+    def num_evictable_blocks(self) -> int:
+        """Blocks that dropping every tail would free (those only tails hold). O(tail blocks)."""
+        pool = self.pool
+        return sum(pool.ref_count(b) == n for b, n in self._tail_refs.items())
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Drop least recently used tails until `num_blocks` blocks are free or no tail is left;
+        returns the blocks freed. A tail whose blocks a table still lists frees none of them."""
+        freed: list[int] = []
+        while len(freed) < num_blocks and self._tails:
+            key, _ = (self._speculative or self._proven).popitem(last=False)
+            tail = self._tails.pop(key)
+            self._ends[key[0]].remove(tail.end)
+            if not self._ends[key[0]]:
+                del self._ends[key[0]]
+            self._tail_refs.subtract(tail.blocks)
+            for b in tail.blocks:
+                if not self._tail_refs[b]:
+                    del self._tail_refs[b]
+            freed += self.pool.release(tail.blocks)
+            self.num_evicted_tails += 1
+        return freed
+
+    def _allocate(self, num_blocks: int) -> list[int] | None:
+        short = num_blocks - self.pool.num_free
+        if short > 0:
+            if short > self.num_evictable_blocks():
+                return None
+            self.evict(short)
+        return self.pool.allocate(num_blocks)
+
+    # ----------------------------------------------------------------- checks
+    def check_integrity(self) -> None:
+        """Recompute the invariants in the class docstring; raise AssertionError on a violation."""
+        B = self.block_size
+        owners: Counter[int] = Counter()
+        ends: dict[str | None, list[int]] = {}
+        segments = {**dict.fromkeys(self._speculative, False), **dict.fromkeys(self._proven, True)}
+        if len(segments) != len(self._speculative) + len(self._proven) or segments != {
+            k: t.proven for k, t in self._tails.items()
+        }:
+            raise AssertionError("the eviction segments do not list every tail once, as marked")
+        for key, tail in self._tails.items():
+            namespace, end = key[0], tail.end
+            first = first_live_index(end, self.window, B)
+            if key != tail_key(namespace, tail.prefix, len(tail.prefix) // TOKEN_BYTES) or (
+                key[1] != end or tail.first != first or len(tail.blocks) != -(-end // B) - first
+            ):
+                raise AssertionError(f"tail at {end} holds {tail} (first index {first})")
+            owners.update(tail.blocks)
+            ends.setdefault(namespace, []).append(end)
+        if owners != self._tail_refs:
+            raise AssertionError(f"tail references {self._tail_refs} != tails' blocks {owners}")
+        if {ns: sorted(e) for ns, e in ends.items()} != {
+            ns: list(e) for ns, e in self._ends.items()
+        }:
+            raise AssertionError(f"tail ends {self._ends} != tails' ends {ends}")
+        for table in self._open:
+            listed = [b for b in table.blocks if b is not None]
+            run = table.blocks[len(table.blocks) - len(listed) :]
+            if None in run:
+                raise AssertionError(f"a table's blocks {table.blocks} are not one run")
+            owners.update(listed)
+            if table.pinned is not None:
+                owners[table.pinned] += 1
+        self.pool.check_integrity(dict(owners))

@@ -1,0 +1,290 @@
+"""The window group (`radixkv.cache.window`) and the hybrid cache over it: window blocks follow
+a running request's window, a hit resumes only where the window KV before it is kept, tails are
+evicted least recently used first. The simulated test writes a "KV" per slot (the hash of the
+prefix up to that token) and checks every read a query would do against it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixkv import PackedTokens
+from radixkv.cache.hybrid import HybridCache, HybridTable
+from radixkv.cache.window import WindowGroup, first_live_index
+
+
+@pytest.mark.parametrize(
+    ("written", "window", "block_size", "first"),
+    [(0, 8, 4, 0), (8, 8, 4, 0), (11, 8, 4, 1), (12, 8, 4, 1), (13, 8, 4, 1), (20, 8, 4, 3)],
+)
+def test_first_live_index(written: int, window: int, block_size: int, first: int) -> None:
+    # the query at `written` reads keys (written - window, written]
+    assert first_live_index(written, window, block_size) == first
+
+
+def _qb(tokens: range | list[int]) -> bytes:
+    return PackedTokens(tokens).tobytes()
+
+
+def test_a_running_table_releases_what_falls_out_of_the_window() -> None:
+    group = WindowGroup(16, 4, window=8)
+    table = group.open(b"", 0, None)
+    assert table is not None and group.extend(table, 20) and len(table.blocks) == 5
+    assert group.pool.num_free == 11
+    group.slide(table, 12)  # keys from position 5 on: block 0 goes
+    assert table.blocks[0] is None and table.num_live_blocks == 4 and group.pool.num_free == 12
+    group.slide(table, 20)  # keys from 13 on: blocks 1 and 2 go
+    assert table.blocks[:3] == (None, None, None) and group.pool.num_free == 14
+    group.check_integrity()
+    group.close(table)
+    assert group.pool.num_free == 16
+    group.check_integrity()
+
+
+def test_a_tail_serves_a_hit_with_a_copy_of_its_partial_block() -> None:
+    group = WindowGroup(16, 4, window=8)
+    tokens = _qb(range(1, 30))
+    first = group.open(tokens, 0, None)
+    assert first is not None and group.extend(first, 13)
+    group.slide(first, 13)
+    group.commit(first, tokens, 13)  # keeps indices first_live_index(13) = 1 .. 3
+    tail = first.blocks[1:4]
+    group.close(first)
+    assert group.pool.num_free == 13 and group.num_tails == 1
+    assert group.hit(tokens, 20, None) == 13 and group.hit(tokens, 12, None) == 0
+    assert group.hit(_qb([9, *range(2, 30)]), 20, None) == 0  # another prefix
+    assert group.hit(tokens, 20, "tenant") == 0  # another namespace
+    second = group.open(tokens, 13, None)
+    assert second is not None and second.blocks[:3] == (None, *tail[:2])
+    assert second.copy == (tail[2], second.blocks[3], 1)
+    group.check_integrity()
+    group.slide(second, 13)  # the copy ran: its source is no longer pinned
+    group.check_integrity()
+    group.close(second)
+    group.check_integrity()
+
+
+def test_tails_go_least_recently_used_first_and_the_hit_falls_back() -> None:
+    group = WindowGroup(8, 4, window=4)
+    tokens = _qb(range(1, 50))
+    table = group.open(tokens, 0, None)
+    assert table is not None
+    for end in (10, 18, 26):  # three tails of 2 blocks each (indices 1-2, 3-4, 5-6)
+        assert group.extend(table, end)
+        group.slide(table, end)
+        group.commit(table, tokens, end)
+    group.close(table)
+    assert group.pool.num_free == 2 and group.num_evictable_blocks() == 6
+    assert group.hit(tokens, 30, None) == 26 and group.hit(tokens, 25, None) == 18
+    reader = group.open(tokens, 18, None)  # refreshes the tail at 18, copies its index 4
+    assert reader is not None and group.pool.num_free == 1
+    assert group.extend(reader, 25)  # 2 more blocks: the tail at 10 goes
+    assert group.num_evicted_tails == 1 and group.hit(tokens, 12, None) == 0
+    assert group.hit(tokens, 30, None) == 26
+    group.check_integrity()
+    assert not group.extend(reader, 44)  # 4 more: 1 free + the tail at 26's 2 are too few
+    assert group.num_evicted_tails == 1, "a failed extend evicts nothing"
+    group.close(reader)
+    group.check_integrity()
+
+
+def test_speculative_and_superseded_tails_go_before_proven_ones() -> None:
+    group = WindowGroup(16, 4, window=4)
+    chat, doc = _qb(range(1, 30)), _qb(range(100, 130))
+    table = group.open(chat, 0, None)
+    assert table is not None
+    for end in (10, 18):  # the tail at 18 supersedes the one at 10: a chat's next turn
+        assert group.extend(table, end)
+        group.slide(table, end)
+        group.commit(table, chat, end)
+    group.close(table)
+    table = group.open(doc, 0, None)
+    assert table is not None and group.extend(table, 10)
+    group.commit(table, doc, 10, branch=True)  # where the tree's paths branch: proven
+    group.commit(table, doc, 6)  # a speculative tail on the same path, kept at a chunk's end
+    group.close(table)
+    ends = [len(prefix) // 4 for _, prefix in group.tail_prefixes()]
+    assert ends == [10, 18, 6, 10], "superseded, speculative, then proven"
+    group.check_integrity()
+    assert len(group.evict(1)) == 2  # the tail at 10 goes, with its blocks of indices 1, 2
+    assert group.hit(chat, 17, None) == 0 and group.hit(chat, 20, None) == 18
+    assert group.hit(doc, 20, None) == 10
+    group.check_integrity()
+
+
+def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -> None:
+    cache = HybridCache(num_blocks=32, num_window_blocks=5, block_size=4, window=8)
+    prompt = PackedTokens(range(1, 22))
+    first = cache.admit(prompt, max_hit=20, num_window_tokens=12)
+    assert first is not None and first.num_cached_tokens == 0
+    cache.slide(first, 12)
+    cache.commit(first, prompt[:12])  # a chunk's end
+    assert cache.extend(first, 21)
+    cache.slide(first, 21)
+    cache.commit(first, prompt)
+    cache.close(first)
+    cache.check_integrity()
+    longer = prompt + [90, 91]
+    assert cache.full.match(longer).num_cached_tokens == 21
+    assert cache.match(longer) == 21 and cache.match(longer, max_tokens=20) == 12
+    before = cache.full.stats()
+    assert cache.admit(longer, max_hit=22, num_window_tokens=60) is None  # 15 window blocks
+    assert cache.full.stats() == before and cache.window.num_tails == 2
+    resumed = cache.admit(longer, max_hit=22)
+    assert resumed is not None and resumed.num_cached_tokens == 21
+    assert resumed.window.copy is not None and resumed.full.copy is not None
+    cache.check_integrity()
+    cache.close(resumed)
+    cache.check_integrity()
+
+
+def test_the_window_before_a_branch_point_is_kept_for_the_next_request() -> None:
+    cache = HybridCache(num_blocks=64, num_window_blocks=32, block_size=4, window=8)
+    doc = list(range(1, 40))
+
+    def serve(question: list[int]) -> int:
+        tokens = doc + question
+        table = cache.admit(tokens, max_hit=len(tokens) - 1, num_window_tokens=0)
+        assert table is not None
+        hit = table.num_cached_tokens
+        for pos, end in ((hit, 30), (30, len(tokens))):  # two chunks, the branch inside the 2nd
+            pos, end = max(pos, hit), max(end, hit)
+            assert cache.extend(table, end)
+            cache.slide(table, pos)
+        cache.slide(table, len(tokens))
+        cache.commit(table, tokens)
+        cache.close(table)
+        cache.check_integrity()
+        return hit
+
+    assert serve([90, 91, 92]) == 0
+    assert serve([80, 81]) == 0  # the full tree has the document, its window KV is gone
+    assert serve([70, 71, 72, 73]) == len(doc)  # kept by the second request at its branch
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulated KV: every read of every query checked
+
+
+def _kv(tokens: list[int], position: int) -> int:
+    """What a layer's KV at `position` depends on: the tokens up to it."""
+    return hash(tuple(tokens[: position + 1]))
+
+
+class _Simulation:
+    def __init__(self, cache: HybridCache) -> None:
+        self.cache = cache
+        self.full_kv: dict[tuple[int, int], int] = {}
+        self.window_kv: dict[tuple[int, int], int] = {}
+
+    def copy(self, store: dict[tuple[int, int], int], copy: tuple[int, int, int] | None) -> None:
+        if copy is not None:
+            src, dst, slots = copy
+            for s in range(slots):
+                store[(dst, s)] = store[(src, s)]
+
+    def write(self, table: HybridTable, tokens: list[int], start: int, end: int) -> None:
+        B = self.cache.block_size
+        for p in range(start, end):
+            self.full_kv[(table.full.blocks[p // B], p % B)] = _kv(tokens, p)
+            block = table.window.blocks[p // B]
+            assert block is not None, f"position {p} has no window block"
+            self.window_kv[(block, p % B)] = _kv(tokens, p)
+
+    def read(self, table: HybridTable, tokens: list[int], query: int) -> None:
+        """The keys the query at `query` reads: every earlier position (full layers), the last
+        W (window layers)."""
+        B, W = self.cache.block_size, self.cache.window.window
+        for p in range(query + 1):
+            assert self.full_kv[(table.full.blocks[p // B], p % B)] == _kv(tokens, p), p
+        for p in range(max(0, query - W + 1), query + 1):
+            block = table.window.blocks[p // B]
+            assert block is not None, f"query {query} lost its window key {p}"
+            assert self.window_kv[(block, p % B)] == _kv(tokens, p), (query, p)
+
+    def serve(self, rng: random.Random, tokens: list[int], num_prompt: int, chunk: int) -> int:
+        cache = self.cache
+        table = cache.admit(tokens, max_hit=num_prompt - 1, num_window_tokens=0)
+        if table is None:
+            return -1
+        cache.check_integrity()
+        hit = table.num_cached_tokens
+        self.copy(self.full_kv, table.full.copy)
+        self.copy(self.window_kv, table.window.copy)
+        pos = hit
+        try:
+            while pos < len(tokens):
+                end = min(pos + chunk, len(tokens))
+                if not cache.extend(table, end):
+                    return -1
+                cache.slide(table, pos)
+                self.write(table, tokens, pos, end)
+                for query in range(pos, end):
+                    self.read(table, tokens, query)
+                pos = end
+                if rng.random() < 0.3:
+                    cache.commit(table, tokens[:pos])
+                cache.check_integrity()
+            cache.commit(table, tokens)
+            cache.check_integrity()
+        finally:
+            cache.close(table)
+            cache.check_integrity()
+        return hit
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_query_reads_the_kv_it_needs_under_eviction(block_size: int, seed: int) -> None:
+    rng = random.Random(seed)
+    window = rng.choice([3, 8, 21])
+    cache = HybridCache(
+        num_blocks=400 // block_size + 8,
+        num_window_blocks=3 * (window // block_size + 2) + 40 // block_size,
+        block_size=block_size,
+        window=window,
+    )
+    sim = _Simulation(cache)
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
+    hits = 0
+    for _ in range(40):
+        tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+        if rng.random() < 0.5:
+            stems.append(tokens)
+        num_prompt = rng.randrange(1, len(tokens) + 1)
+        hit = sim.serve(rng, tokens, num_prompt, chunk=rng.choice([1, 5, 64]))
+        hits += max(hit, 0)
+        assert cache.full.stats().num_in_use_blocks == 0
+        assert cache.window.pool.num_free + cache.window.num_evictable_blocks() == (
+            cache.window.pool.num_blocks
+        )
+    assert hits > 0
+    assert cache.window.num_evicted_tails > 0
+
+
+def _group_with_a_tail_and_a_table() -> tuple[WindowGroup, object]:
+    group = WindowGroup(16, 4, window=8)
+    tokens = _qb(range(1, 30))
+    table = group.open(tokens, 0, None)
+    assert table is not None and group.extend(table, 13)
+    group.commit(table, tokens, 13)
+    group.check_integrity()
+    return group, table
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda g, t: g.pool.add_owner(t.blocks[1]),  # an owner nobody records
+        lambda g, t: g._tail_refs.update([t.blocks[0]]),  # a tail reference without a tail
+        lambda g, t: g._proven.update(g._speculative),  # a tail in both segments
+        lambda g, t: g._ends[None].add(7),  # an end without a tail
+        lambda g, t: setattr(t, "blocks", (t.blocks[0], None, *t.blocks[2:])),  # a hole
+    ],
+)
+def test_check_integrity_catches_corruption(corrupt) -> None:
+    group, table = _group_with_a_tail_and_a_table()
+    corrupt(group, table)
+    with pytest.raises(AssertionError):
+        group.check_integrity()
