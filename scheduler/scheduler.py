@@ -33,12 +33,17 @@ back to back (`update_from_output()`); overlapped steps (`radixkv.engine.step`) 
 later. A request whose placeholder is its last allowed token is not scheduled again, and a request
 preempted with a placeholder is not readmitted until it is filled: no row computes past what it
 may generate, and nothing unknown reaches the tree.
+
+Jump-forward (the engine's, for text a grammar forces): `jump()` replaces a request's tokens that
+have no KV yet (at most its last sampled one) by longer ones, which its next row computes as one
+extend, like a prefill chunk; `hold()` keeps a request with a placeholder out of the steps until
+that is filled, so that the engine sees all its tokens before it is computed further.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.cache.tokens import common_prefix_len
@@ -175,8 +180,9 @@ class Scheduler:
         for req in sorted(running, key=lambda r: r.num_tokens_to_compute > 1):
             if budget == 0:
                 break
-            if req.num_pending and req.num_tokens >= req.max_num_tokens(self._max_len):
-                continue  # its placeholder is its last token: it finishes when that is read
+            last = req.num_tokens >= req.max_num_tokens(self._max_len)
+            if req.num_pending and (req.held or last):
+                continue  # held, or its placeholder is its last token: wait until it is read
             if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
                 n = min(req.num_tokens_to_compute, self.config.chunked_prefill_size, budget)
                 row = self._schedule_running(req, n, rows, preempted)
@@ -241,13 +247,36 @@ class Scheduler:
                 continue  # no token to take, or aborted / finished / requeued since
             req.fill_placeholder(sampled[row.request_id], self._max_len)
             took.append(req)
-            if req.is_finished and self._running.get(req.request_id) is req:
-                # NOTE: the last token has no KV, as in a step that was not overlapped.
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-                self._finish_running(req)
-            elif req.is_finished:  # preempted since its step was launched: holds nothing
-                del self._waiting[req.request_id]
+            self._settle(req)
         return took
+
+    def hold(self, request_id: str) -> None:
+        """Once a request has a placeholder (now or after its next row), compute nothing more
+        of it until that is filled: the engine then sees all its tokens (jump-forward, in
+        overlapped steps). A synchronous step fills before the next `schedule()`: no effect."""
+        req = self.get_request(request_id)
+        assert req is not None and not req.is_finished, request_id
+        req.held = True
+
+    def jump(self, request_id: str, num_kept: int, token_ids: Sequence[int]) -> int:
+        """Jump-forward: a live request whose tokens are all known keeps its first `num_kept`
+        output tokens and takes `token_ids` after them (`Request.jump`: none of the replaced
+        tokens has KV), computed by its next rows as one extend; at the length limit it
+        finishes here. Returns how many were taken."""
+        req = self.get_request(request_id)
+        assert req is not None, request_id
+        taken = req.jump(num_kept, token_ids, self._max_len)
+        self._settle(req)
+        return taken
+
+    def _settle(self, req: Request) -> None:
+        """Finish a request whose new tokens ended it: free what it holds."""
+        if req.is_finished and self._running.get(req.request_id) is req:
+            # NOTE: the last token has no KV, as in a step that was not overlapped.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self._finish_running(req)
+        elif req.is_finished:  # preempted since its step was launched: holds nothing
+            del self._waiting[req.request_id]
 
     def _live_rows(self, output: SchedulerOutput) -> list[tuple[ScheduledRequest, Request]]:
         """The rows of the last `schedule()`'s output whose requests are still running (rows of
