@@ -13,9 +13,10 @@ One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
  2. Prefill rows: running requests mid-prefill continue with their next chunk.
  3. Admission (skipped in a step that preempted): waiting requests in policy order; it stops at the
     first that does not fit, so a large request is delayed, never skipped for ever. A request whose
-    prompt prefix a request admitted earlier in the step is computing (in-batch prefix caching,
-    `defer_shared_prefix_tokens`) is deferred to the next step, where it finds that prefix cached;
-    a deferral is not a failure to fit, so admission goes on with the next request (`_admit`).
+    prompt prefix a request admitted earlier in the step, or a running request's prefill chunk, is
+    computing (in-batch prefix caching, `defer_shared_prefix_tokens`) is deferred to the next step,
+    where it finds that prefix cached; a deferral is not a failure to fit, so admission goes on
+    with the next request (`_admit`).
 With `prefill_first`, admission comes first; a step that admits runs steps 2 and 3 only, a step
 that admits nothing runs 1 and 2 as above.
 
@@ -389,15 +390,19 @@ class Scheduler:
         depends on next step's hit).
 
         Deferral and the idle-cache fallback never meet: a request is deferred only behind one
-        admitted earlier in the same step, so something is running and the fallback (for an idle
-        cache) does not apply; a deferred request that later finds the cache idle gets the fallback
-        like any other.
+        admitted earlier in the same step or a running one's prefill chunk, so something is running
+        and the fallback (for an idle cache) does not apply; a deferred request that later finds
+        the cache idle gets the fallback like any other.
         """
         max_seqs = self.config.max_num_seqs
         if not self._waiting or budget == 0 or len(self._running) >= max_seqs:
             return budget  # nothing can be admitted: spare the policy its scoring
         # (request, end): what each request admitted in this step writes, then inserts, this step.
         admitted: list[tuple[Request, int]] = []
+        # NOTE: and the prefill chunks of running requests in this step: a prompt longer than a
+        # chunk (n choices of a long prompt) would otherwise be computed again by a request
+        # admitted beside its second chunk.
+        writing = self._prefill_rows(rows)
         num_deferred = 0
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
         waiting = self._waiting.values()
@@ -406,7 +411,8 @@ class Scheduler:
                 break
             if req.num_pending:  # preempted in an overlapped step: its tokens are not all known
                 continue
-            if defer and admitted and self._defer_for_in_batch_prefix(req, admitted):
+            in_batch = writing + admitted
+            if defer and in_batch and self._defer_for_in_batch_prefix(req, in_batch):
                 num_deferred += 1
                 continue
             row = self._try_admit(req, budget, copies, use_hit=True)
@@ -427,15 +433,26 @@ class Scheduler:
             del self._waiting[req.request_id]
         return budget
 
+    def _prefill_rows(self, rows: list[ScheduledRequest]) -> list[tuple[Request, int]]:
+        """(request, end) of the rows that compute a running request's prompt this step."""
+        live = ((row, self._running.get(row.request_id)) for row in rows)
+        return [
+            (req, row.start_position + len(row.token_ids))
+            for row, req in live
+            if req is not None and row.start_position < req.num_prefill_tokens
+        ]
+
     def _defer_for_in_batch_prefix(self, req: Request, in_batch: list[tuple[Request, int]]) -> bool:
         """True if `req` should wait one step for a prefix that requests admitted earlier in this
-        step compute: its longest common prefix with `tokens[:end]` of one of them exceeds its own
-        cache hit now by at least `defer_shared_prefix_tokens`. Read-only.
+        step, or running requests' prefill chunks, compute: its longest common prefix with
+        `tokens[:end]` of one of them exceeds its own cache hit now by at least
+        `defer_shared_prefix_tokens`. Read-only.
 
-        Never starves: a deferral needs a request admitted ahead of this one in the same step, so
-        a step that defers always admits something, and a deferred request is passed only by
-        requests ahead of it in the policy order. What it waited for is in the tree after the step
-        (inserted after every prefill chunk; locked while its writer runs), so next step its hit
+        Never starves: a deferral needs a request admitted ahead of this one in the same step, or
+        a prefill chunk in it, so a step that defers always computes a prompt, and a deferred
+        request is passed only by requests ahead of it in the policy order. What it waited for is
+        in the tree after the step (inserted after every prefill chunk; locked while its writer
+        runs), so next step its hit
         has grown by at least the threshold and it is not deferred for that prefix again (unless
         its writer was aborted, or finished and the prefix was evicted: then it may compute it).
         """
