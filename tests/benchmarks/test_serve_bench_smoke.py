@@ -53,3 +53,14 @@ def test_report_compares_radixkv_with_radixkv_from_another_source() -> None:
     assert "radixkv / radixkv@/src/main" in line
     assert "TTFT p50 x0.50" in line and "output tok/s x1.50" in line
     assert serve_bench.is_radixkv("radixkv@/src/main") and not serve_bench.is_radixkv("vllm")
+
+
+def test_report_compares_schema_constrained_requests_with_free_ones() -> None:
+    constrained = {**_row(1, "radixkv+schema", 0.2, 27.0), "wall_s": 1.08}
+    rows = [_row(1, "radixkv", 0.2, 30.0), constrained]
+    (line,) = [line for line in serve_bench.report(rows).splitlines() if line.startswith("round ")]
+    assert "schema-constrained / unconstrained: wall x1.08" in line and "tok/s x0.90" in line
+    assert serve_bench.is_radixkv("radixkv+schema")
+    assert serve_bench.server_env("radixkv@/src+schema", serve_bench.parse_args([]))[
+        "PYTHONPATH"
+    ].startswith("/src")
