@@ -6,14 +6,16 @@ Re-tokenized at the boundary, as SGLang does, so that the ids stay the tokenizer
 last few output tokens are decoded, the forced text appended, and the whole encoded again; the
 request keeps the common prefix of the old and new ids and takes the rest. Here only the last
 sampled token may be replaced (it has no KV yet), so the prefix cache never holds a rewritten
-token; a jump that would rewrite an earlier token is not taken (the grammar's mask then goes on
-token by token and the next token tries again). A jump is not taken either where the text does
-not round-trip (half a UTF-8 character, a tokenizer whose decode is not the inverse of encode)
-or where the new ids hold a stop token.
+token: where the new ids differ earlier (digits sampled one by one that the tokenizer would
+merge), the last token alone is encoded with the forced text. A jump is not taken where the
+text does not round-trip (half a UTF-8 character, a tokenizer whose decode is not the inverse
+of encode) or where the new ids hold a stop token; the mask then goes on token by token.
 
-What stays non-canonical: the sampled tokens before the window (the model may spell a key in
-pieces, as token-by-token decoding does), and the boundary after the jumped text, which the
-next sampled token cannot merge into.
+So the ids from the last sampled token through the forced text are the tokenizer's own
+encoding of their text (with the few tokens before, where that encoding keeps them). What
+stays non-canonical: the sampled tokens before (the model may spell a value in pieces, as
+token-by-token decoding does), and the boundary after the forced text, which the next sampled
+token cannot merge into.
 """
 
 from __future__ import annotations
@@ -50,7 +52,22 @@ def plan_jump(
     forced = grammar.jump_string(output_token_ids)
     if not forced:
         return None
-    start = max(0, len(output_token_ids) - RETOKENIZE_WINDOW)
+    for window in (RETOKENIZE_WINDOW, 1):
+        jump = _splice(tokenizer, output_token_ids, forced, window)
+        if jump is not None:
+            break
+    if jump is None or any(t in stop_token_ids for t in jump.token_ids):
+        return None  # nothing to splice, or a stop token spelled by the forced text
+    return jump
+
+
+def _splice(
+    tokenizer: Any, output_token_ids: Sequence[int], forced: str, window: int
+) -> Jump | None:
+    """The last `window` outputs and the forced text encoded together, spliced in where they
+    first differ from the outputs; None if that would rewrite a token with KV (any but the last
+    output) or the text does not round-trip."""
+    start = max(0, len(output_token_ids) - window)
     old = list(output_token_ids[start:])
     text = decode(tokenizer, old)
     if _REPLACEMENT in text:
@@ -62,8 +79,6 @@ def plan_jump(
     kept = _common_prefix_len(old, new)
     if kept < len(old) - 1 or kept == len(new):
         return None  # it would rewrite a token with KV (or add nothing)
-    if any(t in stop_token_ids for t in new[kept:]):
-        return None  # a stop token spelled by the forced text: let the model end it
     return Jump(start + kept, tuple(new[kept:]))
 
 

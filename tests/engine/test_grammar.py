@@ -289,8 +289,8 @@ def test_a_jump_is_cut_at_max_tokens(engines, async_scheduling):
 
 
 def test_a_jump_never_rewrites_a_token_with_kv():
-    """plan_jump keeps every output token but the last (sampled, not computed): a merge that
-    would rewrite an earlier one is not taken."""
+    """plan_jump keeps every output token but the last (sampled, not computed): where a merge
+    would rewrite an earlier one, the last token alone is encoded with the forced text."""
     from radixkv.engine.grammar import RequestGrammar
     from radixkv.engine.jump_forward import plan_jump
 
@@ -307,5 +307,10 @@ def test_a_jump_never_rewrites_a_token_with_kv():
     jump = plan_jump(tok, RequestGrammar(compiled, eos), sampled, frozenset(eos))
     assert jump is not None and jump.num_kept == 2
     assert [*sampled, *jump.token_ids] == enc('{"customer_full_name": 1}')
-    split = [*enc("{"), *enc('"')]  # merging '{"' would rewrite "{", which has KV
-    assert plan_jump(tok, RequestGrammar(compiled, eos), split, frozenset(eos)) is None
+    split = [*enc("{"), *enc('"')]  # merging '{"' would rewrite "{", which has KV: so the
+    jump = plan_jump(tok, RequestGrammar(compiled, eos), split, frozenset(eos))  # last alone
+    assert jump is not None and jump.num_kept >= 1
+    assert [*split[: jump.num_kept], *jump.token_ids] == [
+        *enc("{"),
+        *enc('"customer_full_name": 1}'),
+    ]
