@@ -76,8 +76,25 @@ def user_message(client: int, turn: int) -> str:
     return question.replace("France", topic) + f" (client {client})"
 
 
-async def one_turn(client, model: str, messages: list[dict], max_tokens: int) -> tuple[str, Turn]:
+# The reply schema of `radixkv+schema`: every request constrained (issue 29's overhead goal).
+REPLY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "reply",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"type": "string"}, "confident": {"type": "boolean"}},
+            "required": ["answer", "confident"],
+        },
+    },
+}
+
+
+async def one_turn(
+    client, model: str, messages: list[dict], max_tokens: int, schema: bool = False
+) -> tuple[str, Turn]:
     t0 = time.perf_counter()
+    extra = {"response_format": REPLY_FORMAT} if schema else {}
     stream = await client.chat.completions.create(
         model=model,
         messages=messages,
@@ -85,6 +102,7 @@ async def one_turn(client, model: str, messages: list[dict], max_tokens: int) ->
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        **extra,
     )
     parts: list[str] = []
     ttft = None
@@ -108,18 +126,22 @@ async def one_turn(client, model: str, messages: list[dict], max_tokens: int) ->
     return "".join(parts), turn
 
 
-async def conversation(client, model: str, index: int, turns: int, max_tokens: int) -> list[Turn]:
+async def conversation(
+    client, model: str, index: int, turns: int, max_tokens: int, schema: bool = False
+) -> list[Turn]:
     messages = [{"role": "system", "content": SYSTEM}]
     results = []
     for t in range(turns):
         messages.append({"role": "user", "content": user_message(index, t)})
-        text, turn = await one_turn(client, model, messages, max_tokens)
+        text, turn = await one_turn(client, model, messages, max_tokens, schema)
         messages.append({"role": "assistant", "content": text})
         results.append(turn)
     return results
 
 
-async def run_clients(base_url: str, model: str, args: argparse.Namespace) -> tuple[list, float]:
+async def run_clients(
+    base_url: str, model: str, args: argparse.Namespace, schema: bool = False
+) -> tuple[list, float]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=3600)
@@ -127,7 +149,7 @@ async def run_clients(base_url: str, model: str, args: argparse.Namespace) -> tu
         t0 = time.perf_counter()
         convs = await asyncio.gather(
             *(
-                conversation(client, model, i, args.turns, args.max_tokens)
+                conversation(client, model, i, args.turns, args.max_tokens, schema)
                 for i in range(args.clients)
             )
         )
@@ -177,12 +199,18 @@ def server_command(name: str, args: argparse.Namespace, model_path: str, port: i
 
 
 def is_radixkv(name: str) -> bool:
-    """ "radixkv" (this checkout) or "radixkv@DIR" (the radixkv source in DIR)."""
-    return name == "radixkv" or name.startswith("radixkv@")
+    """ "radixkv" (this checkout) or "radixkv@DIR" (the radixkv source in DIR), either with
+    "+schema" (every request constrained by `REPLY_FORMAT`)."""
+    base = name.removesuffix(SCHEMA_SUFFIX)
+    return base == "radixkv" or base.startswith("radixkv@")
+
+
+SCHEMA_SUFFIX = "+schema"
 
 
 def server_env(name: str, args: argparse.Namespace) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    name = name.removesuffix(SCHEMA_SUFFIX)
     if name.startswith("radixkv@"):
         # Found before this checkout's editable install. Its `radixkv.kernels` and
         # `radixkv.scheduler` must be inside DIR/radixkv (symlinks to DIR/kernels, DIR/scheduler).
@@ -210,7 +238,8 @@ def check_source(name: str, args: argparse.Namespace) -> None:
     tree against itself reads as a result)."""
     if not is_radixkv(name):
         return
-    want = Path(name.split("@", 1)[1]) if "@" in name else ROOT
+    base = name.removesuffix(SCHEMA_SUFFIX)
+    want = Path(base.split("@", 1)[1]) if "@" in base else ROOT
     got = server_source(name, args)
     if got != want.resolve():
         raise SystemExit(f"serve_bench: {name} would import radixkv from {got}, not {want}")
@@ -261,7 +290,8 @@ def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> d
         asyncio.run(_warm_up(base_url, model))
         say(f"{name}: {args.clients} clients x {args.turns} turns")
         cpu_before = process_cpu_s(proc.pid)
-        turns, wall = asyncio.run(run_clients(base_url, model, args))
+        schema = name.endswith(SCHEMA_SUFFIX)
+        turns, wall = asyncio.run(run_clients(base_url, model, args, schema))
         cpu_after = process_cpu_s(proc.pid)
         server_p50s: dict[str, float | None] = {}
         if is_radixkv(name):
@@ -367,6 +397,13 @@ def report(rows: list[dict]) -> str:
                     f"{_fmt(ours.get('server_cpu_s'), '.1f')} vs "
                     f"{_fmt(other.get('server_cpu_s'), '.1f')} s"
                 )
+        if {"radixkv", "radixkv" + SCHEMA_SUFFIX} <= pair.keys():
+            plain, constrained = pair["radixkv"], pair["radixkv" + SCHEMA_SUFFIX]
+            lines.append(
+                f"round {number}, every request schema-constrained / unconstrained: wall "
+                f"x{constrained['wall_s'] / plain['wall_s']:.2f} (goal <= 1.1), output tok/s "
+                f"x{constrained['output_tok_s'] / plain['output_tok_s']:.2f}"
+            )
         if {"radixkv", "transformers"} <= pair.keys():
             ours, peer = pair["radixkv"], pair["transformers"]
             lines.append(
@@ -396,7 +433,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         default="radixkv,transformers",
-        help="comma-separated: radixkv, transformers, radixkv@DIR (radixkv's source in DIR)",
+        help="comma-separated: radixkv, transformers, radixkv@DIR (radixkv's source in DIR);"
+        " a radixkv name + '+schema': every request constrained by a JSON schema",
     )
     p.add_argument("--tiny", action="store_true", help="2 clients x 2 turns x 4 tokens, radixkv")
     p.add_argument("--verbose", action="store_true", help="show the servers' logs")

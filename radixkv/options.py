@@ -102,6 +102,13 @@ OPTIONS = (
         " with CUDA)",
         type=None,
     ),
+    Option(
+        "--jump-forward",
+        "jump_forward",
+        "structured output: compute the text a grammar forces as one extend step, not a decode"
+        " step per token",
+        type=None,
+    ),
     Option("--num-threads", "num_threads", "CPU torch threads (default: half the cores)"),
     Option("--seed", "seed", "seed of sampled requests without their own"),
     Option(

@@ -88,6 +88,9 @@ class Request:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
         self.output_token_ids: list[int] = []
         self.num_pending = 0  # placeholders at the end of the output, their tokens not yet read
+        # Once it has a placeholder, not computed further until that is read: the engine looks
+        # at its tokens between steps (jump-forward, `Scheduler.hold`); cleared by that fill.
+        self.held = False
         self.all_token_ids = array("I", self.prompt_token_ids.tobytes())  # prompt + output
         self._packed = self.prompt_token_ids  # all_token_ids when it was last packed
         self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
@@ -156,6 +159,26 @@ class Request:
         elif end >= self.max_num_tokens(max_model_len):
             assert self.num_pending == 0, f"{self}: a placeholder past the length limit"
             self.set_finished(RequestStatus.FINISHED_LENGTH)
+        self.held = self.held and self.num_pending > 0
+
+    def jump(self, num_kept: int, token_ids: Sequence[int], max_model_len: int) -> int:
+        """Keep the first `num_kept` output tokens and append `token_ids` after them (jump-forward:
+        text a grammar forces), cut at the length limit, which finishes the request. Only tokens
+        without KV are replaced, and none is a stop token (the engine's checks). Returns how many
+        of `token_ids` were appended."""
+        end = self.num_prompt_tokens + num_kept  # tokens kept
+        assert not self.num_pending and not self.is_finished, f"{self}: jump with tokens unread"
+        assert self.num_computed_tokens <= end <= self.num_tokens, (self, num_kept)
+        assert token_ids and not self.stop_token_ids.intersection(token_ids), token_ids
+        appended = list(token_ids[: self.max_num_tokens(max_model_len) - end])
+        del self.output_token_ids[num_kept:], self.all_token_ids[end:]
+        self.output_token_ids += appended
+        self.all_token_ids.extend(appended)
+        if len(self._packed) > end:  # packed with a replaced token in it: repack when read
+            self._packed = self.prompt_token_ids
+        if self.num_tokens >= self.max_num_tokens(max_model_len):
+            self.set_finished(RequestStatus.FINISHED_LENGTH)
+        return len(appended)
 
     def set_finished(self, status: RequestStatus) -> None:
         assert status.is_finished, status

@@ -13,9 +13,10 @@ One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
  2. Prefill rows: running requests mid-prefill continue with their next chunk.
  3. Admission (skipped in a step that preempted): waiting requests in policy order; it stops at the
     first that does not fit, so a large request is delayed, never skipped for ever. A request whose
-    prompt prefix a request admitted earlier in the step is computing (in-batch prefix caching,
-    `defer_shared_prefix_tokens`) is deferred to the next step, where it finds that prefix cached;
-    a deferral is not a failure to fit, so admission goes on with the next request (`_admit`).
+    prompt prefix a request admitted earlier in the step, or a running request's prefill chunk, is
+    computing (in-batch prefix caching, `defer_shared_prefix_tokens`) is deferred to the next step,
+    where it finds that prefix cached; a deferral is not a failure to fit, so admission goes on
+    with the next request (`_admit`).
 With `prefill_first`, admission comes first; a step that admits runs steps 2 and 3 only, a step
 that admits nothing runs 1 and 2 as above.
 
@@ -33,12 +34,17 @@ back to back (`update_from_output()`); overlapped steps (`radixkv.engine.step`) 
 later. A request whose placeholder is its last allowed token is not scheduled again, and a request
 preempted with a placeholder is not readmitted until it is filled: no row computes past what it
 may generate, and nothing unknown reaches the tree.
+
+Jump-forward (the engine's, for text a grammar forces): `jump()` replaces a request's tokens that
+have no KV yet (at most its last sampled one) by longer ones, which its next row computes as one
+extend, like a prefill chunk; `hold()` keeps a request with a placeholder out of the steps until
+that is filled, so that the engine sees all its tokens before it is computed further.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.cache.tokens import common_prefix_len
@@ -175,8 +181,9 @@ class Scheduler:
         for req in sorted(running, key=lambda r: r.num_tokens_to_compute > 1):
             if budget == 0:
                 break
-            if req.num_pending and req.num_tokens >= req.max_num_tokens(self._max_len):
-                continue  # its placeholder is its last token: it finishes when that is read
+            last = req.num_tokens >= req.max_num_tokens(self._max_len)
+            if req.num_pending and (req.held or last):
+                continue  # held, or its placeholder is its last token: wait until it is read
             if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
                 n = min(req.num_tokens_to_compute, self.config.chunked_prefill_size, budget)
                 row = self._schedule_running(req, n, rows, preempted)
@@ -241,13 +248,36 @@ class Scheduler:
                 continue  # no token to take, or aborted / finished / requeued since
             req.fill_placeholder(sampled[row.request_id], self._max_len)
             took.append(req)
-            if req.is_finished and self._running.get(req.request_id) is req:
-                # NOTE: the last token has no KV, as in a step that was not overlapped.
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-                self._finish_running(req)
-            elif req.is_finished:  # preempted since its step was launched: holds nothing
-                del self._waiting[req.request_id]
+            self._settle(req)
         return took
+
+    def hold(self, request_id: str) -> None:
+        """Once a request has a placeholder (now or after its next row), compute nothing more
+        of it until that is filled: the engine then sees all its tokens (jump-forward, in
+        overlapped steps). A synchronous step fills before the next `schedule()`: no effect."""
+        req = self.get_request(request_id)
+        assert req is not None and not req.is_finished, request_id
+        req.held = True
+
+    def jump(self, request_id: str, num_kept: int, token_ids: Sequence[int]) -> int:
+        """Jump-forward: a live request whose tokens are all known keeps its first `num_kept`
+        output tokens and takes `token_ids` after them (`Request.jump`: none of the replaced
+        tokens has KV), computed by its next rows as one extend; at the length limit it
+        finishes here. Returns how many were taken."""
+        req = self.get_request(request_id)
+        assert req is not None, request_id
+        taken = req.jump(num_kept, token_ids, self._max_len)
+        self._settle(req)
+        return taken
+
+    def _settle(self, req: Request) -> None:
+        """Finish a request whose new tokens ended it: free what it holds."""
+        if req.is_finished and self._running.get(req.request_id) is req:
+            # NOTE: the last token has no KV, as in a step that was not overlapped.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self._finish_running(req)
+        elif req.is_finished:  # preempted since its step was launched: holds nothing
+            del self._waiting[req.request_id]
 
     def _live_rows(self, output: SchedulerOutput) -> list[tuple[ScheduledRequest, Request]]:
         """The rows of the last `schedule()`'s output whose requests are still running (rows of
@@ -360,15 +390,19 @@ class Scheduler:
         depends on next step's hit).
 
         Deferral and the idle-cache fallback never meet: a request is deferred only behind one
-        admitted earlier in the same step, so something is running and the fallback (for an idle
-        cache) does not apply; a deferred request that later finds the cache idle gets the fallback
-        like any other.
+        admitted earlier in the same step or a running one's prefill chunk, so something is running
+        and the fallback (for an idle cache) does not apply; a deferred request that later finds
+        the cache idle gets the fallback like any other.
         """
         max_seqs = self.config.max_num_seqs
         if not self._waiting or budget == 0 or len(self._running) >= max_seqs:
             return budget  # nothing can be admitted: spare the policy its scoring
         # (request, end): what each request admitted in this step writes, then inserts, this step.
         admitted: list[tuple[Request, int]] = []
+        # NOTE: and the prefill chunks of running requests in this step: a prompt longer than a
+        # chunk (n choices of a long prompt) would otherwise be computed again by a request
+        # admitted beside its second chunk.
+        writing = self._prefill_rows(rows)
         num_deferred = 0
         defer = self._use_cache and self.config.defer_shared_prefix_tokens > 0
         waiting = self._waiting.values()
@@ -377,7 +411,8 @@ class Scheduler:
                 break
             if req.num_pending:  # preempted in an overlapped step: its tokens are not all known
                 continue
-            if defer and admitted and self._defer_for_in_batch_prefix(req, admitted):
+            in_batch = writing + admitted
+            if defer and in_batch and self._defer_for_in_batch_prefix(req, in_batch):
                 num_deferred += 1
                 continue
             row = self._try_admit(req, budget, copies, use_hit=True)
@@ -398,15 +433,26 @@ class Scheduler:
             del self._waiting[req.request_id]
         return budget
 
+    def _prefill_rows(self, rows: list[ScheduledRequest]) -> list[tuple[Request, int]]:
+        """(request, end) of the rows that compute a running request's prompt this step."""
+        live = ((row, self._running.get(row.request_id)) for row in rows)
+        return [
+            (req, row.start_position + len(row.token_ids))
+            for row, req in live
+            if req is not None and row.start_position < req.num_prefill_tokens
+        ]
+
     def _defer_for_in_batch_prefix(self, req: Request, in_batch: list[tuple[Request, int]]) -> bool:
         """True if `req` should wait one step for a prefix that requests admitted earlier in this
-        step compute: its longest common prefix with `tokens[:end]` of one of them exceeds its own
-        cache hit now by at least `defer_shared_prefix_tokens`. Read-only.
+        step, or running requests' prefill chunks, compute: its longest common prefix with
+        `tokens[:end]` of one of them exceeds its own cache hit now by at least
+        `defer_shared_prefix_tokens`. Read-only.
 
-        Never starves: a deferral needs a request admitted ahead of this one in the same step, so
-        a step that defers always admits something, and a deferred request is passed only by
-        requests ahead of it in the policy order. What it waited for is in the tree after the step
-        (inserted after every prefill chunk; locked while its writer runs), so next step its hit
+        Never starves: a deferral needs a request admitted ahead of this one in the same step, or
+        a prefill chunk in it, so a step that defers always computes a prompt, and a deferred
+        request is passed only by requests ahead of it in the policy order. What it waited for is
+        in the tree after the step (inserted after every prefill chunk; locked while its writer
+        runs), so next step its hit
         has grown by at least the threshold and it is not deferred for that prefix again (unless
         its writer was aborted, or finished and the prefix was evicted: then it may compute it).
         """

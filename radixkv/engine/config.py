@@ -49,6 +49,7 @@ _SWITCHES = (
     "kv_events_connect",
     "host_cache_write_through",
     "parse_special_tokens_in_content",
+    "jump_forward",
 )
 # Switches whose None means "decided by the device".
 _AUTO_SWITCHES = ("async_scheduling",)
@@ -111,6 +112,11 @@ class EngineConfig:
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
     num_threads: int | None = None
+    # Jump-forward for structured output (`radixkv.engine.jump_forward`): the text a request's
+    # grammar forces is computed as one extend step, not a decode step per token; a request's
+    # `SamplingParams.jump_forward` overrides it. Output may differ from token-by-token decoding
+    # (benchmarks/RESULTS.md, structured output).
+    jump_forward: bool = True
     seed: int = 0  # mixed with the submit order into the seed of a sampled request without one
     # Chat messages are what users typed: by default special-token text in their content (say
     # "<|im_end|><|im_start|>system") is tokenized as plain text, so no user can forge a turn;

@@ -11,7 +11,8 @@ the scheduler's ordinary stop-token check, in either step mode.
 
 Matchers catch up lazily: a row's mask is built from the request's output tokens known at that
 point, so a preempted, recomputed request keeps its matcher and the overlapped step only has to
-hand over the one token still in flight.
+hand over the one token still in flight. Jump-forward (`radixkv.engine.jump_forward`) reads the
+text a matcher forces (`jump_string`) and rewinds it past a token its re-tokenization replaced.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class RequestGrammar:
         assert stop_token_ids, "a grammar needs a stop token to end on"
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
         self.accepted: list[int] = []
+        self._forced: tuple[int, str] | None = None  # (outputs, the jump string after them)
 
     def catch_up(self, output_token_ids: Sequence[int]) -> None:
         """Accept the tokens of `output_token_ids` (the request's outputs so far) not yet seen.
@@ -180,6 +182,27 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+    def jump_string(self, output_token_ids: Sequence[int]) -> str:
+        """The text the grammar forces after `output_token_ids` (caught up first): what every
+        continuation it allows begins with; "" when there is none or it has terminated. The
+        last answer is remembered: asking again for the same outputs costs nothing."""
+        n = len(output_token_ids)
+        if self._forced is not None and self._forced[0] == n:
+            return self._forced[1]
+        assert n >= len(self.accepted), (n, len(self.accepted))
+        self.catch_up(output_token_ids)
+        forced = "" if self.is_terminated else self._matcher.find_jump_forward_string()
+        self._forced = (n, forced)
+        return forced
+
+    def rewind(self, num_tokens: int) -> None:
+        """Undo the accepted tokens after the first `num_tokens` (their outputs were replaced)."""
+        assert 0 <= num_tokens <= len(self.accepted), (num_tokens, len(self.accepted))
+        if num_tokens < len(self.accepted):
+            self._matcher.rollback(len(self.accepted) - num_tokens)
+            del self.accepted[num_tokens:]
+        self._forced = None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]`; GrammarError if there is none."""

@@ -42,6 +42,7 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
 from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
 from radixkv.engine.interrupts import sigint_deferred
+from radixkv.engine.jump_forward import plan_jump
 from radixkv.engine.model_loader import Progress, load_model
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import (
@@ -98,6 +99,7 @@ class _Tracked:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
     failed_load: bool = False  # a copy of cached KV for it failed once: the next failure fails it
     grammar: RequestGrammar | None = None  # its structured-output matcher, if it asked for one
+    jumps: bool = False  # jump-forward over the text its grammar forces
 
 
 class LLM:
@@ -367,6 +369,9 @@ class LLM:
                 detok = IncrementalDetokenizer(self.tokenizer)
                 t = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
                 t.grammar = None if grammar is None else RequestGrammar(grammar, stop)
+                t.jumps = grammar is not None and self._jumps(p)
+                if t.jumps and t.grammar.jump_string(()):  # see `_jump_forward`
+                    self.scheduler.hold(rid)
                 self._tracked[rid] = t
         except BaseException:
             self._discard(*added)
@@ -382,6 +387,12 @@ class LLM:
                 raise ValueError(f"model {name!r} has no tokenizer: no structured output")
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars
+
+    def _jumps(self, params: SamplingParams) -> bool:
+        """Whether a request with a grammar jumps forward: its own switch, else the engine's;
+        never with logprobs (jumped tokens are not sampled: `SamplingParams.jump_forward`)."""
+        on = self.config.jump_forward if params.jump_forward is None else params.jump_forward
+        return on and params.logprobs is None
 
     def _grammar_of(self, params: SamplingParams) -> Any:
         """The compiled grammar of a request's params (None without one); ValueError for one
@@ -479,11 +490,50 @@ class LLM:
         t.t_last_token = now
         if logprobs is not None:
             t.logprobs.append(logprobs)
-        text = t.detok.push((token,))
+        new = (token,)
+        if t.jumps and not t.request.is_finished:
+            new = self._jump_forward(t) or new
+        text = t.detok.push(new)
         if t.request.is_finished:
             text += t.detok.finish()
             self._finish(t, str(t.request.finish_reason))
-        self._emit(t, (token,), text, () if logprobs is None else (logprobs,))
+        self._emit(t, new, text, () if logprobs is None else (logprobs,))
+
+    def _jump_forward(self, t: _Tracked) -> tuple[int, ...] | None:
+        """Jump-forward (`radixkv.engine.jump_forward`) after a request's sampled token, if the
+        text before that token was forced: the rest of the forced text is appended,
+        re-tokenized with that token, and its next row computes it as one extend. Returns its
+        new tokens from the sampled one's place on (that token, or what replaced it, first),
+        None without a jump.
+
+        NOTE: both step modes jump at the same tokens, so that their outputs agree. Overlapped,
+        a request's next step is launched before its token is read, so whenever text is forced
+        after its known tokens it is held (`Scheduler.hold`): its next token is then read
+        before anything later is computed, and the jump after it can be taken."""
+        req, grammar = t.request, t.grammar
+        assert grammar is not None
+        out = req.output_token_ids
+        new = None
+        if not req.num_pending and grammar.jump_string(out[:-1]):
+            new = self._jump(t)
+        known = len(out) - req.num_pending
+        if not req.is_finished and grammar.jump_string(out[:known]):
+            self.scheduler.hold(req.request_id)
+        return new
+
+    def _jump(self, t: _Tracked) -> tuple[int, ...] | None:
+        """Splice the jump after a request's last token (all its tokens known) into the
+        request and its matcher; its new tokens from that token's place on, or None."""
+        req, grammar = t.request, t.grammar
+        assert grammar is not None
+        jump = plan_jump(self.tokenizer, grammar, req.output_token_ids, req.stop_token_ids)
+        if jump is None:
+            return None
+        sampled_at = len(req.output_token_ids) - 1
+        self.scheduler.jump(req.request_id, jump.num_kept, jump.token_ids)
+        grammar.rewind(jump.num_kept)
+        grammar.catch_up(req.output_token_ids)  # the forced text's tokens: allowed
+        return tuple(req.output_token_ids[sampled_at:])
 
     def _fail_one(self, t: _Tracked, exc: Exception) -> None:
         """Fail one request of a step whose other rows go on: its blocks and lock come back."""

@@ -47,6 +47,11 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
+    # Jump-forward (`radixkv.engine.jump_forward`): text the grammar forces is appended at once
+    # and computed as one extend step. None: the engine's `jump_forward` setting. Never with
+    # logprobs: a jumped token was not sampled, so it has no sampling distribution to report
+    # (True with logprobs is refused; None with logprobs decodes token by token).
+    jump_forward: bool | None = None
     # choices per prompt, each its own request: the first's prefill is cached, and the others'
     # prompts hit it (in-batch prefix caching, for prompts longer than the engine's
     # `defer_shared_prefix_tokens`). Choice i of a seeded request samples with
@@ -75,6 +80,10 @@ class SamplingParams:
         if self.logprobs is not None and check_size(self.logprobs, "logprobs", low=0) > 20:
             raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
         _check_structured(self)
+        if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
+            raise TypeError(f"jump_forward must be a bool or None, got {self.jump_forward!r}")
+        if self.jump_forward and self.logprobs is not None:
+            raise ValueError("jump_forward and logprobs conflict: jumped tokens are not sampled")
         if check_size(self.n, "n", low=1) > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
 

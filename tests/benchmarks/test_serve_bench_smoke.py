@@ -66,9 +66,21 @@ def test_a_server_from_another_source_imports_that_source(tmp_path) -> None:
     assert serve_bench.server_source(f"radixkv@{tmp_path}", args) == tmp_path.resolve()
     assert serve_bench.server_source("radixkv", args) == serve_bench.ROOT
     serve_bench.check_source(f"radixkv@{tmp_path}", args)
+    serve_bench.check_source(f"radixkv@{tmp_path}+schema", args)
 
 
 def test_a_source_without_radixkv_is_refused_before_timing(tmp_path) -> None:
     args = serve_bench.parse_args([])
     with pytest.raises(SystemExit, match="would import radixkv from"):
         serve_bench.check_source(f"radixkv@{tmp_path}", args)
+
+
+def test_report_compares_schema_constrained_requests_with_free_ones() -> None:
+    constrained = {**_row(1, "radixkv+schema", 0.2, 27.0), "wall_s": 1.08}
+    rows = [_row(1, "radixkv", 0.2, 30.0), constrained]
+    (line,) = [line for line in serve_bench.report(rows).splitlines() if line.startswith("round ")]
+    assert "schema-constrained / unconstrained: wall x1.08" in line and "tok/s x0.90" in line
+    assert serve_bench.is_radixkv("radixkv+schema")
+    assert serve_bench.server_env("radixkv@/src+schema", serve_bench.parse_args([]))[
+        "PYTHONPATH"
+    ].startswith("/src")

@@ -128,7 +128,7 @@ def test_each_option_reaches_its_field() -> None:
     argv = ["--block-size", "8", "--cache-mb", "3", "--no-prefix-cache", "--max-num-seqs", "2"]
     argv += ["--max-num-batched-tokens", "64", "--chunked-prefill-size", "16", "--policy", "fcfs"]
     argv += ["--prefill-first", "--device", "cpu", "--dtype", "bfloat16", "--enforce-eager"]
-    argv += ["--no-async-scheduling"]
+    argv += ["--no-async-scheduling", "--no-jump-forward"]
     argv += ["--num-threads", "1", "--seed", "5", "--kv-events", "tcp://*:5557"]
     argv += ["--host-cache", "4GiB", "--kv-cache-dir", "kv", "--disk-cache", "1.5GB"]
     argv += ["--parse-special-tokens-in-content"]
@@ -149,6 +149,7 @@ def test_each_option_reaches_its_field() -> None:
         "dtype": torch.bfloat16,
         "enforce_eager": True,
         "async_scheduling": False,
+        "jump_forward": False,
         "num_threads": 1,
         "seed": 5,
         "kv_events": "tcp://*:5557",

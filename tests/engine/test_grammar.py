@@ -1,7 +1,9 @@
 """Constrained decoding: on a tiny random model, whose unconstrained output is noise, every reply
 constrained by a JSON schema, JSON object, regex, choice or EBNF grammar matches it, in both step
 modes, and ends with reason "stop"; a bad grammar is refused at the door with nothing queued; a
-row its grammar fails fails alone; compiled grammars are cached by text, within a bound."""
+row its grammar fails fails alone; compiled grammars are cached by text, within a bound.
+Jump-forward: forced text is computed in fewer steps, re-tokenized with the sampled token, the
+same in both step modes, streamed, and cut at max_tokens."""
 
 from __future__ import annotations
 
@@ -34,14 +36,22 @@ def engines() -> dict[bool, LLM]:
     }
 
 
-def _run(llm: LLM, params: list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list:
-    """The finished outputs, stepping with integrity checks after each step."""
+def _run(
+    llm: LLM,
+    params: list[SamplingParams],
+    prompts: list[list[int]] = PROMPTS,
+    seen: dict[str, list] | None = None,
+) -> list:
+    """The finished outputs, stepping with integrity checks after each step; `seen` gets every
+    update with tokens, by request (index in `params`)."""
     ids = [llm.add_request(prompts[i % len(prompts)], p) for i, p in enumerate(params)]
     outputs = {}
     while llm.has_unfinished_requests():
         for u in llm.step():
             if u.output is not None:
                 outputs[u.request_id] = u
+            if seen is not None and u.new_token_ids:
+                seen.setdefault(ids.index(u.request_id), []).append(u)
         llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
     return [outputs[rid] for rid in ids]
@@ -129,6 +139,8 @@ def test_string_lengths_reach_xgrammar_as_patterns():
         (dict(json_object=1), TypeError),
         (dict(grammar="x" * 70_000), ValueError),
         (dict(json_schema={"a": float("nan")}), ValueError),
+        (dict(regex="a", jump_forward=1), TypeError),
+        (dict(regex="a", jump_forward=True, logprobs=2), ValueError),  # jumped: not sampled
     ],
 )
 def test_sampling_params_refuse_bad_constraints(fields, error):
@@ -214,3 +226,91 @@ def test_preempted_grammar_requests_resume_their_matchers(async_scheduling):
         llm.step()
     llm.check_integrity()
     assert llm.cache.stats().num_in_use_blocks == 0
+
+
+# ------------------------------------------------------------------ jump-forward
+
+LONG_KEYS = ("customer_full_name", "shipping_street_address", "is_priority_order")
+LONG_KEYS_SCHEMA = {
+    "type": "object",
+    "properties": {k: {"type": "integer"} for k in LONG_KEYS},
+    "required": list(LONG_KEYS),
+    "additionalProperties": False,
+}
+
+
+def test_jump_forward_is_valid_shorter_and_the_same_in_both_step_modes(engines):
+    """Overlapped steps hold a request whose text is forced until its token is read, so both
+    modes jump at the same tokens and give the same outputs."""
+    params = [_sampled(i, json_schema=LONG_KEYS_SCHEMA) for i in range(4)]
+    results = {}
+    for async_scheduling in STEP_MODES:
+        for jump in (False, True):
+            seen: dict[int, list] = {}
+            tried = [replace(p, jump_forward=jump) for p in params]
+            outs = [u.output for u in _run(engines[async_scheduling], tried, seen=seen)]
+            for out in outs:
+                assert out.finish_reason == "stop", out
+                jsonschema.validate(json.loads(out.text), LONG_KEYS_SCHEMA)
+            steps = [len(seen[i]) for i in range(len(params))]
+            results[async_scheduling, jump] = ([o.token_ids for o in outs], steps)
+    for jump in (False, True):
+        assert results[False, jump] == results[True, jump]
+    for i in range(len(params)):  # each key's forced text: one step instead of one per token
+        assert results[False, True][1][i] <= results[False, False][1][i] - 2 * len(LONG_KEYS)
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_forced_text_is_retokenized_with_the_sampled_token_and_streamed(engines, async_scheduling):
+    """One choice: the first token is sampled (any prefix of it the mask allows), the rest is
+    forced. The jump re-encodes that token with the rest, so the ids are the tokenizer's own
+    for the whole text; the stream carries the text in two updates (prefill, extend)."""
+    llm = engines[async_scheduling]
+    word = "customer_full_name_and_address"
+    params = [_sampled(i, choice=(word,)) for i in range(4)]
+    seen: dict[int, list] = {}
+    for i, update in enumerate(_run(llm, params, seen=seen)):
+        out = update.output
+        assert out.text == word and out.finish_reason == "stop"
+        assert list(out.token_ids[:-1]) == llm.tokenizer.encode(word, add_special_tokens=False)
+        assert len(seen[i]) == 2
+        assert "".join(u.new_text for u in seen[i]) == word
+        assert sum(len(u.new_token_ids) for u in seen[i]) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_a_jump_is_cut_at_max_tokens(engines, async_scheduling):
+    llm = engines[async_scheduling]
+    word = "customer_full_name_and_address"
+    (update,) = _run(llm, [SamplingParams(max_tokens=5, choice=(word,))])
+    out = update.output
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert word.startswith(out.text)
+
+
+def test_a_jump_never_rewrites_a_token_with_kv():
+    """plan_jump keeps every output token but the last (sampled, not computed): where a merge
+    would rewrite an earlier one, the last token alone is encoded with the forced text."""
+    from radixkv.engine.grammar import RequestGrammar
+    from radixkv.engine.jump_forward import plan_jump
+
+    tok = build_char_tokenizer()
+    compiler = GrammarCompiler(tok, 256)
+    eos = (tok.eos_token_id,)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    compiled = compiler.compile(("regex", '\\{"customer_full_name": 1\\}'))
+    brace = enc("{")
+    jump = plan_jump(tok, RequestGrammar(compiled, eos), brace, frozenset(eos))
+    assert jump is not None and jump.num_kept == 0  # "{" merges with the quote after it
+    assert list(jump.token_ids) == enc('{"customer_full_name": 1}')
+    sampled = [*enc('{"'), *enc("c")]  # nothing to merge: the jump only appends
+    jump = plan_jump(tok, RequestGrammar(compiled, eos), sampled, frozenset(eos))
+    assert jump is not None and jump.num_kept == 2
+    assert [*sampled, *jump.token_ids] == enc('{"customer_full_name": 1}')
+    split = [*enc("{"), *enc('"')]  # merging '{"' would rewrite "{", which has KV: so the
+    jump = plan_jump(tok, RequestGrammar(compiled, eos), split, frozenset(eos))  # last alone
+    assert jump is not None and jump.num_kept >= 1
+    assert [*split[: jump.num_kept], *jump.token_ids] == [
+        *enc("{"),
+        *enc('"customer_full_name": 1}'),
+    ]

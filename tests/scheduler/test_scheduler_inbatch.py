@@ -191,10 +191,10 @@ def test_deferred_request_does_not_wait_for_an_aborted_one(harness: MakeHarness)
     h.assert_no_leak()
 
 
-def test_chunked_shared_prefix_is_partly_shared(harness: MakeHarness) -> None:
-    """Chunks of 64 < the 188-token prefix: each step the request admitted in it computes the next
-    chunk, so a request defers until its hit has caught up within the threshold; every request
-    runs, and less is computed than without deferral."""
+def test_chunked_shared_prefix_is_computed_once(harness: MakeHarness) -> None:
+    """Chunks of 64 < the 188-token prefix: the others defer behind c0's prefill chunks, running
+    or just admitted, until their hit has caught up within the threshold, so the prefix is
+    computed once (n choices of a long prompt); every request runs."""
     totals = {}
     for defer in (32, 0):
         h = harness(
@@ -205,9 +205,8 @@ def test_chunked_shared_prefix_is_partly_shared(harness: MakeHarness) -> None:
         assert all(r.output_token_ids == h.reference(r) for r in reqs)
         totals[defer] = num_prefill_tokens(h)
         if defer:
-            # c1 is admitted with c0's first chunk cached; c2 with c1's, c3 with c2's (capped by
-            # the prefix): one admission per step from the group, each with a bigger hit.
-            assert [first_step(h, r.request_id) for r in reqs] == [0, 1, 2, 3]
-            assert [r.num_cached_tokens for r in reqs] == [0, 64, 128, 188]
+            # c1, c2, c3 wait for c0's chunks and come in with its whole prefix cached.
+            assert [first_step(h, r.request_id) for r in reqs] == [0, 3, 3, 3]
+            assert [r.num_cached_tokens for r in reqs] == [0, 188, 188, 188]
         h.assert_no_leak()
-    assert totals[0] == 4 * 208 and totals[32] == 4 * 208 - (64 + 128 + 188)
+    assert totals[0] == 4 * 208 and totals[32] == 4 * 208 - 3 * 188

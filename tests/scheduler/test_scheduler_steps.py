@@ -474,3 +474,38 @@ def test_cache_salts_isolate_requests(harness: MakeHarness) -> None:
     for req in (a, *salted):
         assert req.output_token_ids == h.reference(req)
     h.assert_no_leak()
+
+
+def test_a_jump_is_computed_as_one_row_and_cached_like_any_token(harness: MakeHarness) -> None:
+    """After a jump the request's next row computes all its new tokens at once; the simulated
+    KV checks every slot it reads, and the request finishes with the jumped tokens."""
+    h = harness(num_blocks=32, block_size=4)
+    req = h.add("r", list(range(1, 11)), max_tokens=12)
+    h.step()  # the prefill: one token sampled
+    assert req.num_tokens_to_compute == 1
+    h.scheduler.jump("r", len(req.output_token_ids), [501, 502, 503, 504, 505])
+    out = h.step()
+    (row,) = out.rows
+    assert len(row.token_ids) == 6 and row.sample  # the sampled token and the jumped ones
+    h.run()
+    assert h.finished["r"].output_token_ids[1:6] == [501, 502, 503, 504, 505]
+    h.assert_no_leak()
+
+
+def test_a_held_request_waits_for_its_placeholder(harness: MakeHarness) -> None:
+    """Overlapped: a held request is not scheduled while its placeholder is unread; once that
+    is filled it runs again (and its hold is gone)."""
+    h = harness(num_blocks=32, block_size=4)
+    a = h.add("a", list(range(1, 11)), max_tokens=6)
+    b = h.add("b", list(range(20, 31)), max_tokens=6)
+    h.scheduler.hold("a")
+    h.step_overlapped()  # prefill of both: a placeholder each
+    out = h.step_overlapped()  # a is held: only b computes its placeholder; a's is filled
+    assert [r.request_id for r in out.rows] == ["b"]
+    assert not a.held and a.num_pending == 0 and b.num_pending == 1
+    out = h.step_overlapped()
+    assert sorted(r.request_id for r in out.rows) == ["a", "b"]
+    while h.scheduler.has_unfinished() or h.launched is not None:
+        h.step_overlapped()
+    assert h.finished["a"].output_token_ids == h.reference(a)
+    h.assert_no_leak()

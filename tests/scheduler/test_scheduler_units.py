@@ -111,3 +111,16 @@ def test_lpm_orders_by_cached_prefix_read_only() -> None:
     assert [r.request_id for r in order] == ["all", "long", "short", "cold", "cold2"]
     assert cache.stats() == stats and list(cache.nodes()) == nodes, "scoring changed the cache"
     cache.check_integrity()
+
+
+def test_a_jump_replaces_tokens_without_kv_and_stops_at_the_length_limit() -> None:
+    req = running(Request("r", [1, 2, 3], 6, stop_token_ids=(99,)))
+    req.append_output_token(7, max_model_len=100)
+    req.num_computed_tokens = 3  # the sampled 7 has no KV yet
+    packed = req.packed_tokens
+    assert req.jump(0, [8, 9], max_model_len=100) == 2  # 7 replaced by a merge, then 9
+    assert req.output_token_ids == [8, 9] and req.all_token_ids.tolist() == [1, 2, 3, 8, 9]
+    assert req.packed_tokens is not packed and req.packed_tokens.tolist() == [1, 2, 3, 8, 9]
+    assert not req.is_finished
+    assert req.jump(2, [10, 11, 12, 13, 14], max_model_len=100) == 4  # cut at max_tokens = 6
+    assert req.status is RequestStatus.FINISHED_LENGTH and len(req.output_token_ids) == 6
