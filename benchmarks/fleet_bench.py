@@ -381,6 +381,7 @@ class RouterCost:
     routed_ttft_s: list[float] = field(default_factory=list)
     renders: int = 0  # render calls on all replicas while the routed requests ran
     routed_requests: int = 0
+    load_1min: float = 0.0  # the machine's 1-minute load average as the pairs ended
 
     @property
     def renders_per_request(self) -> float:
@@ -441,6 +442,7 @@ def measure_router_cost(
             cost.routed_ttft_s.append(stream_ttft_s(routed, model, prompt()))
         cost.renders = int(sum(replica_counters(r.url)["renders"] for r in f.replicas) - before)
         cost.routed_requests = requests
+        cost.load_1min = os.getloadavg()[0]
     return cost
 
 
@@ -460,15 +462,16 @@ def unique_prompts(tiny: bool) -> Callable[[], str]:
 def router_cost_report(costs: Sequence[RouterCost]) -> str:
     lines = [
         "| router | direct TTFT p50 / p99 (ms) | routed TTFT p50 / p99 (ms) "
-        "| added p50 / p99 (ms) | render calls per routed request (all replicas) |",
-        "|---|---|---|---|---|",
+        "| added p50 / p99 (ms) | render calls per routed request (all replicas) | load (1 min) |",
+        "|---|---|---|---|---|---|",
     ]
     for c in costs:
         d50, d99 = percentile(c.direct_ttft_s, 50) * 1e3, percentile(c.direct_ttft_s, 99) * 1e3
         r50, r99 = percentile(c.routed_ttft_s, 50) * 1e3, percentile(c.routed_ttft_s, 99) * 1e3
         lines.append(
             f"| {c.policy} | {d50:.1f} / {d99:.1f} | {r50:.1f} / {r99:.1f} "
-            f"| {r50 - d50:+.1f} / {r99 - d99:+.1f} | {c.renders_per_request:.2f} |"
+            f"| {r50 - d50:+.1f} / {r99 - d99:+.1f} | {c.renders_per_request:.2f} "
+            f"| {c.load_1min:.1f} |"
         )
     return "\n".join(lines)
 
@@ -480,7 +483,7 @@ def scale_out_refusal(cores: int, load_1min: float, replicas: int) -> str | None
     """Why this machine cannot measure scale-out (None when it can): each replica needs a core
     of its own, plus one for the router and one for the client, free of other work."""
     needed = replicas + 2
-    free = cores - load_1min
+    free = max(0.0, cores - load_1min)  # a load above the cores leaves none free, not fewer
     if free >= needed:
         return None
     return (
