@@ -30,7 +30,8 @@ reply's `system_fingerprint` names its replica), output tokens/s. Session header
 (`x-session-id`) go with the recipes that route on them.
 
 `--mode router-cost`: the TTFT a router adds, p50 / p99 of streamed one-token requests sent
-alternately to a replica directly and through the router (`--requests` each), and the render
+alternately to a replica directly and through the router (`--requests` each; half the pairs
+routed first), with the machine's load as they ended, and the render
 calls each routed request cost the replicas (vllm-router renders every request on every worker).
 
 `--mode scale-out`: output tokens/s of `--replicas` replicas behind the router against one,
@@ -425,7 +426,8 @@ def measure_router_cost(
     log_dir: Path | None = None,
 ) -> RouterCost:
     """`requests` pairs, each a direct call to a replica (in turn) and one through the router,
-    alternating so that a drifting machine load hits both alike. Prompts never repeat."""
+    alternating so that a drifting machine load hits both alike, and in turn first within a pair
+    (ABBA). Prompts never repeat."""
     cost = RouterCost(policy)
     with fleet.start_fleet(policy, replicas, serve_args, model=model, log_dir=log_dir) as f:
         assert f.url is not None, f"{policy} has no router"
@@ -438,8 +440,12 @@ def measure_router_cost(
             stream_ttft_s(direct[i % replicas], model, prompt())
         before = sum(replica_counters(r.url)["renders"] for r in f.replicas)
         for i in range(requests):
-            cost.direct_ttft_s.append(stream_ttft_s(direct[i % replicas], model, prompt()))
-            cost.routed_ttft_s.append(stream_ttft_s(routed, model, prompt()))
+            # NOTE: with the direct call always first, every router "added" -1 to -14 ms: the
+            # order, not the router. Half the pairs go routed first, each replica taking both
+            # orders of direct call in turn.
+            pair = [(cost.direct_ttft_s, direct[i // 2 % replicas]), (cost.routed_ttft_s, routed)]
+            for times, client in pair if i % 2 == 0 else pair[::-1]:
+                times.append(stream_ttft_s(client, model, prompt()))
         cost.renders = int(sum(replica_counters(r.url)["renders"] for r in f.replicas) - before)
         cost.routed_requests = requests
         cost.load_1min = os.getloadavg()[0]
