@@ -30,7 +30,8 @@ reply's `system_fingerprint` names its replica), output tokens/s. Session header
 (`x-session-id`) go with the recipes that route on them.
 
 `--mode router-cost`: the TTFT a router adds, p50 / p99 of streamed one-token requests sent
-alternately to a replica directly and through the router (`--requests` each), and the render
+alternately to a replica directly and through the router (`--requests` each; half the pairs
+routed first), with the machine's load as they ended, and the render
 calls each routed request cost the replicas (vllm-router renders every request on every worker).
 
 `--mode scale-out`: output tokens/s of `--replicas` replicas behind the router against one,
@@ -381,6 +382,7 @@ class RouterCost:
     routed_ttft_s: list[float] = field(default_factory=list)
     renders: int = 0  # render calls on all replicas while the routed requests ran
     routed_requests: int = 0
+    load_1min: float = 0.0  # the machine's 1-minute load average as the pairs ended
 
     @property
     def renders_per_request(self) -> float:
@@ -424,7 +426,8 @@ def measure_router_cost(
     log_dir: Path | None = None,
 ) -> RouterCost:
     """`requests` pairs, each a direct call to a replica (in turn) and one through the router,
-    alternating so that a drifting machine load hits both alike. Prompts never repeat."""
+    alternating so that a drifting machine load hits both alike, and in turn first within a pair
+    (ABBA). Prompts never repeat."""
     cost = RouterCost(policy)
     with fleet.start_fleet(policy, replicas, serve_args, model=model, log_dir=log_dir) as f:
         assert f.url is not None, f"{policy} has no router"
@@ -437,10 +440,15 @@ def measure_router_cost(
             stream_ttft_s(direct[i % replicas], model, prompt())
         before = sum(replica_counters(r.url)["renders"] for r in f.replicas)
         for i in range(requests):
-            cost.direct_ttft_s.append(stream_ttft_s(direct[i % replicas], model, prompt()))
-            cost.routed_ttft_s.append(stream_ttft_s(routed, model, prompt()))
+            # NOTE: with the direct call always first, every router "added" -1 to -14 ms: the
+            # order, not the router. Half the pairs go routed first, each replica taking both
+            # orders of direct call in turn.
+            pair = [(cost.direct_ttft_s, direct[i // 2 % replicas]), (cost.routed_ttft_s, routed)]
+            for times, client in pair if i % 2 == 0 else pair[::-1]:
+                times.append(stream_ttft_s(client, model, prompt()))
         cost.renders = int(sum(replica_counters(r.url)["renders"] for r in f.replicas) - before)
         cost.routed_requests = requests
+        cost.load_1min = os.getloadavg()[0]
     return cost
 
 
@@ -460,15 +468,16 @@ def unique_prompts(tiny: bool) -> Callable[[], str]:
 def router_cost_report(costs: Sequence[RouterCost]) -> str:
     lines = [
         "| router | direct TTFT p50 / p99 (ms) | routed TTFT p50 / p99 (ms) "
-        "| added p50 / p99 (ms) | render calls per routed request (all replicas) |",
-        "|---|---|---|---|---|",
+        "| added p50 / p99 (ms) | render calls per routed request (all replicas) | load (1 min) |",
+        "|---|---|---|---|---|---|",
     ]
     for c in costs:
         d50, d99 = percentile(c.direct_ttft_s, 50) * 1e3, percentile(c.direct_ttft_s, 99) * 1e3
         r50, r99 = percentile(c.routed_ttft_s, 50) * 1e3, percentile(c.routed_ttft_s, 99) * 1e3
         lines.append(
             f"| {c.policy} | {d50:.1f} / {d99:.1f} | {r50:.1f} / {r99:.1f} "
-            f"| {r50 - d50:+.1f} / {r99 - d99:+.1f} | {c.renders_per_request:.2f} |"
+            f"| {r50 - d50:+.1f} / {r99 - d99:+.1f} | {c.renders_per_request:.2f} "
+            f"| {c.load_1min:.1f} |"
         )
     return "\n".join(lines)
 
@@ -480,7 +489,7 @@ def scale_out_refusal(cores: int, load_1min: float, replicas: int) -> str | None
     """Why this machine cannot measure scale-out (None when it can): each replica needs a core
     of its own, plus one for the router and one for the client, free of other work."""
     needed = replicas + 2
-    free = cores - load_1min
+    free = max(0.0, cores - load_1min)  # a load above the cores leaves none free, not fewer
     if free >= needed:
         return None
     return (

@@ -1,5 +1,6 @@
 """A fleet: N `radixkv serve` replicas behind a router people already run. The recipes:
 
+    python examples/fleet/fleet.py session-least-loaded    # new conversation: fewest sessions
     python examples/fleet/fleet.py vllm-kv-aware-session   # kv_aware + session affinity
     python examples/fleet/fleet.py session-hash            # consistent hash on x-session-id
     python examples/fleet/fleet.py vllm-kv-aware           # vllm-router kv_aware
@@ -46,7 +47,10 @@ from pathlib import Path
 ROUTERS_DIR_ENV = "RADIXKV_ROUTERS_DIR"
 IN_NAMESPACE_ENV = "RADIXKV_FLEET_IN_NETNS"
 SESSION_HEADER = "x-session-id"  # what the session recipes key on
-SESSION_TTL_S = 600  # kv_aware session affinity: a conversation idle this long may move
+SESSION_TTL_S = 600  # session recipes: a conversation idle this long may move
+# vllm-router's sticky_least_loaded reads its session expiry from this variable (default 2 h);
+# an idle session still counts toward its replica's load until it expires.
+SLL_EXPIRY_ENV = "VLLM_ROUTER_SLL_SESSION_EXPIRATION_IN_S"
 
 # cache_aware (sglang-router; vllm-router's is the same algorithm) tuned for multi-turn chat.
 # When the in-flight loads are imbalanced (max - min > abs AND max > rel * min) it sends a
@@ -80,9 +84,10 @@ ROUTER_KINDS = (
     "vllm-kv-aware",
     "vllm-kv-aware-session",
     "session-hash",
+    "session-least-loaded",
 )
 RECIPES = (*ROUTER_KINDS, "dynamo-indexer")
-USES_SESSION_HEADER = ("vllm-kv-aware-session", "session-hash")
+USES_SESSION_HEADER = ("vllm-kv-aware-session", "session-hash", "session-least-loaded")
 NEEDS_NAMESPACE = ("dynamo-indexer",)  # binds 0.0.0.0
 NEEDS_EVENTS = ("vllm-kv-aware", "vllm-kv-aware-session", "dynamo-indexer")
 
@@ -264,6 +269,8 @@ def router_command(
             "vllm-kv-aware": "kv_aware",
             "vllm-kv-aware-session": "kv_aware",
             "session-hash": "consistent_hash",  # keyed by the x-session-id header
+            # a new x-session-id goes to the replica with the fewest sessions, then stays there
+            "session-least-loaded": "sticky_least_loaded",
         }[kind]
         cmd = [str(python), "-m", "vllm_router.launch_router", "--policy", policy]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port]
@@ -277,6 +284,13 @@ def router_command(
             cmd += ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
     return cmd + ["--log-level", os.environ.get("RADIXKV_ROUTER_LOG_LEVEL", "info")]
+
+
+def router_env(kind: str) -> dict[str, str]:
+    """Settings router `kind` reads from its environment only."""
+    if kind == "session-least-loaded":
+        return {SLL_EXPIRY_ENV: str(SESSION_TTL_S)}
+    return {}
 
 
 def indexer_command(port: int, replicas: Sequence[Replica], block_size: int) -> list[str]:
@@ -342,7 +356,7 @@ def start_fleet(
             wait_for(indexer, f"{fleet.indexer_url}/health", 60)
         elif kind != "none":
             argv = router_command(kind, front, replicas, model=model, block_size=block_size)
-            fleet.router = start("router", argv, log_dir)
+            fleet.router = start("router", argv, log_dir, router_env(kind))
             processes.append(fleet.router)
             fleet.url = f"http://127.0.0.1:{front}"
             wait_for(fleet.router, f"{fleet.url}/v1/models", 60)

@@ -1,9 +1,10 @@
 """Two replicas behind real routers (sglang-router cache_aware; vllm-router kv_aware, fed by the
 replicas' KV events): every request completes, the replicas' /metrics add up to what the clients
 were told (and count none of the routers' probes as refused requests), and cache-aware routing
-beats round robin on the same workload. On user-like traffic, kv_aware with session affinity
-keeps every later turn on its conversation's home replica; router-cost mode counts the render
-calls vllm-router makes on every worker."""
+beats round robin on the same workload. On user-like traffic, the session recipes (kv_aware
+with session affinity, sticky_least_loaded) keep every later turn on its conversation's home
+replica, and sticky_least_loaded splits the conversations evenly; router-cost mode counts the
+render calls vllm-router makes on every worker."""
 
 from __future__ import annotations
 
@@ -110,18 +111,24 @@ USERS = Workload(
 )
 
 
-def test_session_affinity_keeps_later_turns_home_on_user_traffic(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+@pytest.mark.parametrize("policy", ["vllm-kv-aware-session", "session-least-loaded"])
+def test_session_recipes_keep_later_turns_home_on_user_traffic(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path, policy: str
 ) -> None:
     needs("vllm-router")
     serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
-    result = run_policy("vllm-kv-aware-session", USERS, 2, serve_args, "tiny", tmp_path)
+    result = run_policy(policy, USERS, 2, serve_args, "tiny", tmp_path)
     total = USERS.conversations * USERS.turns
     assert result.num_requests == total and sum(result.per_replica) == total
     assert result.replica_prompt_tokens == result.prompt_tokens
     assert result.replica_refusals == 0
     assert result.later_turns == USERS.conversations * (USERS.turns - 1)
     assert result.later_turns_home == result.later_turns  # x-session-id pinned each one
+    if policy == "session-least-loaded":
+        # each new conversation went to the replica with fewer: 2 and 1 of the 3
+        assert sorted(result.per_replica) == [USERS.turns, 2 * USERS.turns]
+        log = (tmp_path / "router.log").read_text(errors="replace")
+        assert log.count("SLL: new session") == USERS.conversations
 
 
 def test_router_cost_counts_the_renders_vllm_router_asks_of_every_worker(
