@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,8 +52,10 @@ requestAnimationFrame(frame);
 """
 
 
-def headless_chromium() -> Any:
-    """Debian's chromium through its chromedriver, named (Selenium Manager never downloads)."""
+def headless_chromium(scratch: str) -> Any:
+    """Debian's chromium through its chromedriver, named (Selenium Manager never downloads).
+    Both take `scratch` as their temp folder: Chromium leaves an `org.chromium.Chromium.*`
+    folder there when the driver quits it, so the caller removes `scratch` afterwards."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -58,7 +63,8 @@ def headless_chromium() -> Any:
     options.binary_location = "/usr/bin/chromium"
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(arg)
-    return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+    service = Service("/usr/bin/chromedriver", env=dict(os.environ, TMPDIR=scratch))
+    return webdriver.Chrome(options=options, service=service)
 
 
 def open_page(driver: Any, base_url: str) -> None:
@@ -78,12 +84,13 @@ def run_once(args: argparse.Namespace, model_path: str, with_page: bool) -> dict
         cmd, env=server_env("radixkv", args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     driver = None
+    scratch = tempfile.mkdtemp(prefix="radixkv-page-bench-")
     try:
         wait_healthy(base_url, proc, args.start_timeout)
         model = _served_model(base_url)
         asyncio.run(_warm_up(base_url, model))
         if with_page:
-            driver = headless_chromium()
+            driver = headless_chromium(scratch)
             open_page(driver, base_url)
         turns, wall = asyncio.run(run_clients(base_url, model, args))
         row = summarize("radixkv", turns, wall, {})
@@ -95,6 +102,7 @@ def run_once(args: argparse.Namespace, model_path: str, with_page: bool) -> dict
     finally:
         if driver is not None:
             driver.quit()
+        shutil.rmtree(scratch, ignore_errors=True)
         proc.terminate()
         try:
             proc.wait(30)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,6 +40,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "interpreter: Triton kernels on CPU tensors (TRITON_INTERPRET=1, set only without CUDA)",
     )
+    # torch makes its compile cache folder, $TMPDIR/torchinductor_$USER, when torch._dynamo is
+    # first imported (collecting the engine tests does): the run's goes in a folder of its own,
+    # which the process that made it (the xdist controller, whose workers inherit the variable)
+    # removes at the end, so a run leaves nothing in the temp folder.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="radixkv-tests-torch-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

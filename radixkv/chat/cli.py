@@ -116,10 +116,6 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the chat loop; returns the process exit code (0 ok, 2 bad input or model)."""
     out = out or sys.stdout
     err = sys.stderr
-    # Imported here so `radixkv --help` answers instantly and a broken install fails with one line.
-    from radixkv.chat.session import ChatSession
-    from radixkv.engine import LLM, ModelLoadError, freeze_startup_heap
-
     try:
         chat_sampling(args, None)  # bad values fail before the model loads
         check_engine_options(args)
@@ -127,11 +123,15 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"radixkv: {name_flags(str(exc))}", file=err)
         return 2
+    # Imported here, after the checks, so `radixkv --help` and a bad option answer at once (torch
+    # and transformers take seconds to import) and a broken install fails with one line.
+    from transformers.utils import logging as hf_logging
+
+    from radixkv.chat.session import ChatSession
+    from radixkv.engine import LLM, ModelLoadError, freeze_startup_heap
 
     # Our own progress lines cover the one-time conversion; transformers' per-load weight bars
     # and load reports would only add noise (a broken model is reported in one line below).
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:

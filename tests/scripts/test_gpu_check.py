@@ -57,7 +57,10 @@ def test_every_stage_leaves_at_most_seven_files(tmp_path):
 
 def test_runs_with_home_unset(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HOME"}
+    # The script makes a scratch HOME with `mktemp -d` and leaves it, as a bare machine may:
+    # here it lands in this test's folder, not the machine's temp folder.
     environ = {**env, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    environ["TMPDIR"] = str(tmp_path)
     result = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run", "env"], env=environ, capture_output=True, text=True
     )

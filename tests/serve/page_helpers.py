@@ -4,6 +4,7 @@ Selenium, and readers of the page and of `/metrics`."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import string
 from pathlib import Path
@@ -43,10 +44,12 @@ def char_model_dir(path: Path) -> Path:
     return path
 
 
-def start_browser() -> Any:
+def start_browser(scratch: Path) -> Any:
     """Headless chromium through the system's chromedriver (Selenium Manager never runs: the
     driver is named), or skip when the machine has no browser (`scripts/setup_env.sh --test`
-    installs both)."""
+    installs both). The driver and the browser take `scratch` as their temp folder: Chromium
+    leaves its `org.chromium.Chromium.*` singleton folder behind when the driver quits it, and
+    that must land in pytest's own temp tree, not the machine's."""
     webdriver = pytest.importorskip("selenium.webdriver")
     if not (Path(CHROMIUM).exists() and shutil.which(CHROMEDRIVER)):
         pytest.skip("chromium and chromium-driver are not installed")
@@ -57,7 +60,8 @@ def start_browser() -> Any:
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(arg)
     options.add_argument("--window-size=1280,800")
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    env = dict(os.environ, TMPDIR=str(scratch))
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER, env=env))
     driver.set_page_load_timeout(WAIT_S)
     driver.set_script_timeout(WAIT_S)
     return driver

@@ -33,8 +33,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    driver = start_browser()
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    driver = start_browser(tmp_path_factory.mktemp("browser-tmp"))
     yield driver
     driver.quit()
 
