@@ -75,7 +75,8 @@ class EngineConfig:
     # W tokens of each request and the window tails of cached prefixes use
     # (`radixkv.cache.window`): `num_window_blocks` blocks. None: room for `max_num_seqs` requests'
     # windows and chunks, twice (tails share them). The engine refuses a pool that holds not one
-    # request's. Its bytes come out of `kv_cache_bytes` where that sizes the cache.
+    # request's. Its bytes come out of the byte budget where that sizes the cache (`kv_cache_bytes`
+    # or the device's default), the default's at most half of it.
     num_window_blocks: int | None = None
     # False: no match and no insert; every block is private and freed at finish. Used to check that
     # output with the cache off equals output with it on.

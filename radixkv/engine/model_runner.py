@@ -98,26 +98,32 @@ def plan_num_blocks(
     kv_cache_bytes: int | None = None,
     reserved_bytes: int = 0,
 ) -> int:
-    """Number of KV blocks: `num_blocks` if given, else what `kv_cache_bytes` holds, else (CUDA) a
-    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES, less `reserved_bytes`
-    (the window pool's). Raises ValueError when the budget holds no block (the sizes themselves
-    were checked by `EngineConfig`). A spec of no layers (a model whose layers are all windowed:
-    its full group is bookkeeping only) is sized as one layer's."""
+    """Number of KV blocks: `num_blocks` if given, else what `kv_budget` holds less
+    `reserved_bytes` (the window pool's). Raises ValueError when that holds no block (the sizes
+    themselves were checked by `EngineConfig`). A spec of no layers (a model whose layers are
+    all windowed: its full group is bookkeeping only) is sized as one layer's."""
     if num_blocks is not None:
         return num_blocks
-    if kv_cache_bytes is None:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
-        else:
-            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    kv_cache_bytes -= reserved_bytes
-    n = kv_cache_bytes // (spec.bytes_per_block or replace(spec, num_layers=1).bytes_per_block)
+    budget = kv_budget(device, kv_cache_bytes)
+    bytes_per_block = spec.bytes_per_block or replace(spec, num_layers=1).bytes_per_block
+    n = (budget - reserved_bytes) // bytes_per_block
     if n < 1:
+        after = f" after the window pool's {reserved_bytes}" if reserved_bytes else ""
         raise ValueError(
-            f"kv_cache_bytes={kv_cache_bytes} holds no KV block ({spec.bytes_per_block} bytes each)"
+            f"kv_cache_bytes={budget} holds no KV block{after} ({bytes_per_block} bytes each)"
         )
     return n
+
+
+def kv_budget(device: torch.device, kv_cache_bytes: int | None) -> int:
+    """The KV cache's bytes: `kv_cache_bytes`, else (CUDA) a fraction of free device memory or
+    (CPU) DEFAULT_CPU_KV_CACHE_BYTES."""
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_GPU_MEMORY_FRACTION)
+    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 class ModelRunner:
@@ -152,16 +158,22 @@ class ModelRunner:
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
         self.window = self.layout.window
         windowed = [self.window is not None and k.window is not None for k in self.layout.layers]
-        self.num_window_blocks = num_window_blocks = plan_window_blocks(self.window, config)
         window_spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype, sum(windowed))
         spec = KVCacheSpec.from_layout(
             self.layout, block_size, param.dtype, len(windowed) - sum(windowed)
+        )
+        # A budget in bytes, read once, when blocks are not counted out.
+        budget = (
+            None if config.num_blocks is not None else kv_budget(self.device, config.kv_cache_bytes)
+        )
+        self.num_window_blocks = num_window_blocks = plan_window_blocks(
+            self.window, config, window_spec.bytes_per_block, budget
         )
         self.num_blocks = num_blocks = plan_num_blocks(
             spec,
             self.device,
             num_blocks=config.num_blocks,
-            kv_cache_bytes=config.kv_cache_bytes,
+            kv_cache_bytes=budget,
             reserved_bytes=num_window_blocks * window_spec.bytes_per_block,
         )
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -362,16 +374,20 @@ class ModelRunner:
         return views, meta, window_metadata(layout, views, host, shape, validate=validate)
 
 
-def plan_window_blocks(window: int | None, config: EngineConfig) -> int:
+def plan_window_blocks(
+    window: int | None, config: EngineConfig, bytes_per_block: int, budget: int | None
+) -> int:
     """The window pool's blocks (0 without window layers): `config.num_window_blocks`, or room
-    for `max_num_seqs` requests' windows and chunks, twice over (tails share them). Raises
-    ValueError for a pool that holds not one request's."""
+    for `max_num_seqs` requests' windows and chunks, twice over (tails share them), at most
+    half of a `budget` in bytes (None: the full pool's blocks are counted out instead) unless
+    that holds not one request's. Raises ValueError for a pool that holds not one request's."""
     if window is None:
         return 0
     B, chunk = config.block_size, min(config.chunked_prefill_size, config.max_num_batched_tokens)
     need = window_budget(window, B, chunk)
     if config.num_window_blocks is None:
-        return 2 * config.max_num_seqs * need
+        blocks = 2 * config.max_num_seqs * need
+        return blocks if budget is None else max(need, min(blocks, budget // 2 // bytes_per_block))
     if config.num_window_blocks < need:
         raise ValueError(
             f"num_window_blocks={config.num_window_blocks} holds not one request's window "

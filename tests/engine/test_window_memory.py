@@ -71,3 +71,13 @@ def test_window_layers_have_a_smaller_tensor_of_their_own(gemma3):
 def test_what_a_window_model_refuses(gemma3, settings, message):
     with pytest.raises(ValueError, match=message):
         LLM(gemma3, **SETTINGS, **settings)
+
+
+def test_a_byte_budget_is_split_between_the_pools(gemma3):
+    """The default window pool takes at most half of `kv_cache_bytes`; the full pool the rest."""
+    budget = 2**20
+    runner = LLM(gemma3, block_size=B, chunked_prefill_size=CHUNK, kv_cache_bytes=budget).runner
+    full, window = 2 * runner.k_cache.nbytes, 2 * runner.window_k_cache.nbytes
+    full_block = 2 * runner.k_cache[:, 0].nbytes
+    assert window_budget(WINDOW, B, CHUNK) < runner.num_window_blocks
+    assert window <= budget // 2 and budget - full_block < full + window <= budget
