@@ -67,6 +67,7 @@ OPTIONS = (
     Option("--block-size", "block_size", "tokens per KV block"),
     Option("--num-blocks", "num_blocks", "KV cache size in blocks"),
     Option("--cache-mb", "kv_cache_bytes", "KV cache size in MiB", to_field=lambda mb: mb * 2**20),
+    Option("--num-window-blocks", "num_window_blocks", "window layers' KV blocks"),
     Option("--prefix-cache", "enable_prefix_cache", "reuse cached prompt prefixes", type=None),
     Option("--max-num-seqs", "max_num_seqs", "requests running at once"),
     Option("--max-num-batched-tokens", "max_num_batched_tokens", "tokens per step"),

@@ -35,6 +35,9 @@ class ScheduledRequest:
     block_table: tuple[int, ...]
     # True when the logits of the last token are sampled (final prefill chunk / decode)
     sample: bool
+    # A model with window layers: their blocks for the same positions (0 where a block that no
+    # query of the row reads was released); () otherwise
+    window_block_table: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,8 @@ class SchedulerOutput:
     # tier moves (`radixkv.cache.moves`) the cache planned since the last step, in order: run
     # before the copies and the forward
     moves: tuple[Move, ...] = ()
+    # copy-on-write of partial window-layer blocks (a model with window layers), with `copies`
+    window_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

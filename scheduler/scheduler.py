@@ -4,6 +4,9 @@ Layers: `Request` (tokens, progress) -> its `BlockTable` (tree blocks its lock p
 blocks, issued by the cache) -> `PrefixCache` (radix tree over the block pool). The scheduler uses
 the cache through a small protocol: `admit`, `grow`, `commit`, `close` on tables, the read-only
 `match` (ordering and deferral), `block_size`, `num_blocks`, `stats` and `check_integrity`.
+A model with sliding-window layers runs `HybridScheduler` (`hybrid.py`) over a `HybridCache`,
+extending a few steps of this class (`_open_table`, `_reserve`, `_row`, `_record_row`,
+`_insert_written`); the plain path does no window work.
 
 One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
  1. Decode rows: running requests with one token left to compute, oldest admission first. A token
@@ -46,7 +49,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 
-from radixkv.cache.prefix_cache import PrefixCache
+from radixkv.cache.prefix_cache import BlockTable, PrefixCache
 from radixkv.cache.tokens import common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
@@ -314,8 +317,8 @@ class Scheduler:
         """Row for the next `num_tokens` of a running request, preempting others for blocks if
         needed. None if the request itself had to be preempted."""
         assert req.table is not None
-        need = _cdiv(req.num_computed_tokens + num_tokens, self._block_size) - len(req.table.blocks)
-        while need > 0 and not self.cache.grow(req.table, need):
+        end = req.num_computed_tokens + num_tokens
+        while not self._reserve(req, end):
             # The most recently admitted request not yet in this step's batch (`_running` is in
             # admission order); the requester is a candidate itself, so this always finds one.
             in_batch = {row.request_id for row in rows}
@@ -327,6 +330,13 @@ class Scheduler:
             if victim is req:
                 return None
         return self._row(req, num_tokens)
+
+    def _reserve(self, req: Request, end: int) -> bool:
+        """Blocks for the request's tokens up to `end` (evicting if need be); False if they
+        are not there."""
+        assert req.table is not None
+        need = _cdiv(end, self._block_size) - len(req.table.blocks)
+        return need <= 0 or self.cache.grow(req.table, need)
 
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: insert what it wrote (so its restart is mostly a cache hit), drop
@@ -484,7 +494,7 @@ class Scheduler:
         tokens = req.packed_tokens
         # NOTE: the last token is always computed, so there are logits to sample from.
         max_hit = (len(tokens) - 1 if use_hit else 0) if self._use_cache else None
-        table = self.cache.admit(tokens, max_hit=max_hit, namespace=req.cache_salt)
+        table = self._open_table(req, max_hit, budget)
         if table is None:
             return None
         req.table = table  # at once: a fault from here on cannot leak its lock or blocks
@@ -498,6 +508,11 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req
         return self._row(req, min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget))
+
+    def _open_table(self, req: Request, max_hit: int | None, budget: int) -> BlockTable | None:
+        """The cache's table for a request admitted with at most `max_hit` cached tokens and
+        `budget` tokens to compute this step; None if it does not fit now."""
+        return self.cache.admit(req.packed_tokens, max_hit=max_hit, namespace=req.cache_salt)
 
     def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
         """The row computing the request's next `num_tokens` (its table covers them)."""

@@ -17,6 +17,7 @@ A request's life, as `PrefixCache`'s with a window table beside the block table:
                                        the window KV before the point where the request's
                                        tokens left the full tree's path is kept first
     commit(t, tokens)                  the full group inserts, the window group keeps a tail
+    keep_tail(t, tokens)               one more tail, at a point short of the last commit
     close(t)
 
 A model without window layers uses `PrefixCache` alone: none of this runs for it.
@@ -27,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from radixkv.cache.prefix_cache import BlockTable, PrefixCache
+from radixkv.cache.moves import Move
+from radixkv.cache.prefix_cache import BlockTable, CacheStats, MatchResult, PrefixCache
 from radixkv.cache.tokens import PackedTokens, check_size
 from radixkv.cache.window import WindowGroup, WindowTable
 
@@ -44,9 +46,26 @@ class HybridTable:
     # KV is kept once written (`HybridCache.slide`). None: none, or kept already.
     branch: int | None = None
 
+    # What a scheduler reads of a table is the full half's (its window half travels apart).
     @property
     def num_cached_tokens(self) -> int:
         return self.full.num_cached_tokens
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.full.blocks
+
+    @property
+    def copy(self) -> tuple[int, int, int] | None:
+        return self.full.copy
+
+    @property
+    def locked(self) -> bool:
+        return self.full.locked
+
+    @property
+    def private(self) -> set[int]:
+        return self.full.private
 
 
 class HybridCache:
@@ -71,41 +90,53 @@ class HybridCache:
         self.block_size = self.full.block_size
         self._open: set[HybridTable] = set()
 
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
+
     def match(
         self, tokens: Sequence[int], *, max_tokens: int | None = None, namespace: str | None = None
-    ) -> int:
-        """Tokens a request can resume after: the full match, cut back to the deepest point
-        whose window KV is kept. Mutates nothing; raises like `PrefixCache.match`."""
+    ) -> MatchResult:
+        """What a request can resume after: the full match, cut back to the deepest point whose
+        window KV is kept. Mutates nothing; raises like `PrefixCache.match`."""
         packed = _packed(tokens)
-        m = self.full.match(packed, max_tokens=max_tokens, namespace=namespace).num_cached_tokens
-        return self.window.hit(packed.tobytes(), m, namespace)
+        m = self.full.match(packed, max_tokens=max_tokens, namespace=namespace)
+        hit = self.window.hit(packed.tobytes(), m.num_cached_tokens, namespace)
+        B = self.block_size
+        return MatchResult(len(packed), hit, m.block_ids[: -(-hit // B)], hit % B, namespace)
 
     def admit(
         self,
         tokens: Sequence[int],
         *,
-        max_hit: int,
+        max_hit: int | None,
         namespace: str | None = None,
         num_window_tokens: int | None = None,
     ) -> HybridTable | None:
-        """Tables for `tokens`: the hit (at most `max_hit` tokens, at a point with window KV),
-        full blocks for every token, window blocks up to `num_window_tokens` (None: every
-        token). None, nothing changed, if the blocks are not there."""
+        """Tables for `tokens`: the hit (at most `max_hit` tokens, at a point with window KV;
+        None: no match and no lock, as `PrefixCache.admit`), full blocks for every token, window
+        blocks up to `num_window_tokens` (None: every token). None, nothing changed, if the
+        blocks are not there."""
         packed = _packed(tokens)
         qb = packed.tobytes()
-        max_hit = check_size(max_hit, "max_hit", low=0)
-        full_hit = self.full.match(packed, max_tokens=max_hit, namespace=namespace)
-        hit = self.window.hit(qb, full_hit.num_cached_tokens, namespace)
+        hit, branch = 0, 0
+        if max_hit is not None:
+            max_hit = check_size(max_hit, "max_hit", low=0)
+            branch = self.full.match(
+                packed, max_tokens=max_hit, namespace=namespace
+            ).num_cached_tokens
+            hit = self.window.hit(qb, branch, namespace)
         n = len(packed) if num_window_tokens is None else num_window_tokens
         if not self.window.fits(qb, hit, namespace, n):
             return None
-        full = self.full.admit(packed, max_hit=hit, namespace=namespace)
+        full = self.full.admit(
+            packed, max_hit=None if max_hit is None else hit, namespace=namespace
+        )
         if full is None:
             return None
         assert full.num_cached_tokens == hit, "the full path up to a window hit is cached"
         window = self.window.open(qb, hit, namespace)
         assert window is not None and self.window.extend(window, n), "checked by fits()"
-        branch = full_hit.num_cached_tokens
         table = HybridTable(full, window, qb, branch if branch > hit else None)
         self._open.add(table)
         return table
@@ -134,10 +165,25 @@ class HybridCache:
         self.full.commit(table.full, packed)
         self.window.commit(table.window, packed.tobytes(), len(packed))
 
+    def keep_tail(self, table: HybridTable, tokens: Sequence[int]) -> None:
+        """Keep a window tail at `len(tokens)` as well (their KV written and committed, their
+        window not yet slid past): a point a request can resume from that is not a commit
+        point, e.g. one token short of a prompt's end, where a repeat of the prompt resumes
+        (the last prompt token is always computed)."""
+        packed = _packed(tokens)
+        self.window.commit(table.window, packed.tobytes(), len(packed))
+
     def close(self, table: HybridTable) -> None:
         self._open.remove(table)
         self.full.close(table.full)
         self.window.close(table.window)
+
+    def stats(self) -> CacheStats:
+        """The full group's (the window group's pool is `window.pool`)."""
+        return self.full.stats()
+
+    def take_moves(self) -> list[Move]:
+        return self.full.take_moves()
 
     def check_integrity(self) -> None:
         self.full.check_integrity()

@@ -15,6 +15,10 @@ Llama's attention with one that calls the kernels directly):
    transformers passes (Gemma's `query_pre_attn_scalar`), and RoPE (Gemma 3's local base
    included) is applied by transformers before either hook.
 
+A model with window layers keeps their KV in a smaller tensor of its own (the window group's
+blocks, `radixkv.cache.window`): such a layer reads and writes it through the step's window
+metadata (its own block tables and slots), every other layer the full tensor and metadata.
+
 transformers does not hand `past_key_values` to the attention function, so the runner passes the
 same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
 transformers forwards to it; nothing is stored in module globals.
@@ -38,25 +42,35 @@ ATTENTION_NAME = "radixkv"
 class PagedKVCache(Cache):
     """A transformers `Cache` whose storage is the engine's paged KV tensors.
 
-    `k_cache` / `v_cache` are stacked over layers: [num_layers, num_blocks, B, kv_heads, head_dim].
-    One instance per step (it carries the step's kernel metadata, validated once when the runner
-    built it, for every layer); it never grows or allocates. `kinds[i]` is layer i's attention.
+    `layer_kv[i]` is layer i's (K, V) cache, each [num_blocks, B, kv_heads, head_dim]: views of
+    the runner's tensors, the full one's or (a window layer of a model with `window_metadata`)
+    the window one's. One instance per step (it carries the step's kernel metadata, validated
+    once when the runner built it, for every layer); it never grows or allocates. `kinds[i]` is
+    layer i's attention.
     """
 
     def __init__(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
         kinds: Sequence[AttentionKind],
+        window_metadata: AttentionMetadata | None = None,
     ) -> None:
         # No per-layer objects: transformers' layer bookkeeping (lazy growth, offloading, cropping)
         # has no meaning for a cache whose blocks the scheduler manages.
         super().__init__(layers=[])
-        self.k_cache = k_cache
-        self.v_cache = v_cache
+        self.layer_kv = layer_kv
         self.metadata = metadata
         self.kinds = kinds
+        self.window_metadata = window_metadata
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The K cache, V cache and metadata layer `layer_idx` writes and reads."""
+        k_cache, v_cache = self.layer_kv[layer_idx]
+        window = self.window_metadata
+        if window is not None and self.kinds[layer_idx].window is not None:
+            return k_cache, v_cache, window
+        return k_cache, v_cache, self.metadata
 
     def update(
         self,
@@ -71,9 +85,7 @@ class PagedKVCache(Cache):
         # copied.
         key = key_states[0].transpose(0, 1)
         value = value_states[0].transpose(0, 1)
-        kernels.store_kv_step(
-            key, value, self.k_cache[layer_idx], self.v_cache[layer_idx], self.metadata
-        )
+        kernels.store_kv_step(key, value, *self.layer(layer_idx))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -107,14 +119,7 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim], a view (any strides will do)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out = kernels.paged_attention_step(
-        q,
-        radixkv_cache.k_cache[layer],
-        radixkv_cache.v_cache[layer],
-        radixkv_cache.metadata,
-        scaling,
-        kind=kind,
-    )
+    out = kernels.paged_attention_step(q, *radixkv_cache.layer(layer), scaling, kind=kind)
     return out.unsqueeze(0), None
 
 

@@ -78,6 +78,12 @@ class AttentionLayout:
             for w in windows
         )
 
+    @property
+    def window(self) -> int | None:
+        """The largest window of any layer (one window group serves them all: a smaller window
+        reads fewer of its tokens); None: no window layers."""
+        return max((k.window for k in self.layers if k.window is not None), default=None)
+
     def describe(self) -> str:
         """One line: each group's size, e.g. "2 full + 4 window-512 layers"."""
         return (

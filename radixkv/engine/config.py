@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 _SIZES = {
     "block_size": 1,
     "num_blocks": 1,
+    "num_window_blocks": 1,
     "kv_cache_bytes": 0,
     "max_num_seqs": 1,
     "max_num_batched_tokens": 1,
@@ -71,6 +72,13 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    # A model with sliding-window layers keeps their KV in a pool of its own, which only the last
+    # W tokens of each request and the window tails of cached prefixes use
+    # (`radixkv.cache.window`): `num_window_blocks` blocks. None: room for `max_num_seqs` requests'
+    # windows and chunks, twice (tails share them). The engine refuses a pool that holds not one
+    # request's. Its bytes come out of the byte budget where that sizes the cache (`kv_cache_bytes`
+    # or the device's default), the default's at most half of it.
+    num_window_blocks: int | None = None
     # False: no match and no insert; every block is private and freed at finish. Used to check that
     # output with the cache off equals output with it on.
     enable_prefix_cache: bool = True

@@ -23,20 +23,29 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
 import torch
 
-from radixkv.engine.step_inputs import InputStager, bucket_layout, pack_step, split_step
-from radixkv.kernels import AttentionMetadata, CompileCounter
+from radixkv.engine.step_inputs import (
+    InputStager,
+    StepLayout,
+    bucket_layout,
+    pack_step,
+    split_step,
+    window_metadata,
+)
+from radixkv.kernels import CompileCounter
 from radixkv.scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
 
-# forward(views of a split step buffer, its metadata) -> logits [1, T, vocab]
-DecodeForward = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
+# forward(views of a split step buffer, its metadata, logits to keep, the window layers'
+# metadata or None) -> logits [1, T, vocab]
+DecodeForward = Callable[..., torch.Tensor]
 # Writes input tokens that are still on the device into a step's device `input_ids` (overlapped
 # steps: `radixkv.engine.step`).
 TokenFeed = Callable[[torch.Tensor], None]
@@ -103,12 +112,16 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         compiles: CompileCounter | None = None,
+        window_kv_cache_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.buckets = decode_buckets(max_num_seqs)
         num_blocks, self.block_size = kv_cache_shape[:2]
         self.max_blocks = graph_max_blocks(max_model_len, self.block_size, num_blocks)
         self.stager = stager
-        largest = bucket_layout(self.buckets[-1], self.max_blocks)
+        # A model with window layers: their block tables (as wide as the full ones) and slots
+        # in the static buffer too, their metadata over their own cache.
+        self.window_kv_cache_shape = window_kv_cache_shape
+        largest = self._layout(self.buckets[-1])
         self.static = torch.zeros(largest.total, dtype=torch.int32, device=stager.device)
         # bucket -> (its graph, the logits buffer the graph writes)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -119,6 +132,10 @@ class DecodeGraphs:
         self._capture_all(forward, kv_cache_shape)
         if compiles is not None:
             self.capture_compile_s = compiles.seconds - compile_s
+
+    def _layout(self, bucket: int) -> StepLayout:
+        window_blocks = self.max_blocks if self.window_kv_cache_shape is not None else 0
+        return replace(bucket_layout(bucket, self.max_blocks), window_blocks=window_blocks)
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
         """Whether a replay computes this step: decode rows only, a bucket for their number,
@@ -136,7 +153,7 @@ class DecodeGraphs:
         bucket = choose_bucket(len(rows), self.buckets)
         assert bucket is not None, f"no bucket for {len(rows)} rows"
         graph, logits = self._graphs[bucket]
-        layout = bucket_layout(bucket, self.max_blocks)
+        layout = self._layout(bucket)
         host = self.stager.host(layout.total)
         pack_step(rows, (), self.block_size, layout, host.numpy())
         self.stager.to_device(host, out=self.static)
@@ -157,12 +174,15 @@ class DecodeGraphs:
         pool = None
         # Largest first: the smaller graphs then fit in the memory the largest one reserved.
         for bucket in reversed(self.buckets):
-            layout = bucket_layout(bucket, self.max_blocks)
+            layout = self._layout(bucket)
             host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
             views, metadata = split_step(layout, host, self.static, kv_cache_shape)
-            graph, logits = capture_graph(partial(forward, views, metadata), device, pool)
+            window = self.window_kv_cache_shape
+            window_meta = None if window is None else window_metadata(layout, views, host, window)
+            fn = partial(forward, views, metadata, 0, window_meta)
+            graph, logits = capture_graph(fn, device, pool)
             pool = graph.pool()
             self._graphs[bucket] = (graph, logits)
             logger.debug("captured decode graph for batch %d", bucket)

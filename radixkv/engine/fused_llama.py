@@ -68,9 +68,7 @@ class PagedLlamaAttention(LlamaAttention):
         k = self.k_proj(hidden_states).view(shape)
         v = self.v_proj(hidden_states).view(shape)
         cos, sin = position_embeddings  # [1, num_tokens, head_dim] each
-        k_cache = radixkv_cache.k_cache[self.layer_idx]
-        v_cache = radixkv_cache.v_cache[self.layer_idx]
-        meta = radixkv_cache.metadata
+        k_cache, v_cache, meta = radixkv_cache.layer(self.layer_idx)
         q = kernels.rope_store_kv_step(q, k, v, cos[0], sin[0], k_cache, v_cache, meta)
         out = kernels.paged_attention_step(q, k_cache, v_cache, meta, self.scaling)
         return self.o_proj(out.view(1, num_tokens, -1)), None

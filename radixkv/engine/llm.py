@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
+from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.keys import make_block_hasher
 from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
@@ -64,7 +65,7 @@ from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
 from radixkv.engine.tier_io import make_tier_io
 from radixkv.kv_events import KVEventFeed
-from radixkv.scheduler import Request, Scheduler
+from radixkv.scheduler import HybridScheduler, Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class LLM:
         if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
+        _refuse_window_extras(self.runner.window, config)
         self.runner.warm_up()
         self.tier_io = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
         events = config.kv_events
@@ -157,7 +159,7 @@ class LLM:
             disk=None if self.tier_io is None else self.tier_io.disk,
             write_through=config.host_cache_write_through,
         )
-        self.scheduler = Scheduler(self.cache, self.config)
+        self.scheduler = self._scheduler()
         self.kv_events = None if events is None else _event_feed(config)
         overlap = config.async_scheduling
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -171,6 +173,18 @@ class LLM:
         self._stepping = False
         self._orphans: list[str] = []  # streams dropped during a step, released after it
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
+
+    def _scheduler(self) -> Scheduler:
+        """The plain scheduler over `cache`, or for a model with window layers the hybrid one
+        over `cache` (then its full group) and the window group (`radixkv.cache.hybrid`)."""
+        runner = self.runner
+        if runner.window is None:
+            return Scheduler(self.cache, self.config)
+        hybrid = HybridCache(
+            runner.num_blocks, runner.num_window_blocks, self.config.block_size, runner.window
+        )
+        self.cache = hybrid.full
+        return HybridScheduler(hybrid, self.config)
 
     # ------------------------------------------------------------------ step API
 
@@ -672,6 +686,16 @@ class LLM:
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
+
+
+def _refuse_window_extras(window: int | None, config: EngineConfig) -> None:
+    """The host / disk tiers and KV events cover full-attention KV only: a model with window
+    layers runs without them, refused here in one line rather than half served."""
+    if window is not None and (config.host_cache_bytes or config.kv_events is not None):
+        raise ValueError(
+            f"the model has sliding-window layers (window {window}): host / disk KV tiers and KV "
+            "events do not cover them yet; run it without host_cache_bytes and kv_events"
+        )
 
 
 def _event_feed(config: EngineConfig) -> KVEventFeed:

@@ -5,7 +5,9 @@ Layers of the runner:
 * `KVCacheSpec` / `plan_num_blocks`: the shape of one KV block of the model and how many fit the
   memory budget (CPU: `kv_cache_bytes`, default 512 MiB; CUDA: a fraction of free device memory).
 * `ModelRunner`: sizes and owns the KV tensors, stacked over layers as
-  `[num_layers, num_blocks, block_size, kv_heads, head_dim]` (K and V separately), switches the
+  `[num_layers, num_blocks, block_size, kv_heads, head_dim]` (K and V separately; a model with
+  window layers has two pairs, its full layers' over `num_blocks` and its window layers' over
+  `num_window_blocks`, the window group's pool: `radixkv.cache.hybrid`), switches the
   model to the ``"radixkv"`` attention (see `radixkv.engine.attention`), and runs `execute(step)`:
 
       copies (copy-on-write of partial blocks)  ->  metadata  ->  model forward  ->  logits
@@ -14,7 +16,8 @@ Layers of the runner:
   position ids, so prefill chunks and decode tokens of different requests share one forward.
   The step's integer inputs travel in one buffer, one host->device copy (`step_inputs`).
 * On CUDA, unless `enforce_eager`, decode steps replay a CUDA graph captured at start-up per
-  batch-size bucket (`cuda_graphs`); prefill and mixed steps, and every step on the CPU, run eager.
+  batch-size bucket (`cuda_graphs`, window layers' tables and slots included); prefill and mixed
+  steps, and every step on the CPU, run eager.
 * On Triton (CUDA), Llama models get fused RMSNorm and RoPE + K/V store modules (`fused_llama`);
   other models, and every model on the torch backend, keep transformers' modules and the generic
   attention hooks.
@@ -34,7 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,8 +48,16 @@ from radixkv.engine.attention_layout import AttentionLayout, probe_attention
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.fused_llama import fuse_llama_modules, unfuse_llama_modules
-from radixkv.engine.step_inputs import InputStager, StepLayout, layout_for, pack_step, split_step
+from radixkv.engine.step_inputs import (
+    InputStager,
+    StepLayout,
+    layout_for,
+    pack_step,
+    split_step,
+    window_metadata,
+)
 from radixkv.kernels import AttentionMetadata
+from radixkv.scheduler.hybrid import window_budget
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -73,11 +84,10 @@ class KVCacheSpec:
 
     @classmethod
     def from_layout(
-        cls, layout: AttentionLayout, block_size: int, dtype: torch.dtype
+        cls, layout: AttentionLayout, block_size: int, dtype: torch.dtype, num_layers: int
     ) -> KVCacheSpec:
-        """Every layer's KV in one pool of blocks: window layers keep KV of every token too (the
-        window is applied in attention)."""
-        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size, dtype)
+        """The blocks of `num_layers` of the model's layers (a group's)."""
+        return cls(num_layers, layout.num_kv_heads, layout.head_dim, block_size, dtype)
 
 
 def plan_num_blocks(
@@ -86,24 +96,34 @@ def plan_num_blocks(
     *,
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
-    """Number of KV blocks: `num_blocks` if given, else what `kv_cache_bytes` holds, else (CUDA) a
-    fraction of free device memory or (CPU) DEFAULT_CPU_KV_CACHE_BYTES. Raises ValueError when
-    the budget holds no block (the sizes themselves were checked by `EngineConfig`)."""
+    """Number of KV blocks: `num_blocks` if given, else what `kv_budget` holds less
+    `reserved_bytes` (the window pool's). Raises ValueError when that holds no block (the sizes
+    themselves were checked by `EngineConfig`). A spec of no layers (a model whose layers are
+    all windowed: its full group is bookkeeping only) is sized as one layer's."""
     if num_blocks is not None:
         return num_blocks
-    if kv_cache_bytes is None:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            kv_cache_bytes = int(free * DEFAULT_GPU_MEMORY_FRACTION)
-        else:
-            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    n = kv_cache_bytes // spec.bytes_per_block
+    budget = kv_budget(device, kv_cache_bytes)
+    bytes_per_block = spec.bytes_per_block or replace(spec, num_layers=1).bytes_per_block
+    n = (budget - reserved_bytes) // bytes_per_block
     if n < 1:
+        after = f" after the window pool's {reserved_bytes}" if reserved_bytes else ""
         raise ValueError(
-            f"kv_cache_bytes={kv_cache_bytes} holds no KV block ({spec.bytes_per_block} bytes each)"
+            f"kv_cache_bytes={budget} holds no KV block{after} ({bytes_per_block} bytes each)"
         )
     return n
+
+
+def kv_budget(device: torch.device, kv_cache_bytes: int | None) -> int:
+    """The KV cache's bytes: `kv_cache_bytes`, else (CUDA) a fraction of free device memory or
+    (CPU) DEFAULT_CPU_KV_CACHE_BYTES."""
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_GPU_MEMORY_FRACTION)
+    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 class ModelRunner:
@@ -114,10 +134,12 @@ class ModelRunner:
     batch sizes) and max_model_len (their block-table width; None: what the pool holds); a step
     past either runs eager.
 
-    Invariants: `k_cache` / `v_cache` have shape [num_layers, num_blocks, block_size, kv_heads,
-    head_dim] on the model's device in the model's dtype; the model's attention implementation is
-    ``"radixkv"`` for as long as the runner lives; `decode_graphs` is None on the CPU and with
-    `enforce_eager`.
+    Invariants: `k_cache` / `v_cache` have shape [num_full_layers, num_blocks, block_size,
+    kv_heads, head_dim] on the model's device in the model's dtype (every layer is full in a
+    model without window layers), `window_k_cache` / `window_v_cache` [num_window_layers,
+    num_window_blocks, ...] (None without window layers); `layer_kv[i]` is layer i's pair of
+    views into them; the model's attention implementation is ``"radixkv"`` for as long as the
+    runner lives; `decode_graphs` is None on the CPU and with `enforce_eager`.
     """
 
     def __init__(
@@ -134,30 +156,54 @@ class ModelRunner:
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         unfuse_llama_modules(model)  # fused by an earlier runner: the probe needs the originals
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
-        spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype)
+        self.window = self.layout.window
+        windowed = [self.window is not None and k.window is not None for k in self.layout.layers]
+        window_spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype, sum(windowed))
+        spec = KVCacheSpec.from_layout(
+            self.layout, block_size, param.dtype, len(windowed) - sum(windowed)
+        )
+        # A budget in bytes, read once, when blocks are not counted out.
+        budget = (
+            None if config.num_blocks is not None else kv_budget(self.device, config.kv_cache_bytes)
+        )
+        self.num_window_blocks = num_window_blocks = plan_window_blocks(
+            self.window, config, window_spec.bytes_per_block, budget
+        )
         self.num_blocks = num_blocks = plan_num_blocks(
-            spec, self.device, num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes
+            spec,
+            self.device,
+            num_blocks=config.num_blocks,
+            kv_cache_bytes=budget,
+            reserved_bytes=num_window_blocks * window_spec.bytes_per_block,
         )
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         if validate_steps is None:
             validate_steps = os.environ.get("RADIXKV_VALIDATE_STEPS", "0") not in ("", "0")
         self.validate_steps = validate_steps
-        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # Zeroed, not empty: slots past a request's length are masked, but NaN garbage could leak
-        # through a masked product in a reference kernel (and pad rows of a graph read block 0).
-        self.k_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
+        self.k_cache, self.v_cache = self._kv_tensors(spec, num_blocks)
         self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
+        self.window_k_cache = self.window_v_cache = None
+        full_kv = iter(zip(self.k_cache, self.v_cache, strict=True))
+        window_kv = iter(())
+        if self.window is not None:
+            self.window_k_cache, self.window_v_cache = self._kv_tensors(
+                window_spec, num_window_blocks
+            )
+            self.window_kv_cache_shape = tuple(self.window_k_cache.shape[1:])
+            window_kv = iter(zip(self.window_k_cache, self.window_v_cache, strict=True))
+        self.layer_kv = [next(window_kv if w else full_kv) for w in windowed]
         model.set_attn_implementation(register_attention())
         # The fused Llama modules run where their kernels are Triton; on the torch backend
         # transformers' own modules are the same computation, and cheaper to call.
         on_triton = kernels.backend_for(self.device) == "triton"
         self.fused_modules = on_triton and fuse_llama_modules(model)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB) on %s; %s",
+            "KV cache: %d blocks x %d tokens (%.1f MiB) + %d window blocks (%.1f MiB) on %s; %s",
             num_blocks,
             block_size,
             num_blocks * spec.bytes_per_block / 2**20,
+            num_window_blocks,
+            num_window_blocks * window_spec.bytes_per_block / 2**20,
             self.device,
             self.layout.describe(),
         )
@@ -172,6 +218,14 @@ class ModelRunner:
             self.decode_graphs = self.capture_decode_graphs(config.max_num_seqs, max_len)
         self._compiles_seen = self._compiles.count if self._compiles is not None else 0
 
+    def _kv_tensors(self, spec: KVCacheSpec, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V of `spec`'s layers, not empty: slots past a request's length are masked,
+        but NaN garbage could leak through a masked product in a reference kernel (and pad rows
+        of a graph read block 0)."""
+        shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        k = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        return k, torch.zeros_like(k)
+
     def capture_decode_graphs(self, max_num_seqs: int, max_len: int) -> DecodeGraphs | None:
         """The decode step's CUDA graphs, or None, with a warning, for a model whose forward
         cannot be captured (transformers' grouped MoE experts copy host tensors to the device
@@ -185,6 +239,7 @@ class ModelRunner:
                     max_num_seqs,
                     max_len,
                     self._compiles,
+                    None if self.window is None else self.window_kv_cache_shape,
                 )
         except RuntimeError as exc:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -200,7 +255,8 @@ class ModelRunner:
         if self._compiles is None:
             return
         t0, compiles = time.perf_counter(), self._compiles.count
-        for step in warm_up_steps(self.kv_cache_shape[0], self.block_size):
+        num_blocks = min(self.num_blocks, self.num_window_blocks or self.num_blocks)
+        for step in warm_up_steps(num_blocks, self.block_size, window=self.window is not None):
             self._execute_eager(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -238,25 +294,33 @@ class ModelRunner:
             if step.copies:  # the copies alone, before the replay
                 layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
                 self._copy_blocks(layout.split(self._stage((), step.copies, layout)[1]))
+            if step.window_copies:
+                self._copy_window_blocks(step.window_copies)
             # A copy: the graph overwrites its output buffer on the next replay.
             return graphs.run(step.rows, feed).to(torch.float32, copy=True)
         return self._execute_eager(step, feed)
 
     def _execute_eager(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
-        views, meta = self.build_inputs(step)
+        views, meta, window_meta = self.build_inputs(step)
         if feed is not None:
             feed(views["input_ids"])
         if step.copies:
             self._copy_blocks(views)
+        if step.window_copies:
+            self._copy_window_blocks(step.window_copies)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
-        return self._forward(views, meta, views["sample_idx"])[0].float()
+        return self._forward(views, meta, views["sample_idx"], window_meta)[0].float()
 
     def _forward(
-        self, views: dict[str, torch.Tensor], meta: AttentionMetadata, keep: torch.Tensor | int = 0
+        self,
+        views: dict[str, torch.Tensor],
+        meta: AttentionMetadata,
+        keep: torch.Tensor | int = 0,
+        window_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """The model over one packed step (`views`: its split buffer): logits [1, num_kept, vocab]
         of the tokens `keep` indexes (0: every token's)."""
-        cache = PagedKVCache(self.k_cache, self.v_cache, meta, self.layout.layers)
+        cache = PagedKVCache(self.layer_kv, meta, self.layout.layers, window_meta)
         out = self.model(
             input_ids=views["input_ids"][None],
             position_ids=views["positions"][None],
@@ -273,6 +337,14 @@ class ModelRunner:
             self.k_cache, self.v_cache, views["copy_src"], views["copy_dst"], views["copy_slots"]
         )
 
+    def _copy_window_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Copy-on-write of window blocks (admissions with a partial hit: rare, unpacked)."""
+        src, dst, slots = (
+            torch.tensor([getattr(c, name) for c in copies], dtype=torch.int32, device=self.device)
+            for name in ("src_block", "dst_block", "num_slots")
+        )
+        kernels.copy_blocks(self.window_k_cache, self.window_v_cache, src, dst, slots)
+
     def _stage(
         self, rows: Sequence[ScheduledRequest], copies: Sequence[BlockCopy], layout: StepLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,25 +356,56 @@ class ModelRunner:
 
     def build_inputs(
         self, step: SchedulerOutput
-    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
         """An eager step's inputs on the device: the views of its one copied buffer (int32, see
-        `step_inputs`) and its attention metadata."""
-        layout = layout_for(step.rows, num_copies=len(step.copies))
+        `step_inputs`), its attention metadata and (window layers) the window layers'."""
+        window = self.window is not None
+        layout = layout_for(step.rows, num_copies=len(step.copies), window=window)
         host, dev = self._stage(step.rows, step.copies, layout)
         ids = host.numpy()[: layout.num_tokens]
         # On the host: an id past the embedding would be a device-side assert on CUDA, which
         # leaves the whole process unable to run another step.
         assert ids.min() >= 0 and ids.max() < self.vocab_size, "token id out of range"
-        return split_step(layout, host, dev, self.kv_cache_shape, validate=self.validate_steps)
+        validate = self.validate_steps
+        views, meta = split_step(layout, host, dev, self.kv_cache_shape, validate=validate)
+        if not window:
+            return views, meta, None
+        shape = self.window_kv_cache_shape
+        return views, meta, window_metadata(layout, views, host, shape, validate=validate)
 
 
-def warm_up_steps(num_blocks: int, block_size: int) -> list[SchedulerOutput]:
+def plan_window_blocks(
+    window: int | None, config: EngineConfig, bytes_per_block: int, budget: int | None
+) -> int:
+    """The window pool's blocks (0 without window layers): `config.num_window_blocks`, or room
+    for `max_num_seqs` requests' windows and chunks, twice over (tails share them), at most
+    half of a `budget` in bytes (None: the full pool's blocks are counted out instead) unless
+    that holds not one request's. Raises ValueError for a pool that holds not one request's."""
+    if window is None:
+        return 0
+    B, chunk = config.block_size, min(config.chunked_prefill_size, config.max_num_batched_tokens)
+    need = window_budget(window, B, chunk)
+    if config.num_window_blocks is None:
+        blocks = 2 * config.max_num_seqs * need
+        return blocks if budget is None else max(need, min(blocks, budget // 2 // bytes_per_block))
+    if config.num_window_blocks < need:
+        raise ValueError(
+            f"num_window_blocks={config.num_window_blocks} holds not one request's window "
+            f"({need} blocks of {B} tokens for a window of {window} and chunks of {chunk})"
+        )
+    return config.num_window_blocks
+
+
+def warm_up_steps(
+    num_blocks: int, block_size: int, *, window: bool = False
+) -> list[SchedulerOutput]:
     """The warm-up's steps over blocks [0, num_blocks): a prefill, a mixed step (a decode row, a
     prefill chunk and a copy-on-write) when the pool has two blocks, and a decode step of up to
-    two rows. Their kernels cover every compiled variant: a step is decode-like (one token per
-    row) or not, everything else a kernel specializes on is fixed per model (see
-    `radixkv.kernels.triton_paged_attention`). The decode rows' block tables are wide (a context
-    over 256 tokens), so on a GPU they split the context and the merge kernel compiles too."""
+    two rows (`window`: each row's window table is its full one). Their kernels cover every
+    compiled variant: a step is decode-like (one token per row) or not, everything else a
+    kernel specializes on is fixed per model (see `radixkv.kernels.triton_paged_attention`).
+    The decode rows' block tables are wide (a context over 256 tokens), so on a GPU they split
+    the context and the merge kernel compiles too."""
     B = block_size
 
     def row(name: str, num_tokens: int, first_block: int, width: int = 0) -> ScheduledRequest:
@@ -310,7 +413,8 @@ def warm_up_steps(num_blocks: int, block_size: int) -> list[SchedulerOutput]:
         table padded with block 0 to `width` columns."""
         blocks = tuple(range(first_block, first_block + -(-num_tokens // B)))
         table = blocks + (0,) * (width - len(blocks))
-        return ScheduledRequest(f"warm-up-{name}", (0,) * num_tokens, 0, table, True)
+        window_table = table if window else ()
+        return ScheduledRequest(f"warm-up-{name}", (0,) * num_tokens, 0, table, True, window_table)
 
     steps = [SchedulerOutput(rows=(row("prefill", min(16, num_blocks * B), 0),))]
     if num_blocks >= 2:

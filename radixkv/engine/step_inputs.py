@@ -2,6 +2,8 @@
 
     | input_ids | positions | slot_mapping | block_tables (num_reqs x max_blocks) | seq_lens |
     | cu_seqlens_q (num_reqs + 1) | sample_idx | copy_src | copy_dst | copy_slots |
+    and for a model with window layers (`window_blocks` > 0) their own table and slots:
+    | window_slot_mapping | window_block_tables (num_reqs x window_blocks) |
 
 `StepLayout` names the regions, `pack_step` fills them on the host from the scheduler's rows (and,
 for a CUDA-graph bucket, pad rows up to the bucket), `InputStager` owns the host buffer: pinned and
@@ -36,6 +38,7 @@ PAD_TOKEN_ID = 0
 PAD_SLOT = -1  # store_kv skips negative slots
 # What AttentionMetadata reads from the host (its `host_tensors`), in its order.
 _METADATA_REGIONS = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
+_WINDOW_REGIONS = ("window_block_tables", "seq_lens", "cu_seqlens_q", "window_slot_mapping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +50,11 @@ class StepLayout:
     max_blocks: int  # block-table columns
     num_sampled: int = 0  # rows whose last token's logits are kept
     num_copies: int = 0  # copy-on-write block copies
+    window_blocks: int = 0  # window block-table columns (0: the model has no window layers)
 
     def sizes(self) -> tuple[tuple[str, int], ...]:
         t, r = self.num_tokens, self.num_reqs
-        return (
+        regions = (
             ("input_ids", t),
             ("positions", t),
             ("slot_mapping", t),
@@ -61,6 +65,13 @@ class StepLayout:
             ("copy_src", self.num_copies),
             ("copy_dst", self.num_copies),
             ("copy_slots", self.num_copies),
+        )
+        if not self.window_blocks:
+            return regions
+        return (
+            *regions,
+            ("window_slot_mapping", t),
+            ("window_block_tables", r * self.window_blocks),
         )
 
     @property
@@ -77,17 +88,25 @@ class StepLayout:
             views[name] = flat[start : start + n]
             start += n
         views["block_tables"] = views["block_tables"].reshape(self.num_reqs, self.max_blocks)
+        if self.window_blocks:
+            tables = views["window_block_tables"]
+            views["window_block_tables"] = tables.reshape(self.num_reqs, self.window_blocks)
         return views
 
 
-def layout_for(rows: Sequence[ScheduledRequest], *, num_copies: int = 0) -> StepLayout:
-    """The eager layout of `rows`: exact sizes, the sampled rows' indices kept."""
+def layout_for(
+    rows: Sequence[ScheduledRequest], *, num_copies: int = 0, window: bool = False
+) -> StepLayout:
+    """The eager layout of `rows`: exact sizes, the sampled rows' indices kept; `window`: with
+    the window layers' regions (a row's window table is as wide as its full one)."""
+    max_blocks = max(len(r.block_table) for r in rows)
     return StepLayout(
         num_tokens=sum(len(r.token_ids) for r in rows),
         num_reqs=len(rows),
-        max_blocks=max(len(r.block_table) for r in rows),
+        max_blocks=max_blocks,
         num_sampled=sum(r.sample for r in rows),
         num_copies=num_copies,
+        window_blocks=max_blocks if window else 0,
     )
 
 
@@ -108,16 +127,42 @@ def split_step(
     """The device views of a packed step (`layout.split(dev)`) and its attention metadata over
     them; the metadata's values are read from the host copy `host` of `dev`, so nothing syncs."""
     views, on_host = layout.split(dev), layout.split(host)
-    meta = AttentionMetadata(
-        views["block_tables"],
-        views["seq_lens"],
-        views["cu_seqlens_q"],
+    return views, _metadata(views, on_host, _METADATA_REGIONS, kv_cache_shape, validate)
+
+
+def window_metadata(
+    layout: StepLayout,
+    views: dict[str, torch.Tensor],
+    host: torch.Tensor,
+    kv_cache_shape: tuple[int, ...],
+    *,
+    validate: bool = True,
+) -> AttentionMetadata:
+    """The window layers' attention metadata of a split step (`views`, `host` its host copy):
+    their own block tables and slots over their own cache, the same lengths."""
+    on_host = layout.split(host)
+    return _metadata(views, on_host, _WINDOW_REGIONS, kv_cache_shape, validate)
+
+
+def _metadata(
+    views: dict[str, torch.Tensor],
+    on_host: dict[str, torch.Tensor],
+    regions: tuple[str, str, str, str],
+    kv_cache_shape: tuple[int, ...],
+    validate: bool,
+) -> AttentionMetadata:
+    """Attention metadata over the device views of `regions` (block tables, seq_lens,
+    cu_seqlens_q, slot mapping), its values read from their host copies."""
+    tables, lens, cu, slots = regions
+    return AttentionMetadata(
+        views[tables],
+        views[lens],
+        views[cu],
         kv_cache_shape,
-        slot_mapping=views["slot_mapping"],
+        slot_mapping=views[slots],
         validate=validate,
-        host_tensors=tuple(on_host[name] for name in _METADATA_REGIONS),
+        host_tensors=tuple(on_host[name] for name in regions),
     )
-    return views, meta
 
 
 def pack_step(
@@ -162,6 +207,14 @@ def pack_step(
     v["input_ids"][:t] = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int32, t)
     v["positions"][:t] = pos
     v["slot_mapping"][:t] = tables[token_row, pos // B] * B + pos % B
+    if layout.window_blocks:
+        window = v["window_block_tables"]
+        window.fill(0)
+        window[:n][used] = np.fromiter(
+            chain.from_iterable(r.window_block_table for r in rows), np.int32, int(widths.sum())
+        )
+        v["window_slot_mapping"][:t] = window[token_row, pos // B] * B + pos % B
+        v["window_slot_mapping"][t:] = PAD_SLOT
     v["seq_lens"][:n] = ends
     v["cu_seqlens_q"][:n] = cu[:-1]
     if layout.num_sampled:

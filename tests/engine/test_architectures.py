@@ -26,8 +26,11 @@ from radixkv import LLM, ModelLoadError, SamplingParams
 VARIANTS = {f"b{size}": dict(block_size=size, num_blocks=2048 // size) for size in (1, 16, 64)}
 VARIANTS["no-cache"] = dict(VARIANTS["b16"], enable_prefix_cache=False)
 # 6 requests of up to 50 tokens: ~80 blocks of 4 live at once; 24 forces eviction and preemption
-# by recompute.
-VARIANTS["eviction"] = dict(block_size=4, num_blocks=24, max_num_seqs=4)
+# by recompute. A window model's window pool of 10 blocks (one request's needs 8 with chunks of
+# 16) runs short too: its tails are evicted and running requests preempted for window blocks.
+VARIANTS["eviction"] = dict(
+    block_size=4, num_blocks=24, max_num_seqs=4, chunked_prefill_size=16, num_window_blocks=10
+)
 # Chunks of 5 tokens against windows of 8: chunk, window and block edges all disagree.
 VARIANTS["chunked"] = dict(
     block_size=4, num_blocks=512, chunked_prefill_size=5, max_num_batched_tokens=8
@@ -88,10 +91,12 @@ def test_greedy_matches_transformers(arch, variant, arch_model):
     for _ in range(2):  # cold, then (cache on) served mostly from the cache
         outs = llm.generate(prompts, params)
         assert [list(o.token_ids) for o in outs] == expected
-        llm.cache.check_integrity()
+        llm.check_integrity()
     stats = llm.cache.stats()
     if variant == "eviction":
         assert stats.num_evicted_blocks > 0
+        if llm.runner.window is not None:
+            assert llm.scheduler.cache.window.num_evicted_tails > 0
     if variant == "no-cache":
         assert all(o.stats.num_cached_tokens == 0 for o in outs)
     elif variant != "eviction":

@@ -70,8 +70,11 @@ def graph_runner(monkeypatch):
     return runners
 
 
-def row(rid, tokens, start, table):
-    return ScheduledRequest(rid, tuple(tokens), start, tuple(table), True)
+def row(rid, tokens, start, table, window=False):
+    """A sampled row; `window`: its window layers' table is the same blocks (their own pool)."""
+    return ScheduledRequest(
+        rid, tuple(tokens), start, tuple(table), True, tuple(table) if window else ()
+    )
 
 
 def test_graph_replays_equal_eager_steps(graph_runner):
@@ -165,12 +168,17 @@ def test_graph_replays_of_window_softcap_and_sink_layers(monkeypatch):
             graphs = ModelRunner(model, config)
             with torch.inference_mode():
                 graphs.decode_graphs = DecodeGraphs(
-                    graphs._forward, graphs.stager, graphs.kv_cache_shape, 2, max_model_len=40
+                    graphs._forward,
+                    graphs.stager,
+                    graphs.kv_cache_shape,
+                    2,
+                    max_model_len=40,
+                    window_kv_cache_shape=graphs.window_kv_cache_shape,
                 )
             for runner in (eager, graphs):
-                runner.execute(SchedulerOutput(rows=(row("a", prompt, 0, table),)))
+                runner.execute(SchedulerOutput(rows=(row("a", prompt, 0, table, True),)))
             for i in range(3):
-                step = SchedulerOutput(rows=(row("a", [50 + i], len(prompt) + i, table),))
+                step = SchedulerOutput(rows=(row("a", [50 + i], len(prompt) + i, table, True),))
                 replays = graphs.decode_graphs.num_replays
                 expected = eager.execute(step)
                 torch.testing.assert_close(graphs.execute(step), expected, rtol=1e-5, atol=1e-5)

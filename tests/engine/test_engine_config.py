@@ -134,7 +134,7 @@ def test_each_option_reaches_its_field() -> None:
     argv += ["--parse-special-tokens-in-content"]
     argv += ["--kv-events-layout", "array", "--kv-events-topic", "pod-1", "--kv-events-connect"]
     argv += ["--kv-events-replay", "tcp://*:5558", "--block-hash", "sha256_cbor"]
-    argv += ["--block-hash-seed", "42"]
+    argv += ["--block-hash-seed", "42", "--num-window-blocks", "40"]
     settings = _parse(argv)
     assert settings == {
         "block_size": 8,
@@ -163,6 +163,7 @@ def test_each_option_reaches_its_field() -> None:
         "kv_events_replay": "tcp://*:5558",
         "block_hash": "sha256_cbor",
         "block_hash_seed": "42",
+        "num_window_blocks": 40,
     }
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}

@@ -1,0 +1,83 @@
+"""A model with sliding-window layers: what a running request holds follows the window.
+
+The tiny Gemma-3-like model of `tiny_archs` (3 window-8 layers, 1 full layer); its greedy output
+against transformers is `test_architectures`' matrix. Here: the window layers' blocks a request
+holds stay about W / B + chunk / B however long it grows, its full blocks grow with it; the
+window pool has a tensor of its own, sized by `num_window_blocks`; what the engine refuses.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tiny_archs import WINDOW, build_arch
+from tiny_llama import random_prompts
+
+from radixkv import LLM, SamplingParams
+from radixkv.scheduler.hybrid import window_budget
+
+B, CHUNK = 4, 16
+SETTINGS = dict(block_size=B, num_blocks=256, chunked_prefill_size=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return str(build_arch("gemma3", tmp_path_factory.mktemp("gemma3")))
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_running_request_holds_its_window_not_its_length(gemma3, cache):
+    llm = LLM(gemma3, **SETTINGS, enable_prefix_cache=cache)
+    (prompt,) = random_prompts(31, 1, min_len=20 * WINDOW, max_len=20 * WINDOW)
+    llm.add_request(prompt, SamplingParams(max_tokens=24))
+    window, pool = llm.scheduler.cache.window, llm.scheduler.cache.window.pool
+    peak_window = peak_full = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        for req in llm.scheduler.running_requests:
+            peak_window = max(peak_window, req.table.window.num_live_blocks)
+            peak_full = max(peak_full, len(req.table.blocks))
+            if not cache:  # nothing but the running table holds window blocks
+                assert pool.num_blocks - pool.num_free == req.table.window.num_live_blocks
+        llm.check_integrity()
+    assert peak_window <= window_budget(WINDOW, B, CHUNK) == 8
+    assert peak_full == -(-(len(prompt) + 23) // B) == 46
+    assert (window.num_tails > 0) == cache
+
+
+def test_window_layers_have_a_smaller_tensor_of_their_own(gemma3):
+    llm = LLM(gemma3, **SETTINGS, max_num_seqs=2)
+    runner = llm.runner
+    default = 2 * 2 * window_budget(WINDOW, B, CHUNK)
+    assert runner.num_window_blocks == default
+    assert tuple(runner.k_cache.shape) == (1, 256, B, 2, 16)  # the full layer
+    assert tuple(runner.window_k_cache.shape) == (3, default, B, 2, 16)
+    assert [k.data_ptr() for k, _ in runner.layer_kv] == [
+        runner.window_k_cache[0].data_ptr(),
+        runner.window_k_cache[1].data_ptr(),
+        runner.window_k_cache[2].data_ptr(),
+        runner.k_cache[0].data_ptr(),
+    ]
+    assert LLM(gemma3, **SETTINGS, num_window_blocks=9).runner.num_window_blocks == 9
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(num_window_blocks=7), "num_window_blocks=7 holds not one request's window"),
+        (dict(host_cache_bytes=2**20), "tiers and KV events do not cover them"),
+        (dict(kv_events=lambda event: None), "tiers and KV events do not cover them"),
+    ],
+)
+def test_what_a_window_model_refuses(gemma3, settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(gemma3, **SETTINGS, **settings)
+
+
+def test_a_byte_budget_is_split_between_the_pools(gemma3):
+    """The default window pool takes at most half of `kv_cache_bytes`; the full pool the rest."""
+    budget = 2**20
+    runner = LLM(gemma3, block_size=B, chunked_prefill_size=CHUNK, kv_cache_bytes=budget).runner
+    full, window = 2 * runner.k_cache.nbytes, 2 * runner.window_k_cache.nbytes
+    full_block = 2 * runner.k_cache[:, 0].nbytes
+    assert window_budget(WINDOW, B, CHUNK) < runner.num_window_blocks
+    assert window <= budget // 2 and budget - full_block < full + window <= budget
