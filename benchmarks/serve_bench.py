@@ -221,7 +221,11 @@ def server_env(name: str, args: argparse.Namespace) -> dict[str, str]:
 
 def server_source(name: str, args: argparse.Namespace) -> Path:
     """The folder whose radixkv a server `name` imports, found the way the server will find it."""
-    probe = "import radixkv, pathlib; print(pathlib.Path(radixkv.__file__).resolve().parent.parent)"
+    # find_spec runs none of radixkv's code (its imports take seconds)
+    probe = (
+        "import importlib.util, pathlib;"
+        "print(pathlib.Path(importlib.util.find_spec('radixkv').origin).resolve().parent.parent)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", probe],
         env=server_env(name, args),

@@ -44,7 +44,9 @@ def _containers(children: st.SearchStrategy) -> st.SearchStrategy:
         lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]}
     )
     objects = st.builds(
-        _object, st.dictionaries(_names, children, min_size=1, max_size=4), st.lists(_names)
+        _object,
+        st.dictionaries(_names, children, min_size=1, max_size=4),
+        st.lists(_names, unique=True),  # a schema lists each required name once
     )
     return arrays | objects
 

@@ -166,14 +166,21 @@ def test_a_salted_tenant_never_reaches_the_page(
     check_view(server)
 
 
-def snapshot_after(server: Any, num_prompt_tokens: int) -> str:
-    """The first snapshot of /ui/events that counts `num_prompt_tokens` prompt tokens."""
+def snapshot_after(server: Any, num_prompt_tokens: int, last_seq: int = 1) -> str:
+    """The first snapshot of /ui/events that counts `num_prompt_tokens` prompt tokens and shows
+    the shared request `last_seq` as the last one (a request's prompt tokens are counted before
+    it finishes, and it is recorded when it finishes)."""
     with urllib.request.urlopen(server.base_url + "/ui/events", timeout=60) as response:
         for raw in response:
             line = raw.decode()
             if line.startswith("data: "):
                 text = line[6:]
-                if json.loads(text)["gauges"]["prompt_tokens"] == num_prompt_tokens:
+                snapshot = json.loads(text)
+                last = snapshot["last_request"] or {}
+                if (
+                    snapshot["gauges"]["prompt_tokens"] == num_prompt_tokens
+                    and last.get("seq") == last_seq
+                ):
                     return text
     raise AssertionError("the stream ended without that snapshot")
 
