@@ -1,0 +1,213 @@
+"""Walk meter: which project files a reader passes through to follow one step and one admission.
+
+    python scripts/walks.py
+
+Runs the engine on the tests' tiny random Llama (`tests/tiny_llama.py`, CPU, synchronous steps)
+and traces three walks:
+
+* step:      one `LLM.step()` whose rows are decodes of running requests (schedule, launch,
+             runner, finish, fill, delivery);
+* runner:    the part of that step inside `ModelRunner.execute` (the runner and its inputs);
+* admission: the `Scheduler.schedule()` that admits a request whose prompt prefix is cached,
+             nothing else running (the request entering the scheduler and the cache).
+
+A walk is the sequence of project files (under `radixkv/`, `scheduler/`, `kernels/`) whose lines
+run, in order, collapsed into stays: a stay is consecutive time in one file. Code outside the
+project (the standard library, torch and numpy calls) is transparent. Printed per walk: the stays
+(with the functions that ran in each), and the counts
+
+    stays     the number of stays;
+    files     the number of distinct files;
+    returns   the stays in a file the walk had already been in and left.
+
+What a reader does not follow is not counted; lines run inside such a call add no stay:
+
+* trivial accessors: functions and properties whose body (past a docstring) is one `return` of
+  an expression that calls nothing but builtins (`return self._x`, `return len(self._waiting)`);
+* methods that `dataclasses` generates (their code is in no project file; a `__post_init__` they
+  call is followed);
+* input guards: functions named `check_*`, `_check_*`, `_require*` (they return nothing or raise;
+  the reader reads the call as an assertion);
+* the model's forward: everything below an `nn.Module` call (transformers calling the attention
+  hook once per layer) is one opaque call, as the reader of a step sees `self.model(...)`.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT_DIRS = ("radixkv", "scheduler", "kernels")
+GUARDS = ("check_", "_check_", "_require")  # input checks: they return nothing or raise
+SCRIPT = Path(__file__).resolve()
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _project_path(filename: str) -> str | None:
+    """The file's path relative to the repository when it is project code, else None."""
+    try:
+        rel = Path(filename).resolve().relative_to(ROOT)
+    except ValueError:
+        return None
+    return rel.as_posix() if rel.parts[0] in PROJECT_DIRS else None
+
+
+def _inside_model(frame: types.FrameType) -> bool:
+    """Whether the frame runs below an `nn.Module` call (the model's forward calling the
+    attention hook once per layer)."""
+    caller = frame.f_back
+    while caller is not None:
+        if caller.f_code.co_name == "_call_impl" and "torch" in caller.f_code.co_filename:
+            return True
+        caller = caller.f_back
+    return False
+
+
+class _Trivia:
+    """Which functions of a file are trivial accessors (see the module docstring), by the line
+    a code object starts on."""
+
+    def __init__(self) -> None:
+        self._by_file: dict[str, set[int]] = {}
+
+    def is_trivial(self, code: types.CodeType) -> bool:
+        lines = self._by_file.get(code.co_filename)
+        if lines is None:
+            lines = self._by_file[code.co_filename] = _trivial_lines(code.co_filename)
+        return code.co_firstlineno in lines
+
+
+def _trivial_lines(filename: str) -> set[int]:
+    """The first lines (decorator or `def`) of the trivial functions of a file."""
+    tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_trivial(node):
+            lines.add(node.lineno)
+            lines.update(d.lineno for d in node.decorator_list)
+    return lines
+
+
+def _is_trivial(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return False
+    calls = [n for n in ast.walk(body[0]) if isinstance(n, ast.Call)]
+    return all(isinstance(c.func, ast.Name) and hasattr(builtins, c.func.id) for c in calls)
+
+
+class Walk:
+    """Records the project files whose lines run while tracing is on."""
+
+    def __init__(self) -> None:
+        self.stays: list[str] = []
+        self.functions: list[list[str]] = []  # per stay, the functions whose lines ran in it
+        self._trivia = _Trivia()
+
+    def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Callable | None:
+        code = frame.f_code
+        path = _project_path(code.co_filename)
+        if path is None or self._trivia.is_trivial(code) or code.co_name.startswith(GUARDS):
+            return None
+        if _inside_model(frame):
+            return None  # inside the model's forward: see the module docstring
+        name = code.co_qualname
+        self._enter(path, name)
+
+        def on_line(frame: types.FrameType, event: str, arg: Any) -> Callable | None:
+            if event == "line":
+                self._enter(path, name)
+            return on_line
+
+        return on_line
+
+    def _enter(self, path: str, function: str) -> None:
+        if not self.stays or self.stays[-1] != path:
+            self.stays.append(path)
+            self.functions.append([])
+        if function not in self.functions[-1]:
+            self.functions[-1].append(function)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        sys.settrace(self._on_call)
+        try:
+            return fn()
+        finally:
+            sys.settrace(None)
+
+    def counts(self) -> tuple[int, int, int]:
+        seen: set[str] = set()
+        returns = 0
+        for path in self.stays:
+            returns += path in seen
+            seen.add(path)
+        return len(self.stays), len(seen), returns
+
+
+def measure() -> dict[str, Walk]:
+    import torch
+    from tiny_llama import build_model, build_tokenizer, random_prompts
+
+    from radixkv import LLM, SamplingParams
+    from radixkv.engine.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    settings = dict(block_size=4, num_blocks=128, max_num_seqs=4, async_scheduling=False)
+    llm = LLM(build_model("gqa"), tokenizer=build_tokenizer(), **settings)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt_a, prompt_b = random_prompts(7, 2, shared_prefix=12, max_len=20)
+
+    # A request runs to completion: its prompt's blocks are cached.
+    llm.generate([prompt_a], greedy)
+
+    walks = {"step": Walk(), "runner": Walk(), "admission": Walk()}
+    # Admission: a request sharing that prefix enters an idle scheduler.
+    llm.add_request(prompt_b, greedy)
+    out = walks["admission"].run(llm.scheduler.schedule)
+    assert [r.request_id for r in out.rows] and llm.scheduler.running_requests[0].num_cached_tokens
+    llm.scheduler.update_from_output(out, {row.request_id: 5 for row in out.rows if row.sample})
+
+    # Decode steps: the next one computes that request's sampled token.
+    llm.add_request(prompt_a, greedy)
+    llm.step()  # prefill of the second request (and a decode of the first)
+    step_walk, execute = walks["step"], ModelRunner.execute
+    span: list[int] = []
+
+    def spanned_execute(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        span.append(len(step_walk.stays))  # the step is in step.py when it calls the runner
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            span.append(len(step_walk.stays))
+
+    ModelRunner.execute = spanned_execute  # type: ignore[method-assign]
+    try:
+        step_walk.run(llm.step)
+    finally:
+        ModelRunner.execute = execute  # type: ignore[method-assign]
+    start, end = span
+    walks["runner"].stays = step_walk.stays[start:end]
+    walks["runner"].functions = step_walk.functions[start:end]
+    assert all(not r.num_tokens_to_compute > 1 for r in llm.scheduler.running_requests)
+    return walks
+
+
+def main() -> int:
+    for name, walk in measure().items():
+        stays, files, returns = walk.counts()
+        print(f"{name}: {stays} stays, {files} files, {returns} returns")
+        for path, functions in zip(walk.stays, walk.functions, strict=True):
+            print(f"    {path:<34} {', '.join(functions)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
