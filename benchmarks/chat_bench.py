@@ -309,13 +309,14 @@ class RadixkvSystem(System):
         self.mismatches: list[str] = []
 
     def profile_parts(self, prof: Profile) -> list[str]:
+        import radixkv.engine.model_runner
         import radixkv.engine.step
         import radixkv.kernels
 
         prof.wrap(self.llm.scheduler, "schedule", "scheduler")
         prof.wrap(self.llm.scheduler, "record_launched", "scheduler")
         prof.wrap(self.llm.scheduler, "fill", "scheduler")
-        prof.wrap(self.llm.runner, "build_inputs", "runner: build step inputs")
+        prof.wrap(radixkv.engine.model_runner, "stage_step", "runner: build step inputs")
         prof.wrap(radixkv.engine.step, "draw", "sampling")  # the name the step calls
         prof.wrap(self.llm._steps, "finish", "sampling: read the tokens")
         # Inside the model forward (attention.py and fused_llama.py call them through the module

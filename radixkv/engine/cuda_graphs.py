@@ -154,9 +154,7 @@ class DecodeGraphs:
         assert bucket is not None, f"no bucket for {len(rows)} rows"
         graph, logits = self._graphs[bucket]
         layout = self._layout(bucket)
-        host = self.stager.host(layout.total)
-        pack_step(rows, (), self.block_size, layout, host.numpy())
-        self.stager.to_device(host, out=self.static)
+        self.stager.stage(rows, (), self.block_size, layout, out=self.static)
         if feed is not None:
             feed(self.static[:bucket])  # one token per row: the bucket's input_ids come first
         graph.replay()

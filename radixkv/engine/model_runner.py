@@ -48,14 +48,7 @@ from radixkv.engine.attention_layout import AttentionLayout, probe_attention
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.fused_llama import fuse_llama_modules, unfuse_llama_modules
-from radixkv.engine.step_inputs import (
-    InputStager,
-    StepLayout,
-    layout_for,
-    pack_step,
-    split_step,
-    window_metadata,
-)
+from radixkv.engine.step_inputs import InputStager, StepLayout, stage_step
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.hybrid import window_budget
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
@@ -182,7 +175,7 @@ class ModelRunner:
         self.validate_steps = validate_steps
         self.k_cache, self.v_cache = self._kv_tensors(spec, num_blocks)
         self.kv_cache_shape = tuple(self.k_cache.shape[1:])  # one layer's, as the kernels take it
-        self.window_k_cache = self.window_v_cache = None
+        self.window_k_cache = self.window_v_cache = self.window_kv_cache_shape = None
         full_kv = iter(zip(self.k_cache, self.v_cache, strict=True))
         window_kv = iter(())
         if self.window is not None:
@@ -239,7 +232,7 @@ class ModelRunner:
                     max_num_seqs,
                     max_len,
                     self._compiles,
-                    None if self.window is None else self.window_kv_cache_shape,
+                    self.window_kv_cache_shape,
                 )
         except RuntimeError as exc:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -293,7 +286,8 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(step.rows):
             if step.copies:  # the copies alone, before the replay
                 layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
-                self._copy_blocks(layout.split(self._stage((), step.copies, layout)[1]))
+                _, dev = self.stager.stage((), step.copies, self.block_size, layout)
+                self._copy_blocks(layout.split(dev))
             if step.window_copies:
                 self._copy_window_blocks(step.window_copies)
             # A copy: the graph overwrites its output buffer on the next replay.
@@ -301,7 +295,10 @@ class ModelRunner:
         return self._execute_eager(step, feed)
 
     def _execute_eager(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
-        views, meta, window_meta = self.build_inputs(step)
+        shapes = (self.kv_cache_shape, self.window_kv_cache_shape)
+        views, meta, window_meta = stage_step(
+            step, self.stager, shapes, vocab_size=self.vocab_size, validate=self.validate_steps
+        )
         if feed is not None:
             feed(views["input_ids"])
         if step.copies:
@@ -344,34 +341,6 @@ class ModelRunner:
             for name in ("src_block", "dst_block", "num_slots")
         )
         kernels.copy_blocks(self.window_k_cache, self.window_v_cache, src, dst, slots)
-
-    def _stage(
-        self, rows: Sequence[ScheduledRequest], copies: Sequence[BlockCopy], layout: StepLayout
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pack a step (see `step_inputs.pack_step`) on the host and copy it to the device in one
-        go (non-blocking on CUDA): (host, device) buffers. Mutates only the staging buffer."""
-        host = self.stager.host(layout.total)
-        pack_step(rows, copies, self.block_size, layout, host.numpy())
-        return host, self.stager.to_device(host)
-
-    def build_inputs(
-        self, step: SchedulerOutput
-    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
-        """An eager step's inputs on the device: the views of its one copied buffer (int32, see
-        `step_inputs`), its attention metadata and (window layers) the window layers'."""
-        window = self.window is not None
-        layout = layout_for(step.rows, num_copies=len(step.copies), window=window)
-        host, dev = self._stage(step.rows, step.copies, layout)
-        ids = host.numpy()[: layout.num_tokens]
-        # On the host: an id past the embedding would be a device-side assert on CUDA, which
-        # leaves the whole process unable to run another step.
-        assert ids.min() >= 0 and ids.max() < self.vocab_size, "token id out of range"
-        validate = self.validate_steps
-        views, meta = split_step(layout, host, dev, self.kv_cache_shape, validate=validate)
-        if not window:
-            return views, meta, None
-        shape = self.window_kv_cache_shape
-        return views, meta, window_metadata(layout, views, host, shape, validate=validate)
 
 
 def plan_window_blocks(

@@ -9,6 +9,7 @@
 for a CUDA-graph bucket, pad rows up to the bucket), `InputStager` owns the host buffer: pinned and
 reused on CUDA (copied with `non_blocking=True`), a fresh array on the CPU (the tensors are views of
 it, nothing is copied), and `split_step` builds the step's attention metadata over the copy.
+`stage_step` does all of it for an eager step, in one call from the runner.
 int32 throughout: the kernels take int32 block tables and lengths, and the embedding, rotary
 positions and logits index accept int32 ids. The regions' offsets move with the step's shape, so
 their alignment does too: the Triton kernels are marked not to specialize on the alignment of these
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from radixkv.kernels import AttentionMetadata
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest
+from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -128,6 +129,32 @@ def split_step(
     them; the metadata's values are read from the host copy `host` of `dev`, so nothing syncs."""
     views, on_host = layout.split(dev), layout.split(host)
     return views, _metadata(views, on_host, _METADATA_REGIONS, kv_cache_shape, validate)
+
+
+def stage_step(
+    step: SchedulerOutput,
+    stager: InputStager,
+    kv_cache_shapes: tuple[tuple[int, ...], tuple[int, ...] | None],
+    *,
+    vocab_size: int,
+    validate: bool,
+) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
+    """An eager step's inputs on the device, packed and copied in one go: the views of its
+    buffer, its attention metadata and, for a model with window layers, theirs.
+    `kv_cache_shapes`: one layer's KV shape of the full layers and of the window layers (None
+    without them)."""
+    full_shape, window_shape = kv_cache_shapes
+    layout = layout_for(step.rows, num_copies=len(step.copies), window=window_shape is not None)
+    host, dev = stager.stage(step.rows, step.copies, full_shape[1], layout)
+    ids = host.numpy()[: layout.num_tokens]
+    # On the host: an id past the embedding would be a device-side assert on CUDA, which
+    # leaves the whole process unable to run another step.
+    assert ids.min() >= 0 and ids.max() < vocab_size, "token id out of range"
+    views, on_host = layout.split(dev), layout.split(host)
+    window = None
+    if window_shape is not None:
+        window = _metadata(views, on_host, _WINDOW_REGIONS, window_shape, validate)
+    return views, _metadata(views, on_host, _METADATA_REGIONS, full_shape, validate), window
 
 
 def window_metadata(
@@ -261,6 +288,20 @@ class InputStager:
         if self._pinned.shape[0] < n:
             self._pinned = torch.empty(2 * n, dtype=torch.int32, pin_memory=True)
         return self._pinned[:n]
+
+    def stage(
+        self,
+        rows: Sequence[ScheduledRequest],
+        copies: Sequence[BlockCopy],
+        block_size: int,
+        layout: StepLayout,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack a step (`pack_step`) into a host buffer and copy it to the device (into `out`
+        when given): (host, device) buffers."""
+        host = self.host(layout.total)
+        pack_step(rows, copies, block_size, layout, host.numpy())
+        return host, self.to_device(host, out)
 
     def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`host` on the device (into `out[:len(host)]` when given): one non-blocking copy on
