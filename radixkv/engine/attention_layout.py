@@ -66,10 +66,6 @@ class AttentionLayout:
     head_dim: int
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
     def groups(self) -> tuple[KVGroup, ...]:
         """Full-attention layers first, then one group per window size, smallest first."""
         windows = sorted({k.window for k in self.layers}, key=lambda w: (w is not None, w or 0))

@@ -487,14 +487,11 @@ class LLM:
         took = self.scheduler.fill(launched.output, sampled, launched.requeued)
         assert launched.sampled_at is not None  # finish() stamps it
         for req in took:
-            rid = req.request_id
-            self._deliver(self._tracked[rid], sampled[rid], launched.sampled_at, logprobs_of[rid])
-
-    def _deliver(self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None) -> None:
-        try:
-            self._take_token(t, token, now, logprobs)
-        except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
-            self._fail_one(t, exc)
+            t, rid = self._tracked[req.request_id], req.request_id
+            try:
+                self._take_token(t, sampled[rid], launched.sampled_at, logprobs_of[rid])
+            except Exception as exc:  # e.g. its detokenizer: the fault is this row's alone
+                self._fail_one(t, exc)
 
     def _take_token(
         self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None

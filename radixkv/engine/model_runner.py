@@ -150,7 +150,7 @@ class ModelRunner:
         unfuse_llama_modules(model)  # fused by an earlier runner: the probe needs the originals
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
         self.window = self.layout.window
-        windowed = [self.window is not None and k.window is not None for k in self.layout.layers]
+        windowed = [k.window is not None for k in self.layout.layers]  # in the window group
         window_spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype, sum(windowed))
         spec = KVCacheSpec.from_layout(
             self.layout, block_size, param.dtype, len(windowed) - sum(windowed)
