@@ -35,7 +35,6 @@ from radixkv.engine.step_inputs import (
     bucket_layout,
     pack_step,
     split_step,
-    window_metadata,
 )
 from radixkv.kernels import CompileCounter
 from radixkv.scheduler.output import ScheduledRequest
@@ -176,9 +175,10 @@ class DecodeGraphs:
             host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
-            views, metadata = split_step(layout, host, self.static, kv_cache_shape)
             window = self.window_kv_cache_shape
-            window_meta = None if window is None else window_metadata(layout, views, host, window)
+            views, metadata, window_meta = split_step(
+                layout, host, self.static, kv_cache_shape, window
+            )
             fn = partial(forward, views, metadata, 0, window_meta)
             graph, logits = capture_graph(fn, device, pool)
             pool = graph.pool()

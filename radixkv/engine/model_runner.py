@@ -297,7 +297,7 @@ class ModelRunner:
     def _execute_eager(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         shapes = (self.kv_cache_shape, self.window_kv_cache_shape)
         views, meta, window_meta = stage_step(
-            step, self.stager, shapes, vocab_size=self.vocab_size, validate=self.validate_steps
+            step, self.stager, *shapes, vocab_size=self.vocab_size, validate=self.validate_steps
         )
         if feed is not None:
             feed(views["input_ids"])

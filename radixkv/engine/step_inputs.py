@@ -122,53 +122,41 @@ def split_step(
     host: torch.Tensor,
     dev: torch.Tensor,
     kv_cache_shape: tuple[int, ...],
+    window_kv_cache_shape: tuple[int, ...] | None = None,
     *,
     validate: bool = True,
-) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
-    """The device views of a packed step (`layout.split(dev)`) and its attention metadata over
-    them; the metadata's values are read from the host copy `host` of `dev`, so nothing syncs."""
+) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
+    """The device views of a packed step (`layout.split(dev)`), its attention metadata over
+    them and, for a model with window layers (`window_kv_cache_shape`: one window layer's KV
+    shape), theirs: their own block tables and slots, the same lengths (else None). The
+    metadata's values are read from the host copy `host` of `dev`, so nothing syncs."""
     views, on_host = layout.split(dev), layout.split(host)
-    return views, _metadata(views, on_host, _METADATA_REGIONS, kv_cache_shape, validate)
+    window = None
+    if window_kv_cache_shape is not None:
+        window = _metadata(views, on_host, _WINDOW_REGIONS, window_kv_cache_shape, validate)
+    return views, _metadata(views, on_host, _METADATA_REGIONS, kv_cache_shape, validate), window
 
 
 def stage_step(
     step: SchedulerOutput,
     stager: InputStager,
-    kv_cache_shapes: tuple[tuple[int, ...], tuple[int, ...] | None],
+    kv_cache_shape: tuple[int, ...],
+    window_kv_cache_shape: tuple[int, ...] | None,
     *,
     vocab_size: int,
     validate: bool,
 ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
-    """An eager step's inputs on the device, packed and copied in one go: the views of its
-    buffer, its attention metadata and, for a model with window layers, theirs.
-    `kv_cache_shapes`: one layer's KV shape of the full layers and of the window layers (None
-    without them)."""
-    full_shape, window_shape = kv_cache_shapes
-    layout = layout_for(step.rows, num_copies=len(step.copies), window=window_shape is not None)
-    host, dev = stager.stage(step.rows, step.copies, full_shape[1], layout)
+    """An eager step's inputs on the device, packed and copied in one go: `split_step` over
+    its buffer. The KV shapes are one layer's, as `split_step` takes them."""
+    window = window_kv_cache_shape is not None
+    layout = layout_for(step.rows, num_copies=len(step.copies), window=window)
+    host, dev = stager.stage(step.rows, step.copies, kv_cache_shape[1], layout)
     ids = host.numpy()[: layout.num_tokens]
     # On the host: an id past the embedding would be a device-side assert on CUDA, which
     # leaves the whole process unable to run another step.
     assert ids.min() >= 0 and ids.max() < vocab_size, "token id out of range"
-    views, on_host = layout.split(dev), layout.split(host)
-    window = None
-    if window_shape is not None:
-        window = _metadata(views, on_host, _WINDOW_REGIONS, window_shape, validate)
-    return views, _metadata(views, on_host, _METADATA_REGIONS, full_shape, validate), window
-
-
-def window_metadata(
-    layout: StepLayout,
-    views: dict[str, torch.Tensor],
-    host: torch.Tensor,
-    kv_cache_shape: tuple[int, ...],
-    *,
-    validate: bool = True,
-) -> AttentionMetadata:
-    """The window layers' attention metadata of a split step (`views`, `host` its host copy):
-    their own block tables and slots over their own cache, the same lengths."""
-    on_host = layout.split(host)
-    return _metadata(views, on_host, _WINDOW_REGIONS, kv_cache_shape, validate)
+    shapes = (kv_cache_shape, window_kv_cache_shape)
+    return split_step(layout, host, dev, *shapes, validate=validate)
 
 
 def _metadata(

@@ -129,7 +129,7 @@ def test_pad_rows_change_no_slot_and_no_real_row_output():
     def run(layout):
         flat = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
         pack_step(rows, (), BLOCK, layout, flat.numpy())
-        _, meta = split_step(layout, flat, flat, shape)  # validated: pad rows are legal metadata
+        _, meta, _ = split_step(layout, flat, flat, shape)  # validated: pad rows are legal metadata
         k, vv = k_cache.clone(), v_cache.clone()
         new_kv = torch.randn(layout.num_tokens, kv_heads, head_dim, generator=gen.manual_seed(1))
         reference.store_kv_step(new_kv, new_kv, k, vv, meta)
