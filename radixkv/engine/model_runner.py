@@ -44,7 +44,7 @@ import torch
 
 from radixkv import kernels
 from radixkv.engine.attention import PagedKVCache, register_attention
-from radixkv.engine.attention_layout import AttentionLayout, probe_attention
+from radixkv.engine.attention_layout import probe_attention
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.fused_llama import fuse_llama_modules, unfuse_llama_modules
@@ -74,13 +74,6 @@ class KVCacheSpec:
         """K + V of one block over all layers."""
         elem = self.dtype.itemsize
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    @classmethod
-    def from_layout(
-        cls, layout: AttentionLayout, block_size: int, dtype: torch.dtype, num_layers: int
-    ) -> KVCacheSpec:
-        """The blocks of `num_layers` of the model's layers (a group's)."""
-        return cls(num_layers, layout.num_kv_heads, layout.head_dim, block_size, dtype)
 
 
 def plan_num_blocks(
@@ -151,10 +144,9 @@ class ModelRunner:
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
         self.window = self.layout.window
         windowed = [k.window is not None for k in self.layout.layers]  # in the window group
-        window_spec = KVCacheSpec.from_layout(self.layout, block_size, param.dtype, sum(windowed))
-        spec = KVCacheSpec.from_layout(
-            self.layout, block_size, param.dtype, len(windowed) - sum(windowed)
-        )
+        heads, head_dim = self.layout.num_kv_heads, self.layout.head_dim
+        spec = KVCacheSpec(windowed.count(False), heads, head_dim, block_size, param.dtype)
+        window_spec = replace(spec, num_layers=windowed.count(True))
         # A budget in bytes, read once, when blocks are not counted out.
         budget = (
             None if config.num_blocks is not None else kv_budget(self.device, config.kv_cache_bytes)
