@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from radixkv.cache.hybrid import HybridCache, HybridTable
-from radixkv.cache.tokens import PackedTokens
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.request import Request
@@ -51,10 +50,8 @@ class HybridScheduler(Scheduler):
         self._unrecorded = output  # copies come with admissions, so the step has rows
         return output
 
-    def _open_table(
-        self, req: Request, tokens: PackedTokens, max_hit: int | None, budget: int
-    ) -> HybridTable | None:
-        cache = self.cache
+    def _open_table(self, req: Request, max_hit: int | None, budget: int) -> HybridTable | None:
+        tokens, cache = req.packed_tokens, self.cache
         hit = 0
         if max_hit is not None:
             hit = cache.match(tokens, max_tokens=max_hit, namespace=req.cache_salt)

@@ -50,7 +50,7 @@ import logging
 from collections.abc import Collection, Mapping, Sequence
 
 from radixkv.cache.prefix_cache import BlockTable, PrefixCache
-from radixkv.cache.tokens import PackedTokens, common_prefix_len
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import POLICIES
@@ -491,10 +491,10 @@ class Scheduler:
         """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None if
         the blocks are not there, and then the cache is untouched: no query counted, no recency
         refreshed (the fit is checked read-only before anything is locked)."""
-        tokens = req.packed_tokens
+        n = req.num_tokens
         # NOTE: the last token is always computed, so there are logits to sample from.
-        max_hit = (len(tokens) - 1 if use_hit else 0) if self._use_cache else None
-        table = self._open_table(req, tokens, max_hit, budget)
+        max_hit = (n - 1 if use_hit else 0) if self._use_cache else None
+        table = self._open_table(req, max_hit, budget)
         if table is None:
             return None
         req.table = table  # at once: a fault from here on cannot leak its lock or blocks
@@ -504,18 +504,15 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit
-        req.num_prefill_tokens = len(tokens)
+        req.num_prefill_tokens = n
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req
-        return self._row(req, min(len(tokens) - num_hit, self.config.chunked_prefill_size, budget))
+        return self._row(req, min(n - num_hit, self.config.chunked_prefill_size, budget))
 
-    def _open_table(
-        self, req: Request, tokens: PackedTokens, max_hit: int | None, budget: int
-    ) -> BlockTable | None:
-        """The cache's table for a request (`tokens`: its `packed_tokens`) admitted with at most
-        `max_hit` cached tokens and `budget` tokens to compute this step; None if it does not
-        fit now."""
-        return self.cache.admit(tokens, max_hit=max_hit, namespace=req.cache_salt)
+    def _open_table(self, req: Request, max_hit: int | None, budget: int) -> BlockTable | None:
+        """The cache's table for a request admitted with at most `max_hit` cached tokens and
+        `budget` tokens to compute this step; None if it does not fit now."""
+        return self.cache.admit(req.packed_tokens, max_hit=max_hit, namespace=req.cache_salt)
 
     def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
         """The row computing the request's next `num_tokens` (its table covers them)."""
