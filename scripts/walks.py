@@ -178,6 +178,8 @@ def measure() -> dict[str, Walk]:
     # Decode steps: the next one computes that request's sampled token.
     llm.add_request(prompt_a, greedy)
     llm.step()  # prefill of the second request (and a decode of the first)
+    running = llm.scheduler.running_requests
+    assert len(running) == 2 and all(r.num_tokens_to_compute == 1 for r in running), running
     step_walk, execute = walks["step"], ModelRunner.execute
     span: list[int] = []
 
@@ -196,7 +198,6 @@ def measure() -> dict[str, Walk]:
     start, end = span
     walks["runner"].stays = step_walk.stays[start:end]
     walks["runner"].functions = step_walk.functions[start:end]
-    assert all(not r.num_tokens_to_compute > 1 for r in llm.scheduler.running_requests)
     return walks
 
 
