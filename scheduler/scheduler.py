@@ -344,24 +344,25 @@ class Scheduler:
         logger.debug("preempting %s", req)
         if self._use_cache:
             self._insert_written(req, writes_on=False)
-        # Released while still running: after a fault in the release, `fail_step` finds it there.
-        self._release(req)
-        del self._running[req.request_id]
-        req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
+        self._back_to_waiting(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting = {req.request_id: req, **self._waiting}  # O(waiting): preemption is rare
 
     def requeue(self, request_id: str) -> None:
         """Send a request admitted in the step in flight back to the front of the waiting queue,
         inserting nothing it was to read or write (a load into its blocks failed), so that its
         next admission matches what the cache holds then. Its row of that step is ignored."""
-        req = self._running.pop(request_id)
+        self._back_to_waiting(self._running[request_id])
+
+    def _back_to_waiting(self, req: Request) -> None:
+        """Drop a running request's lock and private blocks and put it at the front of the
+        waiting queue, to be admitted from scratch."""
+        # Released while still running: after a fault in the release, `fail_step` finds it there.
         self._release(req)
+        del self._running[req.request_id]
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        self._waiting = {request_id: req, **self._waiting}
+        self._waiting = {req.request_id: req, **self._waiting}  # O(waiting): this is rare
 
     def _insert_written(self, req: Request, *, writes_on: bool) -> None:
         """Commit tokens [0, num_computed_tokens) to the tree. `writes_on`: the request goes on
