@@ -24,6 +24,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.cache.tokens import common_prefix_len
 from radixkv.engine.detokenizer import decode
 from radixkv.engine.grammar import RequestGrammar
 
@@ -76,16 +77,7 @@ def _splice(
     new = list(tokenizer.encode(text, add_special_tokens=False))
     if decode(tokenizer, new) != text:
         return None  # a decode that is not encode's inverse
-    kept = _common_prefix_len(old, new)
+    kept = common_prefix_len(old, new)
     if kept < len(old) - 1 or kept == len(new):
         return None  # it would rewrite a token with KV (or add nothing)
     return Jump(start + kept, tuple(new[kept:]))
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
