@@ -21,6 +21,7 @@ step of SmolLM2).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -74,14 +75,14 @@ class PagedLlamaAttention(LlamaAttention):
         return self.o_proj(out.view(1, num_tokens, -1)), None
 
 
+# transformers' module class -> the fused one that replaces it
+_FUSED = {LlamaRMSNorm: FusedLlamaRMSNorm, LlamaAttention: PagedLlamaAttention}
+
+
 def unfuse_llama_modules(model: Any) -> None:
     """Undo `fuse_llama_modules` (in place; nothing to do for a model it never changed): a runner
     built over a model another runner fused probes transformers' own modules."""
-    for module in model.modules():
-        if type(module) is FusedLlamaRMSNorm:
-            module.__class__ = LlamaRMSNorm
-        elif type(module) is PagedLlamaAttention:
-            module.__class__ = LlamaAttention
+    _swap_classes(model.modules(), {fused: plain for plain, fused in _FUSED.items()})
 
 
 def fuse_llama_modules(model: Any) -> bool:
@@ -94,10 +95,14 @@ def fuse_llama_modules(model: Any) -> bool:
     known = (LlamaAttention, PagedLlamaAttention)  # a model swapped before may run again
     if any(isinstance(m, LlamaAttention) and type(m) not in known for m in modules):
         return False  # a customised attention: not the computation this was tested against
-    for module in modules:
-        if type(module) is LlamaRMSNorm:
-            module.__class__ = FusedLlamaRMSNorm
-        elif type(module) is LlamaAttention:
-            module.__class__ = PagedLlamaAttention
+    _swap_classes(modules, _FUSED)
     logger.debug("fused RMSNorm and RoPE + K/V store kernels swapped into %s", type(model).__name__)
     return True
+
+
+def _swap_classes(modules: Iterable[torch.nn.Module], classes: dict[type, type]) -> None:
+    """Give each module of exactly a class in `classes` the class it maps to."""
+    for module in modules:
+        new = classes.get(type(module))
+        if new is not None:
+            module.__class__ = new
