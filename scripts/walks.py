@@ -38,7 +38,8 @@ import ast
 import builtins
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,35 @@ class Walk:
             seen.add(path)
         return len(self.stays), len(seen), returns
 
+    def part(self, span: list[int]) -> Walk:
+        """The stays between the two marks of `span` (see `_spanned`)."""
+        start, end = span
+        part = Walk()
+        part.stays, part.functions = self.stays[start:end], self.functions[start:end]
+        return part
+
+
+@contextmanager
+def _spanned(walk: Walk, owner: type, name: str) -> Iterator[list[int]]:
+    """Marks where `walk` stands when the method `owner.name` is entered and when it is left
+    (once each: a span)."""
+    method = getattr(owner, name)
+    span: list[int] = []
+
+    def spanned(self: Any, *args: Any, **kwargs: Any) -> Any:
+        span.append(len(walk.stays))  # its caller's file is the last stay: a new one follows
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            span.append(len(walk.stays))
+
+    setattr(owner, name, spanned)
+    try:
+        yield span
+    finally:
+        setattr(owner, name, method)
+    assert len(span) == 2, f"{owner.__name__}.{name} ran {len(span) // 2} times"
+
 
 def measure() -> dict[str, Walk]:
     import torch
@@ -158,6 +188,7 @@ def measure() -> dict[str, Walk]:
 
     from radixkv import LLM, SamplingParams
     from radixkv.engine.model_runner import ModelRunner
+    from radixkv.scheduler import Scheduler
 
     torch.set_num_threads(1)
     settings = dict(block_size=4, num_blocks=128, max_num_seqs=4, async_scheduling=False)
@@ -168,37 +199,24 @@ def measure() -> dict[str, Walk]:
     # A request runs to completion: its prompt's blocks are cached.
     llm.generate([prompt_a], greedy)
 
-    walks = {"step": Walk(), "runner": Walk(), "admission": Walk()}
-    # Admission: a request sharing that prefix enters an idle scheduler.
+    # Admission: a request sharing that prefix enters an idle engine; its step's schedule().
     llm.add_request(prompt_b, greedy)
-    out = walks["admission"].run(llm.scheduler.schedule)
-    assert [r.request_id for r in out.rows] and llm.scheduler.running_requests[0].num_cached_tokens
-    llm.scheduler.update_from_output(out, {row.request_id: 5 for row in out.rows if row.sample})
+    admitting = Walk()
+    with _spanned(admitting, Scheduler, "schedule") as span:
+        admitting.run(llm.step)
+    (running,) = llm.scheduler.running_requests
+    assert running.num_cached_tokens > 0, "the admitted request found no cached prefix"
+    admission = admitting.part(span)
 
-    # Decode steps: the next one computes that request's sampled token.
+    # A decode step: the second prompt's prefill runs first, beside the first one's decode.
     llm.add_request(prompt_a, greedy)
-    llm.step()  # prefill of the second request (and a decode of the first)
+    llm.step()
     running = llm.scheduler.running_requests
     assert len(running) == 2 and all(r.num_tokens_to_compute == 1 for r in running), running
-    step_walk, execute = walks["step"], ModelRunner.execute
-    span: list[int] = []
-
-    def spanned_execute(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
-        span.append(len(step_walk.stays))  # the step is in step.py when it calls the runner
-        try:
-            return execute(self, *args, **kwargs)
-        finally:
-            span.append(len(step_walk.stays))
-
-    ModelRunner.execute = spanned_execute  # type: ignore[method-assign]
-    try:
-        step_walk.run(llm.step)
-    finally:
-        ModelRunner.execute = execute  # type: ignore[method-assign]
-    start, end = span
-    walks["runner"].stays = step_walk.stays[start:end]
-    walks["runner"].functions = step_walk.functions[start:end]
-    return walks
+    step = Walk()
+    with _spanned(step, ModelRunner, "execute") as span:
+        step.run(llm.step)
+    return {"step": step, "runner": step.part(span), "admission": admission}
 
 
 def main() -> int:
