@@ -155,8 +155,7 @@ def stage_step(
     # On the host: an id past the embedding would be a device-side assert on CUDA, which
     # leaves the whole process unable to run another step.
     assert ids.min() >= 0 and ids.max() < vocab_size, "token id out of range"
-    shapes = (kv_cache_shape, window_kv_cache_shape)
-    return split_step(layout, host, dev, *shapes, validate=validate)
+    return split_step(layout, host, dev, kv_cache_shape, window_kv_cache_shape, validate=validate)
 
 
 def _metadata(
