@@ -20,6 +20,10 @@ A request's life, as `PrefixCache`'s with a window table beside the block table:
     keep_tail(t, tokens)               one more tail, at a point short of the last commit
     close(t)
 
+KV events (`kv_events`): one queue, the full group's, drained by `full.take_events()`; the full
+group announces as a `PrefixCache` does (group 0), the window group the blocks its tails keep
+(group 1, `radixkv.cache.window`).
+
 A model without window layers uses `PrefixCache` alone: none of this runs for it.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from radixkv.cache.keys import BlockHasher
 from radixkv.cache.moves import Move
 from radixkv.cache.prefix_cache import BlockTable, CacheStats, MatchResult, PrefixCache
 from radixkv.cache.tokens import PackedTokens, check_size
@@ -84,9 +89,12 @@ class HybridCache:
         window: int,
         *,
         eviction: str = "gdsf",
+        kv_events: bool | BlockHasher = False,
     ) -> None:
-        self.full = PrefixCache(num_blocks, block_size, eviction=eviction)
-        self.window = WindowGroup(num_window_blocks, block_size, window)
+        """`kv_events`: as `PrefixCache`'s; both groups record into the full group's queue."""
+        self.full = PrefixCache(num_blocks, block_size, eviction=eviction, kv_events=kv_events)
+        events, keys = self.full.event_recorder, self.full.key_chain
+        self.window = WindowGroup(num_window_blocks, block_size, window, events=events, keys=keys)
         self.block_size = self.full.block_size
         self._open: set[HybridTable] = set()
 

@@ -30,6 +30,12 @@ reads), and a point that the full tree evicts and later caches again is valid ag
 The cost: hits resume at commit points only (a prompt's end, a chunk's end, a finished reply),
 not mid-node as the full group's token-granular hits do.
 
+KV events (with a recorder, `radixkv.cache.events`): the full blocks a tail keeps are announced
+as the window group's (group 1), named by the chained keys of their prefix (`radixkv.cache.keys`,
+the full group's chain), each key stored when the first tail holding it is kept and removed when
+the last such tail goes; a running table's blocks are never announced (as the tree announces
+only what it caches).
+
 Ref counts: a window block's owners are the tails and the open tables that list it (each once),
 plus a table's pinned copy source (released at its next `slide` or `close`, once its copy has
 run). Deterministic: recency is the order of use, nothing reads the wall clock.
@@ -43,6 +49,8 @@ from dataclasses import dataclass, field
 import xxhash
 from sortedcontainers import SortedList
 
+from radixkv.cache.events import EventRecorder
+from radixkv.cache.keys import BlockKey, KeyChain, token_bytes_le
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
 
@@ -92,6 +100,8 @@ class _Tail:
     blocks: tuple[int, ...]
     proven: bool  # in the proven segment, else in the speculative one
     branch: bool  # kept at a branch point of the tree's paths
+    # with events: the wire hashes of its full blocks (indices first .. end // B - 1)
+    hashes: tuple[int, ...] = field(default=(), repr=False)
 
 
 class WindowGroup:
@@ -103,13 +113,28 @@ class WindowGroup:
       first_live_index(e) .. ceil(e/B)-1;
     * each namespace's sorted ends list the ends of its tails; the two eviction segments list
       every tail once, in the segment its `proven` names;
-    * a table's listed blocks are one run that reaches its last entry.
+    * a table's listed blocks are one run that reaches its last entry;
+    * with events, each announced hash is held by as many tails as list it, and a tail lists
+      one per full block it keeps.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        window: int,
+        *,
+        events: EventRecorder | None = None,
+        keys: KeyChain | None = None,
+    ) -> None:
+        """`events`: the recorder tails are announced to, naming blocks by `keys` (both or
+        neither; a `HybridCache` passes its full group's)."""
+        assert (events is None) == (keys is None), "events name blocks by a key chain"
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.window = check_size(window, "window", low=1)
+        self._events, self._keys = events, keys
+        self._announced: Counter[int] = Counter()  # wire hash -> tails holding its block
         self._tails: dict[TailKey, _Tail] = {}
         # the eviction order: speculative tails, then proven ones, least recently used first
         self._speculative: OrderedDict[TailKey, None] = OrderedDict()
@@ -247,6 +272,8 @@ class WindowGroup:
         self._tail_refs.update(blocks)  # type: ignore[arg-type]
         prefix = qb[: TOKEN_BYTES * num_tokens]
         tail = _Tail(num_tokens, prefix, first, blocks, branch, branch)  # type: ignore[arg-type]
+        if self._events is not None:
+            tail.hashes = self._announce(table.namespace, prefix, first)
         self._tails[key] = tail
         (self._proven if branch else self._speculative)[key] = None
         self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
@@ -255,6 +282,24 @@ class WindowGroup:
             if old is not None and not old.branch:
                 self._place(table.last_tail, proven=False, first=True)  # type: ignore[arg-type]
             table.last_tail = key
+
+    def _announce(self, namespace: str | None, prefix: bytes, first: int) -> tuple[int, ...]:
+        """Store events for the full blocks [first, len(prefix) // B) of a new tail that no
+        other tail holds, one per consecutive run; their hashes."""
+        assert self._events is not None and self._keys is not None
+        num_full = len(prefix) // (TOKEN_BYTES * self.block_size)
+        full = prefix[: TOKEN_BYTES * self.block_size * num_full]
+        keys = self._keys.chain(namespace, token_bytes_le(full))[first:]
+        run: list[BlockKey] = []
+        for key in keys:
+            if not self._announced[key.block_hash]:
+                run.append(key)
+            elif run:
+                self._events.stored(run, namespace, window=self.window)
+                run = []
+            self._announced[key.block_hash] += 1
+        self._events.stored(run, namespace, window=self.window)
+        return tuple(key.block_hash for key in keys)
 
     def _place(self, key: TailKey, *, proven: bool, first: bool = False) -> None:
         """Move a tail to the recent end (`first`: the front) of a segment."""
@@ -301,7 +346,19 @@ class WindowGroup:
                     del self._tail_refs[b]
             freed += self.pool.release(tail.blocks)
             self.num_evicted_tails += 1
+            if self._events is not None:
+                self._events.removed(self._unannounce(tail.hashes), window=self.window)
         return freed
+
+    def _unannounce(self, hashes: tuple[int, ...]) -> list[int]:
+        """A tail holding `hashes` went: those no other tail holds, deepest first."""
+        gone = []
+        for h in reversed(hashes):
+            self._announced[h] -= 1
+            if not self._announced[h]:
+                del self._announced[h]
+                gone.append(h)
+        return gone
 
     def _allocate(self, num_blocks: int) -> list[int] | None:
         short = num_blocks - self.pool.num_free
@@ -331,6 +388,7 @@ class WindowGroup:
                 raise AssertionError(f"tail at {end} holds {tail} (first index {first})")
             owners.update(tail.blocks)
             ends.setdefault(namespace, []).append(end)
+        self._check_announced()
         if owners != self._tail_refs:
             raise AssertionError(f"tail references {self._tail_refs} != tails' blocks {owners}")
         if {ns: sorted(e) for ns, e in ends.items()} != {
@@ -346,3 +404,14 @@ class WindowGroup:
             if table.pinned is not None:
                 owners[table.pinned] += 1
         self.pool.check_integrity(dict(owners))
+
+    def _check_announced(self) -> None:
+        held: Counter[int] = Counter()
+        for tail in self._tails.values():
+            if self._events is not None:
+                num_full = max(0, tail.end // self.block_size - tail.first)
+                if len(tail.hashes) != num_full:
+                    raise AssertionError(f"tail at {tail.end} announces {tail.hashes}")
+            held.update(tail.hashes)
+        if held != self._announced:
+            raise AssertionError(f"announced {self._announced} != tails' full blocks {held}")

@@ -36,7 +36,7 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.hybrid import HybridCache
-from radixkv.cache.keys import make_block_hasher
+from radixkv.cache.keys import BlockHasher, make_block_hasher
 from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
@@ -159,7 +159,7 @@ class LLM:
             disk=None if self.tier_io is None else self.tier_io.disk,
             write_through=config.host_cache_write_through,
         )
-        self.scheduler = self._scheduler()
+        self.scheduler = self._scheduler(hasher)
         self.kv_events = None if events is None else _event_feed(config)
         overlap = config.async_scheduling
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -174,14 +174,19 @@ class LLM:
         self._orphans: list[str] = []  # streams dropped during a step, released after it
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
-    def _scheduler(self) -> Scheduler:
+    def _scheduler(self, hasher: BlockHasher | bool) -> Scheduler:
         """The plain scheduler over `cache`, or for a model with window layers the hybrid one
-        over `cache` (then its full group) and the window group (`radixkv.cache.hybrid`)."""
+        over `cache` (then its full group, whose queue the window group's events join) and the
+        window group (`radixkv.cache.hybrid`)."""
         runner = self.runner
         if runner.window is None:
             return Scheduler(self.cache, self.config)
         hybrid = HybridCache(
-            runner.num_blocks, runner.num_window_blocks, self.config.block_size, runner.window
+            runner.num_blocks,
+            runner.num_window_blocks,
+            self.config.block_size,
+            runner.window,
+            kv_events=hasher,
         )
         self.cache = hybrid.full
         return HybridScheduler(hybrid, self.config)
@@ -689,12 +694,12 @@ class LLM:
 
 
 def _refuse_window_extras(window: int | None, config: EngineConfig) -> None:
-    """The host / disk tiers and KV events cover full-attention KV only: a model with window
-    layers runs without them, refused here in one line rather than half served."""
-    if window is not None and (config.host_cache_bytes or config.kv_events is not None):
+    """The host / disk tiers hold full-attention KV only (a window tail does not follow its
+    prefix down): a model with window layers runs without them, refused here in one line."""
+    if window is not None and config.host_cache_bytes:
         raise ValueError(
-            f"the model has sliding-window layers (window {window}): host / disk KV tiers and KV "
-            "events do not cover them yet; run it without host_cache_bytes and kv_events"
+            f"the model has sliding-window layers (window {window}): host / disk KV tiers do "
+            "not hold their window KV yet; run it without host_cache_bytes"
         )
 
 
