@@ -52,6 +52,7 @@ from sortedcontainers import SortedList
 from radixkv.cache.events import EventRecorder
 from radixkv.cache.keys import BlockKey, KeyChain, token_bytes_le
 from radixkv.cache.pool import BlockPool
+from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
 
 # (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
@@ -100,8 +101,24 @@ class _Tail:
     blocks: tuple[int, ...]
     proven: bool  # in the proven segment, else in the speculative one
     branch: bool  # kept at a branch point of the tree's paths
-    # with events: the wire hashes of its full blocks (indices first .. end // B - 1)
-    hashes: tuple[int, ...] = field(default=(), repr=False)
+    # with events or tiers: the keys of its full blocks (indices first .. end // B - 1)
+    keys: tuple[BlockKey, ...] = field(default=(), repr=False)
+
+    @property
+    def hashes(self) -> tuple[int, ...]:
+        return tuple(key.block_hash for key in self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class LowerHit:
+    """A hit at a block boundary `end` whose window blocks (indices first .. end // B - 1, named
+    by `keys`) are in the lower tiers: the first `h` on the host, the other `d` on disk."""
+
+    end: int
+    first: int
+    keys: tuple[BlockKey, ...]
+    h: int
+    d: int
 
 
 class WindowGroup:
@@ -126,14 +143,16 @@ class WindowGroup:
         *,
         events: EventRecorder | None = None,
         keys: KeyChain | None = None,
+        tiers: LowerTiers | None = None,
     ) -> None:
-        """`events`: the recorder tails are announced to, naming blocks by `keys` (both or
-        neither; a `HybridCache` passes its full group's)."""
-        assert (events is None) == (keys is None), "events name blocks by a key chain"
+        """`events`: the recorder tails are announced to; `tiers`: the lower tiers an evicted
+        tail's full window blocks are demoted to and a hit past the device's tails is loaded
+        from; both name blocks by `keys` (a `HybridCache` passes its full group's chain)."""
+        assert (events is None and tiers is None) or keys is not None, "blocks need keys"
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.window = check_size(window, "window", low=1)
-        self._events, self._keys = events, keys
+        self._events, self._keys, self.tiers = events, keys, tiers
         self._announced: Counter[int] = Counter()  # wire hash -> tails holding its block
         self._tails: dict[TailKey, _Tail] = {}
         # the eviction order: speculative tails, then proven ones, least recently used first
@@ -143,6 +162,13 @@ class WindowGroup:
         self._tail_refs: Counter[int] = Counter()
         self._open: set[WindowTable] = set()
         self.num_evicted_tails = 0
+
+    @property
+    def margin(self) -> int:
+        """Blocks kept before a window's first live one (1 with lower tiers): so that a tail's
+        blocks cover the window before the block boundary at or below its end, the point a
+        lower-tier hit resumes from."""
+        return 0 if self.tiers is None else 1
 
     @property
     def num_tails(self) -> int:
@@ -191,6 +217,55 @@ class WindowGroup:
         pool, refs = self.pool, self._tail_refs
         pinned = sum(pool.ref_count(b) == refs[b] for b in held)  # the table's refs pin them
         return need <= pool.num_free + self.num_evictable_blocks() - pinned
+
+    def lower_hit(
+        self, qb: bytes, num_matched: int, namespace: str | None, above: int
+    ) -> LowerHit | None:
+        """The deepest block boundary e, `above` < e <= `num_matched`, whose window blocks
+        (first_live_index(e) .. e // B - 1) are all in the lower tiers (None: none, or no
+        tiers). Mutates nothing (the disk is probed, not read). O(prompt) hashing."""
+        tiers, B = self.tiers, self.block_size
+        k_max, k_min = num_matched // B, above // B + 1
+        if tiers is None or k_max < k_min or (not tiers.entries and tiers.disk is None):
+            return None
+        keys = self._full_keys(namespace, qb[: TOKEN_BYTES * B * k_max], 0)
+        for k in range(k_max, k_min - 1, -1):
+            first = first_live_index(k * B, self.window, B)
+            h, d = tiers.lookup(keys[first:k])
+            if h + d == k - first:
+                return LowerHit(k * B, first, keys[first:k], h, d)
+        return None
+
+    def fits_lower(self, hit: LowerHit, num_tokens: int) -> bool:
+        """Whether `open_lower(hit, ...)` then `extend(table, num_tokens)` would succeed."""
+        need = len(hit.keys) + max(
+            0, -(-num_tokens // self.block_size) - hit.end // self.block_size
+        )
+        return need <= self.pool.num_free + self.num_evictable_blocks()
+
+    def open_lower(self, hit: LowerHit, namespace: str | None) -> WindowTable | None:
+        """A table resuming at `hit.end` from the lower tiers: new blocks for its window, the
+        loads into them planned (`tiers.take_moves()`). None, nothing changed, if the blocks
+        are not there (`fits_lower` says so beforehand)."""
+        tiers = self.tiers
+        assert tiers is not None
+        tiers.pin(hit.keys, hit.h, hit.d)  # before the allocation demotes tails into the tiers
+        new = self._allocate(len(hit.keys))
+        if new is None:
+            tiers.unpin(hit.keys, hit.h, hit.d)
+            return None
+        tiers.load(hit.keys, hit.h, hit.d, new)
+        table = WindowTable((None,) * hit.first + tuple(new), namespace)
+        self._open.add(table)
+        return table
+
+    def persist(self) -> None:
+        """Demote every tail's full blocks to the lower tiers (they stay on the device too)."""
+        assert self.tiers is not None
+        for key in (*self._speculative, *self._proven):
+            tail = self._tails[key]
+            if tail.keys:
+                self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
 
     # ----------------------------------------------------------------- tables
     def open(self, qb: bytes, hit: int, namespace: str | None) -> WindowTable | None:
@@ -242,7 +317,8 @@ class WindowGroup:
         copy source (the copy ran with the step that wrote the tokens before `num_written`)."""
         assert table in self._open, "slide an open table"
         self._unpin(table)
-        live = min(first_live_index(num_written, self.window, self.block_size), len(table.blocks))
+        live = first_live_index(num_written, self.window, self.block_size) - self.margin
+        live = min(max(0, live), len(table.blocks))
         dead = [b for b in table.blocks[:live] if b is not None]
         if dead:
             self.pool.release(dead)
@@ -265,6 +341,8 @@ class WindowGroup:
             self._place(key, proven=tail.proven or branch)
             return
         first = first_live_index(num_tokens, self.window, self.block_size)
+        held_from = len(table.blocks) - table.num_live_blocks  # its blocks are one run
+        first = max(first - self.margin, min(first, held_from))
         blocks = table.blocks[first : -(-num_tokens // self.block_size)]
         assert None not in blocks, f"the window of {num_tokens} tokens was released: {blocks}"
         for b in blocks:
@@ -272,8 +350,10 @@ class WindowGroup:
         self._tail_refs.update(blocks)  # type: ignore[arg-type]
         prefix = qb[: TOKEN_BYTES * num_tokens]
         tail = _Tail(num_tokens, prefix, first, blocks, branch, branch)  # type: ignore[arg-type]
+        if self._keys is not None:
+            tail.keys = self._full_keys(table.namespace, prefix, first)
         if self._events is not None:
-            tail.hashes = self._announce(table.namespace, prefix, first)
+            self._announce(table.namespace, tail.keys)
         self._tails[key] = tail
         (self._proven if branch else self._speculative)[key] = None
         self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
@@ -283,13 +363,17 @@ class WindowGroup:
                 self._place(table.last_tail, proven=False, first=True)  # type: ignore[arg-type]
             table.last_tail = key
 
-    def _announce(self, namespace: str | None, prefix: bytes, first: int) -> tuple[int, ...]:
-        """Store events for the full blocks [first, len(prefix) // B) of a new tail that no
-        other tail holds, one per consecutive run; their hashes."""
-        assert self._events is not None and self._keys is not None
+    def _full_keys(self, namespace: str | None, prefix: bytes, first: int) -> tuple[BlockKey, ...]:
+        """The keys of the full blocks [first, len(prefix) // B) of the packed `prefix`."""
+        assert self._keys is not None
         num_full = len(prefix) // (TOKEN_BYTES * self.block_size)
         full = prefix[: TOKEN_BYTES * self.block_size * num_full]
-        keys = self._keys.chain(namespace, token_bytes_le(full))[first:]
+        return tuple(self._keys.chain(namespace, token_bytes_le(full))[first:])
+
+    def _announce(self, namespace: str | None, keys: tuple[BlockKey, ...]) -> None:
+        """Store events for a new tail's full blocks that no other tail holds, one per
+        consecutive run."""
+        assert self._events is not None
         run: list[BlockKey] = []
         for key in keys:
             if not self._announced[key.block_hash]:
@@ -299,7 +383,6 @@ class WindowGroup:
                 run = []
             self._announced[key.block_hash] += 1
         self._events.stored(run, namespace, window=self.window)
-        return tuple(key.block_hash for key in keys)
 
     def _place(self, key: TailKey, *, proven: bool, first: bool = False) -> None:
         """Move a tail to the recent end (`first`: the front) of a segment."""
@@ -337,6 +420,8 @@ class WindowGroup:
         while len(freed) < num_blocks and self._tails:
             key, _ = (self._speculative or self._proven).popitem(last=False)
             tail = self._tails.pop(key)
+            if self.tiers is not None and tail.keys:  # before its blocks can be reused
+                self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
             self._ends[key[0]].remove(tail.end)
             if not self._ends[key[0]]:
                 del self._ends[key[0]]
@@ -383,7 +468,9 @@ class WindowGroup:
             namespace, end = key[0], tail.end
             first = first_live_index(end, self.window, B)
             if key != tail_key(namespace, tail.prefix, len(tail.prefix) // TOKEN_BYTES) or (
-                key[1] != end or tail.first != first or len(tail.blocks) != -(-end // B) - first
+                key[1] != end
+                or not first - self.margin <= tail.first <= first
+                or len(tail.blocks) != -(-end // B) - tail.first
             ):
                 raise AssertionError(f"tail at {end} holds {tail} (first index {first})")
             owners.update(tail.blocks)
@@ -408,10 +495,11 @@ class WindowGroup:
     def _check_announced(self) -> None:
         held: Counter[int] = Counter()
         for tail in self._tails.values():
-            if self._events is not None:
+            if self._keys is not None:
                 num_full = max(0, tail.end // self.block_size - tail.first)
-                if len(tail.hashes) != num_full:
-                    raise AssertionError(f"tail at {tail.end} announces {tail.hashes}")
-            held.update(tail.hashes)
+                if len(tail.keys) != num_full:
+                    raise AssertionError(f"tail at {tail.end} keys {tail.hashes}")
+            if self._events is not None:
+                held.update(tail.hashes)
         if held != self._announced:
             raise AssertionError(f"announced {self._announced} != tails' full blocks {held}")
