@@ -243,6 +243,14 @@ class HybridCache:
         self.full.close(table.full)
         self.window.close(table.window)
 
+    def reset(self) -> bool:
+        """`PrefixCache.reset` for both groups: every tail and lower-tier entry goes too.
+        False, changing nothing, while a table holds a lock."""
+        if not self.full.reset():
+            return False
+        self.window.clear()
+        return True
+
     def stats(self) -> CacheStats:
         """The full group's (the window group's pool is `window.pool`)."""
         return self.full.stats()

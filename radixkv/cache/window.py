@@ -435,6 +435,18 @@ class WindowGroup:
                 self._events.removed(self._unannounce(tail.hashes), window=self.window)
         return freed
 
+    def clear(self) -> None:
+        """Drop every tail and every lower-tier entry (open tables keep their blocks); tails
+        go without events (the full group's `AllBlocksCleared` covers the device)."""
+        for tail in self._tails.values():
+            self.pool.release(tail.blocks)
+        for index in (self._tails, self._speculative, self._proven, self._ends):
+            index.clear()
+        self._tail_refs.clear()
+        self._announced.clear()
+        if self.tiers is not None:
+            self.tiers.clear()
+
     def _unannounce(self, hashes: tuple[int, ...]) -> list[int]:
         """A tail holding `hashes` went: those no other tail holds, deepest first."""
         gone = []

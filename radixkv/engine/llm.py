@@ -41,7 +41,9 @@ from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.disk_store import block_file_nbytes
 from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
+from radixkv.engine.host_kv import plan_host_blocks
 from radixkv.engine.interrupts import sigint_deferred
 from radixkv.engine.jump_forward import plan_jump
 from radixkv.engine.model_loader import Progress, load_model
@@ -63,7 +65,7 @@ from radixkv.engine.prompts import (
 from radixkv.engine.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
-from radixkv.engine.tier_io import make_tier_io
+from radixkv.engine.tier_io import TierIO, make_tier_io
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import HybridScheduler, Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
@@ -146,9 +148,8 @@ class LLM:
         if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
-        _refuse_window_extras(self.runner.window, config)
         self.runner.warm_up()
-        self.tier_io = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
+        self.tier_io, self.window_tier_io = self._tier_ios()
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
         self.cache = PrefixCache(
@@ -174,6 +175,38 @@ class LLM:
         self._orphans: list[str] = []  # streams dropped during a step, released after it
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
+    def _tier_ios(self) -> tuple[TierIO | None, TierIO | None]:
+        """The tier movers of the full layers' pool and of the window layers' (None: no host
+        tier, or no window layers). The two pools split the host and disk budgets so that each
+        holds as many blocks (a window hit needs both groups' blocks of its prefix)."""
+        runner, config = self.runner, self.config
+        if runner.window_k_cache is None or not config.host_cache_bytes:
+            return make_tier_io(self.model, runner.k_cache, runner.v_cache, config), None
+        B = config.block_size
+        full_block = 2 * runner.k_cache[:, 0].nbytes
+        window_block = 2 * runner.window_k_cache[:, 0].nbytes
+        num_host = plan_host_blocks(full_block + window_block, config.host_cache_bytes)
+        file_pair = block_file_nbytes(B, full_block) + block_file_nbytes(B, window_block)
+        num_files = config.disk_cache_bytes // file_pair
+        movers = []
+        for (k, v), block, group in (
+            ((runner.k_cache, runner.v_cache), full_block, None),
+            ((runner.window_k_cache, runner.window_v_cache), window_block, "window"),
+        ):
+            disk_bytes = num_files * block_file_nbytes(B, block)
+            movers.append(
+                make_tier_io(
+                    self.model,
+                    k,
+                    v,
+                    config,
+                    num_host_blocks=num_host,
+                    disk_bytes=disk_bytes,
+                    group=group,
+                )
+            )
+        return movers[0], movers[1]
+
     def _scheduler(self, hasher: BlockHasher | bool) -> Scheduler:
         """The plain scheduler over `cache`, or for a model with window layers the hybrid one
         over `cache` (then its full group, whose queue the window group's events join) and the
@@ -181,12 +214,18 @@ class LLM:
         runner = self.runner
         if runner.window is None:
             return Scheduler(self.cache, self.config)
+        full, window = self.tier_io, self.window_tier_io
         hybrid = HybridCache(
             runner.num_blocks,
             runner.num_window_blocks,
             self.config.block_size,
             runner.window,
             kv_events=hasher,
+            host_blocks=0 if full is None else full.host.num_blocks,
+            disk=None if full is None else full.disk,
+            write_through=self.config.host_cache_write_through,
+            window_host_blocks=0 if window is None else window.host.num_blocks,
+            window_disk=None if window is None else window.disk,
         )
         self.cache = hybrid.full
         return HybridScheduler(hybrid, self.config)
@@ -462,7 +501,7 @@ class LLM:
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
         # Even with no rows: the moves the cache planned since the last step must run.
-        requeued = self._run_step_moves(out) if out.moves else set()
+        requeued = self._run_step_moves(out) if out.moves or out.window_moves else set()
         launched = None
         if not out.is_empty:
             launched = self._steps.launch(out, self._sampled_rows(out), previous, requeued)
@@ -565,22 +604,32 @@ class LLM:
         the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
         to do without a disk tier. Not during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
-        self.cache.persist()
+        hybrid = self.scheduler.cache if isinstance(self.scheduler, HybridScheduler) else None
+        (hybrid or self.cache).persist()
         moves = self.cache.take_moves()
         if moves:
             self._run_moves(moves)
-        if self.tier_io is not None:
-            self.tier_io.log_saved()
+        window_moves = [] if hybrid is None else hybrid.take_window_moves()
+        if window_moves:
+            self._run_moves(window_moves, window=True)
+        for tier_io in (self.tier_io, self.window_tier_io):
+            if tier_io is not None:
+                tier_io.log_saved()
 
-    def _run_moves(self, moves: Sequence[Move]) -> Poisoned:
-        """Run tier moves in order; the cache forgets the host copies a failed move left holding
-        garbage, whatever happens. Returns the blocks that failed."""
-        tier_io = self.tier_io
+    def _run_moves(self, moves: Sequence[Move], *, window: bool = False) -> Poisoned:
+        """Run tier moves in order (`window`: the window layers' group's); the cache forgets the
+        host copies a failed move left holding garbage, whatever happens. Returns the blocks
+        that failed."""
+        tier_io = self.window_tier_io if window else self.tier_io
         assert tier_io is not None, "the cache plans moves only with a host tier"
         try:
             poisoned = tier_io.run(moves)
         finally:
-            self.cache.forget_host_blocks(sorted(tier_io.poisoned_so_far.host))
+            garbage = sorted(tier_io.poisoned_so_far.host)
+            if window:
+                self.scheduler.cache.forget_window_host_blocks(garbage)  # type: ignore[attr-defined]
+            else:
+                self.cache.forget_host_blocks(garbage)
         tier_io.order_before_compute()
         return poisoned
 
@@ -591,11 +640,19 @@ class LLM:
         the cache holds then (a block file that could not be read is a miss, not an error: the
         disk tier does not offer it again); a second failed copy fails it. Their rows still run,
         and are ignored. Returns their ids."""
-        poisoned = self._run_moves(out.moves)
-        if poisoned.device:
-            hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
-            faulty = poisoned.faulty
-            struck = [r.request_id for r in out.rows if faulty.intersection(r.block_table)]
+        poisoned = self._run_moves(out.moves) if out.moves else Poisoned()
+        window = self._run_moves(out.window_moves, window=True) if out.window_moves else Poisoned()
+        if poisoned.device or window.device:
+
+            def reading(bad: set[int], wbad: set[int]) -> list[str]:
+                return [
+                    r.request_id
+                    for r in out.rows
+                    if bad.intersection(r.block_table) or wbad.intersection(r.window_block_table)
+                ]
+
+            hit = reading(poisoned.device, window.device)
+            struck = reading(poisoned.faulty, window.faulty)
             failed = [rid for rid in struck if self._tracked[rid].failed_load]
             for rid in struck:
                 self._tracked[rid].failed_load = True
@@ -691,16 +748,6 @@ class LLM:
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
-
-
-def _refuse_window_extras(window: int | None, config: EngineConfig) -> None:
-    """The host / disk tiers hold full-attention KV only (a window tail does not follow its
-    prefix down): a model with window layers runs without them, refused here in one line."""
-    if window is not None and config.host_cache_bytes:
-        raise ValueError(
-            f"the model has sliding-window layers (window {window}): host / disk KV tiers do "
-            "not hold their window KV yet; run it without host_cache_bytes"
-        )
 
 
 def _event_feed(config: EngineConfig) -> KVEventFeed:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
-from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
+from radixkv.engine.disk_store import DiskStore, block_file_nbytes
 from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint
 
@@ -52,24 +52,35 @@ class MoveTotals:
 
 
 def make_tier_io(
-    model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, config: EngineConfig
+    model: Any,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    config: EngineConfig,
+    *,
+    num_host_blocks: int | None = None,
+    disk_bytes: int | None = None,
+    group: str | None = None,
 ) -> TierIO | None:
     """The host pool, its copier and the disk store that `config` asks for, over the device pool
     `k_cache` / `v_cache` ([num_layers, num_blocks, block_size, kv_heads, head_dim]); None without
-    a host tier. ValueError for a host or disk budget that holds no block."""
+    a host tier. `num_host_blocks` / `disk_bytes`: this pool's share of the budgets (None: all
+    of them); `group` names a KV cache group other than the full layers' (its files are kept
+    apart). ValueError for a host or disk budget that holds no block."""
     if not config.host_cache_bytes:
         return None
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
     shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     dtype = k_cache.dtype
     bytes_per_block = 2 * k_cache[:, 0].nbytes  # K and V of one block over every layer
-    num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
+    if num_host_blocks is None:
+        num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
     cuda = k_cache.device.type == "cuda"
     host = HostKVPool(num_host_blocks, block_size=block_size, dtype=dtype, pin_memory=cuda, **shape)
     disk = None
     if config.kv_cache_dir is not None:
-        file_nbytes = HEADER.size + 4 * block_size + bytes_per_block + CHECKSUM.size
-        if config.disk_cache_bytes < file_nbytes:
+        file_nbytes = block_file_nbytes(block_size, bytes_per_block)
+        disk_bytes = config.disk_cache_bytes if disk_bytes is None else disk_bytes
+        if disk_bytes < file_nbytes:
             raise ValueError(
                 f"disk_cache_bytes={config.disk_cache_bytes} holds no KV block file "
                 f"({file_nbytes} bytes each)"
@@ -77,16 +88,19 @@ def make_tier_io(
         fingerprint = kv_fingerprint(
             model, block_size=block_size, dtype=dtype, device=k_cache.device, **shape
         )
+        if group is not None:
+            fingerprint["kv_cache_group"] = group
         disk = DiskStore(
             config.kv_cache_dir,
             fingerprint,
             block_size=block_size,
             block_nbytes=bytes_per_block,
-            budget_bytes=config.disk_cache_bytes,
+            budget_bytes=disk_bytes,
             secret=_secret_bytes(config.kv_cache_secret),
         )
     logger.info(
-        "host KV tier: %d blocks (%.0f MiB)",
+        "host KV tier%s: %d blocks (%.0f MiB)",
+        "" if group is None else f" ({group} layers)",
         num_host_blocks,
         num_host_blocks * bytes_per_block / 2**20,
     )

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
@@ -77,6 +78,7 @@ class Sim:
         host_blocks: int = 64,
         root: Path | None = None,
         disk_files: int = 256,
+        kv_events: bool = False,
     ) -> None:
         full_disk = _disk(root, "full", B, disk_files)
         window_disk = _disk(root, "window", B, disk_files)
@@ -89,6 +91,7 @@ class Sim:
             disk=full_disk,
             window_host_blocks=host_blocks,
             window_disk=window_disk,
+            kv_events=kv_events,
         )
         self.B, self.W = B, window
         self.full = _Group(num_blocks, host_blocks, B, full_disk)
@@ -209,3 +212,47 @@ def test_random_workload_through_every_tier_reads_only_what_it_claims(
     assert hits > 0
     counts = sim.cache.window.tiers.counts
     assert counts["num_loaded_blocks"] > 0 and counts["num_offloaded_blocks"] > 0
+
+
+def test_each_tier_announces_the_window_blocks_it_holds_as_group_1(tmp_path: Path) -> None:
+    """Per (tier, group), a strict index fed the one queue holds exactly what that tier holds:
+    the host and disk events of the window group's tiers say group 1 and their medium."""
+    sim = Sim(host_blocks=8, root=tmp_path, kv_events=True)
+    index: dict[tuple[str | None, int], set[int]] = {}
+    rng = random.Random(3)
+    for doc in _docs(rng, 8, 22) * 2:
+        sim.serve(doc, [7, 8])
+        for event in sim.cache.full.take_events():
+            held = index.setdefault((event.medium, event.group_idx), set())
+            hashes = set(event.block_hashes)
+            if isinstance(event, BlockStored):
+                assert not hashes & held, "stored twice in one tier and group"
+                assert (event.sliding_window is not None) == (event.group_idx == 1)
+                held |= hashes
+            else:
+                assert isinstance(event, BlockRemoved) and hashes <= held, "unknown removal"
+                held -= hashes
+    tiers = sim.cache.window.tiers
+    assert tiers is not None and tiers.disk is not None
+    assert index[("CPU", 1)] == set(tiers.entries) and index[("CPU", 1)]
+    on_disk = index[("DISK", 1)]
+    assert on_disk and len(on_disk) == tiers.disk.num_files
+    assert all(tiers.disk.contains(h) for h in on_disk)
+
+
+def test_a_reset_clears_both_groups_in_every_tier(tmp_path: Path) -> None:
+    sim = Sim(host_blocks=8, root=tmp_path, kv_events=True)
+    docs = _docs(random.Random(4), 6, 22)
+    for doc in docs:
+        sim.serve(doc, [7, 8])
+    sim.cache.full.take_events()
+    assert sim.cache.reset()
+    events = sim.cache.full.take_events()
+    assert type(events[0]).__name__ == "AllBlocksCleared"
+    assert {(e.medium, e.group_idx) for e in events[1:]} <= {("CPU", 0), ("CPU", 1)}
+    tiers = sim.cache.window.tiers
+    assert tiers is not None and not tiers.entries and sim.cache.window.num_tails == 0
+    assert sim.cache.window.pool.num_free == sim.cache.window.pool.num_blocks
+    sim.cache.check_integrity()
+    for doc in docs:  # served again from what is left (the disk keeps its files), reads checked
+        sim.serve(doc, [9])

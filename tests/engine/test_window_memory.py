@@ -69,7 +69,6 @@ def test_window_layers_have_a_smaller_tensor_of_their_own(gemma3):
     ("settings", "message"),
     [
         (dict(num_window_blocks=7), "num_window_blocks=7 holds not one request's window"),
-        (dict(host_cache_bytes=2**20), "tiers do not hold their window KV"),
     ],
 )
 def test_what_a_window_model_refuses(gemma3, settings, message):
