@@ -19,14 +19,15 @@ tier announces what this process writes or reads and forgets (not the files foun
 Only FULL blocks are announced: a router indexes whole blocks, and a partial tail (which radixkv
 caches, token-granular) would never match one of its block keys anyway.
 
-Groups, numbered as vLLM's `group_idx`: 0 is the full-attention layers' (the tree and the lower
-tiers; a model without window layers has only this one), 1 the sliding-window layers' of a
+Groups, numbered as vLLM's `group_idx`: 0 is the full-attention layers' (the tree; the only group
+of a model without window layers), 1 the sliding-window layers' of a
 hybrid model (`radixkv.cache.window`). The window group announces the full blocks its tails keep
-(the window KV a later hit resumes from: blocks first_live_index(e) .. e // B - 1 of a tail ending
+(the window KV a later hit resumes from: its blocks up to e // B - 1 of a tail ending
 at e), named by the same chained keys as the full group's blocks of that prefix, with the
 group's window (vLLM's `kv_cache_spec_sliding_window`); a key is stored when the first tail
 holding it is kept and removed when the last one goes. A window run's parent is the full chain's
-block before it, which the window group need not hold.
+block before it, which the window group need not hold. The window group's host and disk tiers
+announce what they hold as group 1 too, under the same keys.
 
 Block hashes are the wire form of the blocks' chained keys (`radixkv.cache.keys`: xxh64 by
 default, or vLLM's sha256_cbor chain), so that a hash names the whole prefix ending at its block,

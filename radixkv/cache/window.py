@@ -36,6 +36,13 @@ the full group's chain), each key stored when the first tail holding it is kept 
 the last such tail goes; a running table's blocks are never announced (as the tree announces
 only what it caches).
 
+Lower tiers (`tiers`, a `LowerTiers` of the window group): an evicted tail's full blocks are
+demoted there under the same keys (a window block's KV is a function of its prefix, as a full
+block's is), and `lower_hit` finds the deepest block boundary e whose window blocks
+first_live_index(e) .. e // B - 1 are all there; `open_lower` loads them into a new table. With
+tiers, tables and tails keep one block more before the first live one (`margin`): a tail ending
+at t then covers the window of the boundary t // B * B, where a hit from the tiers resumes.
+
 Ref counts: a window block's owners are the tails and the open tables that list it (each once),
 plus a table's pinned copy source (released at its next `slide` or `close`, once its copy has
 run). Deterministic: recency is the order of use, nothing reads the wall clock.
@@ -127,7 +134,7 @@ class WindowGroup:
     Invariants (recomputed by `check_integrity`):
     * every block's ref count = tails listing it + open tables listing it + tables pinning it;
     * a tail ending at e holds e tokens under their key and exactly the blocks of indices
-      first_live_index(e) .. ceil(e/B)-1;
+      first .. ceil(e/B)-1, first_live_index(e) - margin <= first <= first_live_index(e);
     * each namespace's sorted ends list the ends of its tails; the two eviction segments list
       every tail once, in the segment its `proven` names;
     * a table's listed blocks are one run that reaches its last entry;

@@ -1,5 +1,8 @@
 """Runs the cache's tier moves (`radixkv.cache.moves`) and measures them.
 
+One `TierIO` per KV cache group: a model with sliding-window layers has a second one over the
+window layers' pool (`make_tier_io(group="window")`, its files in a folder of their own).
+
 `TierIO.run(moves)` carries out one step's moves in order: copies between the device pool and the
 host pool through the `KVCopier` (asynchronous on CUDA), block files through the `DiskStore`.
 A file move waits on the host for the copies before it (it reads or rewrites host blocks an

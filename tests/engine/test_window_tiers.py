@@ -13,6 +13,7 @@ from tiny_archs import WINDOW, build_arch, greedy_tokens
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
+from radixkv.cache.events import BlockStored
 
 # 6 prompts of 30-44 tokens (8-11 blocks of 4), a device pool of 24 full and 12 window blocks:
 # every round evicts the prefixes and tails of the one before into the lower tiers.
@@ -108,3 +109,57 @@ def _bytes_per_block_pair(path: str) -> int:
     """Host bytes of one block of each group (the two pools hold as many blocks each)."""
     runner = LLM(path, **DEVICE).runner
     return 2 * (runner.k_cache[:, 0].nbytes + runner.window_k_cache[:, 0].nbytes)
+
+
+def test_kv_events_name_the_tier_and_group_with_tiers_on(arch_model):
+    path, expected = arch_model("gemma3")
+    events: list = []
+    llm = LLM(path, **DEVICE, host_cache_bytes=2**20, kv_events=events.append)
+    for _ in range(2):
+        assert run(llm) == expected
+    stored = {(e.medium, e.group_idx) for e in events if isinstance(e, BlockStored)}
+    assert stored == {(None, 0), (None, 1), ("CPU", 0), ("CPU", 1)}
+    tiers = llm.scheduler.cache.window.tiers
+    held: set[int] = set()
+    for e in events:
+        if getattr(e, "medium", None) == "CPU" and e.group_idx == 1:
+            (held.update if isinstance(e, BlockStored) else held.difference_update)(e.block_hashes)
+    assert held == set(tiers.entries)
+
+
+@pytest.mark.parametrize("point", ["load", "offload"])
+def test_a_failed_window_move_fails_only_the_requests_that_read_it(point, arch_model, monkeypatch):
+    """Two window copies fail: a request whose window load failed is admitted again (and fails
+    only if that fails too); an offload that failed costs only that copy; every other request's
+    output is transformers'; the garbage host copies are forgotten, so a third round is exact."""
+    path, expected = arch_model("gemma3")
+    llm = LLM(path, **DEVICE, host_cache_bytes=2**20)
+    assert run(llm) == expected
+    copier = llm.window_tier_io.copier
+    real, calls = getattr(copier, point), [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] <= 2:
+            raise OSError("injected fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(copier, point, failing)
+    ids = [
+        llm.add_request(p, SamplingParams(max_tokens=n))
+        for p, n in zip(PROMPTS, MAX_NEW, strict=True)
+    ]
+    last = {}
+    while llm.has_unfinished_requests():
+        for update in llm.step():
+            last[update.request_id] = update
+        llm.check_integrity()
+    assert calls[0] > 2, "the fault was injected"
+    outs = [last[rid] for rid in ids]
+    failed = [u for u in outs if u.error is not None]
+    for u, tokens in zip(outs, expected, strict=True):
+        assert u.error is not None or list(u.output.token_ids) == tokens
+    assert failed == [] if point == "offload" else len(failed) <= 1
+    assert llm.window_tier_io.totals[point].num_failed_blocks > 0
+    monkeypatch.undo()
+    assert run(llm) == expected
