@@ -236,11 +236,13 @@ class WindowGroup:
         if tiers is None or k_max < k_min or (not tiers.entries and tiers.disk is None):
             return None
         keys = self._full_keys(namespace, qb[: TOKEN_BYTES * B * k_max], 0)
-        for k in range(k_max, k_min - 1, -1):
+        k = k_max
+        while k >= k_min:
             first = first_live_index(k * B, self.window, B)
             h, d = tiers.lookup(keys[first:k])
             if h + d == k - first:
                 return LowerHit(k * B, first, keys[first:k], h, d)
+            k = first + h + d  # that block is not found: every boundary above it needs it
         return None
 
     def fits_lower(self, hit: LowerHit, num_tokens: int) -> bool:
