@@ -41,9 +41,7 @@ from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
-from radixkv.engine.disk_store import block_file_nbytes
 from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
-from radixkv.engine.host_kv import plan_host_blocks
 from radixkv.engine.interrupts import sigint_deferred
 from radixkv.engine.jump_forward import plan_jump
 from radixkv.engine.model_loader import Progress, load_model
@@ -65,7 +63,7 @@ from radixkv.engine.prompts import (
 from radixkv.engine.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
-from radixkv.engine.tier_io import TierIO, make_tier_io
+from radixkv.engine.tier_io import TierIO, make_group_tier_ios, make_tier_io
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import HybridScheduler, Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
@@ -177,35 +175,13 @@ class LLM:
 
     def _tier_ios(self) -> tuple[TierIO | None, TierIO | None]:
         """The tier movers of the full layers' pool and of the window layers' (None: no host
-        tier, or no window layers). The two pools split the host and disk budgets so that each
-        holds as many blocks (a window hit needs both groups' blocks of its prefix)."""
-        runner, config = self.runner, self.config
-        if runner.window_k_cache is None or not config.host_cache_bytes:
-            return make_tier_io(self.model, runner.k_cache, runner.v_cache, config), None
-        B = config.block_size
-        full_block = 2 * runner.k_cache[:, 0].nbytes
-        window_block = 2 * runner.window_k_cache[:, 0].nbytes
-        num_host = plan_host_blocks(full_block + window_block, config.host_cache_bytes)
-        file_pair = block_file_nbytes(B, full_block) + block_file_nbytes(B, window_block)
-        num_files = config.disk_cache_bytes // file_pair
-        movers = []
-        for (k, v), block, group in (
-            ((runner.k_cache, runner.v_cache), full_block, None),
-            ((runner.window_k_cache, runner.window_v_cache), window_block, "window"),
-        ):
-            disk_bytes = num_files * block_file_nbytes(B, block)
-            movers.append(
-                make_tier_io(
-                    self.model,
-                    k,
-                    v,
-                    config,
-                    num_host_blocks=num_host,
-                    disk_bytes=disk_bytes,
-                    group=group,
-                )
-            )
-        return movers[0], movers[1]
+        tier, or no window layers)."""
+        runner = self.runner
+        full = (runner.k_cache, runner.v_cache)
+        if runner.window_k_cache is None:
+            return make_tier_io(self.model, *full, self.config), None
+        window = (runner.window_k_cache, runner.window_v_cache)
+        return make_group_tier_ios(self.model, full, window, self.config)
 
     def _scheduler(self, hasher: BlockHasher | bool) -> Scheduler:
         """The plain scheduler over `cache`, or for a model with window layers the hybrid one

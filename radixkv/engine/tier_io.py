@@ -118,6 +118,36 @@ def make_tier_io(
     return TierIO(KVCopier(k_cache, v_cache, host), disk)
 
 
+def make_group_tier_ios(
+    model: Any,
+    full: tuple[torch.Tensor, torch.Tensor],
+    window: tuple[torch.Tensor, torch.Tensor],
+    config: EngineConfig,
+) -> tuple[TierIO | None, TierIO | None]:
+    """`make_tier_io` for a model with window layers: one mover over the full layers' K / V
+    pool, one over the window layers'. The two split the host and disk budgets so that each
+    holds as many blocks (a window hit needs both groups' blocks of its prefix). (None, None)
+    without a host tier; ValueError as `make_tier_io`."""
+    if not config.host_cache_bytes:
+        return None, None
+    B = config.block_size
+    nbytes = [2 * k[:, 0].nbytes for k, _ in (full, window)]  # K and V of one block
+    num_host = plan_host_blocks(sum(nbytes), config.host_cache_bytes)
+    num_files = config.disk_cache_bytes // sum(block_file_nbytes(B, n) for n in nbytes)
+    full_io, window_io = (
+        make_tier_io(
+            model,
+            *kv,
+            config,
+            num_host_blocks=num_host,
+            disk_bytes=num_files * block_file_nbytes(B, n),
+            group=group,
+        )
+        for kv, n, group in ((full, nbytes[0], None), (window, nbytes[1], "window"))
+    )
+    return full_io, window_io
+
+
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:
     return secret.encode("utf-8") if isinstance(secret, str) else secret
 
