@@ -9,7 +9,8 @@ SGLang's full + SWA pools have the same shape):
 A request's life, as `PrefixCache`'s with a window table beside the block table:
 
     match(tokens, max_tokens)          the full match, cut back to the deepest point that has
-                                       the window KV of the W tokens before it
+                                       the window KV of the W tokens before it (a tail on the
+                                       device, or at a block boundary in the lower tiers)
     t = admit(tokens, max_hit, ...)    None: does not fit now, nothing changed; `t.full` covers
                                        every token, `t.window` the first `num_window_tokens`
     extend(t, num_tokens)              window blocks up to `num_tokens` (the next chunk)
@@ -19,6 +20,7 @@ A request's life, as `PrefixCache`'s with a window table beside the block table:
     commit(t, tokens)                  the full group inserts, the window group keeps a tail
     keep_tail(t, tokens)               one more tail, at a point short of the last commit
     close(t)
+    reset()                            both groups emptied, tails and lower-tier entries too
 
 KV events (`kv_events`): one queue, the full group's, drained by `full.take_events()`; the full
 group announces as a `PrefixCache` does (group 0), the window group the blocks its tails keep
@@ -89,7 +91,7 @@ class HybridCache:
     `num_window_blocks` window-layer blocks of window `window`, one block size.
 
     Invariants (recomputed by `check_integrity`): both groups' own (a table's two halves are
-    counted there, each by its group).
+    counted there, each by its group) and the window group's lower tiers'.
     """
 
     def __init__(
