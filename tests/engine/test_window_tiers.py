@@ -83,7 +83,10 @@ def test_disk_tier_hits_and_a_restart_match_transformers(arch, arch_model, tmp_p
     assert window_moved(restarted, "disk_read") > 0
 
 
-def test_damaged_window_files_are_misses(arch_model, tmp_path):
+@pytest.mark.parametrize("harm", ["damaged", "gone"])
+def test_damaged_or_missing_window_files_are_misses(harm, arch_model, tmp_path):
+    """Files spoiled (every other one, of both groups) or the window group's files deleted
+    after the restarted engine indexed them: misses and recomputes, the output unchanged."""
     path, expected = arch_model("gemma3")
     settings = dict(DEVICE, host_cache_bytes=8 * _bytes_per_block_pair(path), kv_cache_dir=tmp_path)
     first = LLM(path, **settings)
@@ -91,12 +94,22 @@ def test_damaged_window_files_are_misses(arch_model, tmp_path):
     first.save_kv_cache()
     del first
     restarted = LLM(path, **settings)
-    assert damage_every_other_file(tmp_path) >= 6
+    window_disk = restarted.window_tier_io.disk
+    if harm == "damaged":
+        assert damage_every_other_file(tmp_path) >= 6
+    else:
+        files = list(window_disk.directory.rglob("*.kv"))
+        assert len(files) >= 6 and window_disk.num_files == len(files)
+        for file in files:
+            file.unlink()
     for _ in range(2):
         assert run(restarted) == expected
     missed = sum(t.totals["disk_read"].num_failed_blocks for t in _tier_ios(restarted))
     assert missed > 0
-    assert restarted.window_tier_io.disk.stats().num_unusable > 0
+    if harm == "damaged":
+        assert window_disk.stats().num_unusable > 0
+    else:
+        assert restarted.window_tier_io.totals["disk_read"].num_failed_blocks > 0
     stats = restarted.cache.stats()
     assert stats.num_in_use_blocks == stats.num_private_blocks == 0
 
