@@ -31,14 +31,20 @@ BLOCK = 4
 class BlockHashIndex:
     """What a router knows of one replica: the set of full-block hashes, from events alone.
 
-    Strict: a `BlockStored` whose parent is unknown, a hash stored twice, or a removal of an
-    unknown hash raises ValueError, naming the hash (a router would re-sync; a test wants to know).
-    Invariant: `parents[h]` is the parent hash of every stored `h` (None for a first block).
+    The full-attention group's (group 0) blocks score prompts; a hybrid model's window group
+    (group 1) is kept apart in `window_hashes`: its blocks hold only the window layers' KV.
+    Strict: a `BlockStored` whose parent is unknown (group 0: a window run's parent is the full
+    chain's block before it, which the window group need not hold), a hash stored twice in its
+    group, or a removal of an unknown hash raises ValueError, naming the hash (a router would
+    re-sync; a test wants to know).
+    Invariant: `parents[h]` is the parent hash of every stored full-group `h` (None for a first
+    block).
     """
 
     def __init__(self) -> None:
         self.parents: dict[int, int | None] = {}
         self.tokens: dict[int, tuple[int, ...]] = {}
+        self.window_hashes: set[int] = set()
 
     @property
     def hashes(self) -> set[int]:
@@ -52,7 +58,9 @@ class BlockHashIndex:
 
     def apply(self, event: KVEvent) -> None:
         """Update the index with one event (usable directly as a subscriber callback)."""
-        if isinstance(event, BlockStored):
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.group_idx:
+            self._apply_window(event)
+        elif isinstance(event, BlockStored):
             self._store(event)
         elif isinstance(event, BlockRemoved):
             missing = [h for h in event.block_hashes if h not in self.parents]
@@ -64,8 +72,26 @@ class BlockHashIndex:
         elif isinstance(event, AllBlocksCleared):
             self.parents.clear()
             self.tokens.clear()
+            self.window_hashes.clear()
         else:
             raise TypeError(f"not a KV event: {event!r}")
+
+    def _apply_window(self, event: BlockStored | BlockRemoved) -> None:
+        hashes = set(event.block_hashes)
+        if len(hashes) != len(event.block_hashes):
+            raise ValueError(f"window block hashes repeat in {event.block_hashes}")
+        if isinstance(event, BlockStored):
+            if event.sliding_window is None:
+                raise ValueError("a window group's BlockStored names no window")
+            if hashes & self.window_hashes:
+                raise ValueError(f"window block hashes {hashes & self.window_hashes} stored twice")
+            self.window_hashes |= hashes
+        else:
+            if hashes - self.window_hashes:
+                raise ValueError(
+                    f"BlockRemoved of unknown window blocks {hashes - self.window_hashes}"
+                )
+            self.window_hashes -= hashes
 
     def _store(self, event: BlockStored) -> None:
         B = event.block_size

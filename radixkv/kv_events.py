@@ -22,12 +22,18 @@ The payload is a `KVEventBatch` encoded the way vLLM's msgspec structs encode it
                         a default. (NVIDIA Dynamo's reader takes either.)
     BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
                     lora_name, and in the map layout extra_keys (one entry per block: (salt,)
-                    on a salted path's block 0, else None) and group_idx (0, the one KV cache
-                    group); the later fields (kv_cache_spec_kind, locality, ownership,
-                    session_id, lookahead_token_ids ...) keep their defaults and so are
-                    omitted, as vLLM omits them (omit_defaults=True)
-    BlockRemoved    block_hashes, medium (map layout: group_idx 0)
+                    on a salted path's block 0, else None), group_idx (the KV cache group: 0
+                    full attention, 1 a hybrid model's window layers) and, for the window
+                    group, kv_cache_spec_kind ("sliding_window") and
+                    kv_cache_spec_sliding_window (its window, in tokens); the later fields
+                    (locality, ownership, session_id, lookahead_token_ids ...) keep their
+                    defaults and so are omitted, as vLLM omits them (omit_defaults=True)
+    BlockRemoved    block_hashes, medium (map layout: group_idx)
     AllBlocksCleared  (no fields)
+
+The array layout cannot carry group_idx (its arrays stop before it): a consumer reading it
+would take a window block for a full one, so that layout carries the full group's events only.
+A model without window layers sends the same bytes in either layout as before groups existed.
 
 Block hashes are sent as unsigned 64-bit ints (vLLM's integer form of `ExternalBlockHash`).
 `ts` is the wall-clock time of publication (seconds since the epoch, float64).
@@ -94,15 +100,28 @@ def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
             "medium": event.medium or medium,
             "lora_name": None,
             "extra_keys": extra_keys,
-            "group_idx": 0,
+            "group_idx": event.group_idx,
+            **_window_spec(event.sliding_window),
         }
     if isinstance(event, BlockRemoved):
-        hashes = list(event.block_hashes)
+        hashes, group = list(event.block_hashes), event.group_idx
         medium = event.medium or medium
-        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": hashes,
+            "medium": medium,
+            "group_idx": group,
+        }
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
+
+
+def _window_spec(window: int | None) -> dict[str, Any]:
+    """vLLM's cache-spec fields of a store event: a window group's kind and window."""
+    if window is None:
+        return {}
+    return {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": window}
 
 
 def check_event_layout(event_layout: str, name: str = "event_layout") -> None:
@@ -139,13 +158,15 @@ def encode_batch(
     medium: str | None = "GPU",
     event_layout: str = "map",
 ) -> bytes:
-    """The msgpack payload of one `KVEventBatch`, events in `event_layout` ("array" or "map").
-    Mutates nothing; raises ValueError for another layout, TypeError for a non-event."""
+    """The msgpack payload of one `KVEventBatch`, events in `event_layout` ("array" or "map";
+    "array" leaves out the window group's events, which it cannot name). Mutates nothing;
+    raises ValueError for another layout, TypeError for a non-event."""
     check_event_layout(event_layout)
     msgpack = _wire_module("msgpack")
     fields = [wire_fields(event, medium) for event in events]
     if event_layout == "array":
-        wire: list[Any] = [list(f.values())[: _ARRAY_LENGTH[f["type"]]] for f in fields]
+        full = (f for f in fields if not f.get("group_idx"))  # no group_idx there: full only
+        wire: list[Any] = [list(f.values())[: _ARRAY_LENGTH[f["type"]]] for f in full]
     else:
         wire = fields
     return msgpack.packb([float(ts), wire, data_parallel_rank], use_bin_type=True)

@@ -4,7 +4,8 @@ Everything the base scheduler does holds (admission reserves every full block at
 by recompute, inserts after each prefill chunk); the window group adds, per request:
 
     admit     window blocks up to the end of the first chunk, a copy-on-write of the hit's
-              partial window block (`SchedulerOutput.window_copies`)
+              partial window block (`SchedulerOutput.window_copies`), or loads of the hit's
+              window blocks from the lower tiers (`SchedulerOutput.window_moves`)
     a row     window blocks up to its end (`HybridCache.extend`: per chunk, per decode block;
               out of window blocks preempts, as out of full blocks does), and its window block
               table (`ScheduledRequest.window_block_table`, 0 where a block was released)
@@ -43,11 +44,13 @@ class HybridScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         self._window_copies.clear()  # left by a step that failed inside schedule()
         output = super().schedule()
-        if not self._window_copies:
+        moves = tuple(self.cache.take_window_moves())
+        if not self._window_copies and not moves:
             return output
-        output = replace(output, window_copies=tuple(self._window_copies))
+        output = replace(output, window_copies=tuple(self._window_copies), window_moves=moves)
         self._window_copies.clear()
-        self._unrecorded = output  # copies come with admissions, so the step has rows
+        if output.rows:
+            self._unrecorded = output
         return output
 
     def _open_table(self, req: Request, max_hit: int | None, budget: int) -> HybridTable | None:
@@ -95,7 +98,10 @@ class HybridScheduler(Scheduler):
         for req in self._running.values():
             window = req.table.window  # type: ignore[union-attr]
             assert len(window.blocks) >= -(-req.num_computed_tokens // B), (req, window)
-            limit = window_budget(self.cache.window.window, B, self.config.chunked_prefill_size)
+            limit = (
+                window_budget(self.cache.window.window, B, self.config.chunked_prefill_size)
+                + self.cache.window.margin
+            )
             assert window.num_live_blocks <= limit, (req, window)
 
 

@@ -51,6 +51,8 @@ class SchedulerOutput:
     moves: tuple[Move, ...] = ()
     # copy-on-write of partial window-layer blocks (a model with window layers), with `copies`
     window_copies: tuple[BlockCopy, ...] = ()
+    # the window group's tier moves, over the window layers' blocks, run with `moves`
+    window_moves: tuple[Move, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

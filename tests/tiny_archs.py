@@ -155,3 +155,24 @@ def arch_config(arch: str):
 
 def build_arch(arch: str, path: Path) -> Path:
     return save_tiny_model(arch_config(arch), path)
+
+
+def greedy_tokens(path: Path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (eager attention, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    outs = []
+    for prompt, n in zip(prompts, max_new, strict=True):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=EOS_ID,
+                pad_token_id=0,
+            )
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs

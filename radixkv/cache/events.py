@@ -10,13 +10,24 @@ from three events, the ones vLLM publishes (`radixkv.kv_events` puts them on the
     BlockRemoved(block_hashes)          those blocks left the cache
     AllBlocksCleared()                  everything left the cache
 
-Each names its tier (`medium`, vLLM's field): None for the device pool (the publisher names it,
-"GPU" by default), "CPU" for the host tier and "DISK" for the disk tier (`radixkv.cache.tiers`).
+Each names its KV cache group (`group_idx`, vLLM's field, below) and its tier (`medium`, vLLM's
+field): None for the device pool (the publisher names it, "GPU" by default), "CPU" for the host
+tier and "DISK" for the disk tier (`radixkv.cache.tiers`).
 A block demoted from the device to the host is removed from one and stored in the other; the disk
 tier announces what this process writes or reads and forgets (not the files found at start).
 
 Only FULL blocks are announced: a router indexes whole blocks, and a partial tail (which radixkv
 caches, token-granular) would never match one of its block keys anyway.
+
+Groups, numbered as vLLM's `group_idx`: 0 is the full-attention layers' (the tree; the only group
+of a model without window layers), 1 the sliding-window layers' of a
+hybrid model (`radixkv.cache.window`). The window group announces the full blocks its tails keep
+(the window KV a later hit resumes from: its blocks up to e // B - 1 of a tail ending
+at e), named by the same chained keys as the full group's blocks of that prefix, with the
+group's window (vLLM's `kv_cache_spec_sliding_window`); a key is stored when the first tail
+holding it is kept and removed when the last one goes. A window run's parent is the full chain's
+block before it, which the window group need not hold. The window group's host and disk tiers
+announce what they hold as group 1 too, under the same keys.
 
 Block hashes are the wire form of the blocks' chained keys (`radixkv.cache.keys`: xxh64 by
 default, or vLLM's sha256_cbor chain), so that a hash names the whole prefix ending at its block,
@@ -60,6 +71,8 @@ class BlockStored:
     # vLLM publishes a salt as that block's extra key, for consumers that recompute hashes.
     namespace: str | None = None
     medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
+    group_idx: int = 0  # the KV cache group: 0 full-attention layers, 1 window layers
+    sliding_window: int | None = None  # the group's window (None: full attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,7 @@ class BlockRemoved:
 
     block_hashes: tuple[int, ...]
     medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
+    group_idx: int = 0  # the KV cache group, as in `BlockStored`
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,22 +111,30 @@ class EventRecorder:
         return events
 
     def stored(
-        self, keys: Sequence[BlockKey], namespace: str | None = None, medium: str | None = None
+        self,
+        keys: Sequence[BlockKey],
+        namespace: str | None = None,
+        medium: str | None = None,
+        *,
+        window: int | None = None,
     ) -> None:
         """Consecutive full blocks of one path entered a tier; `namespace` is published only
-        with a path's block 0."""
+        with a path's block 0. `window`: they are the window group's (group 1) blocks."""
         if keys:
             parent = keys[0].parent_hash
             tokens = tuple(np.frombuffer(b"".join(k.tokens for k in keys), "<u4").tolist())
             hashes = tuple(k.block_hash for k in keys)
             namespace = namespace if parent is None else None
-            B = self.block_size
-            self.queue.append(BlockStored(hashes, parent, tokens, B, namespace, medium))
+            B, group = self.block_size, _group(window)
+            event = BlockStored(hashes, parent, tokens, B, namespace, medium, group, window)
+            self.queue.append(event)
 
-    def removed(self, hashes: Sequence[int], medium: str | None = None) -> None:
-        """Blocks (deepest first along a path) left a tier."""
+    def removed(
+        self, hashes: Sequence[int], medium: str | None = None, *, window: int | None = None
+    ) -> None:
+        """Blocks (deepest first along a path) left a tier (`window`: of the window group)."""
         if hashes:
-            self.queue.append(BlockRemoved(tuple(hashes), medium))
+            self.queue.append(BlockRemoved(tuple(hashes), medium, _group(window)))
 
     def cleared(self) -> None:
         self.queue.append(AllBlocksCleared())
@@ -123,3 +145,7 @@ class EventRecorder:
         for node in nodes:
             if node.block_keys is None:
                 raise AssertionError(f"[{node.start},{node.end}) was never hashed")
+
+
+def _group(window: int | None) -> int:
+    return 0 if window is None else 1

@@ -9,7 +9,8 @@ SGLang's full + SWA pools have the same shape):
 A request's life, as `PrefixCache`'s with a window table beside the block table:
 
     match(tokens, max_tokens)          the full match, cut back to the deepest point that has
-                                       the window KV of the W tokens before it
+                                       the window KV of the W tokens before it (a tail on the
+                                       device, or at a block boundary in the lower tiers)
     t = admit(tokens, max_hit, ...)    None: does not fit now, nothing changed; `t.full` covers
                                        every token, `t.window` the first `num_window_tokens`
     extend(t, num_tokens)              window blocks up to `num_tokens` (the next chunk)
@@ -19,6 +20,21 @@ A request's life, as `PrefixCache`'s with a window table beside the block table:
     commit(t, tokens)                  the full group inserts, the window group keeps a tail
     keep_tail(t, tokens)               one more tail, at a point short of the last commit
     close(t)
+    reset()                            both groups emptied, tails and lower-tier entries too
+
+KV events (`kv_events`): one queue, the full group's, drained by `full.take_events()`; the full
+group announces as a `PrefixCache` does (group 0), the window group the blocks its tails keep
+(group 1, `radixkv.cache.window`).
+
+Lower tiers (`host_blocks`, `disk` for the full group; `window_host_blocks`, `window_disk` for
+the window group, both or neither): the window KV a hit resumes from follows its prefix down.
+The window group's blocks are named by the full chain's keys (a window layer's KV at a position
+depends on the prefix up to it, as a full layer's does), so an evicted tail's full blocks are
+demoted under those keys to a host pool of their own (then disk), and a lookup past the
+device's tails takes the deepest block boundary e where the full layers' blocks up to e are
+cached in some tier and the window blocks first_live_index(e) .. e // B - 1 are in the window
+group's lower tiers (`WindowGroup.lower_hit`). The moves of each group are drained apart
+(`take_moves`, `take_window_moves`): each runs over its own tensors.
 
 A model without window layers uses `PrefixCache` alone: none of this runs for it.
 """
@@ -28,10 +44,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from radixkv.cache.keys import BlockHasher
 from radixkv.cache.moves import Move
 from radixkv.cache.prefix_cache import BlockTable, CacheStats, MatchResult, PrefixCache
+from radixkv.cache.tiers import DiskIndex, LowerTiers
 from radixkv.cache.tokens import PackedTokens, check_size
-from radixkv.cache.window import WindowGroup, WindowTable
+from radixkv.cache.window import LowerHit, WindowGroup, WindowTable
 
 
 @dataclass(slots=True, eq=False)
@@ -73,7 +91,7 @@ class HybridCache:
     `num_window_blocks` window-layer blocks of window `window`, one block size.
 
     Invariants (recomputed by `check_integrity`): both groups' own (a table's two halves are
-    counted there, each by its group).
+    counted there, each by its group) and the window group's lower tiers'.
     """
 
     def __init__(
@@ -84,9 +102,34 @@ class HybridCache:
         window: int,
         *,
         eviction: str = "gdsf",
+        kv_events: bool | BlockHasher = False,
+        host_blocks: int = 0,
+        disk: DiskIndex | None = None,
+        write_through: bool = False,
+        window_host_blocks: int = 0,
+        window_disk: DiskIndex | None = None,
     ) -> None:
-        self.full = PrefixCache(num_blocks, block_size, eviction=eviction)
-        self.window = WindowGroup(num_window_blocks, block_size, window)
+        """`kv_events`, `host_blocks`, `disk`, `write_through`: as `PrefixCache`'s (the full
+        group's); both groups record into the full group's queue. `window_host_blocks` /
+        `window_disk`: the window group's lower tiers, which go with the full group's."""
+        if bool(host_blocks) != bool(window_host_blocks) or (disk is None) != (window_disk is None):
+            raise ValueError("the window group has lower tiers exactly when the full group has")
+        self.full = PrefixCache(
+            num_blocks,
+            block_size,
+            eviction=eviction,
+            kv_events=kv_events,
+            host_blocks=host_blocks,
+            disk=disk,
+            write_through=write_through,
+        )
+        events, keys = self.full.event_recorder, self.full.key_chain
+        tiers = None
+        if window_host_blocks:
+            tiers = LowerTiers(window_host_blocks, block_size, window_disk, events, window=window)
+        self.window = WindowGroup(
+            num_window_blocks, block_size, window, events=events, keys=keys, tiers=tiers
+        )
         self.block_size = self.full.block_size
         self._open: set[HybridTable] = set()
 
@@ -100,10 +143,21 @@ class HybridCache:
         """What a request can resume after: the full match, cut back to the deepest point whose
         window KV is kept. Mutates nothing; raises like `PrefixCache.match`."""
         packed = _packed(tokens)
+        qb = packed.tobytes()
         m = self.full.match(packed, max_tokens=max_tokens, namespace=namespace)
-        hit = self.window.hit(packed.tobytes(), m.num_cached_tokens, namespace)
+        hit = self.window.hit(qb, m.num_cached_tokens, namespace)
+        lower = self.window.lower_hit(qb, m.num_cached_tokens, namespace, hit)
         B = self.block_size
-        return MatchResult(len(packed), hit, m.block_ids[: -(-hit // B)], hit % B, namespace)
+        if lower is not None:
+            hit = lower.end
+        tree = (
+            len(m.block_ids) * B if m.num_host_blocks or m.num_disk_blocks else m.num_cached_tokens
+        )
+        if hit <= tree:
+            return MatchResult(len(packed), hit, m.block_ids[: -(-hit // B)], hit % B, namespace)
+        past = hit // B - len(m.block_ids)  # whole blocks in the full group's lower tiers
+        host = min(past, m.num_host_blocks)
+        return MatchResult(len(packed), hit, m.block_ids, 0, namespace, host, past - host)
 
     def admit(
         self,
@@ -126,8 +180,11 @@ class HybridCache:
                 packed, max_tokens=max_hit, namespace=namespace
             ).num_cached_tokens
             hit = self.window.hit(qb, branch, namespace)
+        lower = None if max_hit is None else self.window.lower_hit(qb, branch, namespace, hit)
+        if lower is not None:
+            hit = lower.end
         n = len(packed) if num_window_tokens is None else num_window_tokens
-        if not self.window.fits(qb, hit, namespace, n):
+        if not self._window_fits(qb, hit, lower, namespace, n):
             return None
         full = self.full.admit(
             packed, max_hit=None if max_hit is None else hit, namespace=namespace
@@ -135,11 +192,21 @@ class HybridCache:
         if full is None:
             return None
         assert full.num_cached_tokens == hit, "the full path up to a window hit is cached"
-        window = self.window.open(qb, hit, namespace)
+        if lower is None:
+            window = self.window.open(qb, hit, namespace)
+        else:
+            window = self.window.open_lower(lower, namespace)
         assert window is not None and self.window.extend(window, n), "checked by fits()"
         table = HybridTable(full, window, qb, branch if branch > hit else None)
         self._open.add(table)
         return table
+
+    def _window_fits(
+        self, qb: bytes, hit: int, lower: LowerHit | None, namespace: str | None, n: int
+    ) -> bool:
+        if lower is None:
+            return self.window.fits(qb, hit, namespace, n)
+        return self.window.fits_lower(lower, n)
 
     def extend(self, table: HybridTable, num_tokens: int) -> bool:
         """Full and window blocks for every token up to `num_tokens`; False if the window
@@ -178,16 +245,48 @@ class HybridCache:
         self.full.close(table.full)
         self.window.close(table.window)
 
+    def reset(self) -> bool:
+        """`PrefixCache.reset` for both groups: every tail and lower-tier entry goes too.
+        False, changing nothing, while a table holds a lock."""
+        if not self.full.reset():
+            return False
+        self.window.clear()
+        return True
+
     def stats(self) -> CacheStats:
         """The full group's (the window group's pool is `window.pool`)."""
         return self.full.stats()
 
     def take_moves(self) -> list[Move]:
+        """The full group's tier moves (`PrefixCache.take_moves`)."""
         return self.full.take_moves()
+
+    def take_window_moves(self) -> list[Move]:
+        """The window group's tier moves since the last call, in order, over the window
+        layers' blocks ([] without lower tiers)."""
+        tiers = self.window.tiers
+        return [] if tiers is None else tiers.take_moves()
+
+    def forget_window_host_blocks(self, host_blocks: Sequence[int]) -> None:
+        """A window move failed and left these window host blocks holding garbage."""
+        if self.window.tiers is not None:
+            self.window.tiers.forget(host_blocks)
+
+    def persist(self) -> None:
+        """`PrefixCache.persist` for both groups: every cached block, full and window (the
+        tails' full blocks), planned down to the disk tier. Nothing to do without one."""
+        tiers = self.window.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        self.full.persist()
+        self.window.persist()
+        tiers.write_to_disk()
 
     def check_integrity(self) -> None:
         self.full.check_integrity()
         self.window.check_integrity()
+        if self.window.tiers is not None:
+            self.window.tiers.check_integrity()
 
 
 def _packed(tokens: Sequence[int]) -> PackedTokens:

@@ -447,6 +447,16 @@ class PrefixCache:
         if self._tiers is not None:
             self._tiers.forget(host_blocks)
 
+    @property
+    def event_recorder(self) -> EventRecorder | None:
+        """The queue this cache records into (None: built without events) and the chain that
+        names its blocks: a window group beside it announces its blocks there too."""
+        return self._events
+
+    @property
+    def key_chain(self) -> KeyChain | None:
+        return self._keys
+
     def take_events(self) -> list[KVEvent]:
         """The KV events recorded since the last call, oldest first ([] when the cache was built
         without `kv_events=True`)."""

@@ -66,7 +66,9 @@ class HostEntry(LruEntry):
 
 class LowerTiers:
     """The host tier (`num_host_blocks` blocks of `block_size` tokens) and the disk store (None:
-    no disk tier), planned by the cache, run by the engine (see the module docstring)."""
+    no disk tier), planned by the cache, run by the engine (see the module docstring). One per
+    KV cache group: `window` names the window layers' group (their blocks' KV, under the same
+    keys; `radixkv.cache.window`), None the full layers'."""
 
     def __init__(
         self,
@@ -74,14 +76,17 @@ class LowerTiers:
         block_size: int,
         disk: DiskIndex | None,
         events: EventRecorder | None,
+        *,
+        window: int | None = None,
     ) -> None:
         self.pool = BlockPool(num_host_blocks, block_size)
         self.block_size = block_size
         self.disk = disk
         self.events = events
+        self.window = window
         if disk is not None and events is not None:
-            disk.on_stored = lambda key: events.stored([key], medium=DISK_MEDIUM)
-            disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM)
+            disk.on_stored = lambda key: events.stored([key], medium=DISK_MEDIUM, window=window)
+            disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM, window=window)
         self.entries = LruEntries()  # block hash -> HostEntry
         self.moves: list[Move] = []
         self.counts = dict.fromkeys(
@@ -228,10 +233,10 @@ class LowerTiers:
     def _add(self, key: BlockKey, block: int) -> None:
         self.entries.add(HostEntry(key.block_hash, key=key, block=block))
         if self.events is not None:
-            self.events.stored([key], medium=HOST_MEDIUM)
+            self.events.stored([key], medium=HOST_MEDIUM, window=self.window)
 
     def _remove(self, entry: HostEntry) -> None:
         self.entries.remove(entry.block_hash)
         self.pool.release([entry.block])
         if self.events is not None:
-            self.events.removed([entry.key.block_hash], HOST_MEDIUM)
+            self.events.removed([entry.key.block_hash], HOST_MEDIUM, window=self.window)

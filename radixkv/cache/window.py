@@ -30,6 +30,19 @@ reads), and a point that the full tree evicts and later caches again is valid ag
 The cost: hits resume at commit points only (a prompt's end, a chunk's end, a finished reply),
 not mid-node as the full group's token-granular hits do.
 
+KV events (with a recorder, `radixkv.cache.events`): the full blocks a tail keeps are announced
+as the window group's (group 1), named by the chained keys of their prefix (`radixkv.cache.keys`,
+the full group's chain), each key stored when the first tail holding it is kept and removed when
+the last such tail goes; a running table's blocks are never announced (as the tree announces
+only what it caches).
+
+Lower tiers (`tiers`, a `LowerTiers` of the window group): an evicted tail's full blocks are
+demoted there under the same keys (a window block's KV is a function of its prefix, as a full
+block's is), and `lower_hit` finds the deepest block boundary e whose window blocks
+first_live_index(e) .. e // B - 1 are all there; `open_lower` loads them into a new table. With
+tiers, tables and tails keep one block more before the first live one (`margin`): a tail ending
+at t then covers the window of the boundary t // B * B, where a hit from the tiers resumes.
+
 Ref counts: a window block's owners are the tails and the open tables that list it (each once),
 plus a table's pinned copy source (released at its next `slide` or `close`, once its copy has
 run). Deterministic: recency is the order of use, nothing reads the wall clock.
@@ -43,7 +56,10 @@ from dataclasses import dataclass, field
 import xxhash
 from sortedcontainers import SortedList
 
+from radixkv.cache.events import EventRecorder
+from radixkv.cache.keys import BlockKey, KeyChain, token_bytes_le
 from radixkv.cache.pool import BlockPool
+from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
 
 # (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
@@ -92,6 +108,24 @@ class _Tail:
     blocks: tuple[int, ...]
     proven: bool  # in the proven segment, else in the speculative one
     branch: bool  # kept at a branch point of the tree's paths
+    # with events or tiers: the keys of its full blocks (indices first .. end // B - 1)
+    keys: tuple[BlockKey, ...] = field(default=(), repr=False)
+
+    @property
+    def hashes(self) -> tuple[int, ...]:
+        return tuple(key.block_hash for key in self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class LowerHit:
+    """A hit at a block boundary `end` whose window blocks (indices first .. end // B - 1, named
+    by `keys`) are in the lower tiers: the first `h` on the host, the other `d` on disk."""
+
+    end: int
+    first: int
+    keys: tuple[BlockKey, ...]
+    h: int
+    d: int
 
 
 class WindowGroup:
@@ -100,16 +134,33 @@ class WindowGroup:
     Invariants (recomputed by `check_integrity`):
     * every block's ref count = tails listing it + open tables listing it + tables pinning it;
     * a tail ending at e holds e tokens under their key and exactly the blocks of indices
-      first_live_index(e) .. ceil(e/B)-1;
+      first .. ceil(e/B)-1, first_live_index(e) - margin <= first <= first_live_index(e);
     * each namespace's sorted ends list the ends of its tails; the two eviction segments list
       every tail once, in the segment its `proven` names;
-    * a table's listed blocks are one run that reaches its last entry.
+    * a table's listed blocks are one run that reaches its last entry;
+    * with events, each announced hash is held by as many tails as list it, and a tail lists
+      one per full block it keeps.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        window: int,
+        *,
+        events: EventRecorder | None = None,
+        keys: KeyChain | None = None,
+        tiers: LowerTiers | None = None,
+    ) -> None:
+        """`events`: the recorder tails are announced to; `tiers`: the lower tiers an evicted
+        tail's full window blocks are demoted to and a hit past the device's tails is loaded
+        from; both name blocks by `keys` (a `HybridCache` passes its full group's chain)."""
+        assert (events is None and tiers is None) or keys is not None, "blocks need keys"
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.window = check_size(window, "window", low=1)
+        self._events, self._keys, self.tiers = events, keys, tiers
+        self._announced: Counter[int] = Counter()  # wire hash -> tails holding its block
         self._tails: dict[TailKey, _Tail] = {}
         # the eviction order: speculative tails, then proven ones, least recently used first
         self._speculative: OrderedDict[TailKey, None] = OrderedDict()
@@ -118,6 +169,13 @@ class WindowGroup:
         self._tail_refs: Counter[int] = Counter()
         self._open: set[WindowTable] = set()
         self.num_evicted_tails = 0
+
+    @property
+    def margin(self) -> int:
+        """Blocks kept before a window's first live one (1 with lower tiers): so that a tail's
+        blocks cover the window before the block boundary at or below its end, the point a
+        lower-tier hit resumes from."""
+        return 0 if self.tiers is None else 1
 
     @property
     def num_tails(self) -> int:
@@ -166,6 +224,57 @@ class WindowGroup:
         pool, refs = self.pool, self._tail_refs
         pinned = sum(pool.ref_count(b) == refs[b] for b in held)  # the table's refs pin them
         return need <= pool.num_free + self.num_evictable_blocks() - pinned
+
+    def lower_hit(
+        self, qb: bytes, num_matched: int, namespace: str | None, above: int
+    ) -> LowerHit | None:
+        """The deepest block boundary e, `above` < e <= `num_matched`, whose window blocks
+        (first_live_index(e) .. e // B - 1) are all in the lower tiers (None: none, or no
+        tiers). Mutates nothing (the disk is probed, not read). O(prompt) hashing."""
+        tiers, B = self.tiers, self.block_size
+        k_max, k_min = num_matched // B, above // B + 1
+        if tiers is None or k_max < k_min or (not tiers.entries and tiers.disk is None):
+            return None
+        keys = self._full_keys(namespace, qb[: TOKEN_BYTES * B * k_max], 0)
+        k = k_max
+        while k >= k_min:
+            first = first_live_index(k * B, self.window, B)
+            h, d = tiers.lookup(keys[first:k])
+            if h + d == k - first:
+                return LowerHit(k * B, first, keys[first:k], h, d)
+            k = first + h + d  # that block is not found: every boundary above it needs it
+        return None
+
+    def fits_lower(self, hit: LowerHit, num_tokens: int) -> bool:
+        """Whether `open_lower(hit, ...)` then `extend(table, num_tokens)` would succeed."""
+        need = len(hit.keys) + max(
+            0, -(-num_tokens // self.block_size) - hit.end // self.block_size
+        )
+        return need <= self.pool.num_free + self.num_evictable_blocks()
+
+    def open_lower(self, hit: LowerHit, namespace: str | None) -> WindowTable | None:
+        """A table resuming at `hit.end` from the lower tiers: new blocks for its window, the
+        loads into them planned (`tiers.take_moves()`). None, nothing changed, if the blocks
+        are not there (`fits_lower` says so beforehand)."""
+        tiers = self.tiers
+        assert tiers is not None
+        tiers.pin(hit.keys, hit.h, hit.d)  # before the allocation demotes tails into the tiers
+        new = self._allocate(len(hit.keys))
+        if new is None:
+            tiers.unpin(hit.keys, hit.h, hit.d)
+            return None
+        tiers.load(hit.keys, hit.h, hit.d, new)
+        table = WindowTable((None,) * hit.first + tuple(new), namespace)
+        self._open.add(table)
+        return table
+
+    def persist(self) -> None:
+        """Demote every tail's full blocks to the lower tiers (they stay on the device too)."""
+        assert self.tiers is not None
+        for key in (*self._speculative, *self._proven):
+            tail = self._tails[key]
+            if tail.keys:
+                self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
 
     # ----------------------------------------------------------------- tables
     def open(self, qb: bytes, hit: int, namespace: str | None) -> WindowTable | None:
@@ -217,7 +326,8 @@ class WindowGroup:
         copy source (the copy ran with the step that wrote the tokens before `num_written`)."""
         assert table in self._open, "slide an open table"
         self._unpin(table)
-        live = min(first_live_index(num_written, self.window, self.block_size), len(table.blocks))
+        live = first_live_index(num_written, self.window, self.block_size) - self.margin
+        live = min(max(0, live), len(table.blocks))
         dead = [b for b in table.blocks[:live] if b is not None]
         if dead:
             self.pool.release(dead)
@@ -240,6 +350,8 @@ class WindowGroup:
             self._place(key, proven=tail.proven or branch)
             return
         first = first_live_index(num_tokens, self.window, self.block_size)
+        held_from = len(table.blocks) - table.num_live_blocks  # its blocks are one run
+        first = max(first - self.margin, min(first, held_from))
         blocks = table.blocks[first : -(-num_tokens // self.block_size)]
         assert None not in blocks, f"the window of {num_tokens} tokens was released: {blocks}"
         for b in blocks:
@@ -247,6 +359,10 @@ class WindowGroup:
         self._tail_refs.update(blocks)  # type: ignore[arg-type]
         prefix = qb[: TOKEN_BYTES * num_tokens]
         tail = _Tail(num_tokens, prefix, first, blocks, branch, branch)  # type: ignore[arg-type]
+        if self._keys is not None:
+            tail.keys = self._full_keys(table.namespace, prefix, first)
+        if self._events is not None:
+            self._announce(table.namespace, tail.keys)
         self._tails[key] = tail
         (self._proven if branch else self._speculative)[key] = None
         self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
@@ -255,6 +371,27 @@ class WindowGroup:
             if old is not None and not old.branch:
                 self._place(table.last_tail, proven=False, first=True)  # type: ignore[arg-type]
             table.last_tail = key
+
+    def _full_keys(self, namespace: str | None, prefix: bytes, first: int) -> tuple[BlockKey, ...]:
+        """The keys of the full blocks [first, len(prefix) // B) of the packed `prefix`."""
+        assert self._keys is not None
+        num_full = len(prefix) // (TOKEN_BYTES * self.block_size)
+        full = prefix[: TOKEN_BYTES * self.block_size * num_full]
+        return tuple(self._keys.chain(namespace, token_bytes_le(full))[first:])
+
+    def _announce(self, namespace: str | None, keys: tuple[BlockKey, ...]) -> None:
+        """Store events for a new tail's full blocks that no other tail holds, one per
+        consecutive run."""
+        assert self._events is not None
+        run: list[BlockKey] = []
+        for key in keys:
+            if not self._announced[key.block_hash]:
+                run.append(key)
+            elif run:
+                self._events.stored(run, namespace, window=self.window)
+                run = []
+            self._announced[key.block_hash] += 1
+        self._events.stored(run, namespace, window=self.window)
 
     def _place(self, key: TailKey, *, proven: bool, first: bool = False) -> None:
         """Move a tail to the recent end (`first`: the front) of a segment."""
@@ -292,6 +429,8 @@ class WindowGroup:
         while len(freed) < num_blocks and self._tails:
             key, _ = (self._speculative or self._proven).popitem(last=False)
             tail = self._tails.pop(key)
+            if self.tiers is not None and tail.keys:  # before its blocks can be reused
+                self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
             self._ends[key[0]].remove(tail.end)
             if not self._ends[key[0]]:
                 del self._ends[key[0]]
@@ -301,7 +440,31 @@ class WindowGroup:
                     del self._tail_refs[b]
             freed += self.pool.release(tail.blocks)
             self.num_evicted_tails += 1
+            if self._events is not None:
+                self._events.removed(self._unannounce(tail.hashes), window=self.window)
         return freed
+
+    def clear(self) -> None:
+        """Drop every tail and every lower-tier entry (open tables keep their blocks); tails
+        go without events (the full group's `AllBlocksCleared` covers the device)."""
+        for tail in self._tails.values():
+            self.pool.release(tail.blocks)
+        for index in (self._tails, self._speculative, self._proven, self._ends):
+            index.clear()
+        self._tail_refs.clear()
+        self._announced.clear()
+        if self.tiers is not None:
+            self.tiers.clear()
+
+    def _unannounce(self, hashes: tuple[int, ...]) -> list[int]:
+        """A tail holding `hashes` went: those no other tail holds, deepest first."""
+        gone = []
+        for h in reversed(hashes):
+            self._announced[h] -= 1
+            if not self._announced[h]:
+                del self._announced[h]
+                gone.append(h)
+        return gone
 
     def _allocate(self, num_blocks: int) -> list[int] | None:
         short = num_blocks - self.pool.num_free
@@ -326,11 +489,14 @@ class WindowGroup:
             namespace, end = key[0], tail.end
             first = first_live_index(end, self.window, B)
             if key != tail_key(namespace, tail.prefix, len(tail.prefix) // TOKEN_BYTES) or (
-                key[1] != end or tail.first != first or len(tail.blocks) != -(-end // B) - first
+                key[1] != end
+                or not first - self.margin <= tail.first <= first
+                or len(tail.blocks) != -(-end // B) - tail.first
             ):
                 raise AssertionError(f"tail at {end} holds {tail} (first index {first})")
             owners.update(tail.blocks)
             ends.setdefault(namespace, []).append(end)
+        self._check_announced()
         if owners != self._tail_refs:
             raise AssertionError(f"tail references {self._tail_refs} != tails' blocks {owners}")
         if {ns: sorted(e) for ns, e in ends.items()} != {
@@ -346,3 +512,15 @@ class WindowGroup:
             if table.pinned is not None:
                 owners[table.pinned] += 1
         self.pool.check_integrity(dict(owners))
+
+    def _check_announced(self) -> None:
+        held: Counter[int] = Counter()
+        for tail in self._tails.values():
+            if self._keys is not None:
+                num_full = max(0, tail.end // self.block_size - tail.first)
+                if len(tail.keys) != num_full:
+                    raise AssertionError(f"tail at {tail.end} keys {tail.hashes}")
+            if self._events is not None:
+                held.update(tail.hashes)
+        if held != self._announced:
+            raise AssertionError(f"announced {self._announced} != tails' full blocks {held}")

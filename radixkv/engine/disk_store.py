@@ -105,6 +105,11 @@ def fingerprint_digest(fingerprint: Mapping[str, Any]) -> bytes:
     return hashlib.blake2b(text.encode("ascii"), digest_size=_DIGEST_BYTES).digest()
 
 
+def block_file_nbytes(block_size: int, block_nbytes: int) -> int:
+    """The size of one block file: header, token ids, the block's KV, checksum."""
+    return HEADER.size + 4 * block_size + block_nbytes + CHECKSUM.size
+
+
 # ----------------------------------------------------------------------------------- store
 @dataclass(frozen=True, slots=True)
 class DiskStoreStats:
@@ -148,7 +153,7 @@ class DiskStore:
         self._secret = None if secret is None else hashlib.blake2b(b"radixkv:" + secret).digest()
         self.block_size = block_size
         self.block_nbytes = block_nbytes
-        self.file_nbytes = HEADER.size + 4 * block_size + block_nbytes + CHECKSUM.size
+        self.file_nbytes = block_file_nbytes(block_size, block_nbytes)
         assert budget_bytes >= self.file_nbytes, "the door checks that the budget holds a block"
         self.budget_bytes = budget_bytes
         self.directory = Path(root) / _layout_name(self.fingerprint, secret)

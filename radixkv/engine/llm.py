@@ -36,7 +36,7 @@ import torch
 
 from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.hybrid import HybridCache
-from radixkv.cache.keys import make_block_hasher
+from radixkv.cache.keys import BlockHasher, make_block_hasher
 from radixkv.cache.moves import Move, Poisoned
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
@@ -63,7 +63,7 @@ from radixkv.engine.prompts import (
 from radixkv.engine.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
-from radixkv.engine.tier_io import make_tier_io
+from radixkv.engine.tier_io import TierIO, make_group_tier_ios, make_tier_io
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import HybridScheduler, Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
@@ -146,9 +146,8 @@ class LLM:
         if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
-        _refuse_window_extras(self.runner.window, config)
         self.runner.warm_up()
-        self.tier_io = make_tier_io(self.model, self.runner.k_cache, self.runner.v_cache, config)
+        self.tier_io, self.window_tier_io = self._tier_ios()
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
         self.cache = PrefixCache(
@@ -159,7 +158,7 @@ class LLM:
             disk=None if self.tier_io is None else self.tier_io.disk,
             write_through=config.host_cache_write_through,
         )
-        self.scheduler = self._scheduler()
+        self.scheduler = self._scheduler(hasher)
         self.kv_events = None if events is None else _event_feed(config)
         overlap = config.async_scheduling
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -174,14 +173,35 @@ class LLM:
         self._orphans: list[str] = []  # streams dropped during a step, released after it
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
-    def _scheduler(self) -> Scheduler:
+    def _tier_ios(self) -> tuple[TierIO | None, TierIO | None]:
+        """The tier movers of the full layers' pool and of the window layers' (None: no host
+        tier, or no window layers)."""
+        runner = self.runner
+        full = (runner.k_cache, runner.v_cache)
+        if runner.window_k_cache is None:
+            return make_tier_io(self.model, *full, self.config), None
+        window = (runner.window_k_cache, runner.window_v_cache)
+        return make_group_tier_ios(self.model, full, window, self.config)
+
+    def _scheduler(self, hasher: BlockHasher | bool) -> Scheduler:
         """The plain scheduler over `cache`, or for a model with window layers the hybrid one
-        over `cache` (then its full group) and the window group (`radixkv.cache.hybrid`)."""
+        over `cache` (then its full group, whose queue the window group's events join) and the
+        window group (`radixkv.cache.hybrid`)."""
         runner = self.runner
         if runner.window is None:
             return Scheduler(self.cache, self.config)
+        full, window = self.tier_io, self.window_tier_io
         hybrid = HybridCache(
-            runner.num_blocks, runner.num_window_blocks, self.config.block_size, runner.window
+            runner.num_blocks,
+            runner.num_window_blocks,
+            self.config.block_size,
+            runner.window,
+            kv_events=hasher,
+            host_blocks=0 if full is None else full.host.num_blocks,
+            disk=None if full is None else full.disk,
+            write_through=self.config.host_cache_write_through,
+            window_host_blocks=0 if window is None else window.host.num_blocks,
+            window_disk=None if window is None else window.disk,
         )
         self.cache = hybrid.full
         return HybridScheduler(hybrid, self.config)
@@ -457,7 +477,7 @@ class LLM:
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
         # Even with no rows: the moves the cache planned since the last step must run.
-        requeued = self._run_step_moves(out) if out.moves else set()
+        requeued = self._run_step_moves(out) if out.moves or out.window_moves else set()
         launched = None
         if not out.is_empty:
             launched = self._steps.launch(out, self._sampled_rows(out), previous, requeued)
@@ -557,22 +577,32 @@ class LLM:
         the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
         to do without a disk tier. Not during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
-        self.cache.persist()
+        hybrid = self.scheduler.cache if isinstance(self.scheduler, HybridScheduler) else None
+        (hybrid or self.cache).persist()
         moves = self.cache.take_moves()
         if moves:
             self._run_moves(moves)
-        if self.tier_io is not None:
-            self.tier_io.log_saved()
+        window_moves = [] if hybrid is None else hybrid.take_window_moves()
+        if window_moves:
+            self._run_moves(window_moves, window=True)
+        for tier_io in (self.tier_io, self.window_tier_io):
+            if tier_io is not None:
+                tier_io.log_saved()
 
-    def _run_moves(self, moves: Sequence[Move]) -> Poisoned:
-        """Run tier moves in order; the cache forgets the host copies a failed move left holding
-        garbage, whatever happens. Returns the blocks that failed."""
-        tier_io = self.tier_io
+    def _run_moves(self, moves: Sequence[Move], *, window: bool = False) -> Poisoned:
+        """Run tier moves in order (`window`: the window layers' group's); the cache forgets the
+        host copies a failed move left holding garbage, whatever happens. Returns the blocks
+        that failed."""
+        tier_io = self.window_tier_io if window else self.tier_io
         assert tier_io is not None, "the cache plans moves only with a host tier"
         try:
             poisoned = tier_io.run(moves)
         finally:
-            self.cache.forget_host_blocks(sorted(tier_io.poisoned_so_far.host))
+            garbage = sorted(tier_io.poisoned_so_far.host)
+            if window:
+                self.scheduler.cache.forget_window_host_blocks(garbage)  # type: ignore[attr-defined]
+            else:
+                self.cache.forget_host_blocks(garbage)
         tier_io.order_before_compute()
         return poisoned
 
@@ -583,11 +613,19 @@ class LLM:
         the cache holds then (a block file that could not be read is a miss, not an error: the
         disk tier does not offer it again); a second failed copy fails it. Their rows still run,
         and are ignored. Returns their ids."""
-        poisoned = self._run_moves(out.moves)
-        if poisoned.device:
-            hit = [r.request_id for r in out.rows if poisoned.device.intersection(r.block_table)]
-            faulty = poisoned.faulty
-            struck = [r.request_id for r in out.rows if faulty.intersection(r.block_table)]
+        poisoned = self._run_moves(out.moves) if out.moves else Poisoned()
+        window = self._run_moves(out.window_moves, window=True) if out.window_moves else Poisoned()
+        if poisoned.device or window.device:
+
+            def reading(bad: set[int], wbad: set[int]) -> list[str]:
+                return [
+                    r.request_id
+                    for r in out.rows
+                    if bad.intersection(r.block_table) or wbad.intersection(r.window_block_table)
+                ]
+
+            hit = reading(poisoned.device, window.device)
+            struck = reading(poisoned.faulty, window.faulty)
             failed = [rid for rid in struck if self._tracked[rid].failed_load]
             for rid in struck:
                 self._tracked[rid].failed_load = True
@@ -683,16 +721,6 @@ class LLM:
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
-
-
-def _refuse_window_extras(window: int | None, config: EngineConfig) -> None:
-    """The host / disk tiers and KV events cover full-attention KV only: a model with window
-    layers runs without them, refused here in one line rather than half served."""
-    if window is not None and (config.host_cache_bytes or config.kv_events is not None):
-        raise ValueError(
-            f"the model has sliding-window layers (window {window}): host / disk KV tiers and KV "
-            "events do not cover them yet; run it without host_cache_bytes and kv_events"
-        )
 
 
 def _event_feed(config: EngineConfig) -> KVEventFeed:

@@ -1,5 +1,8 @@
 """Runs the cache's tier moves (`radixkv.cache.moves`) and measures them.
 
+One `TierIO` per KV cache group: a model with sliding-window layers has a second one over the
+window layers' pool (`make_tier_io(group="window")`, its files in a folder of their own).
+
 `TierIO.run(moves)` carries out one step's moves in order: copies between the device pool and the
 host pool through the `KVCopier` (asynchronous on CUDA), block files through the `DiskStore`.
 A file move waits on the host for the copies before it (it reads or rewrites host blocks an
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
-from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
+from radixkv.engine.disk_store import DiskStore, block_file_nbytes
 from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
 from radixkv.engine.kv_fingerprint import kv_fingerprint
 
@@ -52,24 +55,35 @@ class MoveTotals:
 
 
 def make_tier_io(
-    model: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, config: EngineConfig
+    model: Any,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    config: EngineConfig,
+    *,
+    num_host_blocks: int | None = None,
+    disk_bytes: int | None = None,
+    group: str | None = None,
 ) -> TierIO | None:
     """The host pool, its copier and the disk store that `config` asks for, over the device pool
     `k_cache` / `v_cache` ([num_layers, num_blocks, block_size, kv_heads, head_dim]); None without
-    a host tier. ValueError for a host or disk budget that holds no block."""
+    a host tier. `num_host_blocks` / `disk_bytes`: this pool's share of the budgets (None: all
+    of them); `group` names a KV cache group other than the full layers' (its files are kept
+    apart). ValueError for a host or disk budget that holds no block."""
     if not config.host_cache_bytes:
         return None
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
     shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     dtype = k_cache.dtype
     bytes_per_block = 2 * k_cache[:, 0].nbytes  # K and V of one block over every layer
-    num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
+    if num_host_blocks is None:
+        num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
     cuda = k_cache.device.type == "cuda"
     host = HostKVPool(num_host_blocks, block_size=block_size, dtype=dtype, pin_memory=cuda, **shape)
     disk = None
     if config.kv_cache_dir is not None:
-        file_nbytes = HEADER.size + 4 * block_size + bytes_per_block + CHECKSUM.size
-        if config.disk_cache_bytes < file_nbytes:
+        file_nbytes = block_file_nbytes(block_size, bytes_per_block)
+        disk_bytes = config.disk_cache_bytes if disk_bytes is None else disk_bytes
+        if disk_bytes < file_nbytes:
             raise ValueError(
                 f"disk_cache_bytes={config.disk_cache_bytes} holds no KV block file "
                 f"({file_nbytes} bytes each)"
@@ -77,16 +91,19 @@ def make_tier_io(
         fingerprint = kv_fingerprint(
             model, block_size=block_size, dtype=dtype, device=k_cache.device, **shape
         )
+        if group is not None:
+            fingerprint["kv_cache_group"] = group
         disk = DiskStore(
             config.kv_cache_dir,
             fingerprint,
             block_size=block_size,
             block_nbytes=bytes_per_block,
-            budget_bytes=config.disk_cache_bytes,
+            budget_bytes=disk_bytes,
             secret=_secret_bytes(config.kv_cache_secret),
         )
     logger.info(
-        "host KV tier: %d blocks (%.0f MiB)",
+        "host KV tier%s: %d blocks (%.0f MiB)",
+        "" if group is None else f" ({group} layers)",
         num_host_blocks,
         num_host_blocks * bytes_per_block / 2**20,
     )
@@ -99,6 +116,36 @@ def make_tier_io(
             disk.budget_bytes / 2**20,
         )
     return TierIO(KVCopier(k_cache, v_cache, host), disk)
+
+
+def make_group_tier_ios(
+    model: Any,
+    full: tuple[torch.Tensor, torch.Tensor],
+    window: tuple[torch.Tensor, torch.Tensor],
+    config: EngineConfig,
+) -> tuple[TierIO | None, TierIO | None]:
+    """`make_tier_io` for a model with window layers: one mover over the full layers' K / V
+    pool, one over the window layers'. The two split the host and disk budgets so that each
+    holds as many blocks (a window hit needs both groups' blocks of its prefix). (None, None)
+    without a host tier; ValueError as `make_tier_io`."""
+    if not config.host_cache_bytes:
+        return None, None
+    B = config.block_size
+    nbytes = [2 * k[:, 0].nbytes for k, _ in (full, window)]  # K and V of one block
+    num_host = plan_host_blocks(sum(nbytes), config.host_cache_bytes)
+    num_files = config.disk_cache_bytes // sum(block_file_nbytes(B, n) for n in nbytes)
+    full_io, window_io = (
+        make_tier_io(
+            model,
+            *kv,
+            config,
+            num_host_blocks=num_host,
+            disk_bytes=num_files * block_file_nbytes(B, n),
+            group=group,
+        )
+        for kv, n, group in ((full, nbytes[0], None), (window, nbytes[1], "window"))
+    )
+    return full_io, window_io
 
 
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:

@@ -154,15 +154,17 @@ def _flush(llm: LLM, *, keep_disk: bool) -> tuple[str | None, str]:
     if llm.has_unfinished_requests():
         running, waiting = llm.scheduler.num_running, llm.num_waiting_requests
         return f"{running} requests running and {waiting} waiting", ""
-    if not llm.cache.reset():
+    if not llm.scheduler.cache.reset():  # a window model's: both KV cache groups
         return "a request still holds cached blocks", ""
-    disk = None if llm.tier_io is None else llm.tier_io.disk
-    if disk is None:
+    tier_ios = (llm.tier_io, llm.window_tier_io)
+    disks = [t.disk for t in tier_ios if t is not None and t.disk is not None]
+    if not disks:
         return None, "every tier cleared (there is no disk tier)"
     if keep_disk:
-        kept = f"the disk tier kept ({disk.num_files} files indexed)"
+        kept = f"the disk tier kept ({sum(d.num_files for d in disks)} files indexed)"
         return None, f"the device and host tiers cleared, {kept}"
-    disk.clear()
+    for disk in disks:
+        disk.clear()
     return None, "every tier cleared, the disk tier's files included"
 
 

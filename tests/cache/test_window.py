@@ -8,9 +8,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from router_index import BlockHashIndex
 
 from radixkv import PackedTokens
+from radixkv.cache.events import BlockStored
 from radixkv.cache.hybrid import HybridCache, HybridTable
+from radixkv.cache.keys import chain_hashes, namespace_seed
 from radixkv.cache.window import WindowGroup, first_live_index
 
 
@@ -262,6 +265,74 @@ def test_every_query_reads_the_kv_it_needs_under_eviction(block_size: int, seed:
         )
     assert hits > 0
     assert cache.window.num_evicted_tails > 0
+
+
+def _tail_hashes(cache: HybridCache) -> set[int]:
+    """The chained hashes of the full blocks the tails keep, recomputed from their prefixes."""
+    B, W = cache.block_size, cache.window.window
+    hashes: set[int] = set()
+    for namespace, prefix in cache.window.tail_prefixes():
+        end = len(prefix) // 4
+        seed = None if namespace is None else namespace_seed(namespace)
+        chain = chain_hashes(seed, prefix[: 4 * (end // B * B)], B)
+        hashes.update(chain[first_live_index(end, W, B) :])
+    return hashes
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_events_name_each_groups_blocks_under_eviction(block_size: int, seed: int) -> None:
+    """A router's index, fed the one queue, holds the tree's full blocks as group 0 and the
+    tails' full blocks as group 1 (each key once however many tails keep it), after every
+    request, while both pools evict."""
+    rng = random.Random(seed)
+    window = rng.choice([3, 8])
+    cache = HybridCache(
+        num_blocks=200 // block_size + 8,
+        num_window_blocks=3 * (window // block_size + 2) + 40 // block_size,
+        block_size=block_size,
+        window=window,
+        kv_events=True,
+    )
+    sim, index = _Simulation(cache), BlockHashIndex()
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
+    served: list[list[int]] = []
+    for _ in range(30):
+        tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+        if rng.random() < 0.5:
+            stems.append(tokens)
+        sim.serve(rng, tokens, rng.randrange(1, len(tokens) + 1), chunk=rng.choice([1, 5, 64]))
+        served.append(tokens)
+        events = cache.full.take_events()
+        for event in events:
+            index.apply(event)  # strict: a key stored twice in its group or removed unknown raises
+        window_events = [e for e in events if getattr(e, "group_idx", 0)]
+        assert all(e.group_idx == 1 for e in window_events)
+        assert all(e.sliding_window == window for e in window_events if isinstance(e, BlockStored))
+        assert index.window_hashes == _tail_hashes(cache)
+        for prompt in served:
+            held = cache.full.match(prompt).num_cached_tokens // block_size
+            assert index.longest_prefix_blocks(prompt, block_size) == held
+    assert cache.window.num_evicted_tails > 0 and index.window_hashes
+    assert cache.full.stats().num_evicted_blocks > 0
+
+
+def test_a_window_run_chains_from_the_full_block_before_it() -> None:
+    cache = HybridCache(num_blocks=32, num_window_blocks=16, block_size=4, window=8, kv_events=True)
+    tokens = list(range(1, 22))
+    table = cache.admit(tokens, max_hit=0, namespace="tenant")
+    assert table is not None
+    cache.commit(table, tokens)  # a tail at 21 keeps window indices 3, 4 and 5 (5 partial)
+    cache.close(table)
+    full, window = cache.full.take_events()
+    seed = namespace_seed("tenant")
+    chain = chain_hashes(seed, b"".join(t.to_bytes(4, "little") for t in tokens[:20]), 4)
+    assert isinstance(full, BlockStored) and full.block_hashes == tuple(chain)
+    assert full.group_idx == 0 and full.sliding_window is None and full.namespace == "tenant"
+    assert window == BlockStored(
+        tuple(chain[3:5]), chain[2], tuple(tokens[12:20]), 4, None, None, 1, 8
+    )
+    cache.check_integrity()
 
 
 def _group_with_a_tail_and_a_table() -> tuple[WindowGroup, object]:

@@ -16,9 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_archs import ARCHITECTURES, WINDOW, build_arch, build_config, save_tiny_model
-from tiny_llama import EOS_ID, random_prompts
+from tiny_archs import (
+    ARCHITECTURES,
+    WINDOW,
+    build_arch,
+    build_config,
+    greedy_tokens,
+    save_tiny_model,
+)
+from tiny_llama import random_prompts
 
 from radixkv import LLM, ModelLoadError, SamplingParams
 
@@ -47,27 +53,6 @@ def _workload() -> tuple[list[list[int]], list[int]]:
     return prompts, [6 + (3 * i) % 5 for i in range(len(prompts))]
 
 
-def _greedy(path: Path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (eager attention, fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    outs = []
-    for prompt, n in zip(prompts, max_new, strict=True):
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=n,
-                do_sample=False,
-                eos_token_id=EOS_ID,
-                pad_token_id=0,
-            )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def arch_model(tmp_path_factory):
     """arch -> (folder of its tiny model, transformers' greedy tokens for the workload)."""
@@ -76,7 +61,7 @@ def arch_model(tmp_path_factory):
     def get(arch: str) -> tuple[Path, list[list[int]]]:
         if arch not in made:
             path = build_arch(arch, tmp_path_factory.mktemp(arch))
-            made[arch] = (path, _greedy(path, *_workload()))
+            made[arch] = (path, greedy_tokens(path, *_workload()))
         return made[arch]
 
     return get
@@ -136,7 +121,7 @@ def test_each_property_changes_the_output(arch, change, arch_model, tmp_path):
             other / "model.safetensors",
             metadata={"format": "pt"},
         )
-    assert _greedy(other, *_workload()) != expected
+    assert greedy_tokens(other, *_workload()) != expected
 
 
 # ------------------------------------------------------------------- what the runner reads
@@ -159,7 +144,7 @@ def test_a_window_is_not_the_context(arch_model):
     assert [k.window for k in llm.runner.layout.layers] == [WINDOW] * 4
     (prompt,) = random_prompts(30, 1, min_len=12 * WINDOW, max_len=12 * WINDOW)
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=4))
-    assert list(out.token_ids) == _greedy(path, [prompt], [4])[0]
+    assert list(out.token_ids) == greedy_tokens(path, [prompt], [4])[0]
 
 
 def test_layout_of_gemma2_and_gpt_oss(arch_model):

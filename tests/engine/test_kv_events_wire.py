@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from radixkv.cache.events import (
     BlockStored,
     KVEvent,
 )
+from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.keys import chain_hashes
 from radixkv.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
 
@@ -258,11 +260,93 @@ def from_wire(event: KVCacheEvent) -> KVEvent:
     """A decoded vLLM event as radixkv's (what a router's index applies)."""
     if isinstance(event, VllmBlockStored):
         hashes = tuple(int(h) for h in event.block_hashes)
-        parent = event.parent_block_hash
-        return BlockStored(hashes, parent, tuple(event.token_ids), event.block_size)  # type: ignore[arg-type]
+        parent, group = event.parent_block_hash, event.group_idx or 0
+        window = event.kv_cache_spec_sliding_window
+        assert (window is not None) == (event.kv_cache_spec_kind == "sliding_window")
+        tokens = tuple(event.token_ids)
+        return BlockStored(hashes, parent, tokens, event.block_size, None, None, group, window)  # type: ignore[arg-type]
     if isinstance(event, VllmBlockRemoved):
-        return BlockRemoved(tuple(int(h) for h in event.block_hashes))  # type: ignore[arg-type]
+        hashes = tuple(int(h) for h in event.block_hashes)
+        return BlockRemoved(hashes, None, event.group_idx or 0)  # type: ignore[arg-type]
     return AllBlocksCleared()
+
+
+def _hybrid_workload() -> Iterator[list[KVEvent]]:
+    """A window model's cache under eviction in both groups: each request's events."""
+    cache = HybridCache(num_blocks=16, num_window_blocks=10, block_size=4, window=6, kv_events=True)
+    for k in range(12):
+        tokens = [1, 2, 3, 4, 5, 6, 7, *range(100 * k, 100 * k + 3 + k % 5)]
+        table = cache.admit(tokens, max_hit=len(tokens) - 1)
+        assert table is not None
+        cache.commit(table, tokens)
+        cache.keep_tail(table, tokens[:-1])
+        cache.close(table)
+        cache.check_integrity()
+        yield cache.full.take_events()
+    assert cache.window.num_evicted_tails > 0 and cache.full.stats().num_evicted_blocks > 0
+
+
+def test_a_window_models_events_carry_their_group_on_the_wire() -> None:
+    """Map layout: vLLM's structs decode group_idx 1 with the window's kind and size, and the
+    index rebuilt from the bytes equals the one fed directly, both groups."""
+    direct, wire = BlockHashIndex(), BlockHashIndex()
+    groups = set()
+    for k, events in enumerate(_hybrid_workload()):
+        for event in events:
+            direct.apply(event)
+        batch = DECODER.decode(encode_batch(events, ts=float(k), data_parallel_rank=0))
+        for event in batch.events:
+            wire.apply(from_wire(event))
+            groups.add(getattr(event, "group_idx", None))
+        assert wire.hashes == direct.hashes and wire.window_hashes == direct.window_hashes
+    assert groups == {0, 1} and direct.window_hashes
+
+
+def test_the_array_layout_carries_the_full_group_only() -> None:
+    """Its arrays end before group_idx: a window event there would read as a full one, so the
+    layout leaves the window group out and sends what the full group alone would."""
+    for events in _hybrid_workload():
+        full = [e for e in events if not getattr(e, "group_idx", 0)]
+        payload = encode_batch(events, ts=1.0, data_parallel_rank=0, event_layout="array")
+        alone = encode_batch(full, ts=1.0, data_parallel_rank=0, event_layout="array")
+        assert payload == alone
+        assert len(DECODERS["array"].decode(payload).events) == len(full)
+
+
+def test_a_full_attention_models_bytes_are_the_vllm_group_0_encoding() -> None:
+    """No field a window brought: a full-attention cache's batch is byte for byte what vLLM's
+    structs give with group_idx 0 and nothing after it (msgpack at vLLM's map header widths)."""
+    cache = PrefixCache(12, 4, kv_events=True)
+    for k in range(6):
+        tokens = [1, 2, 3, 4, 5, 6, *range(100 * k, 100 * k + 7)]
+        table = cache.admit(tokens, max_hit=len(tokens))
+        assert table is not None
+        cache.commit(table, tokens)
+        cache.close(table)
+    events = cache.take_events()
+    assert any(isinstance(e, BlockRemoved) for e in events)
+    _, stored, removed, _ = STRUCTS["map"]
+    expected = [
+        stored(
+            list(e.block_hashes),
+            e.parent_block_hash,
+            list(e.token_ids),
+            4,
+            None,
+            "GPU",
+            None,
+            [None] * len(e.block_hashes),
+            0,
+        )
+        if isinstance(e, BlockStored)
+        else removed(list(e.block_hashes), "GPU", 0)
+        for e in events
+    ]
+    payload = encode_batch(events, ts=2.5, data_parallel_rank=1)
+    vllm = msgspec.msgpack.encode(KVEventBatch(ts=2.5, events=expected, data_parallel_rank=1))
+    assert in_order(payload) == in_order(vllm)
+    fields = [list(dict(f)) for f in in_order(payload)[1]]
+    assert {tuple(f[-1:]) for f in fields} == {("group_idx",)}
 
 
 def test_a_real_caches_events_survive_the_wire() -> None:

@@ -3,16 +3,21 @@
 The tiny Gemma-3-like model of `tiny_archs` (3 window-8 layers, 1 full layer); its greedy output
 against transformers is `test_architectures`' matrix. Here: the window layers' blocks a request
 holds stay about W / B + chunk / B however long it grows, its full blocks grow with it; the
-window pool has a tensor of its own, sized by `num_window_blocks`; what the engine refuses.
+window pool has a tensor of its own, sized by `num_window_blocks`; KV events name both groups;
+what the engine refuses.
 """
 
 from __future__ import annotations
 
 import pytest
+from router_index import BlockHashIndex
 from tiny_archs import WINDOW, build_arch
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
+from radixkv.cache.events import BlockStored
+from radixkv.cache.keys import chain_hashes
+from radixkv.cache.window import first_live_index
 from radixkv.scheduler.hybrid import window_budget
 
 B, CHUNK = 4, 16
@@ -64,8 +69,6 @@ def test_window_layers_have_a_smaller_tensor_of_their_own(gemma3):
     ("settings", "message"),
     [
         (dict(num_window_blocks=7), "num_window_blocks=7 holds not one request's window"),
-        (dict(host_cache_bytes=2**20), "tiers and KV events do not cover them"),
-        (dict(kv_events=lambda event: None), "tiers and KV events do not cover them"),
     ],
 )
 def test_what_a_window_model_refuses(gemma3, settings, message):
@@ -81,3 +84,35 @@ def test_a_byte_budget_is_split_between_the_pools(gemma3):
     full_block = 2 * runner.k_cache[:, 0].nbytes
     assert window_budget(WINDOW, B, CHUNK) < runner.num_window_blocks
     assert window <= budget // 2 and budget - full_block < full + window <= budget
+
+
+def test_kv_events_name_both_groups_and_change_no_token(gemma3):
+    """Full blocks as group 0, the window tails' full blocks as group 1 (with the window), one
+    queue drained after each step; greedy output is what the engine gives without events."""
+    events: list = []
+    settings = dict(SETTINGS, num_blocks=40, num_window_blocks=24)
+    llm = LLM(gemma3, **settings, kv_events=events.append)
+    plain = LLM(gemma3, **settings)
+    prompts = random_prompts(5, 6, shared_prefix=3 * WINDOW, min_len=WINDOW, max_len=3 * WINDOW)
+    params = SamplingParams(max_tokens=6)
+    for prompt in [*prompts, *prompts[:3]]:  # the repeats resume at the kept tails
+        (out,) = llm.generate([prompt], params)
+        assert out.token_ids == plain.generate([prompt], params)[0].token_ids
+        llm.check_integrity()
+    index = BlockHashIndex()  # strict, per group
+    for event in events:
+        index.apply(event)
+    cache = llm.scheduler.cache
+    kept = set()
+    for _, prefix in cache.window.tail_prefixes():
+        end = len(prefix) // 4
+        kept.update(
+            chain_hashes(None, prefix[: 4 * (end // B * B)], B)[first_live_index(end, WINDOW, B) :]
+        )
+    assert index.window_hashes == kept and kept
+    for prompt in prompts:
+        held = cache.full.match(prompt).num_cached_tokens // B
+        assert index.longest_prefix_blocks(prompt, B) == held
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert {(e.group_idx, e.sliding_window) for e in stored} == {(0, None), (1, WINDOW)}
+    assert cache.window.num_evicted_tails > 0 and llm.cache.stats().num_evicted_blocks > 0

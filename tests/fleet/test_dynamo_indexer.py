@@ -16,13 +16,17 @@ from pathlib import Path
 
 import fleet
 import pytest
+from tiny_archs import build_arch
 
 PROBE = Path(__file__).with_name("dynamo_probe.py")
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_dynamo_indexer_credits_the_serving_replica(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    arch: str, tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
+    """gemma3: a model with window layers, whose replicas also publish the window group's
+    events (group_idx 1, kind sliding_window): the indexer still credits the full blocks."""
     if fleet.router_python("ai-dynamo-runtime") is None:
         pytest.skip("ai-dynamo-runtime is not installed: run scripts/setup_routers.sh")
     if not fleet.namespace_available():
@@ -30,7 +34,8 @@ def test_dynamo_indexer_credits_the_serving_replica(
             "needs `unshare -n` (a loopback-only network namespace; root): Dynamo's "
             "indexer and the replicas' publishers bind every interface"
         )
-    probe = [sys.executable, str(PROBE), str(tiny_model_dir("gqa")), str(tmp_path)]
+    model = tiny_model_dir("gqa") if arch == "llama" else build_arch(arch, tmp_path / arch)
+    probe = [sys.executable, str(PROBE), str(model), str(tmp_path)]
     argv = fleet.namespace_command(probe)
     env = {**os.environ, fleet.IN_NAMESPACE_ENV: "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)

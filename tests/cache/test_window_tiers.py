@@ -1,0 +1,258 @@
+"""The window group's lower tiers: an evicted tail's full window blocks follow their prefix to
+the host and disk tiers, and a hit past the device's tails resumes at the deepest block boundary
+where both groups' blocks are found in some tier.
+
+`Sim` plays the engine as `test_tiers.Sim` does, for both groups: every slot of every block holds
+a stand-in for the KV of one position (a hash of the tokens up to it), the planned moves of each
+group run in order on its own arrays and a real `DiskStore` each, and every position a request's
+first query reads (all earlier ones in the full layers, the last W in the window layers) is
+checked before it writes its own.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+
+from radixkv.cache.events import BlockRemoved, BlockStored
+from radixkv.cache.hybrid import HybridCache
+from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
+from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
+
+
+def kv(tokens: list[int], pos: int) -> int:
+    return xxhash.xxh64_intdigest(repr(tokens[: pos + 1]).encode()) or 1
+
+
+def _disk(root: Path | None, name: str, block_size: int, files: int) -> DiskStore | None:
+    if root is None:
+        return None
+    nbytes = 8 * block_size
+    return DiskStore(
+        root,
+        {"sim": block_size, "group": name},
+        block_size=block_size,
+        block_nbytes=nbytes,
+        budget_bytes=files * (HEADER.size + 4 * block_size + nbytes + CHECKSUM.size),
+    )
+
+
+class _Group:
+    """One group's device and host arrays and its disk store; runs its moves."""
+
+    def __init__(self, num_blocks: int, host_blocks: int, B: int, disk: DiskStore | None) -> None:
+        self.device = np.zeros((num_blocks, B), np.uint64)
+        self.host = np.zeros((host_blocks, B), np.uint64)
+        self.disk = disk
+        self.kinds: list[str] = []
+
+    def run(self, moves: list[Any]) -> None:
+        for move in moves:
+            self.kinds.append(type(move).__name__)
+            if isinstance(move, Offload):
+                self.host[list(move.host)] = self.device[list(move.device)]
+            elif isinstance(move, Load):
+                self.device[list(move.device)] = self.host[list(move.host)]
+            elif isinstance(move, DiskWrite):
+                for h, key in zip(move.host, move.keys, strict=True):
+                    assert self.disk is not None and self.disk.put(key, self.host[h])
+            else:
+                assert isinstance(move, DiskRead)
+                for key, h in zip(move.keys, move.host, strict=True):
+                    assert self.disk is not None and self.disk.get(key, self.host[h])
+
+
+class Sim:
+    def __init__(
+        self,
+        *,
+        B: int = 4,
+        window: int = 6,
+        num_blocks: int = 24,
+        num_window_blocks: int = 12,
+        host_blocks: int = 64,
+        root: Path | None = None,
+        disk_files: int = 256,
+        kv_events: bool = False,
+    ) -> None:
+        full_disk = _disk(root, "full", B, disk_files)
+        window_disk = _disk(root, "window", B, disk_files)
+        self.cache = HybridCache(
+            num_blocks,
+            num_window_blocks,
+            B,
+            window,
+            host_blocks=host_blocks,
+            disk=full_disk,
+            window_host_blocks=host_blocks,
+            window_disk=window_disk,
+            kv_events=kv_events,
+        )
+        self.B, self.W = B, window
+        self.full = _Group(num_blocks, host_blocks, B, full_disk)
+        self.window = _Group(num_window_blocks, host_blocks, B, window_disk)
+
+    def run_moves(self) -> None:
+        self.full.run(self.cache.take_moves())
+        self.window.run(self.cache.take_window_moves())
+        self.cache.check_integrity()
+
+    def serve(self, prompt: list[int], reply: list[int]) -> int:
+        """One request: admitted (its loads run), its reads checked, its KV written, committed
+        with a tail one token short of the prompt; returns its hit."""
+        cache, B, W = self.cache, self.B, self.W
+        written = prompt + reply
+        table = cache.admit(written, max_hit=len(prompt) - 1)
+        assert table is not None
+        self.run_moves()
+        for group, copy in ((self.full, table.full.copy), (self.window, table.window.copy)):
+            if copy is not None:
+                src, dst, slots = copy
+                group.device[dst, :slots] = group.device[src, :slots]
+        hit = table.num_cached_tokens
+        for pos in range(hit):
+            block = table.full.blocks[pos // B]
+            assert self.full.device[block, pos % B] == kv(written, pos), ("full", pos)
+        for pos in range(max(0, hit - W + 1), hit):
+            block = table.window.blocks[pos // B]
+            assert block is not None, ("window released", pos)
+            assert self.window.device[block, pos % B] == kv(written, pos), ("window", pos)
+        for pos in range(hit, len(written)):
+            self.full.device[table.full.blocks[pos // B], pos % B] = kv(written, pos)
+            self.window.device[table.window.blocks[pos // B], pos % B] = kv(written, pos)
+        cache.commit(table, written)
+        cache.keep_tail(table, prompt[:-1])
+        cache.slide(table, len(written))
+        cache.close(table)
+        self.run_moves()
+        return hit
+
+
+def _docs(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(1, 200) for _ in range(length)] for _ in range(n)]
+
+
+def test_an_evicted_tail_is_demoted_and_a_repeat_resumes_from_the_host() -> None:
+    sim = Sim()
+    rng = random.Random(0)
+    docs = _docs(rng, 6, 22)
+    for doc in docs:  # the device holds about two of them
+        assert sim.serve(doc, [7, 8]) == 0
+    assert "Offload" in sim.window.kinds
+    hits = [sim.serve(doc, [9]) for doc in docs[:3]]
+    # a lower-tier hit resumes at the last block boundary before the prompt's last token
+    assert hits == [20, 20, 20]
+    assert "Load" in sim.window.kinds and "Load" in sim.full.kinds
+    assert sim.cache.window.tiers.counts["num_loaded_blocks"] > 0
+    assert sim.cache.full.stats().num_host_hit_tokens > 0
+
+
+def test_a_tail_spills_to_disk_and_a_fresh_cache_resumes_from_it(tmp_path: Path) -> None:
+    sim = Sim(host_blocks=8, root=tmp_path)
+    rng = random.Random(1)
+    docs = _docs(rng, 8, 22)
+    for doc in docs:
+        sim.serve(doc, [7, 8])
+    assert "DiskWrite" in sim.window.kinds
+    assert sim.serve(docs[0], [9]) == 20  # from disk: the host holds the later ones
+    assert "DiskRead" in sim.window.kinds
+    assert sim.cache.full.stats().num_disk_hit_tokens > 0
+    sim.cache.persist()
+    sim.run_moves()
+    fresh = Sim(host_blocks=8, root=tmp_path)  # a restart over the same folders
+    assert fresh.cache.match(docs[-1], max_tokens=21).num_cached_tokens == 20
+    assert fresh.serve(docs[-1], [9]) == 20
+    assert "DiskRead" in fresh.window.kinds
+
+
+def test_no_window_blocks_below_no_hit() -> None:
+    """A prefix whose full blocks are in the tiers but whose window blocks are not is no hit."""
+    sim = Sim()
+    doc = _docs(random.Random(2), 1, 22)[0]
+    sim.serve(doc, [7, 8])
+    tiers = sim.cache.window.tiers
+    assert tiers is not None
+    tiers.clear()  # the window group's lower tiers forget everything; the device keeps its tail
+    sim.cache.window.evict(sim.cache.window.pool.num_blocks)  # demotes the tail again
+    sim.run_moves()
+    tiers.clear()
+    sim.run_moves()
+    assert sim.cache.window.num_tails == 0
+    assert sim.cache.full.match(doc, max_tokens=21).num_cached_tokens == 21
+    assert sim.cache.match(doc, max_tokens=21).num_cached_tokens == 0
+    assert sim.serve(doc, [9]) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workload_through_every_tier_reads_only_what_it_claims(
+    seed: int, tmp_path: Path
+) -> None:
+    rng = random.Random(seed)
+    B = rng.choice([1, 4])
+    sim = Sim(
+        B=B,
+        window=rng.choice([3, 6]),
+        num_blocks=96 // B,
+        num_window_blocks=48 // B,
+        host_blocks=64 // B,
+        root=tmp_path,
+    )
+    stems = _docs(rng, 4, 12)
+    hits = 0
+    for _ in range(40):
+        prompt = rng.choice(stems) + [rng.randrange(1, 200) for _ in range(rng.randrange(1, 12))]
+        if rng.random() < 0.3:
+            stems.append(prompt)
+        hits += sim.serve(prompt, [rng.randrange(1, 200) for _ in range(rng.randrange(1, 4))])
+    assert hits > 0
+    counts = sim.cache.window.tiers.counts
+    assert counts["num_loaded_blocks"] > 0 and counts["num_offloaded_blocks"] > 0
+
+
+def test_each_tier_announces_the_window_blocks_it_holds_as_group_1(tmp_path: Path) -> None:
+    """Per (tier, group), a strict index fed the one queue holds exactly what that tier holds:
+    the host and disk events of the window group's tiers say group 1 and their medium."""
+    sim = Sim(host_blocks=8, root=tmp_path, kv_events=True)
+    index: dict[tuple[str | None, int], set[int]] = {}
+    rng = random.Random(3)
+    for doc in _docs(rng, 8, 22) * 2:
+        sim.serve(doc, [7, 8])
+        for event in sim.cache.full.take_events():
+            held = index.setdefault((event.medium, event.group_idx), set())
+            hashes = set(event.block_hashes)
+            if isinstance(event, BlockStored):
+                assert not hashes & held, "stored twice in one tier and group"
+                assert (event.sliding_window is not None) == (event.group_idx == 1)
+                held |= hashes
+            else:
+                assert isinstance(event, BlockRemoved) and hashes <= held, "unknown removal"
+                held -= hashes
+    tiers = sim.cache.window.tiers
+    assert tiers is not None and tiers.disk is not None
+    assert index[("CPU", 1)] == set(tiers.entries) and index[("CPU", 1)]
+    on_disk = index[("DISK", 1)]
+    assert on_disk and len(on_disk) == tiers.disk.num_files
+    assert all(tiers.disk.contains(h) for h in on_disk)
+
+
+def test_a_reset_clears_both_groups_in_every_tier(tmp_path: Path) -> None:
+    sim = Sim(host_blocks=8, root=tmp_path, kv_events=True)
+    docs = _docs(random.Random(4), 6, 22)
+    for doc in docs:
+        sim.serve(doc, [7, 8])
+    sim.cache.full.take_events()
+    assert sim.cache.reset()
+    events = sim.cache.full.take_events()
+    assert type(events[0]).__name__ == "AllBlocksCleared"
+    assert {(e.medium, e.group_idx) for e in events[1:]} <= {("CPU", 0), ("CPU", 1)}
+    tiers = sim.cache.window.tiers
+    assert tiers is not None and not tiers.entries and sim.cache.window.num_tails == 0
+    assert sim.cache.window.pool.num_free == sim.cache.window.pool.num_blocks
+    sim.cache.check_integrity()
+    for doc in docs:  # served again from what is left (the disk keeps its files), reads checked
+        sim.serve(doc, [9])
