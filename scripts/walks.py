@@ -166,11 +166,12 @@ class Walk:
             self.functions[-1].append(function)
 
     def run(self, fn: Callable[[], Any]) -> Any:
+        previous = sys.gettrace()  # a test run's coverage tracer, say: it resumes after
         sys.settrace(self._on_call)
         try:
             return fn()
         finally:
-            sys.settrace(None)
+            sys.settrace(previous)
 
     def counts(self) -> tuple[int, int, int]:
         seen: set[str] = set()

@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "walks.py"
 LLM_FILE = "radixkv/engine/llm.py"
@@ -20,7 +21,11 @@ def walks():
     spec = importlib.util.spec_from_file_location("walks", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.measure()
+    num_threads = torch.get_num_threads()
+    try:
+        return module.measure()
+    finally:
+        torch.set_num_threads(num_threads)  # the meter runs on one thread; later tests do not
 
 
 def test_runner_walk_is_short(walks):
