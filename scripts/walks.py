@@ -20,6 +20,10 @@ project (the standard library, torch and numpy calls) is transparent. Printed pe
     files     the number of distinct files;
     returns   the stays in a file the walk had already been in and left.
 
+and its callbacks: each project function entered while a frame of its own file lies lower on the
+stack with another project file's frame between (`llm.py -> step.py -> llm.py`), with the files
+between. Unlike the stays, callbacks count every project frame, followed or not.
+
 What a reader does not follow is not counted; lines run inside such a call add no stay:
 
 * trivial accessors: functions and properties whose body (past a docstring) is one `return` of
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -50,6 +55,7 @@ SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+@functools.cache  # asked for every frame of every call on the stack
 def _project_path(filename: str) -> str | None:
     """The file's path relative to the repository when it is project code, else None."""
     try:
@@ -68,6 +74,21 @@ def _inside_model(frame: types.FrameType) -> bool:
             return True
         caller = caller.f_back
     return False
+
+
+def _files_between(frame: types.FrameType, path: str) -> tuple[str, ...]:
+    """The project files of the frames between `frame` and the nearest older frame of `path`
+    (its own file), nearest first; () when no older frame of `path` is on the stack."""
+    between: list[str] = []
+    caller = frame.f_back
+    while caller is not None:
+        caller_path = _project_path(caller.f_code.co_filename)
+        if caller_path == path:
+            return tuple(between)
+        if caller_path is not None and caller_path not in between:
+            between.append(caller_path)
+        caller = caller.f_back
+    return ()
 
 
 class _Trivia:
@@ -111,12 +132,19 @@ class Walk:
     def __init__(self) -> None:
         self.stays: list[str] = []
         self.functions: list[list[str]] = []  # per stay, the functions whose lines ran in it
+        # (stays before it, file, function, the files between): see the module docstring
+        self.callbacks: list[tuple[int, str, str, tuple[str, ...]]] = []
         self._trivia = _Trivia()
 
     def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Callable | None:
         code = frame.f_code
         path = _project_path(code.co_filename)
-        if path is None or self._trivia.is_trivial(code) or code.co_name.startswith(GUARDS):
+        if path is None:
+            return None
+        between = _files_between(frame, path)
+        if between:
+            self.callbacks.append((len(self.stays), path, code.co_qualname, between))
+        if self._trivia.is_trivial(code) or code.co_name.startswith(GUARDS):
             return None
         if _inside_model(frame):
             return None  # inside the model's forward: see the module docstring
@@ -138,11 +166,12 @@ class Walk:
             self.functions[-1].append(function)
 
     def run(self, fn: Callable[[], Any]) -> Any:
+        previous = sys.gettrace()  # a test run's coverage tracer, say: it resumes after
         sys.settrace(self._on_call)
         try:
             return fn()
         finally:
-            sys.settrace(None)
+            sys.settrace(previous)
 
     def counts(self) -> tuple[int, int, int]:
         seen: set[str] = set()
@@ -157,6 +186,7 @@ class Walk:
         start, end = span
         part = Walk()
         part.stays, part.functions = self.stays[start:end], self.functions[start:end]
+        part.callbacks = [c for c in self.callbacks if start <= c[0] <= end]
         return part
 
 
@@ -225,6 +255,8 @@ def main() -> int:
         print(f"{name}: {stays} stays, {files} files, {returns} returns")
         for path, functions in zip(walk.stays, walk.functions, strict=True):
             print(f"    {path:<34} {', '.join(functions)}")
+        for path, function, between in dict.fromkeys(c[1:] for c in walk.callbacks):
+            print(f"    callback: {path} {function}, below {', '.join(between)}")
     return 0
 
 

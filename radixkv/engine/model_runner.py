@@ -287,9 +287,14 @@ class ModelRunner:
         return self._execute_eager(step, feed)
 
     def _execute_eager(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
-        shapes = (self.kv_cache_shape, self.window_kv_cache_shape)
         views, meta, window_meta = stage_step(
-            step, self.stager, *shapes, vocab_size=self.vocab_size, validate=self.validate_steps
+            step,
+            self.stager,
+            self.kv_cache_shape,
+            self.window_kv_cache_shape,
+            block_size=self.block_size,
+            vocab_size=self.vocab_size,
+            validate=self.validate_steps,
         )
         if feed is not None:
             feed(views["input_ids"])

@@ -143,6 +143,7 @@ def stage_step(
     kv_cache_shape: tuple[int, ...],
     window_kv_cache_shape: tuple[int, ...] | None,
     *,
+    block_size: int,
     vocab_size: int,
     validate: bool,
 ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
@@ -150,7 +151,7 @@ def stage_step(
     its buffer. The KV shapes are one layer's, as `split_step` takes them."""
     window = window_kv_cache_shape is not None
     layout = layout_for(step.rows, num_copies=len(step.copies), window=window)
-    host, dev = stager.stage(step.rows, step.copies, kv_cache_shape[1], layout)
+    host, dev = stager.stage(step.rows, step.copies, block_size, layout)
     ids = host.numpy()[: layout.num_tokens]
     # On the host: an id past the embedding would be a device-side assert on CUDA, which
     # leaves the whole process unable to run another step.
