@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
 
@@ -280,23 +280,34 @@ def stats_text(llm: object) -> str:
 
 
 def tier_lines(llm: object) -> list[str]:
-    """The host and disk tiers' lines of /stats (none without them)."""
+    """The host and disk tiers' lines of /stats (none without them); a model with window layers
+    has a second pair, its window group's (hits are counted once, by the full group)."""
     tiers = llm.tier_io  # type: ignore[attr-defined]
     if tiers is None:
         return []
     s = llm.cache.stats()  # type: ignore[attr-defined]
+    hits = (f", {s.num_host_hit_tokens} hit tokens", f", {s.num_disk_hit_tokens} hit tokens")
+    lines = _group_tier_lines("", tiers, s.num_host_cached_blocks, hits)
+    window = llm.window_tier_io  # type: ignore[attr-defined]
+    if window is not None:
+        held = len(llm.scheduler.cache.window.tiers.entries)  # type: ignore[attr-defined]
+        lines += _group_tier_lines("window ", window, held, ("", ""))
+    return lines
+
+
+def _group_tier_lines(group: str, tiers: Any, num_held: int, hits: tuple[str, str]) -> list[str]:
+    """One group's host line, and its disk line when it has a disk tier."""
     moved = {k: f"{t.nbytes / 2**20:.2f} MiB in {t.seconds:.3f} s" for k, t in tiers.totals.items()}
     lines = [
-        f"host tier     {s.num_host_cached_blocks} of {s.num_host_blocks} blocks used,"
-        f" {s.num_host_hit_tokens} hit tokens; offloaded {moved['offload']},"
-        f" loaded {moved['load']}"
+        f"{group + 'host tier':<13} {num_held} of {tiers.host.num_blocks} blocks used{hits[0]};"
+        f" offloaded {moved['offload']}, loaded {moved['load']}"
     ]
     if tiers.disk is not None:
         d = tiers.disk.stats()
         lines.append(
-            f"disk tier     {d.num_files} files, {d.num_bytes / 2**20:.1f} of"
-            f" {d.budget_bytes / 2**20:.0f} MiB, {s.num_disk_hit_tokens} hit tokens;"
-            f" read {moved['disk_read']}, written {moved['disk_write']} ({d.directory})"
+            f"{group + 'disk tier':<13} {d.num_files} files, {d.num_bytes / 2**20:.1f} of"
+            f" {d.budget_bytes / 2**20:.0f} MiB{hits[1]}; read {moved['disk_read']},"
+            f" written {moved['disk_write']} ({d.directory})"
         )
     return lines
 

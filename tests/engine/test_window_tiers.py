@@ -14,6 +14,7 @@ from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
+from radixkv.chat.cli import tier_lines
 
 # 6 prompts of 30-44 tokens (8-11 blocks of 4), a device pool of 24 full and 12 window blocks:
 # every round evicts the prefixes and tails of the one before into the lower tiers.
@@ -75,6 +76,11 @@ def test_disk_tier_hits_and_a_restart_match_transformers(arch, arch_model, tmp_p
         assert run(first) == expected
     assert first.cache.stats().num_disk_hit_tokens > 0
     assert window_moved(first, "disk_write") > 0 and window_moved(first, "disk_read") > 0
+    window = first.window_tier_io
+    held = len(first.scheduler.cache.window.tiers.entries)
+    _, _, host_line, disk_line = tier_lines(first)  # the chat's /stats: both groups' tiers
+    assert host_line.startswith(f"window host tier {held} of {window.host.num_blocks} blocks used;")
+    assert disk_line.startswith(f"window disk tier {window.disk.stats().num_files} files")
     first.save_kv_cache()
     del first
     restarted = LLM(path, **settings)
