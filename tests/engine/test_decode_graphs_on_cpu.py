@@ -50,11 +50,7 @@ def fake_capture(fn, device, pool):
     return ReplayingGraph(fn, out), out
 
 
-@pytest.fixture
-def graph_runner(monkeypatch):
-    """(a runner whose decode steps replay fake graphs, an eager runner on a copy of the model)."""
-    monkeypatch.setattr(cuda_graphs, "capture_graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+def _graph_runners() -> list[ModelRunner]:
     model = build_model("gqa")
     runners = []
     with use_backend("triton"):
@@ -68,6 +64,18 @@ def graph_runner(monkeypatch):
                     )
             runners.append(runner)
     return runners
+
+
+@pytest.fixture(scope="module")
+def graph_runner():
+    """(a runner whose decode steps replay fake graphs, an eager runner on a copy of the model).
+
+    Shared by the module's tests (the capture is most of their time): each runs the same steps on
+    both runners, so their caches stay equal, and each test's rows read only KV it wrote itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_graphs, "capture_graph", fake_capture)
+        patch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        yield _graph_runners()
 
 
 def row(rid, tokens, start, table, window=False):
@@ -185,11 +193,13 @@ def test_graph_replays_of_window_softcap_and_sink_layers(monkeypatch):
                 assert graphs.decode_graphs.num_replays == replays + 1
 
 
-def test_a_forward_that_cannot_be_captured_runs_eager(graph_runner, monkeypatch, caplog):
+def test_a_forward_that_cannot_be_captured_runs_eager(monkeypatch, caplog):
     """A model whose decode forward cannot be captured (transformers' grouped MoE experts copy
     host tensors during the capture, which CUDA refuses) runs its decode steps eager, with a
     warning, instead of failing to load."""
-    runner = graph_runner[1]
+    # A runner of its own: the captures below run its forward, which the shared ones must not see.
+    with use_backend("triton"):
+        runner = ModelRunner(build_model("gqa"), EngineConfig(block_size=BLOCK, num_blocks=32))
 
     def refuse(fn, device, pool):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
