@@ -157,18 +157,21 @@ def build_arch(arch: str, path: Path) -> Path:
     return save_tiny_model(arch_config(arch), path)
 
 
-def greedy_tokens(path: Path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (eager attention, fp32)."""
+def greedy_tokens(
+    path: Path, prompts: list[list[int]], max_new: list[int], device: str = "cpu"
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (eager attention, fp32, on `device`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager", dtype=torch.float32
     ).eval()
+    model.to(device)
     outs = []
     for prompt, n in zip(prompts, max_new, strict=True):
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt]),
+                torch.tensor([prompt], device=device),
                 max_new_tokens=n,
                 do_sample=False,
                 eos_token_id=EOS_ID,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from tiny_archs import WINDOW, build_arch, greedy_tokens
 from tiny_llama import build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
@@ -247,3 +248,42 @@ def test_overlapped_penalties_logprobs_and_tiers_equal_synchronous_on_cuda(tiny_
     stats = engines[True].cache.stats()
     assert stats.num_evicted_blocks > 0 and stats.num_host_hit_tokens > 0
     engines[True].check_integrity()
+
+
+# Window models on CUDA: decode graphs capture both block tables, the window group's pool is
+# short enough to evict tails and preempt, and with a host tier the window group's blocks move
+# over their own tensors (radixkv.engine.tier_io). Block size 4, 24 full and 12 window blocks:
+# the CPU window-tier tests' pressure.
+WINDOW_CASES = [("gemma3", True, True), ("gemma2", False, True), ("mistral-window", True, False)]
+
+
+@pytest.mark.parametrize(("arch", "overlap", "host_tier"), WINDOW_CASES)
+def test_window_models_match_transformers_on_cuda(arch, overlap, host_tier, tmp_path):
+    prompts = random_prompts(41, 4, shared_prefix=3 * WINDOW, min_len=6, max_len=20)
+    prompts += random_prompts(42, 2, min_len=4 * WINDOW, max_len=5 * WINDOW)
+    max_new = [5 + i % 3 for i in range(len(prompts))]
+    path = build_arch(arch, tmp_path)
+    expected = greedy_tokens(path, prompts, max_new, device="cuda")
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype=torch.float32,
+        block_size=4,
+        num_blocks=24,
+        num_window_blocks=12,
+        max_num_seqs=2,
+        chunked_prefill_size=16,
+        async_scheduling=overlap,
+        host_cache_bytes=2**20 if host_tier else 0,
+    )
+    params = [SamplingParams(max_tokens=n) for n in max_new]
+    for _ in range(2):  # cold, then from the cache (and the host tier)
+        outs = llm.generate(prompts, params)
+        assert [list(o.token_ids) for o in outs] == expected
+        llm.check_integrity()
+    graphs = llm.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays > 0
+    assert llm.scheduler.cache.window.num_evicted_tails > 0
+    if host_tier:
+        assert llm.cache.stats().num_host_hit_tokens > 0
+        assert llm.window_tier_io.totals["load"].num_blocks > 0
