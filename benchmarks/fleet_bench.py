@@ -298,15 +298,22 @@ def run_policy(
     serve_args: Sequence[str],
     model: str,
     log_dir: Path | None = None,
+    running: Sequence[fleet.Replica] | None = None,
 ) -> Result:
     """Run `workload` through `policy` on fresh replicas (their and the router's logs in
-    `log_dir`: a temporary folder if None)."""
+    `log_dir`: a temporary folder if None), or on `running` ones (`fleet.start_replicas`, their
+    caches emptied by the caller): the replicas' counters are what this run added."""
     kind, n = fleet_of(policy, replicas)
-    with fleet.start_fleet(kind, n, serve_args, model=model, log_dir=log_dir) as f:
+    start = fleet.start_fleet(kind, n, serve_args, model=model, log_dir=log_dir, replicas=running)
+    with start as f:
+        before = [replica_counters(r.url) for r in f.replicas]
         url = f.url or f.replicas[0].url
         sessions = policy in fleet.USES_SESSION_HEADER
         replies, seconds = run_conversations(url, model, workload, sessions)
-        counts = [replica_counters(r.url) for r in f.replicas]
+        counts = [
+            {k: v - b[k] for k, v in replica_counters(r.url).items()}
+            for r, b in zip(f.replicas, before, strict=True)
+        ]
     later, home = later_turns_home(replies)
     return Result(
         policy=policy,
@@ -424,12 +431,16 @@ def measure_router_cost(
     tiny: bool = False,
     replicas: int = 2,
     log_dir: Path | None = None,
+    running: Sequence[fleet.Replica] | None = None,
 ) -> RouterCost:
     """`requests` pairs, each a direct call to a replica (in turn) and one through the router,
     alternating so that a drifting machine load hits both alike, and in turn first within a pair
-    (ABBA). Prompts never repeat."""
+    (ABBA). Prompts never repeat. `running`: replicas to route to, as `run_policy` takes them."""
     cost = RouterCost(policy)
-    with fleet.start_fleet(policy, replicas, serve_args, model=model, log_dir=log_dir) as f:
+    start = fleet.start_fleet(
+        policy, replicas, serve_args, model=model, log_dir=log_dir, replicas=running
+    )
+    with start as f:
         assert f.url is not None, f"{policy} has no router"
         session = "router-cost" if policy in fleet.USES_SESSION_HEADER else None
         routed = chat_client(f.url, session)

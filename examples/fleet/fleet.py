@@ -327,28 +327,25 @@ def start_fleet(
     block_size: int = 16,
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
+    replicas: Sequence[Replica] | None = None,
 ) -> Iterator[Fleet]:
     """Start `num_replicas` replicas and router `kind` (or "dynamo-indexer", or "none");
-    stop them all on exit. `model` is the name the replicas serve (`--served-model-name`)."""
+    stop them all on exit. `model` is the name the replicas serve (`--served-model-name`).
+    `replicas`: running ones (from `start_replicas`) to put the router in front of instead; they
+    keep running at exit."""
     events = kind in NEEDS_EVENTS
     if kind in NEEDS_NAMESPACE and not in_namespace():
         raise RuntimeError(f"{kind} binds every interface: run it under unshare -n")
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="radixkv-fleet-"))
     processes: list[Process] = []
     try:
-        ports = free_ports(2 * num_replicas + 1)
-        replicas = []
-        for i in range(num_replicas):
-            events_port = ports[num_replicas + i] if events else None
-            argv = replica_command(ports[i], events_port, serve_args)
-            argv += ["--served-model-name", model, "--block-size", str(block_size)]
-            process = start(f"replica{i}", argv, log_dir)
-            processes.append(process)
-            replicas.append(Replica(f"http://127.0.0.1:{ports[i]}", events_port, process))
-        for r in replicas:
-            wait_for(r.process, f"{r.url}/health", timeout_s)
-        fleet = Fleet(replicas, None, processes=processes, log_dir=log_dir)
-        front = ports[-1]
+        if replicas is None:
+            replicas = launch_replicas(
+                processes, num_replicas, serve_args, model, block_size, events, log_dir, timeout_s
+            )
+        assert not events or all(r.events_port for r in replicas), f"{kind} reads KV events"
+        fleet = Fleet(list(replicas), None, processes=processes, log_dir=log_dir)
+        front = free_ports(1)[0]
         if kind == "dynamo-indexer":
             indexer = start("indexer", indexer_command(front, replicas, block_size), log_dir)
             processes.append(indexer)
@@ -363,6 +360,54 @@ def start_fleet(
         yield fleet
     finally:
         stop(processes)
+
+
+@contextlib.contextmanager
+def start_replicas(
+    num_replicas: int,
+    serve_args: Sequence[str],
+    *,
+    model: str,
+    block_size: int = 16,
+    events: bool = True,
+    log_dir: Path,
+    timeout_s: float = 300.0,
+) -> Iterator[list[Replica]]:
+    """Replicas alone (each publishing KV events when `events`), stopped on exit: several
+    routers can take turns in front of them (`start_fleet(..., replicas=)`)."""
+    processes: list[Process] = []
+    try:
+        yield launch_replicas(
+            processes, num_replicas, serve_args, model, block_size, events, log_dir, timeout_s
+        )
+    finally:
+        stop(processes)
+
+
+def launch_replicas(
+    processes: list[Process],
+    num_replicas: int,
+    serve_args: Sequence[str],
+    model: str,
+    block_size: int,
+    events: bool,
+    log_dir: Path,
+    timeout_s: float,
+) -> list[Replica]:
+    """Start the replicas (each appended to `processes` at once, so that the caller stops it
+    whatever happens next) and wait until every one answers."""
+    ports = free_ports(2 * num_replicas)
+    replicas = []
+    for i in range(num_replicas):
+        events_port = ports[num_replicas + i] if events else None
+        argv = replica_command(ports[i], events_port, serve_args)
+        argv += ["--served-model-name", model, "--block-size", str(block_size)]
+        process = start(f"replica{i}", argv, log_dir)
+        processes.append(process)
+        replicas.append(Replica(f"http://127.0.0.1:{ports[i]}", events_port, process))
+    for r in replicas:
+        wait_for(r.process, f"{r.url}/health", timeout_s)
+    return replicas
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -42,20 +43,54 @@ def needs(package: str) -> None:
         pytest.skip(f"{package} is not installed: run scripts/setup_routers.sh")
 
 
+ADMIN_KEY = "fleet-tests"
+
+
+@pytest.fixture(scope="module")
+def serve_args(tiny_model_dir: Callable[[str], Path]) -> list[str]:
+    return ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256", "--admin-key", ADMIN_KEY]
+
+
+@pytest.fixture(scope="module")
+def fresh_replicas(
+    serve_args: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[], list[fleet.Replica]]]:
+    """Two replicas (KV events on) that every router of the module takes its turn in front of,
+    their caches flushed before each turn: a replica's start is most of a fleet test's time, and
+    a flushed replica serves as a new one does (the runs count only what they add)."""
+    log_dir = tmp_path_factory.mktemp("fleet-replicas")
+    with fleet.start_replicas(2, serve_args, model="tiny", log_dir=log_dir) as replicas:
+
+        def fresh() -> list[fleet.Replica]:
+            for r in replicas:
+                flush = urllib.request.Request(
+                    f"{r.url}/flush_cache",
+                    method="POST",
+                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                )
+                with urllib.request.urlopen(flush, timeout=30) as response:
+                    assert response.status == 200
+            return replicas
+
+        yield fresh
+
+
 @pytest.fixture(scope="module")
 def run(
-    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+    serve_args: list[str],
+    fresh_replicas: Callable[[], list[fleet.Replica]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[str], tuple[Result, Path]]:
     """policy -> its result and its logs' folder (each policy runs once per module)."""
     results: dict[str, tuple[Result, Path]] = {}
 
     def run_once(policy: str) -> tuple[Result, Path]:
         if policy not in results:
-            serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
             log_dir = tmp_path_factory.mktemp(f"fleet-{policy}")
             # vllm-router logs its decisions (kv_aware: the prefix credited) at debug
             with mock.patch.dict(os.environ, {"RADIXKV_ROUTER_LOG_LEVEL": "debug"}):
-                result = run_policy(policy, WORKLOAD, 2, serve_args, "tiny", log_dir)
+                running = fresh_replicas()
+                result = run_policy(policy, WORKLOAD, 2, serve_args, "tiny", log_dir, running)
             results[policy] = result, log_dir
         return results[policy]
 
@@ -113,11 +148,13 @@ USERS = Workload(
 
 @pytest.mark.parametrize("policy", ["vllm-kv-aware-session", "session-least-loaded"])
 def test_session_recipes_keep_later_turns_home_on_user_traffic(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path, policy: str
+    serve_args: list[str],
+    fresh_replicas: Callable[[], list[fleet.Replica]],
+    tmp_path: Path,
+    policy: str,
 ) -> None:
     needs("vllm-router")
-    serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
-    result = run_policy(policy, USERS, 2, serve_args, "tiny", tmp_path)
+    result = run_policy(policy, USERS, 2, serve_args, "tiny", tmp_path, fresh_replicas())
     total = USERS.conversations * USERS.turns
     assert result.num_requests == total and sum(result.per_replica) == total
     assert result.replica_prompt_tokens == result.prompt_tokens
@@ -132,11 +169,13 @@ def test_session_recipes_keep_later_turns_home_on_user_traffic(
 
 
 def test_router_cost_counts_the_renders_vllm_router_asks_of_every_worker(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    serve_args: list[str], fresh_replicas: Callable[[], list[fleet.Replica]], tmp_path: Path
 ) -> None:
     needs("vllm-router")
-    serve_args = ["--model", str(tiny_model_dir("gqa")), "--num-blocks", "256"]
-    cost = measure_router_cost("vllm-kv-aware", 3, serve_args, "tiny", tiny=True, log_dir=tmp_path)
+    running = fresh_replicas()
+    cost = measure_router_cost(
+        "vllm-kv-aware", 3, serve_args, "tiny", tiny=True, log_dir=tmp_path, running=running
+    )
     assert len(cost.direct_ttft_s) == len(cost.routed_ttft_s) == 3
     assert cost.renders_per_request == 2.0  # each routed request rendered on both replicas
     assert router_cost_report([cost]).splitlines()[-1].startswith("| vllm-kv-aware | ")
