@@ -76,7 +76,7 @@ def run_request(
     blocks = -(-n // B) + 2
     cache = HybridCache(blocks, blocks, B, WINDOW)
     tokens = PackedTokens(range(n))
-    table = cache.admit(tokens, max_hit=num_prompt - 1, num_window_tokens=0)
+    table = cache.admit(tokens, max_hit=num_prompt - 1, window_chunk=0)
     assert table is not None
     steps = [(p, min(p + chunk, num_prompt)) for p in range(0, num_prompt, chunk)]
     steps += [(p, p + 1) for p in range(num_prompt, n)]
@@ -123,7 +123,7 @@ def _serve_hybrid(cache: HybridCache, trace: Trace, chunk: int) -> int:
     hits = 0
     for req in trace.requests:
         written = PackedTokens(req.written)
-        table = cache.admit(written, max_hit=req.num_prompt_tokens - 1, num_window_tokens=0)
+        table = cache.admit(written, max_hit=req.num_prompt_tokens - 1, window_chunk=0)
         assert table is not None, "a request larger than the cache"
         hit = table.num_cached_tokens
         hits += hit

@@ -54,14 +54,9 @@ class HybridScheduler(Scheduler):
         return output
 
     def _open_table(self, req: Request, max_hit: int | None, budget: int) -> HybridTable | None:
-        tokens, cache = req.packed_tokens, self.cache
-        hit = 0
-        if max_hit is not None:
-            hit = cache.match(tokens, max_tokens=max_hit, namespace=req.cache_salt)
-            hit = hit.num_cached_tokens
-        end = hit + min(len(tokens) - hit, self.config.chunked_prefill_size, budget)
-        table = cache.admit(
-            tokens, max_hit=max_hit, namespace=req.cache_salt, num_window_tokens=end
+        chunk = min(self.config.chunked_prefill_size, budget)
+        table = self.cache.admit(
+            req.packed_tokens, max_hit=max_hit, namespace=req.cache_salt, window_chunk=chunk
         )
         if table is not None and table.window.copy is not None:
             self._window_copies.append(BlockCopy(*table.window.copy))

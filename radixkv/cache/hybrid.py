@@ -12,7 +12,8 @@ A request's life, as `PrefixCache`'s with a window table beside the block table:
                                        the window KV of the W tokens before it (a tail on the
                                        device, or at a block boundary in the lower tiers)
     t = admit(tokens, max_hit, ...)    None: does not fit now, nothing changed; `t.full` covers
-                                       every token, `t.window` the first `num_window_tokens`
+                                       every token, `t.window` the hit and at most
+                                       `window_chunk` tokens past it
     extend(t, num_tokens)              window blocks up to `num_tokens` (the next chunk)
     slide(t, num_written)              window blocks no later query reads go back to the pool;
                                        the window KV before the point where the request's
@@ -165,12 +166,12 @@ class HybridCache:
         *,
         max_hit: int | None,
         namespace: str | None = None,
-        num_window_tokens: int | None = None,
+        window_chunk: int | None = None,
     ) -> HybridTable | None:
         """Tables for `tokens`: the hit (at most `max_hit` tokens, at a point with window KV;
         None: no match and no lock, as `PrefixCache.admit`), full blocks for every token, window
-        blocks up to `num_window_tokens` (None: every token). None, nothing changed, if the
-        blocks are not there."""
+        blocks for the hit and at most `window_chunk` tokens past it (the first prefill chunk;
+        None: every token). None, nothing changed, if the blocks are not there."""
         packed = _packed(tokens)
         qb = packed.tobytes()
         hit, branch = 0, 0
@@ -183,7 +184,7 @@ class HybridCache:
         lower = None if max_hit is None else self.window.lower_hit(qb, branch, namespace, hit)
         if lower is not None:
             hit = lower.end
-        n = len(packed) if num_window_tokens is None else num_window_tokens
+        n = len(packed) if window_chunk is None else min(len(packed), hit + window_chunk)
         if not self._window_fits(qb, hit, lower, namespace, n):
             return None
         full = self.full.admit(

@@ -119,7 +119,7 @@ def test_speculative_and_superseded_tails_go_before_proven_ones() -> None:
 def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -> None:
     cache = HybridCache(num_blocks=32, num_window_blocks=5, block_size=4, window=8)
     prompt = PackedTokens(range(1, 22))
-    first = cache.admit(prompt, max_hit=20, num_window_tokens=12)
+    first = cache.admit(prompt, max_hit=20, window_chunk=12)
     assert first is not None and first.num_cached_tokens == 0
     cache.slide(first, 12)
     cache.commit(first, prompt[:12])  # a chunk's end
@@ -133,7 +133,8 @@ def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -
     assert cache.match(longer).num_cached_tokens == 21
     assert cache.match(longer, max_tokens=20).num_cached_tokens == 12
     before = cache.full.stats()
-    assert cache.admit(longer, max_hit=22, num_window_tokens=60) is None  # 15 window blocks
+    much_longer = prompt + list(range(90, 130))  # the same hit, 40 tokens past it
+    assert cache.admit(much_longer, max_hit=22, window_chunk=60) is None  # 13 window blocks
     assert cache.full.stats() == before and cache.window.num_tails == 2
     resumed = cache.admit(longer, max_hit=22)
     assert resumed is not None and resumed.num_cached_tokens == 21
@@ -149,7 +150,7 @@ def test_the_window_before_a_branch_point_is_kept_for_the_next_request() -> None
 
     def serve(question: list[int]) -> int:
         tokens = doc + question
-        table = cache.admit(tokens, max_hit=len(tokens) - 1, num_window_tokens=0)
+        table = cache.admit(tokens, max_hit=len(tokens) - 1, window_chunk=0)
         assert table is not None
         hit = table.num_cached_tokens
         for pos, end in ((hit, 30), (30, len(tokens))):  # two chunks, the branch inside the 2nd
@@ -209,7 +210,7 @@ class _Simulation:
 
     def serve(self, rng: random.Random, tokens: list[int], num_prompt: int, chunk: int) -> int:
         cache = self.cache
-        table = cache.admit(tokens, max_hit=num_prompt - 1, num_window_tokens=0)
+        table = cache.admit(tokens, max_hit=num_prompt - 1, window_chunk=0)
         if table is None:
             return -1
         cache.check_integrity()
