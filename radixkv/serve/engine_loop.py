@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from radixkv.cache import CacheStats
 from radixkv.engine.llm import LLM, RequestUpdate
@@ -279,10 +279,19 @@ class EngineLoop:
             num_evicted_blocks=stats.num_evicted_blocks,
             num_preemptions=scheduler.num_preemptions,
             hit_tokens_by_tier=_hit_tokens_by_tier(stats),
-            tier_moves={}
-            if self.llm.tier_io is None
-            else {k: (t.nbytes, t.seconds) for k, t in self.llm.tier_io.totals.items()},
+            tier_moves=_tier_moves(self.llm.tier_io, self.llm.window_tier_io),
         )
+
+
+def _tier_moves(*tier_ios: Any) -> dict[str, tuple[int, float]]:
+    """Bytes and seconds of each kind of move since start, summed over the KV groups' movers
+    (a window model's window layers have their own)."""
+    moves: dict[str, tuple[int, float]] = {}
+    for tier_io in tier_ios:
+        for kind, t in ({} if tier_io is None else tier_io.totals).items():
+            nbytes, seconds = moves.get(kind, (0, 0.0))
+            moves[kind] = (nbytes + t.nbytes, seconds + t.seconds)
+    return moves
 
 
 def _hit_tokens_by_tier(stats: CacheStats) -> dict[str, int]:

@@ -15,6 +15,7 @@ from tiny_llama import random_prompts
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import tier_lines
+from radixkv.serve.engine_loop import _tier_moves
 
 # 6 prompts of 30-44 tokens (8-11 blocks of 4), a device pool of 24 full and 12 window blocks:
 # every round evicts the prefixes and tails of the one before into the lower tiers.
@@ -63,6 +64,10 @@ def test_host_tier_hits_match_transformers(arch, overlap, arch_model):
     stats = llm.cache.stats()
     assert stats.num_host_hit_tokens > 0
     assert window_moved(llm, "offload") > 0 and window_moved(llm, "load") > 0
+    # /metrics counts both groups' moves
+    moved = _tier_moves(llm.tier_io, llm.window_tier_io)["load"][0]
+    assert moved == llm.tier_io.totals["load"].nbytes + llm.window_tier_io.totals["load"].nbytes
+    assert moved > llm.tier_io.totals["load"].nbytes
     assert llm.scheduler.cache.window.num_evicted_tails > 0
 
 
