@@ -8,6 +8,7 @@ render calls vllm-router makes on every worker."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import urllib.request
@@ -56,12 +57,17 @@ def fresh_replicas(
     serve_args: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[[], list[fleet.Replica]]]:
     """Two replicas (KV events on) that every router of the module takes its turn in front of,
-    their caches flushed before each turn: a replica's start is most of a fleet test's time, and
-    a flushed replica serves as a new one does (the runs count only what they add)."""
-    log_dir = tmp_path_factory.mktemp("fleet-replicas")
-    with fleet.start_replicas(2, serve_args, model="tiny", log_dir=log_dir) as replicas:
+    started at the first call (a test that skips for want of its router starts none), their
+    caches flushed before each turn: a replica's start is most of a fleet test's time, and a
+    flushed replica serves as a new one does (the runs count only what they add)."""
+    with contextlib.ExitStack() as stack:
+        replicas: list[fleet.Replica] = []
 
         def fresh() -> list[fleet.Replica]:
+            if not replicas:
+                log_dir = tmp_path_factory.mktemp("fleet-replicas")
+                start = fleet.start_replicas(2, serve_args, model="tiny", log_dir=log_dir)
+                replicas.extend(stack.enter_context(start))
             for r in replicas:
                 flush = urllib.request.Request(
                     f"{r.url}/flush_cache",
