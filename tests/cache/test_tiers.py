@@ -18,6 +18,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_sim import run_move, sim_disk_store
 from lifecycle import CheckedCache
 
 from radixkv import PrefixCache
@@ -25,7 +26,6 @@ from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.keys import KeyChain
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
 from radixkv.cache.tokens import pack_tokens
-from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
 
 EMPTY = 0  # a slot nothing was written to
 
@@ -48,15 +48,9 @@ class Sim:
         **options: Any,
     ) -> None:
         B = block_size
-        self.disk = None
-        if disk_dir is not None:
-            self.disk = DiskStore(
-                disk_dir,
-                {"sim": B},
-                block_size=B,
-                block_nbytes=8 * B,
-                budget_bytes=disk_files * (HEADER.size + 4 * B + 8 * B + CHECKSUM.size),
-            )
+        self.disk = (
+            None if disk_dir is None else sim_disk_store(disk_dir, {"sim": B}, B, disk_files)
+        )
         self.cache = CheckedCache(
             PrefixCache(num_blocks, B, host_blocks=host_blocks, disk=self.disk, **options)
         )
@@ -68,17 +62,7 @@ class Sim:
     def run_moves(self) -> None:
         for move in self.cache.take_moves():
             self.moves.append(move)
-            if isinstance(move, Offload):
-                self.host[list(move.host)] = self.device[list(move.device)]
-            elif isinstance(move, Load):
-                self.device[list(move.device)] = self.host[list(move.host)]
-            elif isinstance(move, DiskWrite):
-                for h, key in zip(move.host, move.keys, strict=True):
-                    assert self.disk is not None and self.disk.put(key, self.host[h])
-            else:
-                assert isinstance(move, DiskRead)
-                for key, h in zip(move.keys, move.host, strict=True):
-                    assert self.disk is not None and self.disk.get(key, self.host[h])
+            run_move(move, self.device, self.host, self.disk)
 
     def serve(self, prompt: list[int], reply: list[int], namespace: str | None = None) -> int:
         """One request's life, KV checked on admission and written as computed; its hit."""

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+from kv_sim import run_move, sim_disk_store
 
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.hybrid import HybridCache
-from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
-from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
+from radixkv.engine.disk_store import DiskStore
 
 
 def kv(tokens: list[int], pos: int) -> int:
@@ -32,14 +32,7 @@ def kv(tokens: list[int], pos: int) -> int:
 def _disk(root: Path | None, name: str, block_size: int, files: int) -> DiskStore | None:
     if root is None:
         return None
-    nbytes = 8 * block_size
-    return DiskStore(
-        root,
-        {"sim": block_size, "group": name},
-        block_size=block_size,
-        block_nbytes=nbytes,
-        budget_bytes=files * (HEADER.size + 4 * block_size + nbytes + CHECKSUM.size),
-    )
+    return sim_disk_store(root, {"sim": block_size, "group": name}, block_size, files)
 
 
 class _Group:
@@ -54,17 +47,7 @@ class _Group:
     def run(self, moves: list[Any]) -> None:
         for move in moves:
             self.kinds.append(type(move).__name__)
-            if isinstance(move, Offload):
-                self.host[list(move.host)] = self.device[list(move.device)]
-            elif isinstance(move, Load):
-                self.device[list(move.device)] = self.host[list(move.host)]
-            elif isinstance(move, DiskWrite):
-                for h, key in zip(move.host, move.keys, strict=True):
-                    assert self.disk is not None and self.disk.put(key, self.host[h])
-            else:
-                assert isinstance(move, DiskRead)
-                for key, h in zip(move.keys, move.host, strict=True):
-                    assert self.disk is not None and self.disk.get(key, self.host[h])
+            run_move(move, self.device, self.host, self.disk)
 
 
 class Sim:
