@@ -360,7 +360,8 @@ class WindowGroup:
         prefix = qb[: TOKEN_BYTES * num_tokens]
         tail = _Tail(num_tokens, prefix, first, blocks, branch, branch)  # type: ignore[arg-type]
         if self._keys is not None:
-            tail.keys = self._full_keys(table.namespace, prefix, first)
+            known = self._tails.get(table.last_tail) if table.last_tail is not None else None
+            tail.keys = self._full_keys(table.namespace, prefix, first, known)
         if self._events is not None:
             self._announce(table.namespace, tail.keys)
         self._tails[key] = tail
@@ -372,11 +373,24 @@ class WindowGroup:
                 self._place(table.last_tail, proven=False, first=True)  # type: ignore[arg-type]
             table.last_tail = key
 
-    def _full_keys(self, namespace: str | None, prefix: bytes, first: int) -> tuple[BlockKey, ...]:
-        """The keys of the full blocks [first, len(prefix) // B) of the packed `prefix`."""
+    def _full_keys(
+        self, namespace: str | None, prefix: bytes, first: int, known: _Tail | None = None
+    ) -> tuple[BlockKey, ...]:
+        """The keys of the full blocks [first, len(prefix) // B) of the packed `prefix`. `known`:
+        a tail on a prefix of `prefix` (the one its table resumed from or kept last), whose keys
+        the chain continues when they reach `first`: a request's next tail hashes only its new
+        blocks, not its whole prefix again."""
         assert self._keys is not None
-        num_full = len(prefix) // (TOKEN_BYTES * self.block_size)
-        full = prefix[: TOKEN_BYTES * self.block_size * num_full]
+        nbytes = TOKEN_BYTES * self.block_size
+        num_full = len(prefix) // nbytes
+        if known is not None and known.keys and known.end <= len(prefix) // TOKEN_BYTES:
+            lo, hi = known.first, known.first + len(known.keys)
+            if lo <= first <= hi:
+                assert prefix.startswith(known.prefix), "a known tail is on this prefix"
+                new = token_bytes_le(prefix[hi * nbytes : num_full * nbytes])
+                after = known.keys[-1]
+                return (*known.keys[first - lo :], *self._keys.chain(namespace, new, after))
+        full = prefix[: nbytes * num_full]
         return tuple(self._keys.chain(namespace, token_bytes_le(full))[first:])
 
     def _announce(self, namespace: str | None, keys: tuple[BlockKey, ...]) -> None:
