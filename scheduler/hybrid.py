@@ -93,15 +93,14 @@ class HybridScheduler(Scheduler):
         for req in self._running.values():
             window = req.table.window  # type: ignore[union-attr]
             assert len(window.blocks) >= -(-req.num_computed_tokens // B), (req, window)
-            limit = (
-                window_budget(self.cache.window.window, B, self.config.chunked_prefill_size)
-                + self.cache.window.margin
-            )
+            chunk, margin = self.config.chunked_prefill_size, self.cache.window.margin
+            limit = window_budget(self.cache.window.window, B, chunk, margin)
             assert window.num_live_blocks <= limit, (req, window)
 
 
-def window_budget(window: int, block_size: int, chunk: int) -> int:
+def window_budget(window: int, block_size: int, chunk: int, margin: int = 0) -> int:
     """Window blocks one running request lists at most: those its next chunk's queries read
     (W - 1 tokens before it and the chunk itself, one more where they straddle a block), one
-    for the token `_record_row` keeps back, one copy source pinned until its copy ran."""
-    return -(-(window + chunk) // block_size) + 2
+    for the token `_record_row` keeps back, one copy source pinned until its copy ran, and the
+    `margin` kept before the window (`radixkv.cache.window.tier_margin`)."""
+    return -(-(window + chunk) // block_size) + 2 + margin

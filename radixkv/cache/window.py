@@ -71,6 +71,13 @@ def tail_key(namespace: str | None, qb: bytes, num_tokens: int) -> TailKey:
     return (namespace, num_tokens, xxhash.xxh3_128_intdigest(qb[: TOKEN_BYTES * num_tokens]))
 
 
+def tier_margin(with_tiers: bool) -> int:
+    """Window blocks a table or tail keeps before its window's first live one: 1 with lower
+    tiers, so that a tail's blocks cover the window before the block boundary at or below its
+    end, the point a lower-tier hit resumes from; else 0."""
+    return 1 if with_tiers else 0
+
+
 def first_live_index(num_written: int, window: int, block_size: int) -> int:
     """The first block index that the query at position `num_written` or any later one reads:
     that query sees keys (num_written - window, num_written]."""
@@ -172,10 +179,8 @@ class WindowGroup:
 
     @property
     def margin(self) -> int:
-        """Blocks kept before a window's first live one (1 with lower tiers): so that a tail's
-        blocks cover the window before the block boundary at or below its end, the point a
-        lower-tier hit resumes from."""
-        return 0 if self.tiers is None else 1
+        """Blocks kept before a window's first live one (`tier_margin`)."""
+        return tier_margin(self.tiers is not None)
 
     @property
     def num_tails(self) -> int:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from radixkv import kernels
+from radixkv.cache.window import tier_margin
 from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.attention_layout import probe_attention
 from radixkv.engine.config import EngineConfig
@@ -350,7 +351,7 @@ def plan_window_blocks(
     if window is None:
         return 0
     B, chunk = config.block_size, min(config.chunked_prefill_size, config.max_num_batched_tokens)
-    need = window_budget(window, B, chunk) + bool(config.host_cache_bytes)  # the tiers' margin
+    need = window_budget(window, B, chunk, tier_margin(bool(config.host_cache_bytes)))
     if config.num_window_blocks is None:
         blocks = 2 * config.max_num_seqs * need
         return blocks if budget is None else max(need, min(blocks, budget // 2 // bytes_per_block))
