@@ -50,7 +50,7 @@ import logging
 from collections.abc import Collection, Mapping, Sequence
 
 from radixkv.cache.prefix_cache import BlockTable, PrefixCache
-from radixkv.cache.tokens import common_prefix_len
+from radixkv.cache.tokens import shares_prefix
 from radixkv.scheduler.config import SchedulerConfig
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.policy import POLICIES
@@ -472,18 +472,21 @@ class Scheduler:
         # that much of a shared prefix can ever be gained by waiting.
         cap = len(tokens) - 1
         threshold = self.config.defer_shared_prefix_tokens
-        shared = max(  # only requests of its own namespace can serve it
-            common_prefix_len(tokens, other.packed_tokens, min(end, cap))
-            if other.cache_salt == req.cache_salt
-            else 0
+        peers = [  # only requests of its own namespace can serve it
+            (other.packed_tokens, min(end, cap))
             for other, end in in_batch
-        )
-        if shared < threshold:  # cannot gain enough whatever is cached: skip the tree walk
+            if other.cache_salt == req.cache_salt
+        ]
+        # Waiting gains the threshold only from a peer sharing hit + threshold tokens: a
+        # yes-or-no compare per peer (no prefix lengths), and the tree walk only once some peer
+        # shares the first `threshold`.
+        if not any(shares_prefix(tokens, t, threshold) for t, end in peers if end >= threshold):
             return False
         hit = self.cache.match(tokens, max_tokens=cap, namespace=req.cache_salt).num_cached_tokens
-        if shared - hit < threshold:
+        need = hit + threshold
+        if not any(shares_prefix(tokens, t, need) for t, end in peers if end >= need):
             return False
-        logger.debug("deferring %s: %d prefix tokens computed in this step", req, shared - hit)
+        logger.debug("deferring %s: %d+ prefix tokens computed in this step", req, threshold)
         return True
 
     def _try_admit(

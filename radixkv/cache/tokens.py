@@ -3,7 +3,8 @@ and the one check of every size or count argument.
 
 `PackedTokens` is the public form; `pack_tokens` validates any sequence of ints into those bytes;
 `common_prefix_len` is the one longest-common-prefix helper (token lists, tuples, PackedTokens or
-uint32 memoryviews of packed bytes); `check_size` gives every size argument one wording (the
+uint32 memoryviews of packed bytes), `shares_prefix` its yes-or-no form for two PackedTokens;
+`check_size` gives every size argument one wording (the
 scheduler and the engine use it too).
 """
 
@@ -141,6 +142,14 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = No
             lo += 1
         return lo
     return lo
+
+
+def shares_prefix(a: PackedTokens, b: PackedTokens, n: int) -> bool:
+    """Whether `a` and `b` both hold at least `n` tokens and agree on the first `n`: one compare
+    of their bytes in C, where `common_prefix_len` would take O(log n) Python steps."""
+    size = n * TOKEN_BYTES
+    x, y = a.tobytes(), b.tobytes()
+    return len(x) >= size and len(y) >= size and x[:size] == y[:size]
 
 
 def check_size(value: object, name: str, *, low: int) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from radixkv.cache.tokens import PackedTokens, shares_prefix
 from radixkv.cache.tokens import common_prefix_len as _common_prefix_len
 
 MakeHarness = Callable[..., Any]  # the `harness` fixture of conftest.py
@@ -61,6 +62,22 @@ def test_common_prefix_len_finds_the_first_mismatch(n: int) -> None:
         assert _common_prefix_len(other, base, j) == j  # the limit stops before the mismatch
         assert _common_prefix_len(base[:j], other, n) == j  # a shorter list ends the prefix
     assert _common_prefix_len(base, base, n // 2) == n // 2
+
+
+@pytest.mark.parametrize("n", [1, 16, 100, 2500])
+def test_shares_prefix_agrees_with_common_prefix_len(n: int) -> None:
+    """The yes-or-no compare the deferral uses says `common_prefix_len(a, b) >= k`, lengths
+    included, for every k around a mismatch and past either end."""
+    rng = random.Random(n)
+    base = [rng.randrange(1, 2**32) for _ in range(n)]
+    for j in sorted({0, n // 2, n - 1}):
+        other = list(base)
+        other[j] ^= 1 << 31  # a difference in the last byte of a little-endian id, or the first
+        for a, b in ((base, other), (base, base[:j]), (other[: n // 2], base), (base, base)):
+            lcp = _common_prefix_len(a, b)
+            for k in {0, 1, lcp - 1, lcp, lcp + 1, len(a), len(b), len(a) + 1}:
+                if k >= 0:
+                    assert shares_prefix(PackedTokens(a), PackedTokens(b), k) == (lcp >= k), (j, k)
 
 
 # ---------------------------------------------------------------- the shared prompt computed once
