@@ -18,6 +18,10 @@ Goals (issue #9), printed as measured ratios in the last table:
 - decode at batch 16 / context 4k: >= 85 % of the copy bandwidth;
 - decode at batch >= 16: <= 5 % spread of GB/s across block sizes (per batch and context);
 - extend: >= 0.85x SDPA's TFLOP/s.
+
+A split sweep times the decode kernel at a few fixed `num_kv_splits` beside the default's choice,
+at the shapes where the split choice decides the time (few requests, long contexts): the figures
+that set `_PROGRAMS_PER_SM`, `_MIN_TOKENS_PER_SPLIT` and `_SERIAL_MERGE_SPLITS`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,16 +116,22 @@ def _sdpa_decode_ms(batch: int, context: int) -> float:
     return _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
-def bench_decode(batch: int, context: int, block_size: int, sdpa_ms: float) -> DecodeResult:
-    from radixkv.kernels import reference
-    from radixkv.kernels.triton_paged_attention import paged_attention
-
+def _decode_args(batch: int, context: int, block_size: int) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """`paged_attention`'s arguments for one new token per request over `context` tokens each,
+    and an output buffer."""
     k_cache, v_cache, tables = _paged_cache(batch, context, block_size)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    out = torch.empty_like(q)
-    args = (q, k_cache, v_cache, tables, seq_lens, cu, HEAD_DIM**-0.5)
+    return (q, k_cache, v_cache, tables, seq_lens, cu, HEAD_DIM**-0.5), torch.empty_like(q)
+
+
+def bench_decode(batch: int, context: int, block_size: int, sdpa_ms: float) -> DecodeResult:
+    from radixkv.kernels import reference
+    from radixkv.kernels.triton_paged_attention import paged_attention
+
+    args, out = _decode_args(batch, context, block_size)
+    q, k_cache, _, tables = args[:4]
 
     err = None
     if batch * context <= 16 * 4096:  # the reference is cheap enough here
@@ -134,6 +145,32 @@ def bench_decode(batch: int, context: int, block_size: int, sdpa_ms: float) -> D
         + 2 * q.numel() * elem  # q and out
     )
     return DecodeResult(batch, context, block_size, ms, num_bytes / ms / 1e6, sdpa_ms, err)
+
+
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bench_splits(batch: int, context: int, block_size: int) -> tuple[int, list[float]]:
+    """The default's split count for this shape, and ms per call at each of SPLIT_SWEEP."""
+    from radixkv.kernels.triton_paged_attention import default_num_kv_splits, paged_attention
+
+    args, out = _decode_args(batch, context, block_size)
+    span = args[3].shape[1] * block_size  # the block table's capacity, as the engine's launch
+    chosen = default_num_kv_splits(batch * NUM_KV_HEADS, span, out.device)
+    times = [
+        _bench(lambda n=n: paged_attention(*args, out=out, num_kv_splits=n)) for n in SPLIT_SWEEP
+    ]
+    return chosen, times
+
+
+def _print_splits(rows: list[tuple[int, int, int, list[float]]]) -> None:
+    print("\n### Decode ms by split count (block 16; * marks the default's choice)\n")
+    print("| batch | context | default | " + " | ".join(f"{n}" for n in SPLIT_SWEEP) + " |")
+    print("|---:|---:|---:|" + "---:|" * len(SPLIT_SWEEP))
+    for batch, context, chosen, times in rows:
+        marks = ["*" if n == chosen else "" for n in SPLIT_SWEEP]
+        cells = [f"{ms:.4f}{mark}" for ms, mark in zip(times, marks, strict=True)]
+        print(f"| {batch} | {context} | {chosen} | " + " | ".join(cells) + " |")
 
 
 def _attention_flops(batch: int, prefix: int, new_tokens: int) -> float:
@@ -310,8 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         for batch, prefix, new in extend_cfgs
         for block_size in block_sizes
     ]
+    splits = [
+        (batch, context, *bench_splits(batch, context, 16))
+        for batch, context in ((1, 4096), (1, 16384), (4, 16384), (16, 4096))
+    ]
     _print_decode(decode, copy_gbps)
     _print_extend(extend)
+    _print_splits(splits)
     _print_goals(goals(decode, extend, copy_gbps))
     return 0
 

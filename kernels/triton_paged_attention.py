@@ -54,6 +54,8 @@ _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 256
 # Bounds the fp32 scratch (splits x tokens x heads x head_dim) and the merge kernel's loop.
 _MAX_KV_SPLITS = 64
+# Up to this many splits the merge reads one split an iteration, many heads a program.
+_SERIAL_MERGE_SPLITS = 8
 # Extend / prefill tiles of 16-bit inputs: 128 query rows x 64 keys with 8 warps (the shape of
 # Triton's fused-attention tutorial on Hopper); fp32 and head_dim > 128 keep 64 rows, 4 warps.
 _EXTEND_BLOCK_M = 128
@@ -244,21 +246,38 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,  # 1, or BLOCK_H is 1
 ):
-    """One token, BLOCK_H heads: the splits' partial outputs combined by an online log-sum-exp."""
-    token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    h_valid = offs_h < num_q_heads
-    mask = h_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    """One token, BLOCK_H heads: the splits' partial outputs combined by an online log-sum-exp.
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM_P], dtype=tl.float32)
-    for s in range(num_splits):
-        row = (s * num_tokens + token) * num_q_heads + offs_h  # [num_splits, tokens, heads]
-        lse = tl.load(part_lse_ptr + row, mask=h_valid, other=float("-inf"))
-        o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    Each of the tile's BLOCK_H * SPLIT_TILE rows is one (head, split) pair and keeps its own
+    running log-sum-exp while the loop steps through the splits SPLIT_TILE at a time; with one
+    head and SPLIT_TILE lanes of splits, the lanes are combined once at the end.
+    """
+    ROWS: tl.constexpr = BLOCK_H * SPLIT_TILE
+    token = tl.program_id(0).to(tl.int64)
+    offs_r = tl.arange(0, ROWS)
+    head = tl.program_id(1) * BLOCK_H + offs_r // SPLIT_TILE
+    lane = offs_r % SPLIT_TILE
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    h_valid = head < num_q_heads
+    d_valid = offs_d < HEAD_DIM
+
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_P], dtype=tl.float32)
+    for first in range(0, num_splits, SPLIT_TILE):
+        split = first + lane
+        valid = h_valid & (split < num_splits)
+        row = (
+            split.to(tl.int64) * num_tokens + token
+        ) * num_q_heads + head  # [splits, tokens, heads]
+        lse = tl.load(part_lse_ptr + row, mask=valid, other=float("-inf"))
+        o = tl.load(
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
         m_new = tl.maximum(m_i, lse)
         # Only empty splits so far: keep m = -inf and subtract 0 (-inf - -inf = NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -267,10 +286,31 @@ def _merge_splits_kernel(
         acc = acc * alpha[:, None] + weight[:, None] * o
         l_i = l_i * alpha + weight
         m_i = m_new
-    # l > 0: every row sees its own position, in some split
-    merged = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_offs = token * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_TILE > 1:  # one head: its lanes combined as the splits were
+        m = tl.max(m_i, 0)
+        scale = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m))  # 0 for a lane of no mass
+        l_sum = tl.sum(l_i * scale, 0)
+        merged = tl.sum(acc * scale[:, None], 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
+        out_offs = token * stride_ot + tl.program_id(1).to(tl.int64) * stride_oh + offs_d
+        tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=d_valid)
+    else:
+        # l > 0: every row sees its own position, in some split
+        merged = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out_offs = token * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+        mask = h_valid[:, None] & d_valid[None, :]
+        tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _merge_tile(num_splits: int, num_q_heads: int, head_dim_p: int) -> tuple[int, int]:
+    """(BLOCK_H, SPLIT_TILE) of the merge: a [heads, splits, head_dim] fp32 tile of ~4k elements
+    (registers on a GPU). A few splits: many heads a program, one split a load. Many splits
+    (a short batch over long contexts, where the grid is small): one head a program, many
+    splits a load, so the loads of all splits are in flight at once instead of one per
+    iteration. Two compiled variants per head_dim, whatever the split count."""
+    elems = 4096 // head_dim_p
+    if num_splits <= _SERIAL_MERGE_SPLITS:
+        return max(1, min(triton.next_power_of_2(num_q_heads), elems)), 1
+    return 1, max(16, min(_MAX_KV_SPLITS, elems))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -478,8 +518,7 @@ def _launch(
         num_stages=2,
     )
     if num_kv_splits > 1:
-        # Bound the [heads, head_dim] fp32 accumulator to ~4k elements (registers on a GPU).
-        block_h = max(1, min(triton.next_power_of_2(num_q_heads), 4096 // head_dim_p))
+        block_h, split_tile = _merge_tile(num_kv_splits, num_q_heads, head_dim_p)
         _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
             part_out,
             part_lse,
@@ -492,6 +531,7 @@ def _launch(
             HEAD_DIM=head_dim,
             HEAD_DIM_P=head_dim_p,
             BLOCK_H=block_h,
+            SPLIT_TILE=split_tile,
             num_warps=4,
         )
     return out

@@ -189,7 +189,7 @@ if wanted kernels; then
             LOG_AS=kernels run_stage kernels-host 90 0 -- \
                 "$PY" -X faulthandler benchmarks/kernel_bench.py --quick --timing host
         fi
-        excerpt kernels "^(##|###|torch|device|\|)" 40
+        excerpt kernels "^(##|###|torch|device|\|)" 60
     fi
 fi
 

@@ -31,11 +31,15 @@ def test_kernel_bench_runs_on_tiny_sizes(bench, capsys):
     decode = [bench.bench_decode(1, 40, block_size, sdpa_ms=2.0) for block_size in (16, 64)]
     assert all(r.max_abs_err is not None and r.max_abs_err < 1e-2 for r in decode)
     extend = [bench.bench_extend(1, 24, 16, block_size=16)]
+    chosen, times = bench.bench_splits(1, 40, block_size=16)
+    assert chosen == 1 and len(times) == len(bench.SPLIT_SWEEP)  # one split on the CPU
     bench._print_decode(decode, copy_gbps)
     bench._print_extend(extend)
+    bench._print_splits([(1, 40, chosen, times)])
     missed = bench._print_goals(bench.goals(decode, extend, copy_gbps))
     out = capsys.readouterr().out
     assert "| 1 | 40 | 64 |" in out and "### Extend" in out
+    assert "| 1 | 40 | 1 | 1.0000* | 1.0000 |" in out
     assert "not in this sweep" in out  # no goal configuration at these sizes
     assert missed == []  # the fake timer gives paged and SDPA the same time: extend ratio 1
     assert bench._attention_flops(1, 0, 2) == 4.0 * 32 * 128 * 3  # keys seen: 1 + 2

@@ -62,6 +62,18 @@ def test_paged_attention_decode(paged_batch, assert_close, num_kv_splits, group,
     assert_close(actual, expected, dtype)
 
 
+@pytest.mark.parametrize("num_kv_splits", [12, 40])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_paged_attention_merge_of_many_splits(paged_batch, assert_close, num_kv_splits, dtype):
+    # Past 8 splits the merge loads many splits at once, 32 at head_dim 80: 40 splits of 64
+    # positions fill two loads for the 2,560-token request, one and a bit for the 2,049-token
+    # one, and the last request's one token leaves every split but one empty.
+    batch = paged_batch([2560, 2049, 1], [1] * 3, block_size=16, group=2, head_dim=80, dtype=dtype)
+    expected = reference.paged_attention(*batch.args)
+    actual = triton_paged_attention(*batch.args, num_kv_splits=num_kv_splits)
+    assert_close(actual, expected, dtype)
+
+
 @pytest.mark.parametrize("num_kv_splits", [2, 5])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_paged_attention_split_extend(paged_batch, assert_close, num_kv_splits, dtype):
