@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tiny_llama import EOS_ID, VOCAB_SIZE, build_tokenizer
+from tiny_llama import EOS_ID, VOCAB_SIZE, build_tokenizer, random_prompts
 
 WINDOW = 8
 _SIZES = dict(
@@ -119,6 +119,16 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "vaultgemma-window": ("vaultgemma", dict(sliding_window=WINDOW, head_dim=16)),
     "afmoe-window": ("afmoe", dict(sliding_window=WINDOW)),
 }
+
+
+# Traffic that takes a window model's KV through its lower tiers: 6 prompts of 30-44 tokens (8-11
+# blocks of 4) over a device pool of 24 full and 12 window blocks, so that every round evicts
+# the prefixes and window tails of the one before.
+WINDOW_TIER_PROMPTS = random_prompts(41, 4, shared_prefix=3 * WINDOW, min_len=6, max_len=20)
+WINDOW_TIER_PROMPTS += random_prompts(42, 2, min_len=4 * WINDOW, max_len=5 * WINDOW)
+WINDOW_TIER_DEVICE = dict(
+    block_size=4, num_blocks=24, num_window_blocks=12, max_num_seqs=2, chunked_prefill_size=16
+)
 
 
 def build_config(model_type: str, **fields):

@@ -478,19 +478,9 @@ class PrefixCache:
             # a lock counts once at its root: locks cover whole paths
             num_locked_tables=sum(root.lock_ref for root in tree.roots.values()),
             num_namespaces=len(tree.roots),
-            **self._tier_stats(),
+            **({} if self._tiers is None else self._tiers.stats()),
             **c,
         )
-
-    def _tier_stats(self) -> dict[str, int]:
-        tiers = self._tiers
-        if tiers is None:
-            return {}
-        return {
-            "num_host_blocks": tiers.num_host_blocks,
-            "num_host_cached_blocks": len(tiers.entries),
-            **tiers.counts,
-        }
 
     def nodes(self) -> Iterator[NodeView]:
         """Snapshots of all nodes, root first, depth-first, children by increasing first token;

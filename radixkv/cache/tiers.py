@@ -97,6 +97,15 @@ class LowerTiers:
     def num_host_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def stats(self) -> dict[str, int]:
+        """The lower tiers' fields of a group's stats (`CacheStats`, `WindowStats`): the host
+        tier's size, the blocks it holds, and the moves planned since start."""
+        return {
+            "num_host_blocks": self.num_host_blocks,
+            "num_host_cached_blocks": len(self.entries),
+            **self.counts,
+        }
+
     # ------------------------------------------------------------------ reading
     def holds(self, key: BlockKey) -> bool:
         """Whether the host tier holds the block `key` names (not just one of its hash)."""

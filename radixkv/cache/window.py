@@ -135,6 +135,29 @@ class LowerHit:
     d: int
 
 
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """The window group's figures (`WindowGroup.stats`), as `CacheStats` are the full group's.
+    Its pool: `num_in_use_blocks + num_tail_blocks + num_free_blocks == num_blocks`."""
+
+    window: int  # tokens a window layer reads
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_tail_blocks: int  # held by tails only: what dropping every tail would free
+    num_in_use_blocks: int  # held by open tables (running requests), tails may share them
+    num_tails: int
+    num_evicted_tails: int  # since start
+    # The lower tiers (`LowerTiers.stats`); zeros without them. Hits are counted once, by the
+    # full group's `CacheStats`: these count the window blocks a hit loaded.
+    num_host_blocks: int = 0  # the host tier's size
+    num_host_cached_blocks: int = 0  # host blocks holding a block
+    num_offloaded_blocks: int = 0  # device -> host copies planned
+    num_loaded_blocks: int = 0  # host -> device copies planned (disk reads included)
+    num_disk_reads: int = 0  # block files read into the host tier
+    num_disk_writes: int = 0  # host blocks written to disk as they left the host tier
+
+
 class WindowGroup:
     """`num_blocks` window blocks of `block_size` tokens for layers of window `window`.
 
@@ -185,6 +208,21 @@ class WindowGroup:
     @property
     def num_tails(self) -> int:
         return len(self._tails)
+
+    def stats(self) -> WindowStats:
+        """The pool's split, the tails and the lower tiers' figures. O(tail blocks)."""
+        pool, tails = self.pool, self.num_evictable_blocks()
+        return WindowStats(
+            window=self.window,
+            num_blocks=pool.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=pool.num_free,
+            num_tail_blocks=tails,
+            num_in_use_blocks=pool.num_blocks - pool.num_free - tails,
+            num_tails=self.num_tails,
+            num_evicted_tails=self.num_evicted_tails,
+            **({} if self.tiers is None else self.tiers.stats()),
+        )
 
     # ----------------------------------------------------------------- reading
     def hit(self, qb: bytes, num_matched: int, namespace: str | None) -> int:

@@ -290,7 +290,7 @@ def tier_lines(llm: object) -> list[str]:
     lines = _group_tier_lines("", tiers, s.num_host_cached_blocks, hits)
     window = llm.window_tier_io  # type: ignore[attr-defined]
     if window is not None:
-        held = len(llm.scheduler.cache.window.tiers.entries)  # type: ignore[attr-defined]
+        held = llm.window_stats().num_host_cached_blocks  # type: ignore[attr-defined]
         lines += _group_tier_lines("window ", window, held, ("", ""))
     return lines
 

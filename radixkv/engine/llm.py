@@ -38,6 +38,7 @@ from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.keys import BlockHasher, make_block_hasher
 from radixkv.cache.moves import Move, Poisoned
+from radixkv.cache.window import WindowStats
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
@@ -261,6 +262,12 @@ class LLM:
     @property
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting
+
+    def window_stats(self) -> WindowStats | None:
+        """The window layers' group's figures (None: a model without window layers); the full
+        layers' are `cache.stats()`."""
+        cache = self.scheduler.cache
+        return cache.window.stats() if isinstance(cache, HybridCache) else None
 
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""

@@ -11,6 +11,11 @@ bounded tree walk; decoding and JSON run in the view's own thread: the event loo
 the text on. Each subscriber holds at most one pending snapshot (a slow page skips snapshots,
 never slows the others).
 
+Window layers: for a model that has them (Gemma 2/3, Mistral with a window), the snapshot adds
+`window_layers`, their KV group's device pool and lower tiers (`window_payload`); `gauges`'
+device, host and disk are the full layers' group. A full-attention model's snapshot has no such
+key.
+
 Tenants: the tree shown is the shared namespace's alone (`PrefixCache.summary`), and the last
 request highlighted is the last one without a `cache_salt`: a salted tenant's tokens, nodes
 and requests never reach the page. The gauges are the server's totals, as `/metrics` has them.
@@ -28,9 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.cache.summary import TreeSummary
+from radixkv.cache.window import WindowStats
+from radixkv.engine.disk_store import DiskStoreStats
 from radixkv.engine.llm import LLM
 from radixkv.engine.outputs import RequestOutput
-from radixkv.serve.engine_loop import RequestStream
+from radixkv.serve.engine_loop import RequestStream, tier_moves
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,16 @@ class LastRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowCapture:
+    """What the engine thread reads of the window layers' group: the cache's figures, its disk
+    store's, and its tier mover's (bytes, seconds) per kind of move, as `/metrics` sums them."""
+
+    stats: WindowStats
+    disk: DiskStoreStats | None
+    moves: dict[str, tuple[int, float]]
+
+
+@dataclass(frozen=True, slots=True)
 class Capture:
     """What the engine thread reads for one snapshot."""
 
@@ -67,6 +84,7 @@ class Capture:
     num_offloaded_blocks: int
     num_disk_bytes: int
     disk_budget_bytes: int
+    window: WindowCapture | None  # None: a model without window layers
     seconds: float  # the engine thread's time on it
 
 
@@ -87,8 +105,57 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
         num_offloaded_blocks=stats.num_offloaded_blocks,
         num_disk_bytes=0 if disk is None else disk.num_bytes,
         disk_budget_bytes=0 if disk is None else disk.budget_bytes,
+        window=_window_capture(llm),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _window_capture(llm: LLM) -> WindowCapture | None:
+    stats = llm.window_stats()
+    if stats is None:
+        return None
+    tiers = llm.window_tier_io
+    disk = None if tiers is None or tiers.disk is None else tiers.disk.stats()
+    return WindowCapture(stats, disk, tier_moves(tiers))
+
+
+def window_payload(w: WindowCapture) -> dict[str, Any]:
+    """The window layers' part of a snapshot: their device pool (blocks in use by requests, held
+    only by tails, free), and their host and disk tiers (None: off) with the window blocks hits
+    loaded from each (the hits' tokens are the full group's) and the bytes each kind of move
+    carried."""
+    s = w.stats
+    host = disk = None
+    if s.num_host_blocks:
+        host = {
+            "blocks": s.num_host_blocks,
+            "held": s.num_host_cached_blocks,
+            "loaded_blocks": s.num_loaded_blocks,
+            "offloaded_blocks": s.num_offloaded_blocks,
+            "moves": _moves(w.moves, "load", "offload"),
+        }
+    if w.disk is not None:
+        disk = {
+            "files": w.disk.num_files,
+            "bytes": w.disk.num_bytes,
+            "budget": w.disk.budget_bytes,
+            "read_blocks": s.num_disk_reads,
+            "written_blocks": s.num_disk_writes,
+            "moves": _moves(w.moves, "disk_read", "disk_write"),
+        }
+    device = {
+        "blocks": s.num_blocks,
+        "in_use": s.num_in_use_blocks,
+        "tails": s.num_tail_blocks,
+        "free": s.num_free_blocks,
+        "num_tails": s.num_tails,
+        "evicted_tails": s.num_evicted_tails,
+    }
+    return {"window": s.window, "device": device, "host": host, "disk": disk}
+
+
+def _moves(moves: dict[str, tuple[int, float]], *kinds: str) -> dict[str, dict[str, float]]:
+    return {k: {"bytes": moves[k][0], "seconds": moves[k][1]} for k in kinds}
 
 
 class NodeAliases:
@@ -320,6 +387,8 @@ class CacheView:
             "gauges": gauges,
             "limits": {"max_nodes": MAX_NODES, "updates_per_s": MAX_UPDATES_PER_S},
         }
+        if cap.window is not None:
+            body["window_layers"] = window_payload(cap.window)
         return json.dumps(body, ensure_ascii=True)
 
     def publish(self, text: str) -> None:

@@ -92,6 +92,30 @@ def test_tails_go_least_recently_used_first_and_the_hit_falls_back() -> None:
     group.check_integrity()
 
 
+def test_stats_split_the_pool_into_in_use_tail_and_free_blocks() -> None:
+    group = WindowGroup(8, 4, window=4)
+    tokens = _qb(range(1, 50))
+    table = group.open(tokens, 0, None)
+    assert table is not None
+    for end in (10, 18):  # tails of indices 1-2, then 3-4, which the table still lists
+        assert group.extend(table, end)
+        group.slide(table, end)
+        group.commit(table, tokens, end)
+    split = ("num_in_use_blocks", "num_tail_blocks", "num_free_blocks", "num_tails")
+
+    def figures() -> tuple[int, ...]:
+        stats = group.stats()
+        assert (stats.window, stats.num_blocks, stats.num_host_blocks) == (4, 8, 0)
+        return tuple(getattr(stats, name) for name in split)
+
+    assert figures() == (2, 2, 4, 2)
+    group.close(table)
+    assert figures() == (0, 4, 4, 2)
+    assert group.evict(1) and figures() == (0, 2, 6, 1)
+    assert group.stats().num_evicted_tails == 1
+    group.check_integrity()
+
+
 def test_speculative_and_superseded_tails_go_before_proven_ones() -> None:
     group = WindowGroup(16, 4, window=4)
     chat, doc = _qb(range(1, 30)), _qb(range(100, 130))

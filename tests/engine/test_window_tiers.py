@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import pytest
 from block_files import damage_every_other_file
-from tiny_archs import WINDOW, build_arch, greedy_tokens
-from tiny_llama import random_prompts
+from tiny_archs import WINDOW_TIER_DEVICE, WINDOW_TIER_PROMPTS, build_arch, greedy_tokens
 
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import tier_lines
-from radixkv.serve.engine_loop import _tier_moves
+from radixkv.serve.engine_loop import tier_moves
 
-# 6 prompts of 30-44 tokens (8-11 blocks of 4), a device pool of 24 full and 12 window blocks:
-# every round evicts the prefixes and tails of the one before into the lower tiers.
-PROMPTS = random_prompts(41, 4, shared_prefix=3 * WINDOW, min_len=6, max_len=20)
-PROMPTS += random_prompts(42, 2, min_len=4 * WINDOW, max_len=5 * WINDOW)
+# every round evicts the prefixes and tails of the one before into the lower tiers
+PROMPTS, DEVICE = WINDOW_TIER_PROMPTS, WINDOW_TIER_DEVICE
 MAX_NEW = [5 + i % 3 for i in range(len(PROMPTS))]
-DEVICE = dict(
-    block_size=4, num_blocks=24, num_window_blocks=12, max_num_seqs=2, chunked_prefill_size=16
-)
 ARCHS = ("gemma2", "gemma3", "mistral-window")
 
 
@@ -65,7 +59,7 @@ def test_host_tier_hits_match_transformers(arch, overlap, arch_model):
     assert stats.num_host_hit_tokens > 0
     assert window_moved(llm, "offload") > 0 and window_moved(llm, "load") > 0
     # /metrics counts both groups' moves
-    moved = _tier_moves(llm.tier_io, llm.window_tier_io)["load"][0]
+    moved = tier_moves(llm.tier_io, llm.window_tier_io)["load"][0]
     assert moved == llm.tier_io.totals["load"].nbytes + llm.window_tier_io.totals["load"].nbytes
     assert moved > llm.tier_io.totals["load"].nbytes
     assert llm.scheduler.cache.window.num_evicted_tails > 0

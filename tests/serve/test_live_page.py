@@ -1,6 +1,7 @@
 """The live page of the cache (`/`), in a real browser: headless Debian chromium driven by
 Selenium, against a real server on 127.0.0.1 over a tiny model whose tokenizer spells text
-character by character."""
+character by character; and, for a model with window layers (a tiny random Gemma 3), the
+window group's figures in the snapshots and on the page."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 from page_helpers import char_model_dir, send_from_page, start_browser, text_of, wait_for
 from processes import sigint_restored
 from serve_helpers import metric, read_metrics, wait_until
+from tiny_archs import WINDOW, WINDOW_TIER_DEVICE, WINDOW_TIER_PROMPTS, build_arch
 
 pytest.importorskip("fastapi")
 
@@ -222,7 +224,20 @@ def test_host_and_disk_occupancy_move(
     # Nodes the page had drawn left the device for the host, and faded out saying so.
     gone = browser.execute_script("return window.__gone")
     assert any("→ host" in text for text in gone), gone
+    # A full-attention model: no window layers' panel, the gauges unlabelled as before.
+    assert not browser.find_elements("css selector", "#window-panel, #full-label")
     check_view(server)
+    # Its snapshots carry exactly the keys they always had, tiers on or off.
+    snapshot = json.loads(snapshot_after(server, metrics.num_prompt_tokens, last_seq=6))
+    assert set(snapshot) == {"model", "tree", "last_request", "gauges", "limits"}
+    assert set(snapshot["gauges"]) == FULL_GAUGES
+
+
+FULL_GAUGES = {  # the snapshot's gauges before the window layers had figures of their own
+    "time", "prompt_tokens", "cached_tokens", "generated_tokens", "hit_rate", "blocks",
+    "block_size", "device_used", "device_evictable", "host_blocks", "host_used", "disk_bytes",
+    "disk_budget", "evicted_blocks", "offloaded_blocks", "queue", "running",
+}  # fmt: skip
 
 
 def test_the_page_is_off_unless_enabled(make_server: Callable[..., Any]) -> None:
@@ -379,3 +394,110 @@ def test_shutting_down_ends_the_page_stream(
     closer.join(60)
     assert not closer.is_alive()
     assert rest.count(b"event: snapshot") <= 1
+
+
+# A tiny Gemma 3 (three window layers of WINDOW tokens, one full layer) with both groups' tiers
+# on: the traffic of the window tier tests, twice, with host room for 8 blocks of each group (a
+# pair of blocks is 4 KiB in this model), the rest to disk.
+WINDOW_ENGINE = dict(WINDOW_TIER_DEVICE, host_cache_bytes=8 * 4096)
+WINDOW_ROUNDS = 2
+
+
+@pytest.fixture(scope="module")
+def window_server(tmp_path_factory: pytest.TempPathFactory, make_server: Callable[..., Any]) -> Any:
+    """A live server of the tiny Gemma 3 with the page on, after the traffic above."""
+    model = build_arch("gemma3", tmp_path_factory.mktemp("gemma3"))
+    disk = tmp_path_factory.mktemp("gemma3-kv")
+    server = make_server({**WINDOW_ENGINE, "kv_cache_dir": disk}, model=model, ui=True)
+    client = server.client()
+    for _ in range(WINDOW_ROUNDS):
+        for prompt in WINDOW_TIER_PROMPTS:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    return server
+
+
+def window_counters(llm: Any) -> dict[str, Any]:
+    """Engine thread: the window group's own counters, read where they are kept."""
+    group, io = llm.scheduler.cache.window, llm.window_tier_io
+    moves = {kind: {"bytes": t.nbytes, "seconds": t.seconds} for kind, t in io.totals.items()}
+    counts = group.tiers.counts
+    return {
+        "window": group.window,
+        "device": {
+            "blocks": group.pool.num_blocks,
+            "in_use": group.pool.num_blocks - group.pool.num_free - group.num_evictable_blocks(),
+            "tails": group.num_evictable_blocks(),
+            "free": group.pool.num_free,
+            "num_tails": group.num_tails,
+            "evicted_tails": group.num_evicted_tails,
+        },
+        "host": {
+            "blocks": io.host.num_blocks,
+            "held": len(group.tiers.entries),
+            "loaded_blocks": counts["num_loaded_blocks"],
+            "offloaded_blocks": counts["num_offloaded_blocks"],
+            "moves": {kind: moves[kind] for kind in ("load", "offload")},
+        },
+        "disk": {
+            "files": io.disk.num_files,
+            "bytes": io.disk.num_bytes,
+            "budget": io.disk.budget_bytes,
+            "read_blocks": counts["num_disk_reads"],
+            "written_blocks": counts["num_disk_writes"],
+            "moves": {kind: moves[kind] for kind in ("disk_read", "disk_write")},
+        },
+    }
+
+
+def window_snapshot(server: Any) -> dict[str, Any]:
+    num_requests = WINDOW_ROUNDS * len(WINDOW_TIER_PROMPTS)
+    metrics = server.server_state.metrics
+    return json.loads(snapshot_after(server, metrics.num_prompt_tokens, last_seq=num_requests))
+
+
+def test_window_layers_figures_in_the_snapshot_are_the_engines(window_server: Any) -> None:
+    snapshot = window_snapshot(window_server)
+    want = window_server.on_engine(window_counters)
+    assert snapshot["window_layers"] == want
+    # The traffic really reached every tier of the window group, and served hits from them.
+    host, disk, device = want["host"], want["disk"], want["device"]
+    assert host["held"] > 0 and host["loaded_blocks"] > 0 and host["moves"]["load"]["bytes"] > 0
+    assert disk["files"] > 0 and disk["written_blocks"] > 0 and disk["read_blocks"] > 0
+    assert device["tails"] > 0 and device["in_use"] == 0  # idle: only tails hold blocks
+    # The gauges beside it stay the full layers' group's.
+    full = window_server.on_engine(lambda llm: (llm.tier_io.host.num_blocks, llm.cache.stats()))
+    gauges = snapshot["gauges"]
+    assert gauges["host_blocks"] == full[0] and gauges["blocks"] == full[1].num_blocks
+    assert gauges["host_used"] == full[1].num_host_cached_blocks
+    assert set(gauges) == FULL_GAUGES
+    window_server.app.state.cache_view.check_integrity()
+    window_server.on_engine(lambda llm: llm.check_integrity())
+
+
+def test_the_page_shows_the_window_layers(browser: Any, window_server: Any) -> None:
+    open_page(browser, window_server)
+    wait_for(browser, lambda d: d.find_elements("id", "window-panel"), "the window panel")
+    want = window_snapshot(window_server)["window_layers"]
+    panel = text_of(browser, "window-panel")
+    assert panel.startswith(f"window layers ({WINDOW} tokens)")
+    assert text_of(browser, "full-label") == "full layers"
+    for row in ("device", "host", "disk"):
+        element = browser.find_element("id", f"w-{row}")
+        numbers = {k: v for k, v in want[row].items() if not isinstance(v, dict)}
+        attributes = {k: int(element.get_attribute(f"data-{k}")) for k in numbers}
+        assert attributes == numbers
+    device, host, disk = want["device"], want["host"], want["disk"]
+
+    def shown(row: str) -> str:
+        return browser.find_element("css selector", f"#w-{row} .value").text
+
+    assert shown("device") == (
+        f"{device['in_use']} in use · {device['tails']} in tails ·"
+        f" {device['free']} free of {device['blocks']} blk"
+    )
+    assert shown("host").startswith(
+        f"{host['held']}/{host['blocks']} blk · loaded {host['loaded_blocks']} ·"
+        f" offloaded {host['offloaded_blocks']} · moved"
+    )
+    assert shown("disk").startswith(f"{disk['files']} files, ")
+    assert f"read {disk['read_blocks']} · written {disk['written_blocks']}" in shown("disk")

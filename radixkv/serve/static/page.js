@@ -59,6 +59,7 @@ function render() {
   $("model").textContent = snap.model;
   renderTotals(snap);
   renderGauges(snap.gauges);
+  renderWindow(snap.window_layers);
   renderTree(snap);
 }
 
@@ -186,6 +187,53 @@ function renderGauges(g) {
     series.set(id, s);
     spark(box.querySelector("canvas"), s, id === "g-evicted" || id === "g-queue" || id === "g-tps" ? null : 100);
   }
+}
+
+// ---------------------------------------------------------------- the window layers
+
+function mib(bytes) {
+  return (bytes / 2 ** 20).toFixed(2);
+}
+
+function renderWindow(w) {
+  // A model with window layers has a second KV group: its rows go below the gauges, which
+  // then are labelled as the full layers'. A full-attention model's page has neither.
+  if (!w) return;
+  if (!$("window-panel")) {
+    const full = el("div", "group-label", "full layers");
+    full.id = "full-label";
+    const panel = el("div");
+    panel.id = "window-panel";
+    $("gauges").before(full);
+    $("gauges").after(panel);
+  }
+  const d = w.device;
+  const rows = [
+    ["w-device", "device", d, `${d.in_use} in use · ${d.tails} in tails · ${d.free} free of ${d.blocks} blk`],
+  ];
+  const h = w.host;
+  const hostText = h
+    ? `${h.held}/${h.blocks} blk · loaded ${h.loaded_blocks} · offloaded ${h.offloaded_blocks} · ` +
+      `moved ${mib(h.moves.load.bytes + h.moves.offload.bytes)} MiB`
+    : "off";
+  rows.push(["w-host", "host", h, hostText]);
+  const k = w.disk;
+  const diskText = k
+    ? `${k.files} files, ${mib(k.bytes)}/${mib(k.budget)} MiB · read ${k.read_blocks} · ` +
+      `written ${k.written_blocks} · moved ${mib(k.moves.disk_read.bytes + k.moves.disk_write.bytes)} MiB`
+    : "off";
+  rows.push(["w-disk", "disk", k, diskText]);
+  const items = rows.map(([id, label, figures, text]) => {
+    const row = el("div", "window-row");
+    row.id = id;
+    // the row's numbers, as attributes too (data-held, data-in_use, ...): tests read them
+    for (const [key, value] of Object.entries(figures || {})) {
+      if (typeof value === "number") row.dataset[key] = String(value);
+    }
+    row.append(el("span", "label", label), el("span", "value", text));
+    return row;
+  });
+  $("window-panel").replaceChildren(el("div", "group-label", `window layers (${w.window} tokens)`), ...items);
 }
 
 function spark(canvas, values, top) {
