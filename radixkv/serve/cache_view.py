@@ -176,6 +176,10 @@ class NodeAliases:
             self.next_alias += 1
         return alias
 
+    def __len__(self) -> int:
+        """How many nodes have an alias now."""
+        return len(self._aliases)
+
     def keep_only(self, node_ids: set[int]) -> None:
         """Forget the nodes no longer listed (one listed again later gets a new alias)."""
         self._aliases = {k: v for k, v in self._aliases.items() if k in node_ids}
@@ -218,7 +222,7 @@ def tree_payload(
         }
         for f in tree.folded
     ]
-    return {
+    payload = {
         "nodes": nodes,
         "folded": folded,
         "num_nodes": tree.num_nodes,
@@ -226,7 +230,8 @@ def tree_payload(
         "path": [alias(i) for i in tree.path if i in listed],
         "path_tokens": tree.num_path_tokens,
     }
-    alias.keep_only(listed)
+    alias.keep_only(listed)  # a long-lived page lists a bounded number of nodes, never all ever
+    return payload
 
 
 def _recency(tree: TreeSummary) -> dict[int, int]:

@@ -44,6 +44,20 @@ def test_a_tenants_requests_change_nothing_the_page_is_sent(max_nodes: int) -> N
     assert alone["num_nodes"] == 5 and alone["path"]  # the shared tree is really there
 
 
+def test_a_payload_forgets_the_aliases_of_nodes_it_no_longer_lists() -> None:
+    cache = PrefixCache(num_blocks=64, block_size=2)
+    for prompt in SHARED:
+        _serve(cache, prompt)
+    aliases = NodeAliases()
+    before = tree_payload(cache.summary(max_nodes=300), None, aliases)
+    assert len(aliases) == len(before["nodes"]) == 1 + before["num_nodes"]  # the root too
+    assert cache.reset()
+    _serve(cache, SHARED[0])
+    after = tree_payload(cache.summary(max_nodes=300), None, aliases)
+    assert len(aliases) == len(after["nodes"]) < len(before["nodes"])
+    aliases.check_integrity()
+
+
 def test_aliases_stay_while_listed_and_are_never_reused() -> None:
     alias = NodeAliases()
     first = [alias(i) for i in (40, 7, 93)]
