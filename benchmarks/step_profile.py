@@ -15,11 +15,16 @@
 4. A turn-6-like prefill step (32 rows x 129 new tokens over 2,432-token contexts): host enqueue
    time against GPU time (CUDA only).
 5. That prefill step's host time by Python function (cProfile; on the CPU: a small decode step).
+6. The chat workload (gpu_bench's `run_chat`); its last turn's mean TTFT and its first step's
+   host phases: schedule (of which the in-batch prefix deferral) and the step's wall time.
+   `--host-shapes` runs the full workloads' shapes over the tiny model on the CPU: the host's
+   share of that turn at full size, without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import statistics
@@ -49,13 +54,18 @@ def _load_gpu_bench() -> Any:
     return module
 
 
-def build_engine(tiny: bool) -> tuple[Any, Any]:
-    """The engine over gpu_bench's model (FULL on CUDA, TINY on the CPU) and that config."""
+def build_engine(tiny: bool, host_shapes: bool = False) -> tuple[Any, Any]:
+    """The engine over gpu_bench's model (FULL on CUDA, TINY on the CPU) and that config;
+    `host_shapes`: TINY's model and device with FULL's workloads."""
     from radixkv import LLM
     from radixkv.engine import freeze_startup_heap
 
     bench = _load_gpu_bench()
     cfg = bench.TINY if tiny else bench.FULL
+    if host_shapes:
+        model_fields = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate")
+        tiny_model = {k: getattr(bench.TINY, k) for k in (*model_fields, "dtype", "device")}
+        cfg = dataclasses.replace(bench.FULL, **tiny_model)
     t0 = time.perf_counter()
     llm = LLM(
         bench.build_model(cfg),
@@ -313,7 +323,74 @@ def prefill_host_ops(llm: Any, cfg: Any) -> None:
         )
 
 
-SECTIONS = {1: step_phases, 2: replay_times, 3: kernel_split, 4: prefill_step, 5: prefill_host_ops}
+class _LastTurnTimed:
+    """gpu_bench's `System` over the engine: the last turn's first step timed by phase."""
+
+    def __init__(self, llm: Any, cfg: Any) -> None:
+        self.llm, self.turns_left = llm, cfg.chat_turns
+        self.first_step: dict[str, float] = {}
+        self.ttft_ms = float("nan")
+
+    def generate(self, prompts: list[list[int]], max_new: int) -> Any:
+        from radixkv import SamplingParams
+
+        self.turns_left -= 1
+        times: dict[str, float] = {}
+        undo = []
+        if self.turns_left == 0:
+            sched = self.llm.scheduler
+
+            def first(label: str) -> Callable[[float, Any], None]:
+                def record(seconds: float, _: Any) -> None:
+                    times.setdefault(label, seconds)
+
+                return record
+
+            def deferral(seconds: float, _: Any) -> None:
+                if "step" not in times:  # the first step's calls only
+                    times["deferral"] = times.get("deferral", 0.0) + seconds
+
+            undo = [
+                _timing(sched, "schedule", first("schedule")),
+                _timing(sched, "_defer_for_in_batch_prefix", deferral),
+                _timing(self.llm, "_run_step", first("step")),
+            ]
+        try:
+            outs = self.llm.generate(prompts, SamplingParams(max_tokens=max_new, ignore_eos=True))
+        finally:
+            for u in undo:
+                u()
+        self.first_step = times
+        self.ttft_ms = 1e3 * statistics.mean(o.stats.ttft_s for o in outs)
+        return sys.modules["gpu_bench"].Generated([list(o.token_ids) for o in outs], None)
+
+
+def chat_turns(llm: Any, cfg: Any) -> None:
+    """Section 6: the chat workload, its last turn's TTFT and first step's host phases."""
+    bench = sys.modules["gpu_bench"]
+    system = _LastTurnTimed(llm, cfg)
+    result = bench.run_chat(system, cfg)
+    t = system.first_step
+    prompt_tokens = cfg.chat_system_tokens + (2 * cfg.chat_turns - 1) * cfg.chat_turn_tokens
+    print(
+        f"\n## 6. chat {cfg.chat_conversations} x {cfg.chat_turns} turns: {result.total_s:.3f} s; "
+        f"turn {cfg.chat_turns} ({cfg.chat_conversations} prompts of {prompt_tokens} tokens) "
+        f"mean TTFT {system.ttft_ms:.1f} ms"
+    )
+    print(
+        f"its first step: {1e3 * t['step']:.2f} ms wall, of which schedule "
+        f"{1e3 * t['schedule']:.2f} ms (in-batch deferral {1e3 * t.get('deferral', 0.0):.2f} ms)"
+    )
+
+
+SECTIONS = {
+    1: step_phases,
+    2: replay_times,
+    3: kernel_split,
+    4: prefill_step,
+    5: prefill_host_ops,
+    6: chat_turns,
+}
 CUDA_ONLY = (2, 4)
 
 
@@ -321,13 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU")
     parser.add_argument(
-        "--sections", default="1,2,3,4,5", help="comma-separated section numbers (default: all)"
+        "--host-shapes",
+        action="store_true",
+        help="the tiny model on the CPU under the full workloads' shapes (try --sections 6)",
+    )
+    parser.add_argument(
+        "--sections", default="1,2,3,4,5,6", help="comma-separated section numbers (default: all)"
     )
     args = parser.parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
+    tiny = args.tiny or args.host_shapes
+    if not tiny and not torch.cuda.is_available():
         print("step_profile needs a CUDA device (or --tiny for the CPU)", file=sys.stderr)
         return 2
-    llm, cfg = build_engine(args.tiny)
+    llm, cfg = build_engine(tiny, args.host_shapes)
     cuda = llm.runner.decode_graphs is not None
     for number in sorted({int(n) for n in args.sections.split(",")}):
         if cuda or number not in CUDA_ONLY:
