@@ -57,7 +57,7 @@ import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.events import EventRecorder
-from radixkv.cache.keys import BlockKey, KeyChain, token_bytes_le
+from radixkv.cache.keys import BlockKey, KeyChain, PromptKeys, token_bytes_le
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
@@ -230,23 +230,23 @@ class WindowGroup:
         pinned = sum(pool.ref_count(b) == refs[b] for b in held)  # the table's refs pin them
         return need <= pool.num_free + self.num_evictable_blocks() - pinned
 
-    def lower_hit(
-        self, qb: bytes, num_matched: int, namespace: str | None, above: int
-    ) -> LowerHit | None:
-        """The deepest block boundary e, `above` < e <= `num_matched`, whose window blocks
-        (first_live_index(e) .. e // B - 1) are all in the lower tiers (None: none, or no
-        tiers). Mutates nothing (the disk is probed, not read). O(prompt) hashing."""
+    def lower_hit(self, keys: PromptKeys | None, num_matched: int, above: int) -> LowerHit | None:
+        """The deepest block boundary e, `above` < e <= `num_matched`, of the prompt `keys`
+        name (the full group's lookup's: its blocks are not hashed again here) whose window
+        blocks (first_live_index(e) .. e // B - 1) are all in the lower tiers (None: none, or
+        no tiers). Mutates nothing (the disk is probed, not read)."""
         tiers, B = self.tiers, self.block_size
         k_max, k_min = num_matched // B, above // B + 1
         if tiers is None or k_max < k_min or (not tiers.entries and tiers.disk is None):
             return None
-        keys = self._full_keys(namespace, qb[: TOKEN_BYTES * B * k_max], 0)
+        assert keys is not None, "a group with lower tiers names its blocks"
         k = k_max
         while k >= k_min:
             first = first_live_index(k * B, self.window, B)
-            h, d = tiers.lookup(keys[first:k])
+            window_keys = keys.span(first, k)
+            h, d = tiers.lookup(window_keys)
             if h + d == k - first:
-                return LowerHit(k * B, first, keys[first:k], h, d)
+                return LowerHit(k * B, first, tuple(window_keys), h, d)
             k = first + h + d  # that block is not found: every boundary above it needs it
         return None
 
