@@ -31,7 +31,8 @@ Lower tiers (`host_blocks`, `disk` for the full group; `window_host_blocks`, `wi
 the window group, both or neither): the window KV a hit resumes from follows its prefix down.
 The window group's blocks are named by the full chain's keys (a window layer's KV at a position
 depends on the prefix up to it, as a full layer's does), so an evicted tail's full blocks are
-demoted under those keys to a host pool of their own (then disk), and a lookup past the
+demoted under those keys to a host pool of their own (then disk; with `write_through`, copied
+there when the tail is kept, as the full group's committed blocks are), and a lookup past the
 device's tails takes the deepest block boundary e where the full layers' blocks up to e are
 cached in some tier and the window blocks first_live_index(e) .. e // B - 1 are in the window
 group's lower tiers (`WindowGroup.lower_hit`). The prompt's keys are hashed once per lookup:
@@ -112,9 +113,11 @@ class HybridCache:
         window_host_blocks: int = 0,
         window_disk: DiskIndex | None = None,
     ) -> None:
-        """`kv_events`, `host_blocks`, `disk`, `write_through`: as `PrefixCache`'s (the full
-        group's); both groups record into the full group's queue. `window_host_blocks` /
-        `window_disk`: the window group's lower tiers, which go with the full group's."""
+        """`kv_events`, `host_blocks`, `disk`: as `PrefixCache`'s (the full group's); both
+        groups record into the full group's queue. `window_host_blocks` / `window_disk`: the
+        window group's lower tiers, which go with the full group's. `write_through`: both
+        groups copy what they keep to their host tier at once (the full group its committed
+        blocks, the window group its tails' full blocks), not when the device evicts it."""
         if bool(host_blocks) != bool(window_host_blocks) or (disk is None) != (window_disk is None):
             raise ValueError("the window group has lower tiers exactly when the full group has")
         self.full = PrefixCache(
@@ -131,7 +134,13 @@ class HybridCache:
         if window_host_blocks:
             tiers = LowerTiers(window_host_blocks, block_size, window_disk, events, window=window)
         self.window = WindowGroup(
-            num_window_blocks, block_size, window, events=events, keys=keys, tiers=tiers
+            num_window_blocks,
+            block_size,
+            window,
+            events=events,
+            keys=keys,
+            tiers=tiers,
+            write_through=write_through,
         )
         self.block_size = self.full.block_size
         self._open: set[HybridTable] = set()

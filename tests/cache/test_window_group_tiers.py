@@ -66,6 +66,7 @@ class Sim:
         root: Path | None = None,
         disk_files: int = 256,
         kv_events: bool = False,
+        write_through: bool = False,
     ) -> None:
         full_disk = _disk(root, "full", B, disk_files)
         window_disk = _disk(root, "window", B, disk_files)
@@ -79,6 +80,7 @@ class Sim:
             window_host_blocks=host_blocks,
             window_disk=window_disk,
             kv_events=kv_events,
+            write_through=write_through,
         )
         self.B, self.W = B, window
         self.full = _Group(num_blocks, host_blocks, B, full_disk)
@@ -157,6 +159,33 @@ def test_a_tail_spills_to_disk_and_a_fresh_cache_resumes_from_it(tmp_path: Path)
     assert "DiskRead" in fresh.window.kinds
 
 
+def _tail_keys(sim: Sim) -> list[BlockKey]:
+    return [key for tail in sim.cache.window._tails.values() for key in tail.keys]
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_write_through_copies_a_tail_to_the_host_when_it_is_kept(write_through: bool) -> None:
+    """Written through, every tail's full blocks are on the host as soon as it is kept (written
+    back, none before an eviction); the tails' eviction then copies nothing more, and a repeat
+    resumes from the host (its reads checked by `serve`)."""
+    sim = Sim(write_through=write_through)
+    doc = _docs(random.Random(6), 1, 22)[0]
+    sim.serve(doc, [7, 8])
+    tiers = sim.cache.window.tiers
+    assert tiers is not None and sim.cache.window.num_evicted_tails == 0
+    keys = _tail_keys(sim)
+    assert len(keys) >= 2 and sim.cache.window.num_tails == 2
+    assert [tiers.holds(key) for key in keys] == [write_through] * len(keys)
+    assert ("Offload" in sim.window.kinds) == write_through
+    offloaded = tiers.counts["num_offloaded_blocks"]
+    sim.cache.window.evict(sim.cache.window.pool.num_blocks)
+    assert sim.cache.window.num_tails == 0 and all(map(tiers.holds, keys))
+    assert (tiers.counts["num_offloaded_blocks"] == offloaded) == write_through
+    sim.run_moves()
+    loads = tiers.counts["num_loaded_blocks"]
+    assert sim.serve(doc, [9]) == 20 and tiers.counts["num_loaded_blocks"] > loads
+
+
 def test_no_window_blocks_below_no_hit() -> None:
     """A prefix whose full blocks are in the tiers but whose window blocks are not is no hit."""
     sim = Sim()
@@ -175,12 +204,13 @@ def test_no_window_blocks_below_no_hit() -> None:
     assert sim.serve(doc, [9]) == 0
 
 
+@pytest.mark.parametrize("write_through", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_through_every_tier_reads_only_what_it_claims(
-    seed: int, tmp_path: Path
+    seed: int, write_through: bool, tmp_path: Path
 ) -> None:
     rng = random.Random(seed)
-    sim = _random_sim(rng, tmp_path)
+    sim = _random_sim(rng, tmp_path, write_through=write_through)
     stems = _docs(rng, 4, 12)
     hits = 0
     for _ in range(40):
@@ -191,7 +221,9 @@ def test_random_workload_through_every_tier_reads_only_what_it_claims(
     assert counts["num_loaded_blocks"] > 0 and counts["num_offloaded_blocks"] > 0
 
 
-def _random_sim(rng: random.Random, root: Path | None, kv_events: bool = False) -> Sim:
+def _random_sim(
+    rng: random.Random, root: Path | None, *, kv_events: bool = False, write_through: bool = False
+) -> Sim:
     B = rng.choice([1, 4])
     return Sim(
         B=B,
@@ -201,6 +233,7 @@ def _random_sim(rng: random.Random, root: Path | None, kv_events: bool = False) 
         host_blocks=64 // B,
         root=root,
         kv_events=kv_events,
+        write_through=write_through,
     )
 
 

@@ -71,6 +71,25 @@ def test_host_tier_hits_match_transformers(arch, overlap, arch_model):
     assert llm.scheduler.cache.window.num_evicted_tails > 0
 
 
+def test_write_through_copies_window_tails_when_kept_and_matches_tiers_off(arch_model):
+    """host_cache_write_through: a window tail's full blocks reach the window group's host
+    tier when the tail is kept, before any eviction; greedy output equals the engine's without
+    tiers, with hits served from the host after the device's tails were evicted."""
+    path, expected = arch_model("gemma3")
+    tiers_off = run(LLM(path, **DEVICE))
+    assert tiers_off == expected
+    llm = LLM(path, **DEVICE, host_cache_bytes=2**20, host_cache_write_through=True)
+    window = llm.scheduler.cache.window
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    assert window.num_tails > 0 and window.num_evicted_tails == 0
+    held = {key.block_hash for tail in window._tails.values() for key in tail.keys}
+    assert held and held <= set(window.tiers.entries)
+    for _ in range(2):
+        assert run(llm) == tiers_off
+    assert window.num_evicted_tails > 0 and window_moved(llm, "load") > 0
+    assert llm.cache.stats().num_host_hit_tokens > 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_disk_tier_hits_and_a_restart_match_transformers(arch, arch_model, tmp_path):
     path, expected = arch_model(arch)
