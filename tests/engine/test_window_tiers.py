@@ -15,6 +15,7 @@ from tiny_llama import random_prompts
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import tier_lines
+from radixkv.engine.disk_store import block_file_nbytes
 from radixkv.serve.engine_loop import _tier_moves
 
 # 6 prompts of 30-44 tokens (8-11 blocks of 4), a device pool of 24 full and 12 window blocks:
@@ -152,6 +153,26 @@ def _bytes_per_block_pair(path: str) -> int:
     """Host bytes of one block of each group (the two pools hold as many blocks each)."""
     runner = LLM(path, **DEVICE).runner
     return 2 * (runner.k_cache[:, 0].nbytes + runner.window_k_cache[:, 0].nbytes)
+
+
+def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_model, tmp_path):
+    """The disk budget is split between the groups' block files: one byte short of a file of
+    each is refused with what that pair needs; a pair's worth is taken."""
+    path, _ = arch_model("gemma3")
+    runner = LLM(path, **DEVICE).runner
+    full, window = (
+        block_file_nbytes(DEVICE["block_size"], 2 * k[:, 0].nbytes)
+        for k in (runner.k_cache, runner.window_k_cache)
+    )
+    settings = dict(DEVICE, host_cache_bytes=2**20, kv_cache_dir=tmp_path)
+    with pytest.raises(ValueError) as refused:
+        LLM(path, **settings, disk_cache_bytes=full + window - 1)
+    message = str(refused.value)
+    assert message.startswith(f"disk_cache_bytes={full + window - 1} holds no pair of KV block")
+    needs = f"({full} bytes for the full layers + {window} for the window layers = {full + window})"
+    assert message.endswith(needs)
+    llm = LLM(path, **settings, disk_cache_bytes=full + window)
+    assert llm.tier_io.disk.budget_bytes == full and llm.window_tier_io.disk.budget_bytes == window
 
 
 def test_kv_events_name_the_tier_and_group_with_tiers_on(arch_model):
