@@ -2,16 +2,21 @@
 
 `make_cache` builds a cache wrapped so that every public call is followed by `check_integrity()`;
 `serve` runs one request's whole life the way the scheduler does (admit the prompt with the
-prefill cap, grow for the reply, commit what was written, close); `put` stores tokens whole.
+prefill cap, grow for the reply, commit what was written, close); `put` stores tokens whole;
+`HashCount` counts the blocks the key chain hashes.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from radixkv import MatchResult, PrefixCache
+from radixkv.cache import keys as keys_module
 
 
 class CheckedCache:
@@ -33,6 +38,28 @@ class CheckedCache:
                 self.inner.check_integrity()
 
         return checked
+
+
+class HashCount:
+    """Counts the blocks `chain_keys` hashes (its one hashing call, the default hasher's
+    `block`): in all, and per block (its parent's link and its tokens)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.num_blocks = 0
+        self.per_block: Counter[tuple[int | None, bytes]] = Counter()
+        real = keys_module.hash_block
+
+        def counting(parent: int | None, tokens: bytes) -> int:
+            self.num_blocks += 1
+            self.per_block[parent, tokens] += 1
+            return real(parent, tokens)
+
+        monkeypatch.setattr(keys_module.Xxh64Hasher, "block", staticmethod(counting))
+
+    def take(self) -> int:
+        n, self.num_blocks = self.num_blocks, 0
+        self.per_block.clear()
+        return n
 
 
 @dataclass(frozen=True)

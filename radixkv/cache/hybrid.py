@@ -31,10 +31,13 @@ Lower tiers (`host_blocks`, `disk` for the full group; `window_host_blocks`, `wi
 the window group, both or neither): the window KV a hit resumes from follows its prefix down.
 The window group's blocks are named by the full chain's keys (a window layer's KV at a position
 depends on the prefix up to it, as a full layer's does), so an evicted tail's full blocks are
-demoted under those keys to a host pool of their own (then disk), and a lookup past the
+demoted under those keys to a host pool of their own (then disk; with `write_through`, copied
+there when the tail is kept, as the full group's committed blocks are), and a lookup past the
 device's tails takes the deepest block boundary e where the full layers' blocks up to e are
 cached in some tier and the window blocks first_live_index(e) .. e // B - 1 are in the window
-group's lower tiers (`WindowGroup.lower_hit`). The moves of each group are drained apart
+group's lower tiers (`WindowGroup.lower_hit`). The prompt's keys are hashed once per lookup:
+the full group's (`PrefixCache.lookup`) hands its `PromptKeys` to the window group's and to its
+own admission, which read them instead of hashing again. The moves of each group are drained apart
 (`take_moves`, `take_window_moves`): each runs over its own tensors.
 
 A model without window layers uses `PrefixCache` alone: none of this runs for it.
@@ -110,9 +113,11 @@ class HybridCache:
         window_host_blocks: int = 0,
         window_disk: DiskIndex | None = None,
     ) -> None:
-        """`kv_events`, `host_blocks`, `disk`, `write_through`: as `PrefixCache`'s (the full
-        group's); both groups record into the full group's queue. `window_host_blocks` /
-        `window_disk`: the window group's lower tiers, which go with the full group's."""
+        """`kv_events`, `host_blocks`, `disk`: as `PrefixCache`'s (the full group's); both
+        groups record into the full group's queue. `window_host_blocks` / `window_disk`: the
+        window group's lower tiers, which go with the full group's. `write_through`: both
+        groups copy what they keep to their host tier at once (the full group its committed
+        blocks, the window group its tails' full blocks), not when the device evicts it."""
         if bool(host_blocks) != bool(window_host_blocks) or (disk is None) != (window_disk is None):
             raise ValueError("the window group has lower tiers exactly when the full group has")
         self.full = PrefixCache(
@@ -129,7 +134,13 @@ class HybridCache:
         if window_host_blocks:
             tiers = LowerTiers(window_host_blocks, block_size, window_disk, events, window=window)
         self.window = WindowGroup(
-            num_window_blocks, block_size, window, events=events, keys=keys, tiers=tiers
+            num_window_blocks,
+            block_size,
+            window,
+            events=events,
+            keys=keys,
+            tiers=tiers,
+            write_through=write_through,
         )
         self.block_size = self.full.block_size
         self._open: set[HybridTable] = set()
@@ -145,9 +156,9 @@ class HybridCache:
         window KV is kept. Mutates nothing; raises like `PrefixCache.match`."""
         packed = _packed(tokens)
         qb = packed.tobytes()
-        m = self.full.match(packed, max_tokens=max_tokens, namespace=namespace)
+        m, keys = self.full.lookup(packed, max_tokens=max_tokens, namespace=namespace)
         hit = self.window.hit(qb, m.num_cached_tokens, namespace)
-        lower = self.window.lower_hit(qb, m.num_cached_tokens, namespace, hit)
+        lower = self.window.lower_hit(keys, m.num_cached_tokens, hit)
         B = self.block_size
         if lower is not None:
             hit = lower.end
@@ -174,21 +185,20 @@ class HybridCache:
         None: every token). None, nothing changed, if the blocks are not there."""
         packed = _packed(tokens)
         qb = packed.tobytes()
-        hit, branch = 0, 0
+        hit, branch, lower, keys = 0, 0, None, None
         if max_hit is not None:
             max_hit = check_size(max_hit, "max_hit", low=0)
-            branch = self.full.match(
-                packed, max_tokens=max_hit, namespace=namespace
-            ).num_cached_tokens
+            m, keys = self.full.lookup(packed, max_tokens=max_hit, namespace=namespace)
+            branch = m.num_cached_tokens
             hit = self.window.hit(qb, branch, namespace)
-        lower = None if max_hit is None else self.window.lower_hit(qb, branch, namespace, hit)
+            lower = self.window.lower_hit(keys, branch, hit)
         if lower is not None:
             hit = lower.end
         n = len(packed) if window_chunk is None else min(len(packed), hit + window_chunk)
         if not self._window_fits(qb, hit, lower, namespace, n):
             return None
         full = self.full.admit(
-            packed, max_hit=None if max_hit is None else hit, namespace=namespace
+            packed, max_hit=None if max_hit is None else hit, namespace=namespace, keys=keys
         )
         if full is None:
             return None

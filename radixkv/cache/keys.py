@@ -26,6 +26,9 @@ start < (i+1)*B <= end), computed once and chained from the last key kept above 
 A node's keys depend only on its path's tokens, which change only where the tree cuts a node: a
 split cuts its list in two (`split_keys`), a trim drops the list's tail (`trim_keys`); block ids
 never enter a key. `KeyChain.check` recomputes every kept list from the path's start.
+
+A lookup names a prompt's blocks with `PromptKeys`: the keys the tree's path keeps, then the
+prompt's blocks past it, hashed once for every reader of that lookup (both groups' lower tiers).
 """
 
 from __future__ import annotations
@@ -279,3 +282,55 @@ class KeyChain:
             tokens = token_bytes_le(path_bytes(node, 0, node.end // B * B))
             if node.block_keys != self.chain(namespace_of(node), tokens)[node.start // B :]:
                 raise AssertionError(f"[{node.start},{node.end}) keeps stale block keys")
+
+
+class PromptKeys:
+    """The keys of one prompt's full blocks in one namespace, each hashed at most once however
+    many lookups read them: a full group's lower tiers, then a window group's beside it (the
+    same chain names both groups' blocks). Made by a `PrefixCache` lookup whose walk matched
+    `m` tokens ending at `node`: the keys of blocks [0, m // B) are read from the path's nodes
+    (which keep them), the rest are hashed on the first read and kept here.
+
+    Valid while the tree's path to `node` is unchanged: read it before the cache next changes
+    (an admission reads it before it locks or evicts anything)."""
+
+    __slots__ = ("_chain", "_m", "_node", "_past", "_path", "_qb", "namespace", "num_full")
+
+    def __init__(
+        self, chain: KeyChain, qb: bytes, namespace: str | None, m: int, node: TreeNode | None
+    ) -> None:
+        self._chain, self._qb, self.namespace = chain, qb, namespace
+        self._m, self._node = m, node
+        self.num_full = len(qb) // (TOKEN_BYTES * chain.block_size)  # full blocks of the prompt
+        self._path: list[BlockKey] | None = None  # blocks [0, m // B), once read
+        self._past: list[BlockKey] | None = None  # blocks [m // B, num_full), once hashed
+
+    def span(self, lo: int, hi: int) -> list[BlockKey]:
+        """The keys of the prompt's blocks [lo, hi), 0 <= lo <= hi <= `num_full`."""
+        assert 0 <= lo <= hi <= self.num_full, (lo, hi, self.num_full)
+        tree = self._m // self._chain.block_size
+        keys = self._path_keys()[lo:hi] if lo < tree else []
+        if hi > tree:
+            keys += self._past_keys()[max(lo, tree) - tree : hi - tree]
+        return keys
+
+    def is_of(self, qb: bytes, namespace: str | None) -> bool:
+        """Whether these are the keys of the packed prompt `qb` in `namespace`."""
+        return namespace == self.namespace and (qb is self._qb or qb == self._qb)
+
+    def _path_keys(self) -> list[BlockKey]:
+        if self._path is None:
+            parts = []
+            node = self._node
+            while node is not None and node.parent is not None:
+                parts.append(self._chain.node_keys(node))  # the first call keys the whole path
+                node = node.parent
+            tree = self._m // self._chain.block_size
+            self._path = [key for part in reversed(parts) for key in part][:tree]
+        return self._path
+
+    def _past_keys(self) -> list[BlockKey]:
+        if self._past is None:
+            chain, m, node = self._chain, self._m, self._node
+            self._past = chain.prompt_keys(self._qb, self.num_full, m, node, self.namespace)
+        return self._past

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from radixkv.cache.events import EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
-from radixkv.cache.keys import XXH64, BlockHasher, BlockKey, KeyChain
+from radixkv.cache.keys import XXH64, BlockHasher, BlockKey, KeyChain, PromptKeys
 from radixkv.cache.moves import Move
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.summary import EMPTY, TreeSummary, summarize
@@ -269,18 +269,38 @@ class PrefixCache:
         computed, so there are logits to sample from). Raises TypeError/ValueError for token ids
         that are not ints in [0, 2**32), a negative max_tokens or a namespace that is not a str.
         """
+        return self.lookup(tokens, max_tokens=max_tokens, namespace=namespace)[0]
+
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        namespace: str | None = None,
+    ) -> tuple[MatchResult, PromptKeys | None]:
+        """`match`, and the prompt's block keys it read or hashed (None: no lower tiers to
+        probe), for a caller that probes other tiers by the same keys next (a window group's)
+        or admits the same prompt: they are not hashed again (`admit(keys=)`). Mutates
+        nothing, as `match`."""
         qb = pack_tokens(tokens)
         n = len(qb) // TOKEN_BYTES
         limit = n if max_tokens is None else min(n, check_size(max_tokens, "max_tokens", low=0))
         _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
-        hit, _, h, d = self._lower_hit(qb, limit, namespace, m, node)
+        keys = self._prompt_keys(qb, namespace, m, node)
+        hit, _, h, d = self._lower_hit(limit, m, keys)
         if hit == m:
-            return MatchResult(n, m, tuple(blocks), m % self.block_size, namespace)
-        return MatchResult(n, hit, tuple(blocks[: m // self.block_size]), 0, namespace, h, d)
+            return MatchResult(n, m, tuple(blocks), m % self.block_size, namespace), keys
+        found = MatchResult(n, hit, tuple(blocks[: m // self.block_size]), 0, namespace, h, d)
+        return found, keys
 
     def admit(
-        self, tokens: Sequence[int], *, max_hit: int | None, namespace: str | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        max_hit: int | None,
+        namespace: str | None = None,
+        keys: PromptKeys | None = None,
     ) -> BlockTable | None:
         """A block table covering `tokens`: the hit (at most `max_hit` tokens; None: no match
         and no lock), a private copy of a partial hit block (`BlockTable.copy`, to be done
@@ -291,17 +311,21 @@ class PrefixCache:
         None if the blocks are not there, and then the cache is untouched: no query counted, no
         recency refreshed. The fit is exact: free + evictable blocks, less those that locking
         the hit would pin, against the blocks needed. Raises like `match` for bad tokens, a bad
-        namespace or a negative `max_hit`.
+        namespace or a negative `max_hit`. `keys`: what a `lookup` of the same tokens and
+        namespace just gave (the cache unchanged since), whose blocks are then not hashed again.
         """
         qb = pack_tokens(tokens)
         n = len(qb) // TOKEN_BYTES
         _check_namespace(namespace)
         m, node, blocks = 0, None, []
-        hit, keys, h, d = 0, [], 0, 0
+        hit, lower_keys, h, d = 0, [], 0, 0
         if max_hit is not None:
             limit = min(n, check_size(max_hit, "max_hit", low=0))
             m, node, blocks = self._tree.walk(qb, limit, namespace)
-            hit, keys, h, d = self._lower_hit(qb, limit, namespace, m, node)
+            if keys is None:
+                keys = self._prompt_keys(qb, namespace, m, node)
+            assert keys is None or keys.is_of(qb, namespace), "the keys of another prompt"
+            hit, lower_keys, h, d = self._lower_hit(limit, m, keys)
         if hit > m:  # the lower tiers' blocks replace the tree's partial block, if any
             del blocks[m // self.block_size :]
             partial = 0
@@ -318,17 +342,17 @@ class PrefixCache:
             self._count_hit(n, m, hit, h)
         self._open.add(table)
         if h or d:
-            self._tiers.pin(keys, h, d)  # type: ignore[union-attr]
+            self._tiers.pin(lower_keys, h, d)  # type: ignore[union-attr]
         try:
             new = self._allocate(num_new)
             if partial:  # never write into a tree block got from a match: new[0] replaces it
                 table.copy = (blocks.pop(), new[0], partial)
             table.blocks = (*blocks, *new)  # from here, closing the table frees `new`
             if h or d:
-                self._tiers.load(keys, h, d, new)  # type: ignore[union-attr]
+                self._tiers.load(lower_keys, h, d, new)  # type: ignore[union-attr]
         except BaseException:  # a fault (e.g. an interrupt) leaks no block, lock or pin
             if h or d:
-                self._tiers.unpin(keys, h, d)  # type: ignore[union-attr]
+                self._tiers.unpin(lower_keys, h, d)  # type: ignore[union-attr]
             self.close(table)
             raise
         return table
@@ -589,27 +613,36 @@ class PrefixCache:
             i -= 1
         return i
 
+    def _prompt_keys(
+        self, qb: bytes, namespace: str | None, m: int, node: TreeNode | None
+    ) -> PromptKeys | None:
+        """The keys a lower-tier lookup of `qb` reads, m of its tokens matched in the tree ending
+        at `node` (hashed only when read); None without lower tiers."""
+        if self._tiers is None:
+            return None
+        return PromptKeys(self._keys, qb, namespace, m, node)  # type: ignore[arg-type]
+
     def _lower_hit(
-        self, qb: bytes, limit: int, namespace: str | None, m: int, node: TreeNode | None
+        self, limit: int, m: int, keys: PromptKeys | None
     ) -> tuple[int, list[BlockKey], int, int]:
-        """The hit once the lower tiers are probed past the tree's `m` tokens (a walk that ended
-        at `node`): (hit, keys, h, d), where the keys of the prompt's full blocks from index
-        m // B on have their first h on the host and the next d on disk (just as many as the hit
-        needs); hit == m, keys empty and h == d == 0 when they add nothing. Read-only (the disk
-        is probed, not read; path nodes may keep the end keys they compute)."""
+        """The hit once the lower tiers are probed past the tree's `m` tokens of the prompt
+        `keys` name: (hit, lower_keys, h, d), where the keys of the prompt's full blocks from
+        index m // B on have their first h on the host and the next d on disk (just as many as
+        the hit needs); hit == m, no keys and h == d == 0 when they add nothing. Read-only (the
+        disk is probed, not read; path nodes may keep the keys they compute)."""
         tiers, B = self._tiers, self.block_size
-        i0, num_full = m // B, len(qb) // TOKEN_BYTES // B
-        if tiers is None or i0 >= num_full or limit <= m:
+        i0 = m // B
+        if tiers is None or keys is None or i0 >= keys.num_full or limit <= m:
             return m, [], 0, 0
         if not tiers.entries and tiers.disk is None:
             return m, [], 0, 0
-        keys = self._keys.prompt_keys(qb, num_full, m, node, namespace)  # type: ignore[union-attr]
-        h, d = tiers.lookup(keys)
+        lower_keys = keys.span(i0, keys.num_full)
+        h, d = tiers.lookup(lower_keys)
         hit = min(limit, (i0 + h + d) * B)
         if hit <= m:
             return m, [], 0, 0
         need = -(-hit // B) - i0
-        return hit, keys, min(h, need), need - min(h, need)
+        return hit, lower_keys, min(h, need), need - min(h, need)
 
     def _count_hit(self, n: int, m: int, hit: int, h: int) -> None:
         """Count a locking admission of `n` tokens: `m` hit in the tree, or `hit` > m with the

@@ -42,6 +42,9 @@ block's is), and `lower_hit` finds the deepest block boundary e whose window blo
 first_live_index(e) .. e // B - 1 are all there; `open_lower` loads them into a new table. With
 tiers, tables and tails keep one block more before the first live one (`margin`): a tail ending
 at t then covers the window of the boundary t // B * B, where a hit from the tiers resumes.
+With `write_through`, a new tail's full blocks are copied to the host tier when it is kept, as
+the full group copies its committed blocks (`PrefixCache(write_through=)`): its eviction then
+finds them there.
 
 Ref counts: a window block's owners are the tails and the open tables that list it (each once),
 plus a table's pinned copy source (released at its next `slide` or `close`, once its copy has
@@ -57,7 +60,7 @@ import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.events import EventRecorder
-from radixkv.cache.keys import BlockKey, KeyChain, token_bytes_le
+from radixkv.cache.keys import BlockKey, KeyChain, PromptKeys, token_bytes_le
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tiers import LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
@@ -181,15 +184,19 @@ class WindowGroup:
         events: EventRecorder | None = None,
         keys: KeyChain | None = None,
         tiers: LowerTiers | None = None,
+        write_through: bool = False,
     ) -> None:
         """`events`: the recorder tails are announced to; `tiers`: the lower tiers an evicted
         tail's full window blocks are demoted to and a hit past the device's tails is loaded
-        from; both name blocks by `keys` (a `HybridCache` passes its full group's chain)."""
+        from; both name blocks by `keys` (a `HybridCache` passes its full group's chain).
+        `write_through`: a tail's full blocks are copied to the tiers when it is kept, not when
+        it is evicted (no effect without tiers)."""
         assert (events is None and tiers is None) or keys is not None, "blocks need keys"
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.window = check_size(window, "window", low=1)
         self._events, self._keys, self.tiers = events, keys, tiers
+        self._write_through = write_through and tiers is not None
         self._announced: Counter[int] = Counter()  # wire hash -> tails holding its block
         self._tails: dict[TailKey, _Tail] = {}
         # the eviction order: speculative tails, then proven ones, least recently used first
@@ -268,23 +275,23 @@ class WindowGroup:
         pinned = sum(pool.ref_count(b) == refs[b] for b in held)  # the table's refs pin them
         return need <= pool.num_free + self.num_evictable_blocks() - pinned
 
-    def lower_hit(
-        self, qb: bytes, num_matched: int, namespace: str | None, above: int
-    ) -> LowerHit | None:
-        """The deepest block boundary e, `above` < e <= `num_matched`, whose window blocks
-        (first_live_index(e) .. e // B - 1) are all in the lower tiers (None: none, or no
-        tiers). Mutates nothing (the disk is probed, not read). O(prompt) hashing."""
+    def lower_hit(self, keys: PromptKeys | None, num_matched: int, above: int) -> LowerHit | None:
+        """The deepest block boundary e, `above` < e <= `num_matched`, of the prompt `keys`
+        name (the full group's lookup's: its blocks are not hashed again here) whose window
+        blocks (first_live_index(e) .. e // B - 1) are all in the lower tiers (None: none, or
+        no tiers). Mutates nothing (the disk is probed, not read)."""
         tiers, B = self.tiers, self.block_size
         k_max, k_min = num_matched // B, above // B + 1
         if tiers is None or k_max < k_min or (not tiers.entries and tiers.disk is None):
             return None
-        keys = self._full_keys(namespace, qb[: TOKEN_BYTES * B * k_max], 0)
+        assert keys is not None, "a group with lower tiers names its blocks"
         k = k_max
         while k >= k_min:
             first = first_live_index(k * B, self.window, B)
-            h, d = tiers.lookup(keys[first:k])
+            window_keys = keys.span(first, k)
+            h, d = tiers.lookup(window_keys)
             if h + d == k - first:
-                return LowerHit(k * B, first, keys[first:k], h, d)
+                return LowerHit(k * B, first, tuple(window_keys), h, d)
             k = first + h + d  # that block is not found: every boundary above it needs it
         return None
 
@@ -407,6 +414,8 @@ class WindowGroup:
             tail.keys = self._full_keys(table.namespace, prefix, first, known)
         if self._events is not None:
             self._announce(table.namespace, tail.keys)
+        if self._write_through and tail.keys:
+            self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])  # type: ignore[union-attr]
         self._tails[key] = tail
         (self._proven if branch else self._speculative)[key] = None
         self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)

@@ -154,7 +154,8 @@ class EngineConfig:
     # `disk_cache_bytes` takes what the host evicts and outlives the process.
     host_cache_bytes: int = 0
     # Copy every committed full block to the host at once, instead of when the device evicts it
-    # (write-back, the default: see benchmarks/RESULTS.md, tiers).
+    # (write-back, the default: see benchmarks/RESULTS.md, tiers); for a model with window
+    # layers, the full blocks of each window tail too, when the tail is kept.
     host_cache_write_through: bool = False
     kv_cache_dir: str | os.PathLike[str] | None = None
     disk_cache_bytes: int = 8 * 2**30

@@ -127,23 +127,31 @@ def make_group_tier_ios(
     """`make_tier_io` for a model with window layers: one mover over the full layers' K / V
     pool, one over the window layers'. The two split the host and disk budgets so that each
     holds as many blocks (a window hit needs both groups' blocks of its prefix). (None, None)
-    without a host tier; ValueError as `make_tier_io`."""
+    without a host tier; ValueError as `make_tier_io`, for a disk budget that holds no pair of
+    block files (one of each group)."""
     if not config.host_cache_bytes:
         return None, None
     B = config.block_size
     nbytes = [2 * k[:, 0].nbytes for k, _ in (full, window)]  # K and V of one block
     num_host = plan_host_blocks(sum(nbytes), config.host_cache_bytes)
-    num_files = config.disk_cache_bytes // sum(block_file_nbytes(B, n) for n in nbytes)
+    full_file, window_file = (block_file_nbytes(B, n) for n in nbytes)
+    num_files = config.disk_cache_bytes // (full_file + window_file)
+    if config.kv_cache_dir is not None and num_files < 1:
+        raise ValueError(
+            f"disk_cache_bytes={config.disk_cache_bytes} holds no pair of KV block files, one "
+            f"per KV cache group ({full_file} bytes for the full layers + {window_file} for the "
+            f"window layers = {full_file + window_file})"
+        )
     full_io, window_io = (
         make_tier_io(
             model,
             *kv,
             config,
             num_host_blocks=num_host,
-            disk_bytes=num_files * block_file_nbytes(B, n),
+            disk_bytes=num_files * file_nbytes,
             group=group,
         )
-        for kv, n, group in ((full, nbytes[0], None), (window, nbytes[1], "window"))
+        for kv, file_nbytes, group in ((full, full_file, None), (window, window_file, "window"))
     )
     return full_io, window_io
 

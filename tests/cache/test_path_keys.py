@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lifecycle import CheckedCache, put, serve_request
+from lifecycle import CheckedCache, HashCount, put, serve_request
 
 from radixkv import PrefixCache
-from radixkv.cache import keys as keys_module
 from radixkv.cache.keys import (
     BlockKey,
     KeyChain,
@@ -103,24 +102,6 @@ def test_kept_keys_equal_fresh_ones_after_every_operation(
         if deepest_first is not None:
             check_node_keys(cache.inner, deepest_first)
             cache.check_integrity()
-
-
-class HashCount:
-    """Counts the blocks `chain_keys` hashes (its one hashing call, the hasher's `block`)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.num_blocks = 0
-        real = keys_module.hash_block
-
-        def counting(parent: int | None, tokens: bytes) -> int:
-            self.num_blocks += 1
-            return real(parent, tokens)
-
-        monkeypatch.setattr(keys_module.Xxh64Hasher, "block", staticmethod(counting))
-
-    def take(self) -> int:
-        n, self.num_blocks = self.num_blocks, 0
-        return n
 
 
 def test_a_lookup_past_the_tree_hashes_only_the_blocks_past_it(

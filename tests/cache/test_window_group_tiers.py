@@ -19,9 +19,13 @@ import numpy as np
 import pytest
 import xxhash
 from kv_sim import run_move, sim_disk_store
+from lifecycle import HashCount
 
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.hybrid import HybridCache
+from radixkv.cache.keys import BlockKey, token_bytes_le
+from radixkv.cache.tokens import PackedTokens
+from radixkv.cache.window import LowerHit, first_live_index
 from radixkv.engine.disk_store import DiskStore
 
 
@@ -62,6 +66,7 @@ class Sim:
         root: Path | None = None,
         disk_files: int = 256,
         kv_events: bool = False,
+        write_through: bool = False,
     ) -> None:
         full_disk = _disk(root, "full", B, disk_files)
         window_disk = _disk(root, "window", B, disk_files)
@@ -75,6 +80,7 @@ class Sim:
             window_host_blocks=host_blocks,
             window_disk=window_disk,
             kv_events=kv_events,
+            write_through=write_through,
         )
         self.B, self.W = B, window
         self.full = _Group(num_blocks, host_blocks, B, full_disk)
@@ -85,12 +91,12 @@ class Sim:
         self.window.run(self.cache.take_window_moves())
         self.cache.check_integrity()
 
-    def serve(self, prompt: list[int], reply: list[int]) -> int:
+    def serve(self, prompt: list[int], reply: list[int], namespace: str | None = None) -> int:
         """One request: admitted (its loads run), its reads checked, its KV written, committed
         with a tail one token short of the prompt; returns its hit."""
         cache, B, W = self.cache, self.B, self.W
         written = prompt + reply
-        table = cache.admit(written, max_hit=len(prompt) - 1)
+        table = cache.admit(written, max_hit=len(prompt) - 1, namespace=namespace)
         assert table is not None
         self.run_moves()
         for group, copy in ((self.full, table.full.copy), (self.window, table.window.copy)):
@@ -153,6 +159,33 @@ def test_a_tail_spills_to_disk_and_a_fresh_cache_resumes_from_it(tmp_path: Path)
     assert "DiskRead" in fresh.window.kinds
 
 
+def _tail_keys(sim: Sim) -> list[BlockKey]:
+    return [key for tail in sim.cache.window._tails.values() for key in tail.keys]
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_write_through_copies_a_tail_to_the_host_when_it_is_kept(write_through: bool) -> None:
+    """Written through, every tail's full blocks are on the host as soon as it is kept (written
+    back, none before an eviction); the tails' eviction then copies nothing more, and a repeat
+    resumes from the host (its reads checked by `serve`)."""
+    sim = Sim(write_through=write_through)
+    doc = _docs(random.Random(6), 1, 22)[0]
+    sim.serve(doc, [7, 8])
+    tiers = sim.cache.window.tiers
+    assert tiers is not None and sim.cache.window.num_evicted_tails == 0
+    keys = _tail_keys(sim)
+    assert len(keys) >= 2 and sim.cache.window.num_tails == 2
+    assert [tiers.holds(key) for key in keys] == [write_through] * len(keys)
+    assert ("Offload" in sim.window.kinds) == write_through
+    offloaded = tiers.counts["num_offloaded_blocks"]
+    sim.cache.window.evict(sim.cache.window.pool.num_blocks)
+    assert sim.cache.window.num_tails == 0 and all(map(tiers.holds, keys))
+    assert (tiers.counts["num_offloaded_blocks"] == offloaded) == write_through
+    sim.run_moves()
+    loads = tiers.counts["num_loaded_blocks"]
+    assert sim.serve(doc, [9]) == 20 and tiers.counts["num_loaded_blocks"] > loads
+
+
 def test_no_window_blocks_below_no_hit() -> None:
     """A prefix whose full blocks are in the tiers but whose window blocks are not is no hit."""
     sim = Sim()
@@ -171,30 +204,121 @@ def test_no_window_blocks_below_no_hit() -> None:
     assert sim.serve(doc, [9]) == 0
 
 
+@pytest.mark.parametrize("write_through", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_through_every_tier_reads_only_what_it_claims(
-    seed: int, tmp_path: Path
+    seed: int, write_through: bool, tmp_path: Path
 ) -> None:
     rng = random.Random(seed)
+    sim = _random_sim(rng, tmp_path, write_through=write_through)
+    stems = _docs(rng, 4, 12)
+    hits = 0
+    for _ in range(40):
+        prompt = _random_prompt(rng, stems)
+        hits += sim.serve(prompt, [rng.randrange(1, 200) for _ in range(rng.randrange(1, 4))])
+    assert hits > 0
+    counts = sim.cache.window.tiers.counts
+    assert counts["num_loaded_blocks"] > 0 and counts["num_offloaded_blocks"] > 0
+
+
+def _random_sim(
+    rng: random.Random, root: Path | None, *, kv_events: bool = False, write_through: bool = False
+) -> Sim:
     B = rng.choice([1, 4])
-    sim = Sim(
+    return Sim(
         B=B,
         window=rng.choice([3, 6]),
         num_blocks=96 // B,
         num_window_blocks=48 // B,
         host_blocks=64 // B,
-        root=tmp_path,
+        root=root,
+        kv_events=kv_events,
+        write_through=write_through,
     )
+
+
+def _random_prompt(rng: random.Random, stems: list[list[int]]) -> list[int]:
+    """A stem and a few tokens more; 3 in 10 become stems too."""
+    prompt = rng.choice(stems) + [rng.randrange(1, 200) for _ in range(rng.randrange(1, 12))]
+    if rng.random() < 0.3:
+        stems.append(prompt)
+    return prompt
+
+
+def _lower_hit_from_scratch(
+    sim: Sim, chain: list[BlockKey], num_matched: int, above: int
+) -> LowerHit | None:
+    """`WindowGroup.lower_hit` over the prompt's chain hashed from block 0, every boundary
+    tried from the deepest down (no skipping)."""
+    tiers, B = sim.cache.window.tiers, sim.B
+    assert tiers is not None
+    if not tiers.entries and tiers.disk is None:
+        return None
+    for k in range(num_matched // B, above // B, -1):
+        first = first_live_index(k * B, sim.W, B)
+        h, d = tiers.lookup(chain[first:k])
+        if h + d == k - first:
+            return LowerHit(k * B, first, tuple(chain[first:k]), h, d)
+    return None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_keys_handed_to_the_window_group_equal_the_chain_hashed_from_scratch(
+    seed: int, tmp_path: Path
+) -> None:
+    """At every admission of a random workload (two namespaces, hits in every tier), the full
+    group's keys of the prompt, which the window group's lookup reads instead of hashing the
+    prompt again, equal its chain hashed from block 0 over any span, and the window group's
+    lower hit equals one found with that chain."""
+    rng = random.Random(seed)
+    sim = _random_sim(rng, tmp_path if seed % 2 else None, kv_events=bool(seed // 2))
+    cache, B = sim.cache, sim.B
     stems = _docs(rng, 4, 12)
-    hits = 0
+    lower_hits = 0
     for _ in range(40):
-        prompt = rng.choice(stems) + [rng.randrange(1, 200) for _ in range(rng.randrange(1, 12))]
-        if rng.random() < 0.3:
-            stems.append(prompt)
-        hits += sim.serve(prompt, [rng.randrange(1, 200) for _ in range(rng.randrange(1, 4))])
-    assert hits > 0
-    counts = sim.cache.window.tiers.counts
-    assert counts["num_loaded_blocks"] > 0 and counts["num_offloaded_blocks"] > 0
+        prompt = _random_prompt(rng, stems)
+        namespace = rng.choice([None, "tenant"])
+        found, keys = cache.full.lookup(prompt, max_tokens=len(prompt) - 1, namespace=namespace)
+        assert keys is not None
+        qb = PackedTokens(prompt).tobytes()
+        num_full = len(prompt) // B
+        chain = cache.full.key_chain.chain(namespace, token_bytes_le(qb[: 4 * B * num_full]))
+        for _ in range(4):
+            lo = rng.randrange(num_full + 1)
+            hi = rng.randrange(lo, num_full + 1)
+            assert keys.span(lo, hi) == chain[lo:hi]
+        assert keys.span(0, num_full) == chain
+        m = found.num_cached_tokens
+        above = cache.window.hit(qb, m, namespace)
+        lower = cache.window.lower_hit(keys, m, above)
+        assert lower == _lower_hit_from_scratch(sim, chain, m, above)
+        lower_hits += lower is not None
+        cache.check_integrity()
+        sim.serve(prompt, [rng.randrange(1, 200) for _ in range(rng.randrange(1, 4))], namespace)
+    assert lower_hits > 0
+
+
+def test_an_admission_hashes_each_block_of_its_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt whose hit runs through the tree, the full group's host tier and the
+    window group's: its admission hashes each block at most once (the window group reads the
+    full group's keys, and the full group's admission those of its own lookup)."""
+    B = 4
+    sim = Sim(B=B, num_blocks=32, num_window_blocks=22)
+    rng = random.Random(5)
+    long, other = _docs(rng, 1, 80)[0], _docs(rng, 1, 76)[0]
+    sim.serve(long, [7, 8])
+    sim.serve(other, [7, 8])  # evicts the long prompt's last blocks and its window tails
+    assert sim.cache.window.num_tails == 2
+    count = HashCount(monkeypatch)
+    table = sim.cache.admit(long, max_hit=len(long) - 1)
+    assert table is not None
+    assert count.num_blocks > 0 and max(count.per_block.values()) == 1
+    sim.run_moves()  # (its integrity check hashes every path again)
+    # the hit: 12 blocks in the tree, 7 more on the full group's host, their window there too
+    assert table.num_cached_tokens == 76 and sim.cache.full.stats().num_host_hit_tokens == 28
+    assert "Load" in sim.window.kinds
+    sim.cache.close(table)
+    sim.cache.check_integrity()
 
 
 def test_each_tier_announces_the_window_blocks_it_holds_as_group_1(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from tiny_archs import WINDOW_TIER_DEVICE, WINDOW_TIER_PROMPTS, build_arch, gree
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import tier_lines
+from radixkv.engine.disk_store import block_file_nbytes
 from radixkv.serve.engine_loop import tier_moves
 
 # every round evicts the prefixes and tails of the one before into the lower tiers
@@ -63,6 +64,25 @@ def test_host_tier_hits_match_transformers(arch, overlap, arch_model):
     assert moved == llm.tier_io.totals["load"].nbytes + llm.window_tier_io.totals["load"].nbytes
     assert moved > llm.tier_io.totals["load"].nbytes
     assert llm.scheduler.cache.window.num_evicted_tails > 0
+
+
+def test_write_through_copies_window_tails_when_kept_and_matches_tiers_off(arch_model):
+    """host_cache_write_through: a window tail's full blocks reach the window group's host
+    tier when the tail is kept, before any eviction; greedy output equals the engine's without
+    tiers, with hits served from the host after the device's tails were evicted."""
+    path, expected = arch_model("gemma3")
+    tiers_off = run(LLM(path, **DEVICE))
+    assert tiers_off == expected
+    llm = LLM(path, **DEVICE, host_cache_bytes=2**20, host_cache_write_through=True)
+    window = llm.scheduler.cache.window
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    assert window.num_tails > 0 and window.num_evicted_tails == 0
+    held = {key.block_hash for tail in window._tails.values() for key in tail.keys}
+    assert held and held <= set(window.tiers.entries)
+    for _ in range(2):
+        assert run(llm) == tiers_off
+    assert window.num_evicted_tails > 0 and window_moved(llm, "load") > 0
+    assert llm.cache.stats().num_host_hit_tokens > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -127,6 +147,26 @@ def _bytes_per_block_pair(path: str) -> int:
     """Host bytes of one block of each group (the two pools hold as many blocks each)."""
     runner = LLM(path, **DEVICE).runner
     return 2 * (runner.k_cache[:, 0].nbytes + runner.window_k_cache[:, 0].nbytes)
+
+
+def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_model, tmp_path):
+    """The disk budget is split between the groups' block files: one byte short of a file of
+    each is refused with what that pair needs; a pair's worth is taken."""
+    path, _ = arch_model("gemma3")
+    runner = LLM(path, **DEVICE).runner
+    full, window = (
+        block_file_nbytes(DEVICE["block_size"], 2 * k[:, 0].nbytes)
+        for k in (runner.k_cache, runner.window_k_cache)
+    )
+    settings = dict(DEVICE, host_cache_bytes=2**20, kv_cache_dir=tmp_path)
+    with pytest.raises(ValueError) as refused:
+        LLM(path, **settings, disk_cache_bytes=full + window - 1)
+    message = str(refused.value)
+    assert message.startswith(f"disk_cache_bytes={full + window - 1} holds no pair of KV block")
+    needs = f"({full} bytes for the full layers + {window} for the window layers = {full + window})"
+    assert message.endswith(needs)
+    llm = LLM(path, **settings, disk_cache_bytes=full + window)
+    assert llm.tier_io.disk.budget_bytes == full and llm.window_tier_io.disk.budget_bytes == window
 
 
 def test_kv_events_name_the_tier_and_group_with_tiers_on(arch_model):
