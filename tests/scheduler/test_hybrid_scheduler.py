@@ -1,8 +1,8 @@
 """HybridScheduler with the fake model: window layers' reads find their KV, memory follows W.
 
-The conftest harness checks the full group (`KVSim` over the tree's blocks) and the outputs
-against the reference; `WindowSim` plays the window layers' memory: each row's queries read
-the W - 1 positions before its first token through its window block table, and must find the
+The harness (`scheduler_harness.py`) checks the full group (`KVSim` over the tree's blocks) and
+the outputs against the reference; `WindowSim` plays the window layers' memory: each row's queries
+read the W - 1 positions before its first token through its window block table, and must find the
 KV of exactly its prefix there (a released block reused too early, a missing window copy or a
 tail taken for the wrong prefix shows up).
 """
@@ -10,7 +10,7 @@ tail taken for the wrong prefix shows up).
 from __future__ import annotations
 
 import pytest
-from conftest import MAX_MODEL_LEN, Harness, KVSim, prefix_keys
+from scheduler_harness import MAX_MODEL_LEN, Harness, KVSim, prefix_keys
 
 from radixkv.cache.hybrid import HybridCache
 from radixkv.engine.config import EngineConfig

@@ -1,4 +1,4 @@
-"""Scheduler behaviour step by step, with the fake model (see conftest.py).
+"""Scheduler behaviour step by step, with the fake model (see scheduler_harness.py).
 
 Every `Harness.step` checks the token budget, max_num_seqs, the rows' tokens / positions / tables,
 the reference KV simulation (reads see the right KV, no slot written twice or over a tree slot), and
