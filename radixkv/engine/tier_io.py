@@ -127,21 +127,19 @@ def make_group_tier_ios(
     """`make_tier_io` for a model with window layers: one mover over the full layers' K / V
     pool, one over the window layers'. The two split the host and disk budgets so that each
     holds as many blocks (a window hit needs both groups' blocks of its prefix). (None, None)
-    without a host tier; ValueError as `make_tier_io`, for a disk budget that holds no pair of
-    block files (one of each group)."""
+    without a host tier; ValueError as `make_tier_io`, for a host or disk budget that holds no
+    pair of blocks or block files (one of each group)."""
     if not config.host_cache_bytes:
         return None, None
     B = config.block_size
     nbytes = [2 * k[:, 0].nbytes for k, _ in (full, window)]  # K and V of one block
-    num_host = plan_host_blocks(sum(nbytes), config.host_cache_bytes)
-    full_file, window_file = (block_file_nbytes(B, n) for n in nbytes)
+    files = [block_file_nbytes(B, n) for n in nbytes]
+    _check_holds_a_pair("host_cache_bytes", config.host_cache_bytes, nbytes, "KV blocks")
+    if config.kv_cache_dir is not None:
+        _check_holds_a_pair("disk_cache_bytes", config.disk_cache_bytes, files, "KV block files")
+    num_host = config.host_cache_bytes // sum(nbytes)
+    full_file, window_file = files
     num_files = config.disk_cache_bytes // (full_file + window_file)
-    if config.kv_cache_dir is not None and num_files < 1:
-        raise ValueError(
-            f"disk_cache_bytes={config.disk_cache_bytes} holds no pair of KV block files, one "
-            f"per KV cache group ({full_file} bytes for the full layers + {window_file} for the "
-            f"window layers = {full_file + window_file})"
-        )
     full_io, window_io = (
         make_tier_io(
             model,
@@ -154,6 +152,15 @@ def make_group_tier_ios(
         for kv, file_nbytes, group in ((full, full_file, None), (window, window_file, "window"))
     )
     return full_io, window_io
+
+
+def _check_holds_a_pair(name: str, budget: int, sizes: list[int], what: str) -> None:
+    """ValueError unless `budget` holds one of each group's (full, window) `sizes`."""
+    if budget < sum(sizes):
+        raise ValueError(
+            f"{name}={budget} holds no pair of {what}, one per KV cache group ({sizes[0]} bytes "
+            f"for the full layers + {sizes[1]} for the window layers = {sum(sizes)})"
+        )
 
 
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:

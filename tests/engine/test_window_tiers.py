@@ -169,6 +169,20 @@ def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_m
     assert llm.tier_io.disk.budget_bytes == full and llm.window_tier_io.disk.budget_bytes == window
 
 
+def test_a_host_budget_short_of_one_block_per_group_is_refused_naming_both(arch_model):
+    path, _ = arch_model("gemma3")
+    runner = LLM(path, **DEVICE).runner
+    full, window = (2 * k[:, 0].nbytes for k in (runner.k_cache, runner.window_k_cache))
+    with pytest.raises(ValueError) as refused:
+        LLM(path, **DEVICE, host_cache_bytes=full + window - 1)
+    assert str(refused.value) == (
+        f"host_cache_bytes={full + window - 1} holds no pair of KV blocks, one per KV cache group "
+        f"({full} bytes for the full layers + {window} for the window layers = {full + window})"
+    )
+    llm = LLM(path, **DEVICE, host_cache_bytes=full + window)
+    assert [io.host.num_blocks for io in (llm.tier_io, llm.window_tier_io)] == [1, 1]
+
+
 def test_kv_events_name_the_tier_and_group_with_tiers_on(arch_model):
     path, expected = arch_model("gemma3")
     events: list = []
