@@ -64,6 +64,7 @@ from radixkv.serve.tools import (
     tool_constraint,
 )
 from radixkv.serve.ui_routes import add_ui_routes
+from radixkv.serve.vllm_metrics import CacheInfo
 from radixkv.serve.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,12 @@ class OpenAIServer:
         # which replica served it (/server_info reports it too). Random, as the request ids.
         self.fingerprint = f"fp_{uuid.uuid4().hex[:12]}"
         self.engine = EngineLoop(llm, on_update=self._observe_update)
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot, lambda: self.engine.num_queued)
+        cache_info = CacheInfo(
+            config.model_name, llm.config.block_size, llm.config.enable_prefix_cache
+        )
+        self.metrics = ServerMetrics(
+            lambda: self.engine.snapshot, lambda: self.engine.num_queued, cache_info
+        )
         self.limits = BodyLimits(
             vocab_size=llm.vocab_size,
             max_stops=config.max_stops,

@@ -15,6 +15,7 @@ from radixkv.cache import hit_rate
 from radixkv.engine.outputs import RequestOutput
 from radixkv.serve.engine_loop import EngineSnapshot
 from radixkv.serve.protocol import APIError
+from radixkv.serve.vllm_metrics import CacheInfo, vllm_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Request outcomes: the engine's finish reasons, plus refusals answered before the engine saw them
@@ -29,7 +30,12 @@ _FINE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, *_LATEN
 class ServerMetrics:
     """Counters and histograms of one server; `render()` gives the Prometheus text format."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], queue_depth: Callable[[], int]):
+    def __init__(
+        self,
+        snapshot: Callable[[], EngineSnapshot],
+        queue_depth: Callable[[], int],
+        cache_info: CacheInfo,
+    ):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "radixkv_requests", "Requests by outcome", ["outcome"], registry=self.registry
@@ -91,7 +97,7 @@ class ServerMetrics:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_generated_tokens = 0
-        self.registry.register(_EngineCollector(snapshot, queue_depth, self))
+        self.registry.register(_EngineCollector(snapshot, queue_depth, self, cache_info))
 
     def record_finished(self, output: RequestOutput, outcome: str) -> None:
         stats = output.stats
@@ -123,27 +129,30 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Exports the engine thread's latest snapshot at scrape time."""
+    """Exports the engine thread's latest snapshot at scrape time, under radixkv's names and
+    vLLM's (`vllm_metrics`), from one read of each figure."""
 
     def __init__(
         self,
         snapshot: Callable[[], EngineSnapshot],
         queue_depth: Callable[[], int],
         metrics: ServerMetrics,
+        cache_info: CacheInfo,
     ) -> None:
         self._snapshot = snapshot
         self._queue_depth = queue_depth
         self._metrics = metrics
+        self._cache_info = cache_info
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
+        snap, queue_depth = self._snapshot(), self._queue_depth()
         blocks = GaugeMetricFamily("radixkv_blocks", "KV blocks by state", labels=["state"])
         blocks.add_metric(["free"], snap.num_free_blocks)
         blocks.add_metric(["evictable"], snap.num_evictable_blocks)
         blocks.add_metric(["in_use"], snap.num_in_use_blocks)
         yield blocks
         yield GaugeMetricFamily(
-            "radixkv_queue_depth", "Requests waiting for admission", value=self._queue_depth()
+            "radixkv_queue_depth", "Requests waiting for admission", value=queue_depth
         )
         yield GaugeMetricFamily(
             "radixkv_running_requests", "Requests admitted and running", value=snap.num_running
@@ -176,3 +185,4 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "radixkv_preemptions", "Requests preempted (by recompute)", value=snap.num_preemptions
         )
+        yield from vllm_families(self._cache_info, snap, queue_depth, self._metrics)
