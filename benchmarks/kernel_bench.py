@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -66,6 +67,7 @@ class ExtendResult:
     tflops: float
     sdpa_ms: float
     sdpa_tflops: float
+    max_abs_err: float  # against the torch reference, in fp32
 
 
 TIMING = "graph"  # how `_bench` times a call: "graph" or "host" (--timing)
@@ -148,6 +150,17 @@ def bench_decode(batch: int, context: int, block_size: int, sdpa_ms: float) -> D
 
 
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+# Extend tiles (BLOCK_M, BLOCK_N, warps, stages), the default first: those that compile for
+# sm_90 without spilling registers (ptxas, bf16, head_dim 128, group 4); 128 x 64 with 4 warps
+# spills.
+EXTEND_SWEEP = (
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 32, 8, 2),
+    (128, 32, 8, 3),
+    (64, 64, 8, 2),
+    (64, 64, 4, 2),
+)
 
 
 def bench_splits(batch: int, context: int, block_size: int) -> tuple[int, list[float]]:
@@ -194,7 +207,39 @@ def _sdpa_extend_ms(batch: int, prefix: int, new_tokens: int) -> float:
     return _bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
 
 
+def bench_extend_tiles(
+    batch: int, prefix: int, new_tokens: int, block_size: int
+) -> list[ExtendResult]:
+    """`bench_extend` at each of EXTEND_SWEEP's tiles (the kernel's EXTEND_TILES swapped for
+    the run; each tile compiles once, before it is timed)."""
+    from radixkv.kernels import triton_paged_attention as module
+
+    default = module.EXTEND_TILES
+    try:
+        results = []
+        for tiles in EXTEND_SWEEP:
+            module.EXTEND_TILES = module.Tiles(*tiles)
+            results.append(bench_extend(batch, prefix, new_tokens, block_size))
+        return results
+    finally:
+        module.EXTEND_TILES = default
+
+
+def _print_extend_tiles(rows: list[list[ExtendResult]]) -> None:
+    print("\n### Extend TFLOP/s by tile (BLOCK_M x BLOCK_N, warps, stages; the default first)\n")
+    names = [f"{m}x{n} w{w} s{st}" for m, n, w, st in EXTEND_SWEEP]
+    print("| batch | prefix | new | SDPA (median) | " + " | ".join(names) + " | max err |")
+    print("|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|")
+    for results in rows:
+        r = results[0]
+        sdpa = statistics.median(x.sdpa_tflops for x in results)
+        cells = " | ".join(f"{x.tflops:.1f}" for x in results)
+        err = max(x.max_abs_err for x in results)
+        print(f"| {r.batch} | {r.prefix} | {r.new_tokens} | {sdpa:.1f} | {cells} | {err:.1e} |")
+
+
 def bench_extend(batch: int, prefix: int, new_tokens: int, block_size: int) -> ExtendResult:
+    from radixkv.kernels import reference
     from radixkv.kernels.triton_paged_attention import paged_attention
 
     total = prefix + new_tokens
@@ -204,11 +249,14 @@ def bench_extend(batch: int, prefix: int, new_tokens: int, block_size: int) -> E
     q = torch.randn(batch * new_tokens, NUM_Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(q)
     args = (q, k_cache, v_cache, tables, seq_lens, cu, HEAD_DIM**-0.5)
+    expected = reference.paged_attention(*args).float()
+    err = (paged_attention(*args, out=out).float() - expected).abs().max().item()
     ms = _bench(lambda: paged_attention(*args, out=out))
     sdpa_ms = _sdpa_extend_ms(batch, prefix, new_tokens)
     flops = _attention_flops(batch, prefix, new_tokens)
+    tflops, sdpa_tflops = flops / ms / 1e9, flops / sdpa_ms / 1e9
     return ExtendResult(
-        batch, prefix, new_tokens, block_size, ms, flops / ms / 1e9, sdpa_ms, flops / sdpa_ms / 1e9
+        batch, prefix, new_tokens, block_size, ms, tflops, sdpa_ms, sdpa_tflops, err
     )
 
 
@@ -351,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         (batch, context, *bench_splits(batch, context, 16))
         for batch, context in ((1, 4096), (1, 16384), (4, 16384), (16, 4096))
     ]
+    tile_rows = [bench_extend_tiles(*cfg, block_size=16) for cfg in extend_cfgs]
     _print_decode(decode, copy_gbps)
     _print_extend(extend)
     _print_splits(splits)
+    _print_extend_tiles(tile_rows)
     _print_goals(goals(decode, extend, copy_gbps))
     return 0
 

@@ -35,6 +35,7 @@ is decode-like, so a warm-up of one decode and one prefill step compiles everyth
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -56,10 +57,23 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_KV_SPLITS = 64
 # Up to this many splits the merge reads one split an iteration, many heads a program.
 _SERIAL_MERGE_SPLITS = 8
-# Extend / prefill tiles of 16-bit inputs: 128 query rows x 64 keys with 8 warps (the shape of
-# Triton's fused-attention tutorial on Hopper); fp32 and head_dim > 128 keep 64 rows, 4 warps.
-_EXTEND_BLOCK_M = 128
-_EXTEND_WARPS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """A launch's tile: query rows and keys per iteration, warps, software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Extend / prefill tiles of 16-bit inputs with head_dim <= 128: 128 query rows x 64 keys with 8
+# warps (the shape of Triton's fused-attention tutorial on Hopper); kernel_bench's tile sweep
+# times others. fp32 and head_dim > 128 take twice the shared memory: half the tile.
+EXTEND_TILES = Tiles(128, 64, 8, 2)
+_WIDE_EXTEND_TILES = Tiles(64, 32, 4, 2)
 
 
 @triton.jit
@@ -446,11 +460,12 @@ def _launch(
     # tl.dot accepts on a GPU (M >= 16); prefill/extend tiles are larger to reuse K/V across rows.
     decode_like = num_tokens <= num_reqs
     half = q.dtype != torch.float32 and head_dim <= 128
-    block_m = max(16 if decode_like else (_EXTEND_BLOCK_M if half else 64), group_p)
+    if decode_like:
+        tiles = Tiles(16, 64 if half else 32, 4, 2)
+    else:
+        tiles = EXTEND_TILES if half else _WIDE_EXTEND_TILES
+    block_m = max(tiles.block_m, group_p)
     block_q = block_m // group_p
-    num_warps = _EXTEND_WARPS if half and not decode_like else 4
-    # fp32 tiles take twice the shared memory: halve BLOCK_N for them (and for head_dim > 128).
-    block_n = 64 if half else 32
     num_tiles = num_tokens // block_q + num_reqs
 
     if num_kv_splits is None:
@@ -508,14 +523,14 @@ def _launch(
         GROUP=group,
         GROUP_P=group_p,
         BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        BLOCK_N=tiles.block_n,
         # fp32 inputs: exact fp32 products (tf32 would lose ~3 decimal digits); else the default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         WINDOWED=kind.window is not None,
         SOFTCAP=kind.softcap is not None,
         HAS_SINKS=kind.sinks is not None,
-        num_warps=num_warps,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_kv_splits > 1:
         block_h, split_tile = _merge_tile(num_kv_splits, num_q_heads, head_dim_p)

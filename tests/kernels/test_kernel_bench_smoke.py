@@ -36,10 +36,14 @@ def test_kernel_bench_runs_on_tiny_sizes(bench, capsys):
     bench._print_decode(decode, copy_gbps)
     bench._print_extend(extend)
     bench._print_splits([(1, 40, chosen, times)])
+    tiles = bench.bench_extend_tiles(1, 24, 16, block_size=16)
+    assert len(tiles) == len(bench.EXTEND_SWEEP) and all(r.max_abs_err < 1e-2 for r in tiles)
+    bench._print_extend_tiles([tiles])
     missed = bench._print_goals(bench.goals(decode, extend, copy_gbps))
     out = capsys.readouterr().out
     assert "| 1 | 40 | 64 |" in out and "### Extend" in out
     assert "| 1 | 40 | 1 | 1.0000* | 1.0000 |" in out
+    assert "| 1 | 24 | 16 | 0.0 |" in out and "64x64 w4 s2" in out  # fake time: 1 ms
     assert "not in this sweep" in out  # no goal configuration at these sizes
     assert missed == []  # the fake timer gives paged and SDPA the same time: extend ratio 1
     assert bench._attention_flops(1, 0, 2) == 4.0 * 32 * 128 * 3  # keys seen: 1 + 2
@@ -57,7 +61,7 @@ def test_goal_ratios_are_the_worst_configuration(bench):
         decode(64, 4096, 16, 1.0, 1000.0),
         decode(64, 4096, 64, 1.0, 1020.0),  # spread 20 / 1010
     ]
-    extend = [bench.ExtendResult(1, 4096, 512, 16, 1.0, 90.0, 1.0, 100.0)]
+    extend = [bench.ExtendResult(1, 4096, 512, 16, 1.0, 90.0, 1.0, 100.0, 0.0)]
     rows = bench.goals(results, extend, copy_gbps=3000.0)
     measured = [g.measured for g in rows]
     assert measured[0] == pytest.approx(1.5) and measured[1] == pytest.approx(0.8)
