@@ -185,8 +185,8 @@ if wanted kernels; then
             tests/kernels/test_kernel_bench_smoke.py
     else
         # -X faulthandler: a crash inside a driver call prints the Python stack that made it.
-        if ! run_stage kernels 90 0 -- "$PY" -X faulthandler benchmarks/kernel_bench.py --quick; then
-            LOG_AS=kernels run_stage kernels-host 90 0 -- \
+        if ! run_stage kernels 150 0 -- "$PY" -X faulthandler benchmarks/kernel_bench.py --quick; then
+            LOG_AS=kernels run_stage kernels-host 150 0 -- \
                 "$PY" -X faulthandler benchmarks/kernel_bench.py --quick --timing host
         fi
         excerpt kernels "^(##|###|torch|device|\|)" 60
