@@ -19,8 +19,10 @@ Goals (issue #9), printed as measured ratios in the last table:
 - decode at batch >= 16: <= 5 % spread of GB/s across block sizes (per batch and context);
 - extend: >= 0.85x SDPA's TFLOP/s.
 
-A split sweep times the decode kernel at a few fixed `num_kv_splits` beside the default's choice,
-at the shapes where the split choice decides the time (few requests, long contexts): the figures
+A split sweep times the decode kernel at a few fixed `num_kv_splits` beside the default's choice
+(for a block table exactly as long as the context; the engine's tables are as long as the model's
+context, so it may split more), at the shapes where the split choice decides the time (few
+requests over long contexts) and at the decode workload's (64 requests, 640 tokens): the figures
 that set `_PROGRAMS_PER_SM`, `_MIN_TOKENS_PER_SPLIT` and `_SERIAL_MERGE_SPLITS`.
 """
 
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     splits = [
         (batch, context, *bench_splits(batch, context, 16))
-        for batch, context in ((1, 4096), (1, 16384), (4, 16384), (16, 4096))
+        for batch, context in ((1, 4096), (1, 16384), (4, 16384), (16, 4096), (64, 640))
     ]
     tile_rows = [bench_extend_tiles(*cfg, block_size=16) for cfg in extend_cfgs]
     _print_decode(decode, copy_gbps)
