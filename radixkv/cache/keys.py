@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -212,11 +213,24 @@ def trim_keys(leaf: TreeNode, keep: int) -> None:
 
 
 class KeyChain:
-    """The keys of a tree's paths, by one hasher, kept on the nodes (see the module docstring)."""
+    """The keys of a tree's paths, by one hasher, kept on the nodes (see the module docstring),
+    and of the prompts looked up past them, kept for the prompts looked up last.
+
+    A longest-prefix-first scheduler looks every waiting prompt up at every step; with lower
+    tiers each lookup names the prompt's blocks past the tree, so those are hashed once per
+    prompt and read back after (at most `MEMO_KEYS` keys, least recently looked up prompts
+    forgotten first). A key depends on nothing but the prompt, its namespace and the hasher."""
+
+    MEMO_KEYS = 1 << 16
 
     def __init__(self, block_size: int, hasher: BlockHasher = XXH64) -> None:
         self.block_size = block_size
         self.hasher = hasher
+        # (namespace, packed prompt) -> (first block index, keys of blocks from it to the end)
+        self._memo: OrderedDict[tuple[str | None, bytes], tuple[int, list[BlockKey]]] = (
+            OrderedDict()
+        )
+        self._num_memo_keys = 0
 
     def chain(
         self, namespace: str | None, tokens_le: bytes, after: BlockKey | None = None
@@ -263,6 +277,11 @@ class KeyChain:
         path keeps."""
         B = self.block_size
         i0 = m // B
+        prompt = (namespace, qb)
+        known = self._memo.get(prompt)
+        if known is not None and known[0] <= i0:  # it runs to the prompt's last full block
+            self._memo.move_to_end(prompt)
+            return known[1][i0 - known[0] :]
         after = None
         if node is not None and node.parent is not None and i0 > node.start // B:
             after = self.node_keys(node)[i0 - 1 - node.start // B]  # block i0 - 1 ends in node
@@ -270,7 +289,21 @@ class KeyChain:
             after = self.last_key(node.parent)  # type: ignore[arg-type]
         block_bytes = TOKEN_BYTES * B
         tokens = qb[i0 * block_bytes : num_full * block_bytes]
-        return self.chain(namespace, token_bytes_le(tokens), after)
+        keys = self.chain(namespace, token_bytes_le(tokens), after)
+        self._remember(prompt, i0, keys)
+        return keys[:]
+
+    def _remember(self, prompt: tuple[str | None, bytes], first: int, keys: list[BlockKey]) -> None:
+        old = self._memo.pop(prompt, None)
+        if old is not None:
+            self._num_memo_keys -= len(old[1])
+        if len(keys) > self.MEMO_KEYS:
+            return
+        self._memo[prompt] = (first, keys)
+        self._num_memo_keys += len(keys)
+        while self._num_memo_keys > self.MEMO_KEYS:
+            _, (_, gone) = self._memo.popitem(last=False)
+            self._num_memo_keys -= len(gone)
 
     def check(self, nodes: Iterable[TreeNode]) -> None:
         """Every kept list of keys equals the keys the chain gives over its path from position 0.
@@ -282,6 +315,8 @@ class KeyChain:
             tokens = token_bytes_le(path_bytes(node, 0, node.end // B * B))
             if node.block_keys != self.chain(namespace_of(node), tokens)[node.start // B :]:
                 raise AssertionError(f"[{node.start},{node.end}) keeps stale block keys")
+        remembered = sum(len(keys) for _, keys in self._memo.values())
+        assert remembered == self._num_memo_keys <= self.MEMO_KEYS, "prompt keys miscounted"
 
 
 class PromptKeys:

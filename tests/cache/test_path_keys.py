@@ -45,12 +45,13 @@ def check_node_keys(cache: PrefixCache, deepest_first: bool) -> None:
 
 
 def check_prompt_keys(cache: PrefixCache, prompt: Sequence[int], namespace: str | None) -> None:
-    """The keys a lookup past the tree's hit uses equal the prompt's fresh ones."""
+    """The keys a lookup past the tree's hit uses equal the prompt's fresh ones (the cache's
+    own chain, whose kept prompt keys serve a prompt looked up before)."""
     B = cache.block_size
     qb = pack_tokens(prompt)
     m, node, _ = cache._tree.walk(qb, len(prompt), namespace)
     num_full = len(prompt) // B
-    keys = KeyChain(B).prompt_keys(qb, num_full, m, node, namespace)
+    keys = (cache._keys or KeyChain(B)).prompt_keys(qb, num_full, m, node, namespace)
     assert keys == fresh_keys(namespace, qb, B)[m // B :], (m, node)
 
 
@@ -120,6 +121,51 @@ def test_a_lookup_past_the_tree_hashes_only_the_blocks_past_it(
     assert count.take() == 0  # (the old code: 72)
     assert cache.match(longer, max_tokens=len(longer) - 1).num_host_blocks == 8
     assert count.take() == 8  # only the blocks past the tree's hit (the old code: 72)
+
+
+def test_a_waiting_prompt_scored_at_every_step_is_hashed_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A longest-prefix-first scheduler matches every waiting prompt at every step: with lower
+    tiers the blocks past the tree are hashed at its first match only, and the keys read back
+    later are the chain's, also after the tree grew under the prompt."""
+    B = 4
+    cache = PrefixCache(num_blocks=256, block_size=B, host_blocks=128, write_through=True)
+    count = HashCount(monkeypatch)
+    shared = list(range(1000, 1000 + 8 * B))
+    put(cache, shared)
+    waiting = [[*shared, *range(2000 + 100 * i, 2000 + 100 * i + 16 * B)] for i in range(3)]
+    count.take()
+    for step in range(4):
+        for prompt in waiting:
+            assert cache.match(prompt, max_tokens=len(prompt) - 1).num_cached_tokens == 8 * B
+        assert count.take() == (3 * 16 if step == 0 else 0)
+    put(cache, waiting[0][: 12 * B])  # the tree grows into the first prompt: 4 blocks, chained
+    assert count.take() == 4
+    for prompt in waiting:
+        cache.match(prompt, max_tokens=len(prompt) - 1)
+    assert count.take() == 0  # the first prompt's tree blocks keyed, its others kept
+    for prompt in waiting:
+        check_prompt_keys(cache, prompt, None)  # the cache's keys equal fresh ones
+    cache.check_integrity()
+
+
+def test_the_prompt_keys_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    B = 4
+    cache = PrefixCache(num_blocks=256, block_size=B, host_blocks=128, write_through=True)
+    monkeypatch.setattr(KeyChain, "MEMO_KEYS", 40)
+    put(cache, list(range(1000, 1000 + 4 * B)))
+    prompts = [list(range(5000 + 1000 * i, 5000 + 1000 * i + 16 * B)) for i in range(4)]
+    for prompt in prompts:  # 16 blocks each, none in the tree: only the last two are kept
+        cache.match(prompt)
+        cache.check_integrity()
+    count = HashCount(monkeypatch)
+    cache.match(prompts[3])
+    cache.match(prompts[2])
+    assert count.take() == 0
+    cache.match(prompts[0])
+    assert count.take() == 16
+    cache.check_integrity()
 
 
 def test_a_demotion_hashes_only_the_demoted_nodes_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
