@@ -124,7 +124,7 @@ ADJUSTED = [
     (SamplingParams(repetition_penalty=1.3), [3, 5, 5, 9], [12, 3], 22, [2]),
     (SamplingParams(repetition_penalty=0.6, min_tokens=4), [1, 30, 31], [7], None, [2, 11]),
     (SamplingParams(), [4, 4], [4], 5, [2]),  # neutral among the others
-    (SamplingParams(min_tokens=3, max_tokens=9), [8], [26, 27], None, [26, 2]),  # only -inf left?
+    (SamplingParams(min_tokens=3, max_tokens=9), [8], [26, 27], None, [26, 2]),  # a grammar row
     (
         SamplingParams(
             repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.2, logit_bias={3: 2}
