@@ -13,7 +13,7 @@ partial reply) is not kept, the conversation before it is. The engine step in fl
 end first (`_ctrl_c_held`): an interrupt raised at an arbitrary point could cut a cache update in
 half. Ctrl-C anywhere else (at the prompt, while loading or converting the model) ends the program
 with one line. Sampling defaults to the model's generation config (SmolLM2: temperature 0.2,
-top-p 0.9), greedy when it has none.
+top-p 0.9), greedy when it has none; its repetition penalty applies either way.
 Runs offline (HF_HUB_OFFLINE=1) unless HF_HUB_OFFLINE=0 is set.
 """
 
@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--top-p", type=float, default=None, help=f"nucleus mass ({model_default})")
     chat.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default})")
+    chat.add_argument(
+        "--min-p", type=float, default=None, help=f"in [0, 1], 0 = off ({model_default})"
+    )
+    chat.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="> 0, 1 = off (default: the model's generation config, sampling or greedy)",
+    )
     # Run by `radixkv.__main__` before this parser: the chat then lives in the browser.
     chat.add_argument(
         "--web",
@@ -168,7 +177,8 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def chat_sampling(args: argparse.Namespace, generation_config: object | None) -> SamplingParams:
     """The chat's SamplingParams: each option given on the command line, else the model's
-    generation config when it samples (`do_sample`), else greedy. Raises ValueError /
+    generation config when it samples (`do_sample`), else greedy; its repetition penalty
+    applies to greedy decoding too (as in transformers' `generate`). Raises ValueError /
     TypeError for out-of-range values."""
     from radixkv.engine.sampling_params import SamplingParams
 
@@ -185,14 +195,23 @@ def chat_sampling(args: argparse.Namespace, generation_config: object | None) ->
         temperature=pick(args.temperature, "temperature", 1.0),  # type: ignore[arg-type]
         top_p=pick(args.top_p, "top_p", 1.0),  # type: ignore[arg-type]
         top_k=int(pick(args.top_k, "top_k", 0)),  # type: ignore[call-overload]
+        min_p=pick(args.min_p, "min_p", 0.0),  # type: ignore[arg-type]
+        repetition_penalty=(
+            args.repetition_penalty
+            if args.repetition_penalty is not None
+            else getattr(generation_config, "repetition_penalty", None) or 1.0
+        ),
     )
 
 
 def sampling_text(params: SamplingParams) -> str:
+    penalty = params.repetition_penalty
+    repetition = f", repetition penalty {penalty:g}" if penalty != 1.0 else ""
     if params.greedy:
-        return "greedy"
+        return "greedy" + repetition
     top_k = f", top-k {params.top_k}" if params.top_k else ""
-    return f"temperature {params.temperature:g}, top-p {params.top_p:g}{top_k}"
+    min_p = f", min-p {params.min_p:g}" if params.min_p else ""
+    return f"temperature {params.temperature:g}, top-p {params.top_p:g}{top_k}{min_p}{repetition}"
 
 
 def _reply(session: ChatSession, message: str, out: TextIO, err: TextIO) -> None:

@@ -54,6 +54,7 @@ from radixkv.engine.outputs import (
     StreamDelta,
     TokenLogprobs,
 )
+from radixkv.engine.penalties import prompt_token_mask
 from radixkv.engine.prompts import (
     PromptInput,
     check_chat_messages,
@@ -102,6 +103,8 @@ class _Tracked:
     failed_load: bool = False  # a copy of cached KV for it failed once: the next failure fails it
     grammar: RequestGrammar | None = None  # its structured-output matcher, if it asked for one
     jumps: bool = False  # jump-forward over the text its grammar forces
+    # [vocab] bool on the device, its prompt's tokens: made at submit with a repetition penalty
+    prompt_mask: torch.Tensor | None = None
 
 
 class LLM:
@@ -285,6 +288,11 @@ class LLM:
         for t in self._tracked.values():
             if t.grammar is not None:
                 t.grammar.check_integrity(t.request.output_token_ids)
+            penalised = t.params.repetition_penalty != 1.0
+            assert (t.prompt_mask is not None) == penalised, (t.request, "a prompt mask iff needed")
+            if t.prompt_mask is not None:
+                prompt = set(t.request.prompt_token_ids)
+                assert set(t.prompt_mask.nonzero()[:, 0].tolist()) == prompt, t.request
         if self._grammars is not None:
             self._grammars.check_integrity()
 
@@ -411,6 +419,8 @@ class LLM:
                 t = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
                 t.grammar = None if grammar is None else RequestGrammar(grammar, stop)
                 t.jumps = grammar is not None and self._jumps(p)
+                if p.repetition_penalty != 1.0:
+                    t.prompt_mask = prompt_token_mask(tokens, self.vocab_size, self.runner.device)
                 if t.jumps and t.grammar.jump_string(()):  # see `_jump_forward`
                     self.scheduler.hold(rid)
                 self._tracked[rid] = t
@@ -496,7 +506,9 @@ class LLM:
 
     def _sampled_rows(self, out: SchedulerOutput) -> list[SampledRow]:
         records = (self._tracked[row.request_id] for row in out.rows if row.sample)
-        return [SampledRow(t.request, t.params, t.generator, t.grammar) for t in records]
+        return [
+            SampledRow(t.request, t.params, t.generator, t.grammar, t.prompt_mask) for t in records
+        ]
 
     def _finish_step(self, launched: Launched) -> None:
         """Read a launched step's tokens: a row that failed fails its request alone (before the

@@ -1,8 +1,9 @@
 """Log-probabilities of sampled tokens, OpenAI's `logprobs` / `top_logprobs`.
 
-They are of the model's own distribution (a log-softmax of its logits), before logit bias,
-penalties, temperature and top-k / top-p: what the model thought of each token, as vLLM reports
-by default. Computed only for the rows that ask for them.
+They are of the model's own distribution (a log-softmax of its logits), before min_tokens,
+logit bias, penalties (the repetition penalty included), temperature and min-p / top-k / top-p:
+what the model thought of each token, as vLLM reports by default. Computed only for the rows
+that ask for them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each request with its own random stream.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, each request with its own random
+stream.
 
 Masking is vectorised over the batch (per-row temperature / k / p as tensors), and so is the draw.
 Every request owns a `random.Random` seeded from its own seed, which gives one uniform number per
@@ -156,8 +157,10 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-k and the top-p nucleus, per row.
-    logits: [n, vocab] -> probabilities [n, vocab] (renormalised, zero outside the kept set)."""
+    """Softmax of logits / temperature restricted to the min-p set, the top-k and the top-p
+    nucleus, per row, in vLLM's order: min-p and top-k on the tempered distribution, top-p on
+    what they leave. logits: [n, vocab] -> probabilities [n, vocab] (renormalised, zero outside
+    the kept set)."""
     vocab = logits.shape[1]
     dev = logits.device
     temps = host_values_on(dev, [p.temperature for p in params], torch.float32)
@@ -168,14 +171,17 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     scaled = shifted / temps.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
-    if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
+    min_ps = [p.min_p for p in params]
+    if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps) and not any(min_ps):
         return torch.softmax(scaled, dim=-1)
-    # Sort once; both filters are prefixes of the descending order. Stable sort keeps ties in
+    # Sort once; the filters are prefixes of the descending order. Stable sort keeps ties in
     # index order, so top-k=1 and a tiny top-p pick the same token as argmax.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)[None, :]
     k = host_values_on(dev, top_ks, torch.int64)[:, None]
     drop = rank >= k
+    if any(min_ps):
+        drop = drop | _below_min_p(sorted_logits, host_values_on(dev, min_ps, torch.float32))
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     p = host_values_on(dev, top_ps, torch.float32)[:, None]
@@ -186,3 +192,11 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+def _below_min_p(sorted_logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Where a token's probability is below min_p times its row's top probability (vLLM's
+    min-p; the top token, and any tied with it, always stays). sorted_logits: [n, vocab] in
+    descending order, min_ps: [n] -> [n, vocab] bool."""
+    probs = torch.softmax(sorted_logits, dim=-1)
+    return probs < min_ps[:, None] * probs[:, :1]

@@ -17,15 +17,18 @@ from radixkv.cache import check_size
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    `temperature == 0` is greedy (top-k / top-p are then ignored). `seed` makes a sampled request
-    reproducible on its own, whatever else is in the batch. Raises ValueError / TypeError on
-    construction for out-of-range values.
+    `temperature == 0` is greedy (top-k / top-p / min-p are then ignored; the penalties and
+    `min_tokens` are not). `seed` makes a sampled request reproducible on its own, whatever else
+    is in the batch. Raises ValueError / TypeError on construction for out-of-range values.
     """
 
     max_tokens: int = 64  # new tokens to generate, >= 1
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = disabled, else keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]
+    # vLLM's and SGLang's: keep the tokens whose probability (after temperature) is at least
+    # min_p times the most likely token's, in [0, 1]; 0 = disabled
+    min_p: float = 0.0
     # per-request RNG seed in [0, 2**64); distinct seeds give distinct streams (`make_generator`);
     # None = derived from the engine seed and request
     seed: int | None = None
@@ -36,6 +39,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's and SGLang's (the CTRL paper's, as in transformers), > 0, 1 = disabled: the logit of
+    # every token that occurs in the prompt or the reply so far is divided by it when positive
+    # and multiplied by it when negative (> 1 discourages repeats, < 1 encourages them)
+    repetition_penalty: float = 1.0
+    # vLLM's: EOS and the stop tokens cannot be sampled before the reply has this many tokens
+    # (at most max_tokens; a grammar that can only end still ends)
+    min_tokens: int = 0
     # None: no logprobs; k: the sampled token's logprob and the k most likely, k <= 20
     logprobs: int | None = None
     # Structured output (`radixkv.engine.grammar`), at most one: a JSON schema (a dict, or its
@@ -63,7 +73,8 @@ class SamplingParams:
         check_size(self.top_k, "top_k", low=0)
         if self.seed is not None:
             check_seed(self.seed)
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
         # Written so that NaN fails the comparisons too.
@@ -76,6 +87,7 @@ class SamplingParams:
             check_size(t, "stop_token_ids[i]", low=0)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(getattr(self, name), name, MAX_PENALTY)
+        _check_vllm_extensions(self)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.logprobs is not None and check_size(self.logprobs, "logprobs", low=0) > 20:
             raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
@@ -93,8 +105,19 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a bias or penalty changes this request's logits before sampling."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+        """Whether a bias or penalty changes this request's logits before sampling (at every
+        step; `min_tokens` only at the first: `adjusts_logits_at`)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+    def adjusts_logits_at(self, num_generated: int) -> bool:
+        """Whether this request's logits are changed before sampling its next token, when its
+        reply has `num_generated` tokens so far."""
+        return self.adjusts_logits or num_generated < self.min_tokens
 
     def choices(self) -> list[SamplingParams]:
         """The params of each of the n choices: n = 1 each, choice i seeded with seed + i."""
@@ -143,6 +166,21 @@ def _check_number(value: object, name: str, bound: float) -> float:
     if not -bound <= value <= bound:  # NaN fails too
         raise ValueError(f"{name} must be in [-{bound:g}, {bound:g}], got {value}")
     return float(value)
+
+
+def _check_vllm_extensions(params: SamplingParams) -> None:
+    """min_p in [0, 1], repetition_penalty > 0 and finite, 0 <= min_tokens <= max_tokens
+    (both numbers' types are checked already)."""
+    if not 0.0 <= params.min_p <= 1.0:  # NaN fails too
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if not 0.0 < params.repetition_penalty < float("inf"):
+        raise ValueError(
+            f"repetition_penalty must be a finite number > 0, got {params.repetition_penalty}"
+        )
+    if check_size(params.min_tokens, "min_tokens", low=0) > params.max_tokens:
+        raise ValueError(
+            f"min_tokens must be at most max_tokens ({params.max_tokens}), got {params.min_tokens}"
+        )
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:

@@ -1,7 +1,8 @@
 """One engine step, in two halves: `launch` puts a scheduled batch on the device, `finish` reads
 what it sampled.
 
-    launch: token feed ─► forward ─► grammar masks ─► bias, penalties ─► draw and logprobs
+    launch: token feed ─► forward ─► grammar masks ─► min_tokens, bias, penalties ─► draw and
+            logprobs
             ─► copies to the host
             (all queued on the device; nothing waits for it, but a grammar row's mask, which
             needs its request's last token: see `_masked`)
@@ -17,7 +18,7 @@ host schedules and packs step n+1 while the device runs step n:
   goes through the same two calls, back to back.
 * The next step's decode rows take the previous step's tokens on the device (`TokenFeed`: the
   runner writes them over the placeholders in its `input_ids`; the indices travel through pinned
-  memory), and penalties count a request's last token there too.
+  memory), and penalties (and min_tokens) count a request's last token there too.
 * A row whose draw fails (probabilities that are not finite, a fault in the sampler's shared work
   that only its params trigger) fails its request alone. Overlapped, that is known one step
   late: the request's placeholder, already computed by the next step, is dropped as after a stop.
@@ -43,7 +44,7 @@ from radixkv.engine.grammar import RequestGrammar, mask_rows
 from radixkv.engine.logprobs import StepLogprobs, logprobs_on_device
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import TokenLogprobs
-from radixkv.engine.penalties import adjust_logits
+from radixkv.engine.penalties import RowTokens, adjust_logits
 from radixkv.engine.sampler import Draw, draw, host_values_on
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step_inputs import InputStager
@@ -60,6 +61,8 @@ class SampledRow:
     params: SamplingParams
     generator: random.Random | None
     grammar: RequestGrammar | None = None  # its structured-output matcher, if any
+    # [vocab] bool, its prompt's tokens (`prompt_token_mask`): with a repetition penalty only
+    prompt_mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -219,19 +222,20 @@ def _masked(
 def _adjusted(
     logits: torch.Tensor, rows: Sequence[SampledRow], previous: Launched | None
 ) -> torch.Tensor:
-    """The logits with the rows' bias and penalties applied: a request's last token may still be
-    the previous step's, on the device (its placeholder is not filled yet)."""
+    """The logits with the rows' bias, penalties and min_tokens applied: a request's last token
+    may still be the previous step's, on the device (its placeholder is not filled yet)."""
     params = [r.params for r in rows]
-    if not any(p.adjusts_logits for p in params):
+    # len(output_token_ids) counts a placeholder: the tokens generated, read or not.
+    if not any(r.params.adjusts_logits_at(len(r.request.output_token_ids)) for r in rows):
         return logits
     source = sources(previous)
-    outputs: list[list[int]] = []
-    in_flight: list[torch.Tensor | None] = []
+    tokens: list[RowTokens] = []
     for r in rows:
         known, i = _known_output(r.request, source)
-        outputs.append(known)
-        in_flight.append(None if i is None else previous.draw.tokens[i : i + 1])  # type: ignore[union-attr]
-    return adjust_logits(logits, params, outputs, in_flight)
+        in_flight = None if i is None else previous.draw.tokens[i : i + 1]  # type: ignore[union-attr]
+        stops = r.request.stop_token_ids
+        tokens.append(RowTokens(known, in_flight, r.prompt_mask, stops))
+    return adjust_logits(logits, params, tokens)
 
 
 def token_feed(

@@ -91,9 +91,12 @@ class Job:
     fields: SamplingFields
     prompt_ids: list[int]
     params: SamplingParams
-    stops: StopStringMatcher
     tools: ToolRequest | None = None
     constraint: Constraint | None = None  # structured output, compiled before submission
+
+    def stop_matcher(self) -> StopStringMatcher:
+        """A fresh matcher of the request's stop strings, for one of its replies."""
+        return StopStringMatcher(self.fields.stop_strings, self.params.min_tokens)
 
     def tool_reader(self) -> ToolCallReader | None:
         """A reader of the reply's tool calls, None when it may make none."""
@@ -196,8 +199,7 @@ class OpenAIServer:
             prompt = self.completion_prompt(completion.prompt)
         constraint = fields.constraint or (tools and tool_constraint(tools))
         params = self.sampling_params(fields, len(prompt), prompt_param, default, constraint)
-        stops = StopStringMatcher(fields.stop_strings)
-        return Job(fields, prompt, params, stops, tools, constraint)
+        return Job(fields, prompt, params, tools, constraint)
 
     async def compile_grammar(self, job: Job) -> None:
         """Compile the job's grammar (the engine then finds it cached), off the event loop and
@@ -303,6 +305,12 @@ class OpenAIServer:
                 frequency_penalty=fields.frequency_penalty or 0.0,
                 logit_bias=fields.logit_bias,
                 logprobs=fields.logprobs,
+                top_k=fields.top_k or 0,
+                min_p=fields.min_p or 0.0,
+                repetition_penalty=(
+                    1.0 if fields.repetition_penalty is None else fields.repetition_penalty
+                ),
+                min_tokens=fields.min_tokens or 0,
                 **({} if constraint is None else {constraint.kind: constraint.value}),
             )
         except (ValueError, TypeError) as exc:
@@ -390,7 +398,7 @@ class OpenAIServer:
                     )
                 if not stops.stopped:
                     num_tokens += len(item.new_token_ids)
-                    text = stops.push(item.new_text)
+                    text = stops.push(item.new_text, len(item.new_token_ids))
                     if stops.stopped:
                         # Keep the stream open: the aborted request's output carries its usage.
                         self.engine.abort(stream.request_id, keep_stream=True)
@@ -608,7 +616,7 @@ async def _complete(server: OpenAIServer, request: Request, *, chat: bool) -> Re
     job = await server.prepare(request.scope.get("radixkv.body", b""), chat=chat)
     await server.compile_grammar(job)
     streams = await server.submit_choices(job, arrival)
-    pieces = [server.pieces(s, StopStringMatcher(job.fields.stop_strings)) for s in streams]
+    pieces = [server.pieces(s, job.stop_matcher()) for s in streams]
     model = server.config.model_name
     # Random, as OpenAI's: an id must not tell how many requests the server has seen.
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

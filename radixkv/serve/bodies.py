@@ -67,6 +67,12 @@ class SamplingFields:
     # `logprobs: true` + `top_logprobs: k`; completions: `logprobs: k`)
     logprobs: int | None = None
     constraint: Constraint | None = None  # structured output (`structured.py`)
+    # vLLM's and SGLang's sampling extensions (the openai client's `extra_body`), with vLLM's
+    # meaning (`SamplingParams`); None: the default, which changes nothing
+    top_k: int | None = None  # vLLM's -1 (off) is read as 0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +260,19 @@ def _sampling_fields(body: Mapping[str, Any], limits: BodyLimits, *, chat: bool)
         logit_bias=_logit_bias(body.get("logit_bias"), limits),
         logprobs=_logprobs(body, chat=chat),
         constraint=read_constraint(body),
+        top_k=_top_k(body.get("top_k")),
+        min_p=_number(body.get("min_p"), "min_p"),
+        repetition_penalty=_number(body.get("repetition_penalty"), "repetition_penalty"),
+        min_tokens=_int(body.get("min_tokens"), "min_tokens"),
     )
+
+
+def _top_k(value: Any) -> int | None:
+    """vLLM's top_k: -1 or 0 is off (radixkv's 0), else at least 1."""
+    top_k = _int(value, "top_k")
+    if top_k is not None and top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (off), or at least 1, got {top_k}", "top_k")
+    return None if top_k is None else max(top_k, 0)
 
 
 def _seed(value: Any) -> int | None:

@@ -19,9 +19,13 @@ class StopStringMatcher:
     linear in their total length): each pushed character costs O(1) amortised, however many stop
     strings there are. The automaton's state after the text so far is the longest suffix of the
     text that is a prefix of a stop string: exactly the text to hold back.
+
+    `min_tokens` (vLLM's rule): a stop string that completes in the text of the reply's first
+    `min_tokens` tokens does not stop it; one that completes later does, even if it began
+    before. Each push says how many tokens its text came from.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], min_tokens: int = 0) -> None:
         # State 0 is the root (the empty prefix); each other state is one prefix of a stop string.
         self._next: list[dict[str, int]] = [{}]
         self._depth = [0]  # the prefix's length
@@ -34,17 +38,23 @@ class StopStringMatcher:
         self._state = 0
         self._held = ""
         self.stopped = False
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # pushed so far
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, num_tokens: int = 1) -> str:
+        """`text`, the decoded text of the reply's next `num_tokens` tokens; returns the text
+        that is safe to send."""
         if self.stopped:
             return ""
+        self._num_tokens += num_tokens
         if len(self._next) == 1:  # no stop strings
             return text
         buf = self._held + text
         state = self._state
+        may_stop = self._num_tokens > self._min_tokens
         for end in range(len(self._held) + 1, len(buf) + 1):
             state = self._step(state, buf[end - 1])
-            if self._stop_len[state]:
+            if self._stop_len[state] and may_stop:
                 self.stopped = True
                 self._held = ""
                 return buf[: end - self._stop_len[state]]

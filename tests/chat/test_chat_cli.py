@@ -255,6 +255,26 @@ def test_chat_sampling_follows_the_generation_config_unless_given():
     assert p.greedy and p.top_k == 5
 
 
+def test_chat_min_p_and_repetition_penalty_follow_the_generation_config_unless_given():
+    from transformers import GenerationConfig
+
+    args = cli.build_parser().parse_args(["chat"])
+    card = GenerationConfig(do_sample=True, temperature=0.7, min_p=0.05, repetition_penalty=1.05)
+    p = cli.chat_sampling(args, card)
+    assert (p.min_p, p.repetition_penalty) == (0.05, 1.05)
+    text = "temperature 0.7, top-p 1, min-p 0.05, repetition penalty 1.05"
+    assert cli.sampling_text(p) == text
+    greedy = cli.chat_sampling(args, GenerationConfig(repetition_penalty=1.2))
+    assert greedy.greedy and greedy.repetition_penalty == 1.2 and greedy.min_p == 0.0
+    assert cli.sampling_text(greedy) == "greedy, repetition penalty 1.2"
+    assert cli.chat_sampling(args, None).repetition_penalty == 1.0
+    given = ["chat", "--min-p", "0.2", "--repetition-penalty", "1.3"]
+    p = cli.chat_sampling(cli.build_parser().parse_args(given), card)
+    assert (p.min_p, p.repetition_penalty) == (0.2, 1.3)
+    with pytest.raises(ValueError, match="min_p"):
+        cli.chat_sampling(cli.build_parser().parse_args(["chat", "--min-p", "2"]), card)
+
+
 def test_sigint_in_a_reply_and_undecodable_stdin(tiny_model_dir, tmp_path: Path) -> None:
     """The real signal, in the real process: Ctrl-C stops the reply, the chat goes on."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")

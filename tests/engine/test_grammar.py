@@ -95,6 +95,25 @@ def test_the_mask_comes_before_logit_bias(engines, async_scheduling):
     assert second.finish_reason == "stop" and re.fullmatch("[ab]{1,9}", second.text)
 
 
+@pytest.mark.parametrize("async_scheduling", STEP_MODES)
+def test_vllm_extensions_keep_to_the_grammar_and_min_tokens_lets_it_end(engines, async_scheduling):
+    """min_tokens longer than any reply the grammar allows: the grammar still ends it (its
+    end is the only token left), greedy and sampled; a repetition penalty and min_p stay
+    within the mask."""
+    llm = engines[async_scheduling]
+    choice = dict(choice=("yes", "no"), min_tokens=40, max_tokens=60)
+    params = [
+        SamplingParams(**choice),
+        SamplingParams(temperature=1.0, seed=3, **choice),
+        SamplingParams(max_tokens=60, regex="[ab]{2,9}", repetition_penalty=1.5),
+        SamplingParams(max_tokens=60, regex="[ab]{2,9}", temperature=1.0, seed=4, min_p=0.2),
+    ]
+    outs = [u.output for u in _run(llm, params)]
+    assert all(out.finish_reason == "stop" for out in outs), outs
+    assert outs[0].text in ("yes", "no") and outs[1].text in ("yes", "no")
+    assert all(re.fullmatch("[ab]{2,9}", out.text) for out in outs[2:]), outs
+
+
 # ------------------------------------------------------------------ JSON schemas, generated
 
 

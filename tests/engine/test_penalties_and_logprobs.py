@@ -9,7 +9,7 @@ import torch
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
-from radixkv.engine.penalties import adjust_logits
+from radixkv.engine.penalties import RowTokens, adjust_logits
 
 PROMPTS = random_prompts(91, 3, max_len=14)
 
@@ -35,7 +35,7 @@ def test_neutral_values_leave_greedy_output_and_the_logits_alone(llm) -> None:
     )
     assert token_ids(llm.generate(PROMPTS, neutral)) == token_ids(llm.generate(PROMPTS, plain))
     logits = torch.randn(2, 7)
-    assert adjust_logits(logits, [neutral, plain], [[1, 1], [2]]) is logits
+    assert adjust_logits(logits, [neutral, plain], [RowTokens([1, 1]), RowTokens([2])]) is logits
 
 
 def test_adjust_logits_matches_openais_formula() -> None:
@@ -47,7 +47,7 @@ def test_adjust_logits_matches_openais_formula() -> None:
         SamplingParams(frequency_penalty=-2.0, logit_bias={0: -100, 8: 100}),
     ]
     outputs = [[4, 4, 2, 7, 4], [1, 1], [8, 8]]
-    got = adjust_logits(logits, params, outputs)
+    got = adjust_logits(logits, params, [RowTokens(out) for out in outputs])
     for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
         bias = dict(p.logit_bias)
         for t in range(9):

@@ -61,3 +61,20 @@ def test_many_long_stop_strings_and_non_ascii_text() -> None:
     chunks = [text[i : i + 3] for i in range(0, len(text), 3)]
     assert run(chunks, stops) == ("naïve café " * 50, True)
     assert run(["no stop here ✓"], stops) == ("no stop here ✓", False)
+
+
+def test_stop_strings_in_the_first_min_tokens_tokens_do_not_stop() -> None:
+    """vLLM's rule: a stop string completing in the text of the first min_tokens tokens is
+    text; one completing later stops the reply, even if it began before."""
+    matcher = StopStringMatcher(["XY"], min_tokens=2)
+    assert matcher.push("aX", 1) == "a"
+    assert matcher.push("Yb", 1) == "XYb"  # completed at token 2: not past min_tokens
+    assert not matcher.stopped
+    assert matcher.push("X", 1) == ""  # held back: it may start a stop string
+    assert matcher.push("Yc", 1) == ""  # token 4: stops, the held "X" dropped with it
+    assert matcher.stopped
+    straddling = StopStringMatcher(["XY"], min_tokens=1)
+    assert straddling.push("aX", 1) + straddling.push("Y", 1) == "a"
+    assert straddling.stopped
+    several = StopStringMatcher(["XY"], min_tokens=2)  # one push of three tokens passes it
+    assert several.push("aXY", 3) == "a" and several.stopped
