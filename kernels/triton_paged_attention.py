@@ -283,9 +283,8 @@ def _merge_splits_kernel(
     for first in range(0, num_splits, SPLIT_TILE):
         split = first + lane
         valid = h_valid & (split < num_splits)
-        row = (
-            split.to(tl.int64) * num_tokens + token
-        ) * num_q_heads + head  # [splits, tokens, heads]
+        # rows of the scratch's [num_splits, num_tokens, num_q_heads]
+        row = (split.to(tl.int64) * num_tokens + token) * num_q_heads + head
         lse = tl.load(part_lse_ptr + row, mask=valid, other=float("-inf"))
         o = tl.load(
             part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
