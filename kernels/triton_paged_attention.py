@@ -74,6 +74,9 @@ class Tiles:
 # times others. fp32 and head_dim > 128 take twice the shared memory: half the tile.
 EXTEND_TILES = Tiles(128, 64, 8, 2)
 _WIDE_EXTEND_TILES = Tiles(64, 32, 4, 2)
+# Decode-like launches: the smallest tile tl.dot accepts on a GPU (M >= 16), keys as above.
+_DECODE_TILES = Tiles(16, 64, 4, 2)
+_WIDE_DECODE_TILES = Tiles(16, 32, 4, 2)
 
 
 @triton.jit
@@ -460,7 +463,7 @@ def _launch(
     decode_like = num_tokens <= num_reqs
     half = q.dtype != torch.float32 and head_dim <= 128
     if decode_like:
-        tiles = Tiles(16, 64 if half else 32, 4, 2)
+        tiles = _DECODE_TILES if half else _WIDE_DECODE_TILES
     else:
         tiles = EXTEND_TILES if half else _WIDE_EXTEND_TILES
     block_m = max(tiles.block_m, group_p)
