@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from radixkv.cache.keys import BlockHasher
 from radixkv.cache.moves import Move
 from radixkv.cache.prefix_cache import BlockTable, CacheStats, MatchResult, PrefixCache
-from radixkv.cache.tiers import DiskIndex, LowerTiers
+from radixkv.cache.tiers import DiskIndex, LowerHit, LowerTiers
 from radixkv.cache.tokens import PackedTokens, check_size
-from radixkv.cache.window import LowerHit, WindowGroup, WindowTable
+from radixkv.cache.window import WindowGroup, WindowTable
 
 
 @dataclass(slots=True, eq=False)
@@ -161,7 +161,7 @@ class HybridCache:
         lower = self.window.lower_hit(keys, m.num_cached_tokens, hit)
         B = self.block_size
         if lower is not None:
-            hit = lower.end
+            hit = lower.end_block * self.block_size
         tree = (
             len(m.block_ids) * B if m.num_host_blocks or m.num_disk_blocks else m.num_cached_tokens
         )
@@ -193,7 +193,7 @@ class HybridCache:
             hit = self.window.hit(qb, branch, namespace)
             lower = self.window.lower_hit(keys, branch, hit)
         if lower is not None:
-            hit = lower.end
+            hit = lower.end_block * self.block_size
         n = len(packed) if window_chunk is None else min(len(packed), hit + window_chunk)
         if not self._window_fits(qb, hit, lower, namespace, n):
             return None

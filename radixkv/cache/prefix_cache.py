@@ -61,7 +61,7 @@ from radixkv.cache.keys import XXH64, BlockHasher, BlockKey, KeyChain, PromptKey
 from radixkv.cache.moves import Move
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.summary import EMPTY, TreeSummary, summarize
-from radixkv.cache.tiers import DiskIndex, LowerTiers
+from radixkv.cache.tiers import DiskIndex, LowerHit, LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size, pack_tokens, unpack_tokens
 from radixkv.cache.tree import RadixTree, TreeNode
 
@@ -288,11 +288,11 @@ class PrefixCache:
         _check_namespace(namespace)
         m, node, blocks = self._tree.walk(qb, limit, namespace)
         keys = self._prompt_keys(qb, namespace, m, node)
-        hit, _, h, d = self._lower_hit(limit, m, keys)
-        if hit == m:
+        hit, lower = self._lower_hit(limit, m, keys)
+        if lower is None:
             return MatchResult(n, m, tuple(blocks), m % self.block_size, namespace), keys
-        found = MatchResult(n, hit, tuple(blocks[: m // self.block_size]), 0, namespace, h, d)
-        return found, keys
+        full_blocks = tuple(blocks[: m // self.block_size])
+        return MatchResult(n, hit, full_blocks, 0, namespace, lower.h, lower.d), keys
 
     def admit(
         self,
@@ -318,15 +318,15 @@ class PrefixCache:
         n = len(qb) // TOKEN_BYTES
         _check_namespace(namespace)
         m, node, blocks = 0, None, []
-        hit, lower_keys, h, d = 0, [], 0, 0
+        hit, lower = 0, None
         if max_hit is not None:
             limit = min(n, check_size(max_hit, "max_hit", low=0))
             m, node, blocks = self._tree.walk(qb, limit, namespace)
             if keys is None:
                 keys = self._prompt_keys(qb, namespace, m, node)
             assert keys is None or keys.is_of(qb, namespace), "the keys of another prompt"
-            hit, lower_keys, h, d = self._lower_hit(limit, m, keys)
-        if hit > m:  # the lower tiers' blocks replace the tree's partial block, if any
+            hit, lower = self._lower_hit(limit, m, keys)
+        if lower is not None:  # the lower tiers' blocks replace the tree's partial block, if any
             del blocks[m // self.block_size :]
             partial = 0
         else:
@@ -339,20 +339,20 @@ class PrefixCache:
             table.node = node or self._tree.open_root(namespace)
             self._clock += 1
             self._tree.lock_path(table.node, self._clock)  # before allocation evicts
-            self._count_hit(n, m, hit, h)
+            self._count_hit(n, m, hit, lower)
         self._open.add(table)
-        if h or d:
-            self._tiers.pin(lower_keys, h, d)  # type: ignore[union-attr]
+        if lower is not None:
+            lower.pin()
         try:
             new = self._allocate(num_new)
             if partial:  # never write into a tree block got from a match: new[0] replaces it
                 table.copy = (blocks.pop(), new[0], partial)
             table.blocks = (*blocks, *new)  # from here, closing the table frees `new`
-            if h or d:
-                self._tiers.load(lower_keys, h, d, new)  # type: ignore[union-attr]
+            if lower is not None:
+                lower.load(new)
         except BaseException:  # a fault (e.g. an interrupt) leaks no block, lock or pin
-            if h or d:
-                self._tiers.unpin(lower_keys, h, d)  # type: ignore[union-attr]
+            if lower is not None:
+                lower.unpin()
             self.close(table)
             raise
         return table
@@ -624,35 +624,32 @@ class PrefixCache:
 
     def _lower_hit(
         self, limit: int, m: int, keys: PromptKeys | None
-    ) -> tuple[int, list[BlockKey], int, int]:
+    ) -> tuple[int, LowerHit | None]:
         """The hit once the lower tiers are probed past the tree's `m` tokens of the prompt
-        `keys` name: (hit, lower_keys, h, d), where the keys of the prompt's full blocks from
-        index m // B on have their first h on the host and the next d on disk (just as many as
-        the hit needs); hit == m, no keys and h == d == 0 when they add nothing. Read-only (the
-        disk is probed, not read; path nodes may keep the keys they compute)."""
+        `keys` name, and the blocks it reads there: the prompt's full blocks from index m // B
+        on, just as many as the hit needs; (m, None) when they add nothing. Read-only (the disk
+        is probed, not read; path nodes may keep the keys they compute)."""
         tiers, B = self._tiers, self.block_size
         i0 = m // B
         if tiers is None or keys is None or i0 >= keys.num_full or limit <= m:
-            return m, [], 0, 0
+            return m, None
         if not tiers.entries and tiers.disk is None:
-            return m, [], 0, 0
-        lower_keys = keys.span(i0, keys.num_full)
-        h, d = tiers.lookup(lower_keys)
-        hit = min(limit, (i0 + h + d) * B)
+            return m, None
+        found = tiers.lookup(i0, keys.span(i0, keys.num_full))
+        hit = min(limit, found.end_block * B)
         if hit <= m:
-            return m, [], 0, 0
-        need = -(-hit // B) - i0
-        return hit, lower_keys, min(h, need), need - min(h, need)
+            return m, None
+        return hit, found.cut(-(-hit // B) - i0)
 
-    def _count_hit(self, n: int, m: int, hit: int, h: int) -> None:
+    def _count_hit(self, n: int, m: int, hit: int, lower: LowerHit | None) -> None:
         """Count a locking admission of `n` tokens: `m` hit in the tree, or `hit` > m with the
-        lower tiers (the first `h` of their blocks from the host)."""
+        `lower` tiers' blocks (their first ones from the host)."""
         c = self._counts
         c["num_queries"] += 1
         c["num_query_tokens"] += n
-        if hit > m:
+        if lower is not None:
             lower_start = m // self.block_size * self.block_size
-            from_host = min(hit, lower_start + h * self.block_size) - lower_start
+            from_host = min(hit, lower_start + lower.h * self.block_size) - lower_start
             c["num_host_hit_tokens"] += from_host
             c["num_disk_hit_tokens"] += hit - lower_start - from_host
         c["num_hit_tokens"] += max(m, hit)

@@ -56,6 +56,44 @@ class DiskIndex(Protocol):
     def check_integrity(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class LowerHit:
+    """Full blocks of a prompt that a hit reads from the lower tiers (`LowerTiers.lookup`):
+    block indices `first .. first + len(keys) - 1`, named by `keys`, the first `h` on the host,
+    the rest on disk. `pin` keeps them there while the device blocks they go to are allocated
+    (an allocation may demote other blocks into the host tier); then `load` plans their copies
+    into those blocks, or `unpin` lets them go."""
+
+    tiers: LowerTiers = field(repr=False, compare=False)
+    first: int
+    keys: tuple[BlockKey, ...]
+    h: int
+
+    @property
+    def d(self) -> int:
+        """Blocks read from disk (staged through new host entries)."""
+        return len(self.keys) - self.h
+
+    @property
+    def end_block(self) -> int:
+        """The block index past the last block it reads."""
+        return self.first + len(self.keys)
+
+    def cut(self, num_blocks: int) -> LowerHit:
+        """The first `num_blocks` of its blocks (host ones first, as they come)."""
+        return LowerHit(self.tiers, self.first, self.keys[:num_blocks], min(self.h, num_blocks))
+
+    def pin(self) -> None:
+        self.tiers.pin(self.keys, self.h, self.d)
+
+    def unpin(self) -> None:
+        self.tiers.unpin(self.keys, self.h, self.d)
+
+    def load(self, device: Sequence[int]) -> None:
+        """Plan the copies into the device blocks `device[i]` (pinned first) and unpin."""
+        self.tiers.load(self.keys, self.h, self.d, device)
+
+
 @dataclass(slots=True, eq=False)
 class HostEntry(LruEntry):
     """One full block in the host tier."""
@@ -112,22 +150,25 @@ class LowerTiers:
         entry = self.entries.get(key.block_hash)
         return entry is not None and entry.key == key
 
-    def lookup(self, keys: Sequence[BlockKey]) -> tuple[int, int]:
-        """(h, d): keys[:h] are on the host, keys[h:h+d] on disk. The disk run is capped so that
-        it can be staged through the host blocks not holding keys[:h], and it stops before a
-        block whose hash the host holds (staging that one would give the host two entries of
-        one hash; a later lookup starts from it). Changes nothing."""
+    def lookup(self, first: int, keys: Sequence[BlockKey]) -> LowerHit:
+        """The run of `keys` (the blocks from index `first` on) found here from the first on:
+        keys[:h] on the host, then keys[h:h+d] on disk. The disk run is capped so that it can
+        be staged through the host blocks not holding keys[:h], and it stops before a block
+        whose hash the host holds (staging that one would give the host two entries of one
+        hash; a later lookup starts from it). Changes nothing."""
         h = 0
         while h < len(keys) and self.holds(keys[h]):
             h += 1
-        if self.disk is None:
-            return h, 0
-        end, cap = h, min(len(keys), self.num_host_blocks)
-        while end < cap and keys[end].block_hash not in self.entries:
-            end += 1
-        return h, self.disk.probe(keys[h:end])
+        d = 0
+        if self.disk is not None:
+            end, cap = h, min(len(keys), self.num_host_blocks)
+            while end < cap and keys[end].block_hash not in self.entries:
+                end += 1
+            d = self.disk.probe(keys[h:end])
+        return LowerHit(self, first, tuple(keys[: h + d]), h)
 
     # ------------------------------------------------------------------ planning
+    # The verbs of a `LowerHit`, over the keys it names: keys[:h] on the host, keys[h:h+d] on disk.
     def pin(self, keys: Sequence[BlockKey], h: int, d: int) -> None:
         """Keep keys[:h] on the host and keys[h:h+d] on disk until `load` is planned."""
         for key in keys[:h]:

@@ -62,7 +62,7 @@ from sortedcontainers import SortedList
 from radixkv.cache.events import EventRecorder
 from radixkv.cache.keys import BlockKey, KeyChain, PromptKeys, token_bytes_le
 from radixkv.cache.pool import BlockPool
-from radixkv.cache.tiers import LowerTiers
+from radixkv.cache.tiers import LowerHit, LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, check_size
 
 # (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
@@ -124,18 +124,6 @@ class _Tail:
     @property
     def hashes(self) -> tuple[int, ...]:
         return tuple(key.block_hash for key in self.keys)
-
-
-@dataclass(frozen=True, slots=True)
-class LowerHit:
-    """A hit at a block boundary `end` whose window blocks (indices first .. end // B - 1, named
-    by `keys`) are in the lower tiers: the first `h` on the host, the other `d` on disk."""
-
-    end: int
-    first: int
-    keys: tuple[BlockKey, ...]
-    h: int
-    d: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,32 +276,27 @@ class WindowGroup:
         k = k_max
         while k >= k_min:
             first = first_live_index(k * B, self.window, B)
-            window_keys = keys.span(first, k)
-            h, d = tiers.lookup(window_keys)
-            if h + d == k - first:
-                return LowerHit(k * B, first, tuple(window_keys), h, d)
-            k = first + h + d  # that block is not found: every boundary above it needs it
+            found = tiers.lookup(first, keys.span(first, k))
+            if found.end_block == k:
+                return found
+            k = found.end_block  # that block is not found: every boundary above it needs it
         return None
 
     def fits_lower(self, hit: LowerHit, num_tokens: int) -> bool:
         """Whether `open_lower(hit, ...)` then `extend(table, num_tokens)` would succeed."""
-        need = len(hit.keys) + max(
-            0, -(-num_tokens // self.block_size) - hit.end // self.block_size
-        )
+        need = len(hit.keys) + max(0, -(-num_tokens // self.block_size) - hit.end_block)
         return need <= self.pool.num_free + self.num_evictable_blocks()
 
     def open_lower(self, hit: LowerHit, namespace: str | None) -> WindowTable | None:
-        """A table resuming at `hit.end` from the lower tiers: new blocks for its window, the
-        loads into them planned (`tiers.take_moves()`). None, nothing changed, if the blocks
-        are not there (`fits_lower` says so beforehand)."""
-        tiers = self.tiers
-        assert tiers is not None
-        tiers.pin(hit.keys, hit.h, hit.d)  # before the allocation demotes tails into the tiers
+        """A table resuming at block boundary `hit.end_block` from the lower tiers: new blocks
+        for its window, the loads into them planned (`tiers.take_moves()`). None, nothing
+        changed, if the blocks are not there (`fits_lower` says so beforehand)."""
+        hit.pin()  # before the allocation demotes tails into the tiers
         new = self._allocate(len(hit.keys))
         if new is None:
-            tiers.unpin(hit.keys, hit.h, hit.d)
+            hit.unpin()
             return None
-        tiers.load(hit.keys, hit.h, hit.d, new)
+        hit.load(new)
         table = WindowTable((None,) * hit.first + tuple(new), namespace)
         self._open.add(table)
         return table

@@ -24,8 +24,9 @@ from lifecycle import HashCount
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.keys import BlockKey, token_bytes_le
+from radixkv.cache.tiers import LowerHit
 from radixkv.cache.tokens import PackedTokens
-from radixkv.cache.window import LowerHit, first_live_index
+from radixkv.cache.window import first_live_index
 from radixkv.engine.disk_store import DiskStore
 
 
@@ -256,9 +257,9 @@ def _lower_hit_from_scratch(
         return None
     for k in range(num_matched // B, above // B, -1):
         first = first_live_index(k * B, sim.W, B)
-        h, d = tiers.lookup(chain[first:k])
-        if h + d == k - first:
-            return LowerHit(k * B, first, tuple(chain[first:k]), h, d)
+        found = tiers.lookup(first, chain[first:k])
+        if len(found.keys) == k - first:
+            return LowerHit(tiers, first, tuple(chain[first:k]), found.h)
     return None
 
 
