@@ -20,23 +20,13 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.serve_bench import (
-    _served_model,
-    _warm_up,
-    free_port,
-    run_clients,
-    server_command,
-    server_env,
-    summarize,
-    wait_healthy,
-    workload_parser,
-)
+from benchmarks.serve_bench import run_clients, running_server, summarize, workload_parser
+from benchmarks.serve_servers import parse_server
 
 # Installed in the page before the load: every long task and the longest frame gap.
 WATCH_FRAMES = """
@@ -77,37 +67,25 @@ def open_page(driver: Any, base_url: str) -> None:
 
 
 def run_once(args: argparse.Namespace, model_path: str, with_page: bool) -> dict:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    cmd = [*server_command("radixkv", args, model_path, port), "--ui"]
-    proc = subprocess.Popen(
-        cmd, env=server_env("radixkv", args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
     driver = None
     scratch = tempfile.mkdtemp(prefix="radixkv-page-bench-")
+    spec = parse_server("radixkv", args.threads)
     try:
-        wait_healthy(base_url, proc, args.start_timeout)
-        model = _served_model(base_url)
-        asyncio.run(_warm_up(base_url, model))
-        if with_page:
-            driver = headless_chromium(scratch)
-            open_page(driver, base_url)
-        turns, wall = asyncio.run(run_clients(base_url, model, args))
-        row = summarize("radixkv", turns, wall, {})
-        if driver is not None:
-            long_tasks = driver.execute_script("return window.__long")
-            row["longest_task_ms"] = max(long_tasks, default=0.0)
-            row["num_long_tasks"] = len(long_tasks)
-            row["longest_frame_ms"] = driver.execute_script("return window.__gap")
+        with running_server(spec, args, model_path, lambda _: None, ["--ui"]) as server:
+            if with_page:
+                driver = headless_chromium(scratch)
+                open_page(driver, server.base_url)
+            turns, wall = asyncio.run(run_clients(server.base_url, server.model, args))
+            row = summarize("radixkv", turns, wall, {})
+            if driver is not None:
+                long_tasks = driver.execute_script("return window.__long")
+                row["longest_task_ms"] = max(long_tasks, default=0.0)
+                row["num_long_tasks"] = len(long_tasks)
+                row["longest_frame_ms"] = driver.execute_script("return window.__gap")
     finally:
         if driver is not None:
             driver.quit()
         shutil.rmtree(scratch, ignore_errors=True)
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return {"page": with_page, **row}
 
 
@@ -140,6 +118,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tiny:
         args.clients, args.turns, args.max_tokens = 2, 2, 4
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.clients
     return args
 
 

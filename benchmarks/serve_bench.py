@@ -1,30 +1,29 @@
-"""Serving benchmark: N concurrent multi-turn chat clients over HTTP (the official openai client,
-asyncio), against `radixkv serve` and, in the same run on the same model and machine,
-`transformers serve --continuous-batching`.
+"""Serving benchmark: radixkv against the servers a user would pick instead, same model, same
+machine, same clients (the official openai client, asyncio), one server alive at a time.
 
-    python -m benchmarks.serve_bench                       # default model, 16 clients x 4 turns
-    python -m benchmarks.serve_bench --clients 8 --turns 3 --max-tokens 24
+    python -m benchmarks.serve_bench --vllm                # radixkv vs vLLM, 3 workloads x 3 rounds
+    python -m benchmarks.serve_bench --vllm --servers radixkv:t2,vllm,radixkv,vllm:t2
+    python -m benchmarks.serve_bench                       # chat, radixkv vs transformers serve
     python -m benchmarks.serve_bench --tiny --model DIR    # seconds: 2 clients x 2 turns, radixkv
     python -m benchmarks.serve_bench --servers radixkv,radixkv@/tmp/main --rounds 3
-        # A/B: this checkout against radixkv's source in another folder (e.g. `git archive main`),
-        # alternating in one run
+        # A/B: this checkout against radixkv's source in another folder (e.g. `git archive main`)
 
-Each client holds one conversation: a system prompt, then `--turns` user messages, each request
-carrying the whole history (as OpenAI clients do), greedy, streamed with usage. Reported per
-server: time to first token p50 / p99 (client side: request sent -> first content chunk), output
-tokens/s (all completion tokens / wall time of the whole run), prompt cache hit rate (from
-`usage.prompt_tokens_details.cached_tokens`, where the server reports it) and, for radixkv, from
-its /metrics histograms: the server overhead p50 (HTTP request in -> parsed, templated, tokenized
-and handed to the engine thread), the admission p50 (HTTP request in -> queued in the engine by
-`add_request`, which also waits for the step in flight to end) and the receive p50 (headers in ->
-body in). A request is in when the server has its headers and its body: the openai client (httpx)
-writes the two separately, and under load its own event loop may take milliseconds between them.
+Servers and their options (threads, dtype, vLLM eager) are named as `benchmarks/serve_servers.py`
+says; the workloads (`chat`, `shared-prefix`, `no-sharing`) are `benchmarks/serve_workloads.py`'s.
+vLLM runs from the venv `scripts/setup_vllm.sh` makes (outside the checkout; not part of `make
+test`). Rounds interleave the servers, in reverse order every other round, so that both see the
+machine's swings; each server starts once a round and runs every workload.
 
-`transformers serve` sends usage on its last chunk but no `prompt_tokens_details`: its hit rate is
-n/a (it does not report cached tokens).
+Reported per workload, server and round: TTFT p50 / p99 (client side: request sent -> first content
+chunk), output tokens/s (completion tokens / the workload's wall time), wall, CPU-seconds of the
+server's whole process tree and the cores that makes while requests run, the prefix cache's hit
+rate from `/metrics` (vLLM's `prefix_cache_hits / queries`, which radixkv exports too), the replies
+identical to the first server's in the same round (greedy), and the load average. Then the
+ratios of each radixkv server to each peer, per round and the median over rounds. For radixkv the
+server overhead p50 (HTTP request in -> handed to the engine), admission p50 and receive p50 come
+from its own histograms.
 
-The peer needs the `serving` extra of transformers: `pip install "transformers[serving]"` (fastapi,
-uvicorn, openai, rich); `radixkv serve` needs `pip install -e ".[serve]"`.
+`transformers serve` needs `pip install "transformers[serving]"`; its hit rate is n/a.
 """
 
 from __future__ import annotations
@@ -32,50 +31,46 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-# Servers start here, not in the repository root: `python -m` puts its working directory first on
-# sys.path, where this checkout's radixkv/ would shadow radixkv@DIR's.
-SERVER_CWD = tempfile.gettempdir()
+from benchmarks.serve_servers import (
+    SCHEMA_SUFFIX,
+    ServerSpec,
+    check_server,
+    free_port,
+    histogram_p50,
+    is_radixkv,
+    metric_totals,
+    parse_server,
+    process_tree_cpu_s,
+    server_command,
+    server_env,
+    server_source,
+    stop,
+    wait_healthy,
+)
+from benchmarks.serve_servers import SERVER_CWD as SERVER_CWD
+from benchmarks.serve_workloads import (
+    SHORT_SYSTEM,
+    Chat,
+    Completions,
+    Reply,
+    long_system_prompt,
+    no_sharing,
+    shared_prefix,
+    stream_chat,
+)
 
-SYSTEM = "You are a helpful assistant. Answer briefly."
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a river that flows through it.",
-    "Give one fun fact about that river.",
-    "How long is it, roughly?",
-    "Which sea does it flow into?",
-    "Name a famous bridge over it.",
-    "Who built that bridge?",
-    "Summarise our conversation in one sentence.",
-]
-TOPICS = ["France", "Italy", "Japan", "Egypt", "Peru", "Canada", "India", "Kenya"]
+__all__ = ["is_radixkv", "server_source"]  # re-exported: the tests and page_bench use them
 
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    ttft_s: float
-    num_prompt_tokens: int
-    num_cached_tokens: int | None  # None: the server does not report it
-    num_output_tokens: int
-
-
-def user_message(client: int, turn: int) -> str:
-    question = QUESTIONS[turn % len(QUESTIONS)]
-    topic = TOPICS[client % len(TOPICS)]
-    return question.replace("France", topic) + f" (client {client})"
-
-
+WORKLOADS = ("chat", "shared-prefix", "no-sharing")
 # The reply schema of `radixkv+schema`: every request constrained (issue 29's overhead goal).
 REPLY_FORMAT = {
     "type": "json_schema",
@@ -88,242 +83,121 @@ REPLY_FORMAT = {
         },
     },
 }
-
-
-async def one_turn(
-    client, model: str, messages: list[dict], max_tokens: int, schema: bool = False
-) -> tuple[str, Turn]:
-    t0 = time.perf_counter()
-    extra = {"response_format": REPLY_FORMAT} if schema else {}
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        **extra,
-    )
-    parts: list[str] = []
-    ttft = None
-    usage = None
-    num_chunks = 0
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-            num_chunks += 1
-        usage = chunk.usage or usage
-    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-    cached = getattr(details, "cached_tokens", None) if details else None
-    turn = Turn(
-        ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
-        num_prompt_tokens=usage.prompt_tokens if usage else 0,
-        num_cached_tokens=cached,
-        num_output_tokens=usage.completion_tokens if usage else num_chunks,
-    )
-    return "".join(parts), turn
-
-
-async def conversation(
-    client, model: str, index: int, turns: int, max_tokens: int, schema: bool = False
-) -> list[Turn]:
-    messages = [{"role": "system", "content": SYSTEM}]
-    results = []
-    for t in range(turns):
-        messages.append({"role": "user", "content": user_message(index, t)})
-        text, turn = await one_turn(client, model, messages, max_tokens, schema)
-        messages.append({"role": "assistant", "content": text})
-        results.append(turn)
-    return results
-
-
-async def run_clients(
-    base_url: str, model: str, args: argparse.Namespace, schema: bool = False
-) -> tuple[list, float]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=3600)
-    try:
-        t0 = time.perf_counter()
-        convs = await asyncio.gather(
-            *(
-                conversation(client, model, i, args.turns, args.max_tokens, schema)
-                for i in range(args.clients)
-            )
-        )
-        wall = time.perf_counter() - t0
-    finally:
-        await client.close()
-    return [turn for conv in convs for turn in conv], wall
-
-
 # Report key -> radixkv's /metrics histogram (radixkv_<name>_seconds) whose p50 it shows.
 SERVER_HISTOGRAMS = {
     "overhead": "server_overhead",
     "admission": "admission",
     "receive": "request_receive",
 }
+HIT_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+
+Workload = Chat | Completions
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A started server: where it answers, its process, the seconds it took to become healthy."""
+
+    spec: ServerSpec
+    base_url: str
+    proc: subprocess.Popen
+    model: str  # the name its /v1/models gives the model
+    start_s: float
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"the server at {base_url} was not healthy after {timeout_s:.0f} s")
-
-
-def server_command(name: str, args: argparse.Namespace, model_path: str, port: int) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port)]
-    if is_radixkv(name):
-        cmd = [sys.executable, "-m", "radixkv", "serve", *common, "--log-level", "warning"]
-        cmd += ["--max-num-seqs", str(args.clients), "--num-threads", str(args.threads)]
-        return [*cmd, "--model", model_path]
-    main = "import sys; from transformers.cli.transformers import main; sys.exit(main())"
-    cmd = [sys.executable, "-c", main, "serve", "--continuous-batching", "--device", "cpu"]
-    return [*cmd, *common, model_path]
-
-
-def is_radixkv(name: str) -> bool:
-    """ "radixkv" (this checkout) or "radixkv@DIR" (the radixkv source in DIR), either with
-    "+schema" (every request constrained by `REPLY_FORMAT`)."""
-    base = name.removesuffix(SCHEMA_SUFFIX)
-    return base == "radixkv" or base.startswith("radixkv@")
-
-
-SCHEMA_SUFFIX = "+schema"
-
-
-def server_env(name: str, args: argparse.Namespace) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    name = name.removesuffix(SCHEMA_SUFFIX)
-    if name.startswith("radixkv@"):
-        # Found before this checkout's editable install. Its `radixkv.kernels` and
-        # `radixkv.scheduler` must be inside DIR/radixkv (symlinks to DIR/kernels, DIR/scheduler).
-        source = name.split("@", 1)[1]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
-    return env
-
-
-def server_source(name: str, args: argparse.Namespace) -> Path:
-    """The folder whose radixkv a server `name` imports, found the way the server will find it."""
-    # find_spec runs none of radixkv's code (its imports take seconds)
-    probe = (
-        "import importlib.util, pathlib;"
-        "print(pathlib.Path(importlib.util.find_spec('radixkv').origin).resolve().parent.parent)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=server_env(name, args),
-        cwd=SERVER_CWD,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip())
-
-
-def check_source(name: str, args: argparse.Namespace) -> None:
-    """Fail before timing anything when radixkv@DIR would not run DIR's radixkv (an A/B of one
-    tree against itself reads as a result)."""
-    if not is_radixkv(name):
-        return
-    base = name.removesuffix(SCHEMA_SUFFIX)
-    want = Path(base.split("@", 1)[1]) if "@" in base else ROOT
-    got = server_source(name, args)
-    if got != want.resolve():
-        raise SystemExit(f"serve_bench: {name} would import radixkv from {got}, not {want}")
-
-
-def histogram_p50(base_url: str, name: str) -> float | None:
-    """p50 of the histogram `name` on the server's /metrics, interpolated in its buckets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    buckets = []
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            buckets = [
-                (float(s.labels["le"]), s.value)
-                for s in family.samples
-                if s.name.endswith("_bucket")
-            ]
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    half = buckets[-1][1] / 2
-    low_edge, low_count = 0.0, 0.0
-    for edge, count in sorted(buckets):
-        if count >= half:
-            if edge == float("inf"):
-                return low_edge
-            return low_edge + (edge - low_edge) * (half - low_count) / max(count - low_count, 1)
-        low_edge, low_count = edge, count
-    return None
-
-
-def bench_server(name: str, args: argparse.Namespace, model_path: str, say) -> dict:
+@contextmanager
+def running_server(
+    spec: ServerSpec, args: argparse.Namespace, model_path: str, say: Any, extra: Sequence[str] = ()
+) -> Iterator[Running]:
+    """Start `spec`, wait until it is healthy and has answered one short request (nobody's first
+    request is timed), yield it, stop it."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    say(f"{name}: starting on {base_url}")
+    say(f"{spec.name}: starting on {base_url}")
+    cmd = server_command(spec, model_path, port, args.max_num_seqs, args.kv_cache_gib)
+    t0 = time.perf_counter()
     proc = subprocess.Popen(
-        server_command(name, args, model_path, port),
-        env=server_env(name, args),
+        [*cmd, *extra],
+        env=server_env(spec, args.kv_cache_gib),
         cwd=SERVER_CWD,
         stdout=subprocess.DEVNULL,
         stderr=None if args.verbose else subprocess.DEVNULL,
     )
     try:
         wait_healthy(base_url, proc, args.start_timeout)
-        model = model_path if name == "transformers" else _served_model(base_url)
-        # One short request first: nobody's first request (lazy init, allocations) is timed.
+        start_s = time.perf_counter() - t0
+        model = model_path if spec.kind == "transformers" else _served_model(base_url)
         asyncio.run(_warm_up(base_url, model))
-        say(f"{name}: {args.clients} clients x {args.turns} turns")
-        cpu_before = process_cpu_s(proc.pid)
-        schema = name.endswith(SCHEMA_SUFFIX)
-        turns, wall = asyncio.run(run_clients(base_url, model, args, schema))
-        cpu_after = process_cpu_s(proc.pid)
-        server_p50s: dict[str, float | None] = {}
-        if is_radixkv(name):
-            for key, metric in SERVER_HISTOGRAMS.items():
-                server_p50s[key] = histogram_p50(base_url, f"radixkv_{metric}_seconds")
+        yield Running(spec, base_url, proc, model, start_s)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
+
+
+def bench_workload(server: Running, workload: Workload) -> tuple[dict, dict[str, str]]:
+    """Run one workload on a started server: its row of figures and its replies by key."""
+    radixkv = server.spec.kind == "radixkv"
+    counters_before = _hit_counters(server) if server.spec.kind != "transformers" else None
+    cpu_before = process_tree_cpu_s(server.proc.pid)
+    schema = REPLY_FORMAT if server.spec.schema else None
+    replies, wall = asyncio.run(_run(server, workload, schema))
+    cpu_after = process_tree_cpu_s(server.proc.pid)
+    hit_rate = None
+    if counters_before is not None:
+        after = _hit_counters(server)
+        queries = after[HIT_COUNTERS[0]] - counters_before[HIT_COUNTERS[0]]
+        hits = after[HIT_COUNTERS[1]] - counters_before[HIT_COUNTERS[1]]
+        hit_rate = hits / queries if queries else None
+    server_p50s = {}
+    if radixkv:
+        for key, metric in SERVER_HISTOGRAMS.items():
+            server_p50s[key] = histogram_p50(server.base_url, f"radixkv_{metric}_seconds")
     cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return {**summarize(name, turns, wall, server_p50s), "server_cpu_s": cpu}
+    row = {
+        **summarize(server.spec.name, replies, wall, server_p50s),
+        "workload": workload.name,
+        "server_cpu_s": cpu,
+        "metrics_hit_rate": hit_rate,
+        "load": os.getloadavg()[0],
+        "start_s": server.start_s,
+    }
+    return row, {r.key: r.text for r in replies}
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) process `pid` has used; None without /proc.
-    On a shared machine this moves far less with the other jobs than wall times do."""
+def _hit_counters(server: Running) -> dict[str, float]:
+    return metric_totals(server.base_url, HIT_COUNTERS)
+
+
+async def _run(server: Running, workload: Workload, schema: dict | None) -> tuple[list, float]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=3600)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        t0 = time.perf_counter()
+        replies = await workload.run(client, server.model, schema)
+        wall = time.perf_counter() - t0
+    finally:
+        await client.close()
+    return replies, wall
+
+
+async def run_clients(base_url: str, model: str, args: argparse.Namespace) -> tuple[list, float]:
+    """The chat workload of `args` against a server at `base_url` (page_bench's load)."""
+    import openai
+
+    chat = Chat(args.clients, args.turns, args.max_tokens, SHORT_SYSTEM)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=3600)
+    try:
+        t0 = time.perf_counter()
+        replies = await chat.run(client, model)
+        wall = time.perf_counter() - t0
+    finally:
+        await client.close()
+    return replies, wall
 
 
 def _served_model(base_url: str) -> str:
     import json
+    import urllib.request
 
     with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as r:
         return json.loads(r.read())["data"][0]["id"]
@@ -334,26 +208,26 @@ async def _warm_up(base_url: str, model: str) -> None:
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=600)
     try:
-        await one_turn(client, model, [{"role": "user", "content": "Hi"}], 2)
+        await stream_chat(client, model, "warm-up", [{"role": "user", "content": "Hi"}], 2, {})
     finally:
         await client.close()
 
 
 def summarize(
-    name: str, turns: list[Turn], wall: float, server_p50s: dict[str, float | None]
+    name: str, replies: list[Reply], wall: float, server_p50s: dict[str, float | None]
 ) -> dict:
-    ttfts = sorted(t.ttft_s for t in turns)
+    ttfts = sorted(r.ttft_s for r in replies)
     p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
-    prompt = sum(t.num_prompt_tokens for t in turns)
-    reported = [t.num_cached_tokens for t in turns if t.num_cached_tokens is not None]
+    prompt = sum(r.num_prompt_tokens for r in replies)
+    reported = [r.num_cached_tokens for r in replies if r.num_cached_tokens is not None]
     hit = sum(reported) / prompt if reported and prompt else None
     return {
         "server": name,
-        "requests": len(turns),
+        "requests": len(replies),
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p99_s": p99,
-        "output_tok_s": sum(t.num_output_tokens for t in turns) / wall,
-        "output_tokens": sum(t.num_output_tokens for t in turns),
+        "output_tok_s": sum(r.num_output_tokens for r in replies) / wall,
+        "output_tokens": sum(r.num_output_tokens for r in replies),
         "hit_rate": hit,
         **{
             f"{key}_p50_ms": None if server_p50s.get(key) is None else server_p50s[key] * 1e3
@@ -367,60 +241,154 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _cores(r: dict) -> float | None:
+    cpu = r.get("server_cpu_s")
+    return None if cpu is None or not r["wall_s"] else cpu / r["wall_s"]
+
+
 def report(rows: list[dict]) -> str:
-    """The results table (one row per server and round) and, per round where both servers ran,
-    radixkv's ratios to transformers serve next to the goals."""
+    """One table per workload (a row per round and server), then the ratios of radixkv servers
+    to the other servers of each round, and their medians over the rounds."""
+    lines: list[str] = []
+    for workload in dict.fromkeys(r.get("workload", "chat") for r in rows):
+        mine = [r for r in rows if r.get("workload", "chat") == workload]
+        lines += [f"### {workload}", *_table(mine), *_ratios(mine), ""]
+    return "\n".join(lines).rstrip()
+
+
+def _table(rows: list[dict]) -> list[str]:
     lines = [
-        "| round | server | requests | TTFT p50 | TTFT p99 | output tok/s | hit rate "
-        "| overhead p50 | admission p50 | receive p50 | server CPU | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| round | server | requests | TTFT p50 | TTFT p99 | output tok/s | wall | server CPU "
+        "| cores | hit rate (/metrics) | hit rate (usage) | identical | overhead p50 "
+        "| admission p50 | receive p50 | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['round']} | {r['server']} | {r['requests']} | {r['ttft_p50_s'] * 1e3:.0f} ms "
-            f"| {r['ttft_p99_s'] * 1e3:.0f} ms | {r['output_tok_s']:.1f} "
-            f"| {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['overhead_p50_ms'], '.2f')} ms "
-            f"| {_fmt(r['admission_p50_ms'], '.2f')} ms "
-            f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms "
-            f"| {_fmt(r.get('server_cpu_s'), '.2f')} s | {r['wall_s']:.1f} s |"
+            f"| {r['ttft_p99_s'] * 1e3:.0f} ms | {r['output_tok_s']:.1f} | {r['wall_s']:.1f} s "
+            f"| {_fmt(r.get('server_cpu_s'), '.2f')} s | {_fmt(_cores(r), '.2f')} "
+            f"| {_fmt(r.get('metrics_hit_rate'), '.1%')} | {_fmt(r['hit_rate'], '.1%')} "
+            f"| {r.get('identical', 'n/a')} | {_fmt(r.get('overhead_p50_ms'), '.2f')} ms "
+            f"| {_fmt(r.get('admission_p50_ms'), '.2f')} ms "
+            f"| {_fmt(r.get('receive_p50_ms'), '.2f')} ms | {_fmt(r.get('load'), '.1f')} |"
         )
+    return lines
+
+
+# (label, row key): the figures each ratio line compares
+_RATIOS = (
+    ("TTFT p50", "ttft_p50_s"),
+    ("TTFT p99", "ttft_p99_s"),
+    ("output tok/s", "output_tok_s"),
+    ("wall", "wall_s"),
+    ("server CPU", "server_cpu_s"),
+)
+
+
+def _ratio_text(ours: dict, other: dict) -> str:
+    parts = []
+    for label, key in _RATIOS:
+        a, b = ours.get(key), other.get(key)
+        parts.append(f"{label} x{a / b:.2f}" if a is not None and b else f"{label} n/a")
+    return ", ".join(parts)
+
+
+def _ratios(rows: list[dict]) -> list[str]:
     by_round: dict[int, dict[str, dict]] = {}
     for r in rows:
         by_round.setdefault(r["round"], {})[r["server"]] = r
-    for number, pair in sorted(by_round.items()):
-        for name, other in pair.items():
-            if name.startswith("radixkv@") and "radixkv" in pair:
-                ours = pair["radixkv"]
+    lines = []
+    pairs: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
+    for number, servers in sorted(by_round.items()):
+        for ours_name, ours in servers.items():
+            if not is_radixkv(ours_name) or ours_name.endswith(SCHEMA_SUFFIX):
+                continue
+            for name, other in servers.items():
+                if name == ours_name or (is_radixkv(name) and "@" not in name):
+                    continue  # radixkv against radixkv only where the other is another tree
+                pairs.setdefault((ours_name, name), []).append((ours, other))
+                lines.append(f"round {number}, {ours_name} / {name}: {_ratio_text(ours, other)}")
+        constrained = [n for n in servers if n.endswith(SCHEMA_SUFFIX)]
+        for name in constrained:
+            plain = servers.get(name.removesuffix(SCHEMA_SUFFIX))
+            if plain is not None:
+                c = servers[name]
                 lines.append(
-                    f"round {number}, radixkv / {name}: "
-                    f"TTFT p50 x{ours['ttft_p50_s'] / other['ttft_p50_s']:.2f}, "
-                    f"TTFT p99 x{ours['ttft_p99_s'] / other['ttft_p99_s']:.2f}, "
-                    f"output tok/s x{ours['output_tok_s'] / other['output_tok_s']:.2f}, "
-                    f"overhead p50 {_fmt(ours['overhead_p50_ms'], '.2f')} vs "
-                    f"{_fmt(other['overhead_p50_ms'], '.2f')} ms, server CPU "
-                    f"{_fmt(ours.get('server_cpu_s'), '.1f')} vs "
-                    f"{_fmt(other.get('server_cpu_s'), '.1f')} s"
+                    f"round {number}, every request schema-constrained / unconstrained: wall "
+                    f"x{c['wall_s'] / plain['wall_s']:.2f} (goal <= 1.1), output tok/s "
+                    f"x{c['output_tok_s'] / plain['output_tok_s']:.2f}"
                 )
-        if {"radixkv", "radixkv" + SCHEMA_SUFFIX} <= pair.keys():
-            plain, constrained = pair["radixkv"], pair["radixkv" + SCHEMA_SUFFIX]
-            lines.append(
-                f"round {number}, every request schema-constrained / unconstrained: wall "
-                f"x{constrained['wall_s'] / plain['wall_s']:.2f} (goal <= 1.1), output tok/s "
-                f"x{constrained['output_tok_s'] / plain['output_tok_s']:.2f}"
+    for (ours_name, name), rounds in pairs.items():
+        if len(rounds) > 1:
+            medians = []
+            for label, key in _RATIOS:
+                values = [a[key] / b[key] for a, b in rounds if a.get(key) is not None and b[key]]
+                medians.append(f"{label} x{statistics.median(values):.2f}" if values else "")
+            text = ", ".join(m for m in medians if m)
+            lines.append(f"median of {len(rounds)} rounds, {ours_name} / {name}: {text}")
+    return lines
+
+
+def mark_identical(rows: list[dict], replies: dict[tuple[int, str, str], dict[str, str]]) -> None:
+    """Each row's `identical`: how many of its replies equal, text for text, those of the first
+    server of the same round and workload (greedy on both: they should all)."""
+    firsts: dict[tuple[int, str], str] = {}
+    for r in rows:
+        firsts.setdefault((r["round"], r["workload"]), r["server"])
+    for r in rows:
+        mine = replies[(r["round"], r["workload"], r["server"])]
+        reference = replies[(r["round"], r["workload"], firsts[(r["round"], r["workload"])])]
+        same = sum(reference.get(key) == text for key, text in mine.items())
+        r["identical"] = f"{same}/{len(mine)}"
+
+
+def build_workloads(args: argparse.Namespace, model_path: str) -> list[Workload]:
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"serve_bench: unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
+    tokenizer = None
+    if args.system_tokens or set(names) - {"chat"}:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    workloads: list[Workload] = []
+    for name in names:
+        if name == "chat":
+            system = SHORT_SYSTEM
+            if args.system_tokens:
+                system = long_system_prompt(tokenizer, args.system_tokens)
+            workloads.append(Chat(args.clients, args.turns, args.max_tokens, system))
+        elif name == "shared-prefix":
+            workloads.append(
+                shared_prefix(
+                    tokenizer,
+                    groups=args.gsp_groups,
+                    prompts_per_group=args.gsp_prompts,
+                    system_tokens=args.gsp_system_tokens,
+                    question_tokens=args.gsp_question_tokens,
+                    max_tokens=args.gsp_max_tokens,
+                    concurrency=args.concurrency,
+                    seed=args.seed,
+                )
             )
-        if {"radixkv", "transformers"} <= pair.keys():
-            ours, peer = pair["radixkv"], pair["transformers"]
-            lines.append(
-                f"round {number}, radixkv / transformers: "
-                f"TTFT p50 x{ours['ttft_p50_s'] / peer['ttft_p50_s']:.2f} (goal <= 0.3), "
-                f"output tok/s x{ours['output_tok_s'] / peer['output_tok_s']:.2f} (goal >= 1.5); "
-                f"radixkv overhead p50 {_fmt(ours['overhead_p50_ms'], '.2f')} ms (goal <= 2)"
+        else:
+            workloads.append(
+                no_sharing(
+                    tokenizer,
+                    prompts=args.ns_prompts,
+                    prompt_tokens=args.ns_prompt_tokens,
+                    max_tokens=args.ns_max_tokens,
+                    concurrency=args.concurrency,
+                    seed=args.seed + 1,
+                )
             )
-    return "\n".join(lines)
+    return workloads
 
 
 def workload_parser(description: str, clients: int, turns: int) -> argparse.ArgumentParser:
-    """The options of the client workload and the servers' threads (`page_bench` shares them)."""
+    """The options of the chat workload and the servers' threads (`page_bench` shares them)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     p.add_argument("--clients", type=int, default=clients)
@@ -428,7 +396,12 @@ def workload_parser(description: str, clients: int, turns: int) -> argparse.Argu
     p.add_argument("--max-tokens", type=int, default=32, help="reply length limit per turn")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of each server")
     p.add_argument("--rounds", type=int, default=1, help="run each server this many times")
-    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="KV cache of radixkv and vLLM alike"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the clients")
+    p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     return p
 
 
@@ -437,41 +410,91 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         default="radixkv,transformers",
-        help="comma-separated: radixkv, transformers, radixkv@DIR (radixkv's source in DIR);"
-        " a radixkv name + '+schema': every request constrained by a JSON schema",
+        help="comma-separated server names (benchmarks/serve_servers.py): radixkv, radixkv@DIR, "
+        "vllm, transformers, with +schema and :options such as radixkv:t2, vllm:eager, :bf16",
     )
+    p.add_argument("--workloads", default="chat", help=f"comma-separated, of {WORKLOADS}")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="the comparison with vLLM: servers radixkv,vllm (unless --servers), all three "
+        "workloads, 3 rounds, chat of 12 clients x 5 turns over a 700-token system prompt",
+    )
+    p.add_argument("--system-tokens", type=int, default=0, help="chat: system prompt length")
+    p.add_argument("--concurrency", type=int, default=8, help="completions in flight at once")
+    p.add_argument("--gsp-groups", type=int, default=4)
+    p.add_argument("--gsp-prompts", type=int, default=8, help="prompts per group")
+    p.add_argument("--gsp-system-tokens", type=int, default=512)
+    p.add_argument("--gsp-question-tokens", type=int, default=128)
+    p.add_argument("--gsp-max-tokens", type=int, default=64)
+    p.add_argument("--ns-prompts", type=int, default=16)
+    p.add_argument("--ns-prompt-tokens", type=int, default=500)
+    p.add_argument("--ns-max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=1, help="of the random prompts")
     p.add_argument("--tiny", action="store_true", help="2 clients x 2 turns x 4 tokens, radixkv")
-    p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     args = p.parse_args(argv)
+    given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+    if args.vllm:  # the preset fills in what the command line did not say
+        preset = {
+            "clients": 12,
+            "turns": 5,
+            "system_tokens": 700,
+            "workloads": ",".join(WORKLOADS),
+            "servers": "radixkv,vllm",
+            "rounds": 3,
+        }
+        for name, value in preset.items():
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
     if args.tiny:
-        args.clients, args.turns, args.max_tokens, args.servers = 2, 2, 4, "radixkv"
+        args.clients, args.turns, args.max_tokens = 2, 2, 4
+        args.servers = args.servers if "--servers" in given else "radixkv"
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(args.clients, args.concurrency)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = {s for s in servers if not (is_radixkv(s) or s == "transformers")}
-    if unknown:
-        print(f"serve_bench: unknown servers {sorted(unknown)}", file=sys.stderr)
+    try:
+        specs = [parse_server(s.strip(), args.threads) for s in args.servers.split(",") if s]
+    except ValueError as exc:
+        print(f"serve_bench: {exc}", file=sys.stderr)
         return 2
-    for name in servers:
-        check_source(name, args)
+    for spec in specs:
+        check_server(spec)
     model_path = args.model and os.path.abspath(args.model)
     if model_path is None:
         from radixkv.bundled_model import ensure_converted
 
         model_path = str(ensure_converted())
+    workloads = build_workloads(args, model_path)
 
     def say(msg: str) -> None:
         print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)
 
-    rows = []
-    for number in range(1, args.rounds + 1):  # servers alternate: both see the machine's swings
-        for name in servers:
-            rows.append({"round": number, **bench_server(name, args, model_path, say)})
-    print(f"model {model_path}; {args.clients} clients x {args.turns} turns, ", end="")
-    print(f"max {args.max_tokens} tokens per reply, greedy, {args.threads} thread(s) per server")
+    rows: list[dict] = []
+    replies: dict[tuple[int, str, str], dict[str, str]] = {}
+    for number in range(1, args.rounds + 1):
+        order = specs if number % 2 else specs[::-1]  # both sides see the machine's swings
+        for spec in order:
+            with running_server(spec, args, model_path, say) as server:
+                say(f"{spec.name}: started in {server.start_s:.1f} s")
+                for workload in workloads:
+                    say(f"{spec.name}: {workload.name}: {workload.describe()}")
+                    row, texts = bench_workload(server, workload)
+                    rows.append({"round": number, **row})
+                    replies[(number, workload.name, spec.name)] = texts
+    rows.sort(key=lambda r: (r["round"], [s.name for s in specs].index(r["server"])))
+    mark_identical(rows, replies)
+    print(f"model {model_path}; greedy; {os.cpu_count()} CPUs; KV cache {args.kv_cache_gib} GiB")
+    for workload in workloads:
+        print(f"- {workload.name}: {workload.describe()}")
+    starts = {}
+    for r in rows:
+        starts.setdefault(r["server"], {})[r["round"]] = r["start_s"]
+    for name, by_round in starts.items():
+        print(f"- {name} started in " + ", ".join(f"{s:.0f} s" for s in by_round.values()))
     print(report(rows))
     return 0
 
