@@ -69,14 +69,16 @@ def decode_rows(rng: np.random.Generator, n: int, context: int) -> list[Schedule
     for i in range(n):
         start = context + int(rng.integers(0, 256))
         blocks = tuple(int(b) for b in rng.integers(0, 10_000, -(-(start + 1) // 16)))
-        rows.append(ScheduledRequest(f"r{i}", (int(rng.integers(0, 32_000)),), start, blocks, True))
+        rows.append(
+            ScheduledRequest(f"r{i}", (int(rng.integers(0, 32_000)),), start, (blocks,), True)
+        )
     return rows
 
 
 def packing(old: ModuleType, repeats: int) -> None:
     rng = np.random.default_rng(0)
     decode = decode_rows(rng, 64, 512)
-    chunk = ScheduledRequest("p", tuple(range(2048)), 1024, tuple(range(192)), True)
+    chunk = ScheduledRequest("p", tuple(range(2048)), 1024, (tuple(range(192)),), True)
     cases = [
         ("pack_step, 64 decode rows, context 512-768", decode, step_inputs.layout_for(decode)),
         ("pack_step, graph bucket 64 (164 columns)", decode, step_inputs.bucket_layout(64, 164)),

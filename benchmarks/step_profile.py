@@ -166,7 +166,7 @@ def _decode_step(rows: int, context: int, block_size: int, first_block: int = 0)
                 f"p{i}",
                 (5,),
                 context - 1,
-                tuple(range(first_block + i * per_row, first_block + (i + 1) * per_row)),
+                (tuple(range(first_block + i * per_row, first_block + (i + 1) * per_row)),),
                 True,
             )
             for i in range(rows)
@@ -260,7 +260,7 @@ def _prefill_step(cfg: Any) -> Any:
                 f"t{i}",
                 tuple(range(100, 100 + new)),
                 context - new,
-                tuple(range(4000 + i * per_row, 4000 + (i + 1) * per_row)),
+                (tuple(range(4000 + i * per_row, 4000 + (i + 1) * per_row)),),
                 True,
             )
             for i in range(rows)

@@ -9,7 +9,8 @@ every layer full. Only block counts are driven (the cache alone, no model); byte
 blocks x the bytes of one layer's block, so the ratios do not depend on head counts or dtype.
 
 1. Per running request: one 8k-token prompt, chunked prefill, then decoding, through
-   `HybridCache` (window blocks released as they leave the window) and `PrefixCache` (all full).
+   `GroupedCache` of a tree and a window group (window blocks released as they leave the
+   window) and `PrefixCache` (all full).
    Printed: the KV bytes the request's tables hold at the end of decoding and at their peak,
    each as a ratio of the all-full layout's at the same step (the full table is allocated for
    the whole prompt at admission, as `PrefixCache.admit` does, in both layouts).
@@ -30,9 +31,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixkv.cache.hybrid import HybridCache
+from radixkv.cache.group import GroupSpec
+from radixkv.cache.grouped import GroupedCache
+from radixkv.cache.kinds import build_cache
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.cache.tokens import PackedTokens
+from radixkv.cache.window import WindowSpec
 
 try:
     from benchmarks.cache_bench import Trace, chat_trace, doc_qa_trace, machine_line
@@ -57,15 +61,22 @@ class RequestResult:
     peak_ratio: float  # the largest held over the all-full's at the same step
 
 
-def _held(cache: HybridCache, table) -> int:
+def _held(cache: GroupedCache, table) -> int:
     """Layer-blocks the request's tables hold (a pinned copy source counts: it is held)."""
-    window = table.window.num_live_blocks + (table.window.pinned is not None)
-    return NUM_FULL_LAYERS * len(table.full.blocks) + NUM_WINDOW_LAYERS * window
+    full, window = table.tables
+    held = window.num_live_blocks + (window.pinned is not None)
+    return NUM_FULL_LAYERS * len(full.blocks) + NUM_WINDOW_LAYERS * held
 
 
 def _held_all_full(table) -> int:
     """What the same table holds with every layer full: its full blocks in every layer."""
-    return NUM_LAYERS * len(table.full.blocks)
+    return NUM_LAYERS * len(table.tables[0].blocks)
+
+
+def _window_cache(num_blocks: int, num_window_blocks: int, block_size: int) -> GroupedCache:
+    return build_cache(
+        [GroupSpec(), WindowSpec(WINDOW)], [num_blocks, num_window_blocks], block_size
+    )
 
 
 def run_request(
@@ -74,9 +85,9 @@ def run_request(
     B = block_size
     n = num_prompt + num_decode
     blocks = -(-n // B) + 2
-    cache = HybridCache(blocks, blocks, B, WINDOW)
+    cache = _window_cache(blocks, blocks, B)
     tokens = PackedTokens(range(n))
-    table = cache.admit(tokens, max_hit=num_prompt - 1, window_chunk=0)
+    table = cache.admit(tokens, max_hit=num_prompt - 1, first_chunk=0)
     assert table is not None
     steps = [(p, min(p + chunk, num_prompt)) for p in range(0, num_prompt, chunk)]
     steps += [(p, p + 1) for p in range(num_prompt, n)]
@@ -119,11 +130,11 @@ def _serve_all_full(cache: PrefixCache, trace: Trace) -> int:
     return hits
 
 
-def _serve_hybrid(cache: HybridCache, trace: Trace, chunk: int) -> int:
+def _serve_hybrid(cache: GroupedCache, trace: Trace, chunk: int) -> int:
     hits = 0
     for req in trace.requests:
         written = PackedTokens(req.written)
-        table = cache.admit(written, max_hit=req.num_prompt_tokens - 1, window_chunk=0)
+        table = cache.admit(written, max_hit=req.num_prompt_tokens - 1, first_chunk=0)
         assert table is not None, "a request larger than the cache"
         hit = table.num_cached_tokens
         hits += hit
@@ -142,14 +153,14 @@ def _serve_hybrid(cache: HybridCache, trace: Trace, chunk: int) -> int:
     return hits
 
 
-def _servable(cache: HybridCache) -> int:
+def _servable(cache: GroupedCache) -> int:
     """Tokens of the cached paths that lie up to a point with its window KV: the union of the
     tails' prefixes that the full tree still holds."""
     prefixes = [
         (namespace, PackedTokens.frombytes(prefix))
-        for namespace, prefix in cache.window.tail_prefixes()
+        for namespace, prefix in cache.groups[1].tail_prefixes()
     ]
-    full = cache.full
+    full = cache.tree
     held = [p for ns, p in prefixes if full.match(p, namespace=ns).num_cached_tokens == len(p)]
     union = PrefixCache(sum(len(p) for p in held) + 1, 1)
     for p in held:
@@ -171,7 +182,7 @@ def run_capacity(trace: Trace, block_size: int, window_share: float, chunk: int)
     num_window = max(int(window_share * budget / NUM_WINDOW_LAYERS), need)
     all_full = PrefixCache(num_full, B)
     hits_full = _serve_all_full(all_full, trace)
-    hybrid = HybridCache(budget - NUM_WINDOW_LAYERS * num_window, num_window, B, WINDOW)
+    hybrid = _window_cache(budget - NUM_WINDOW_LAYERS * num_window, num_window, B)
     hits_hybrid = _serve_hybrid(hybrid, trace, chunk)
     return CapacityResult(
         trace.name,

@@ -67,7 +67,7 @@ def _measure(llm: LLM, args: argparse.Namespace) -> list[str]:
         output = schedule()
         for req in scheduler.running_requests:
             peaks[0] = max(peaks[0], _held(req))
-            peaks[1] = max(peaks[1], req.table.window.num_live_blocks)
+            peaks[1] = max(peaks[1], req.table.tables[1].num_live_blocks)
         return output
 
     scheduler.schedule = counted_schedule  # type: ignore[method-assign]
@@ -81,7 +81,7 @@ def _measure(llm: LLM, args: argparse.Namespace) -> list[str]:
 
 def _held(req: object) -> float:
     """KV bytes a running request holds / the same request's with every layer full."""
-    window, full = req.table.window.num_live_blocks, len(req.table.blocks)  # type: ignore[attr-defined]
+    window, full = req.table.tables[1].num_live_blocks, len(req.table.tables[0].blocks)  # type: ignore[attr-defined]
     held = NUM_WINDOW_LAYERS * window + NUM_FULL_LAYERS * full
     return held / ((NUM_WINDOW_LAYERS + NUM_FULL_LAYERS) * full)
 

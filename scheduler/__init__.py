@@ -1,14 +1,13 @@
 """Continuous-batching scheduler over the prefix cache. Imported as `radixkv.scheduler`."""
 
 from radixkv.scheduler.config import SchedulerConfig
-from radixkv.scheduler.hybrid import HybridScheduler
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 from radixkv.scheduler.request import Request, RequestStatus
 from radixkv.scheduler.scheduler import Scheduler
 
 __all__ = [
     "BlockCopy",
-    "HybridScheduler",
+    "GroupPlan",
     "Request",
     "RequestStatus",
     "ScheduledRequest",

@@ -5,7 +5,7 @@ Token regions of a scheduled row (B = block size):
     positions  0 ............ start_position ........ start_position + len(token_ids)
                |  KV already written (cached    |  new tokens this step:      |
                |  prefix + earlier chunks)      |  KV written, then attended |
-    block_table covers ceil((start_position + len(token_ids)) / B) blocks.
+    each of its block tables covers ceil((start_position + len(token_ids)) / B) blocks.
 """
 
 from __future__ import annotations
@@ -31,28 +31,34 @@ class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV is computed this step
     start_position: int  # absolute position of token_ids[0]
-    # physical blocks for positions [0, start_position + len(token_ids))
-    block_table: tuple[int, ...]
+    # Per KV cache group (`radixkv.cache.grouped`, in group order), the physical blocks for
+    # positions [0, start_position + len(token_ids)): 0 where a group let go of a block that no
+    # query of the row reads
+    block_tables: tuple[tuple[int, ...], ...]
     # True when the logits of the last token are sampled (final prefill chunk / decode)
     sample: bool
-    # A model with window layers: their blocks for the same positions (0 where a block that no
-    # query of the row reads was released); () otherwise
-    window_block_table: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """What one KV cache group's blocks need before the step's forward: its tier moves
+    (`radixkv.cache.moves`), planned since the last step, in order, then its copies."""
+
+    copies: tuple[BlockCopy, ...] = ()  # copy-on-write of partially matched blocks
+    moves: tuple[Move, ...] = ()
+
+
+NO_PLAN = GroupPlan()
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     rows: tuple[ScheduledRequest, ...]  # in packing order
-    copies: tuple[BlockCopy, ...] = ()  # block copies to perform before the forward
+    # per KV cache group, in group order: moves and copies to run before the forward (a group
+    # past the end of the tuple has none)
+    plans: tuple[GroupPlan, ...] = ()
     preempted_ids: tuple[str, ...] = ()  # requests moved back to waiting this step
     finished_ids: tuple[str, ...] = ()  # requests finished by abort/rejection
-    # tier moves (`radixkv.cache.moves`) the cache planned since the last step, in order: run
-    # before the copies and the forward
-    moves: tuple[Move, ...] = ()
-    # copy-on-write of partial window-layer blocks (a model with window layers), with `copies`
-    window_copies: tuple[BlockCopy, ...] = ()
-    # the window group's tier moves, over the window layers' blocks, run with `moves`
-    window_moves: tuple[Move, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -61,3 +67,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.rows
+
+    @property
+    def has_moves(self) -> bool:
+        return any(plan.moves for plan in self.plans)
+
+    def plan(self, group: int) -> GroupPlan:
+        """Group `group`'s plan (an empty one past the end of `plans`)."""
+        return self.plans[group] if group < len(self.plans) else NO_PLAN

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from radixkv.cache.prefix_cache import PrefixCache
+from radixkv.cache.grouped import GroupedCache
 from radixkv.scheduler.request import Request
 
 
 class FcfsPolicy:
     """First come, first served: the queue order itself. The base of every policy."""
 
-    def order(self, waiting: Collection[Request], cache: PrefixCache | None) -> Iterable[Request]:
+    def order(self, waiting: Collection[Request], cache: GroupedCache | None) -> Iterable[Request]:
         """Admission order of `waiting`. `cache` is None when prefix caching is off. Must not
         change the cache."""
         return waiting
@@ -29,7 +29,7 @@ class LongestPrefixMatchPolicy(FcfsPolicy):
     computed), so scoring neither splits nodes, refreshes recency nor pins anything.
     """
 
-    def order(self, waiting: Collection[Request], cache: PrefixCache | None) -> Iterable[Request]:
+    def order(self, waiting: Collection[Request], cache: GroupedCache | None) -> Iterable[Request]:
         if cache is None or len(waiting) < 2:
             return waiting
 

@@ -23,7 +23,7 @@ import enum
 from array import array
 from collections.abc import Iterable, Sequence
 
-from radixkv.cache.prefix_cache import BlockTable
+from radixkv.cache.grouped import GroupedTable
 from radixkv.cache.tokens import PackedTokens
 
 PLACEHOLDER = 0  # the value of an output token not yet read back (any valid token id would do)
@@ -62,7 +62,7 @@ class Request:
     amortized O(1); `packed_tokens` is the same tokens as the cache reads them without a copy.
 
     Invariants while RUNNING (checked by `Scheduler.check_integrity`):
-    * `num_computed_tokens < len(all_token_ids)` and `table` (the cache's `BlockTable`) covers at
+    * `num_computed_tokens < len(all_token_ids)` and `table` (the cache's `GroupedTable`) covers at
       least `ceil(num_computed_tokens / B)` blocks.
     While WAITING and once finished: no table, and `num_computed_tokens == 0` while waiting; the
     token fields keep their final values.
@@ -97,7 +97,7 @@ class Request:
         self.num_cached_tokens = 0  # cache hit at the first admission
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # len(all_token_ids) at the latest admission
-        self.table: BlockTable | None = None  # its blocks and lock while RUNNING
+        self.table: GroupedTable | None = None  # its blocks and lock while RUNNING
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,12 +1,15 @@
 """Continuous batching over the prefix cache: who runs this step, with which tokens and blocks.
 
-Layers: `Request` (tokens, progress) -> its `BlockTable` (tree blocks its lock protects + private
-blocks, issued by the cache) -> `PrefixCache` (radix tree over the block pool). The scheduler uses
-the cache through a small protocol: `admit`, `grow`, `commit`, `close` on tables, the read-only
-`match` (ordering and deferral), `block_size`, `num_blocks`, `stats` and `check_integrity`.
-A model with sliding-window layers runs `HybridScheduler` (`hybrid.py`) over a `HybridCache`,
-extending a few steps of this class (`_open_table`, `_reserve`, `_row`, `_record_row`,
-`_insert_written`); the plain path does no window work.
+Layers: `Request` (tokens, progress) -> its `GroupedTable` (a table per KV cache group: the tree
+group's blocks its lock protects + private blocks, and each other group's) -> `GroupedCache`
+(`radixkv.cache.grouped`: the radix tree's group and the groups beside it). The scheduler uses the
+cache through a small protocol: `admit`, `extend`, `slide`, `commit`, `close` on tables, the
+read-only `match` (ordering and deferral), `row_tables` and `take_moves` for the step's output,
+`block_size`, `num_blocks`, `stats` and the checks. It never asks which kinds of group there are:
+a step's output carries one block table per group in each row and one plan (copies, moves) per
+group. A window group, say, frees its blocks as a request's window slides past them, so a
+running request holds about W / B + chunk / B of them whatever its length; out of any group's
+blocks preempts, as out of the tree's does.
 
 One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
  1. Decode rows: running requests with one token left to compute, oldest admission first. A token
@@ -49,10 +52,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 
-from radixkv.cache.prefix_cache import BlockTable, PrefixCache
+from radixkv.cache.grouped import GroupedCache, GroupedTable
 from radixkv.cache.tokens import shares_prefix
 from radixkv.scheduler.config import SchedulerConfig
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import (
+    NO_PLAN,
+    BlockCopy,
+    GroupPlan,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from radixkv.scheduler.policy import POLICIES
 from radixkv.scheduler.request import Request, RequestStatus
 
@@ -71,13 +80,14 @@ class Scheduler:
 
     Invariants (recomputed by `check_integrity`):
     * every live request is either in the waiting queue (no block table) or running;
-    * at most `max_num_seqs` running; each running request's table covers its written tokens, its
-      blocks are distinct and no block is private to two requests;
-    * the scheduler is its cache's only user: every private block and lock of the cache
-      belongs to a running request, so with nothing running nothing is in use (no leak).
+    * at most `max_num_seqs` running; each running request's table covers its written tokens
+      and holds what each group allows it (`GroupedCache.check_table`);
+    * the scheduler is its cache's only user: the cache's open tables are exactly the running
+      requests', so every private block and lock belongs to a running request, and with nothing
+      running nothing is in use (no leak).
     """
 
-    def __init__(self, cache: PrefixCache, config: SchedulerConfig) -> None:
+    def __init__(self, cache: GroupedCache, config: SchedulerConfig) -> None:
         assert config.max_model_len is not None, "the engine sets max_model_len from its model"
         self.cache = cache
         self.config = config
@@ -168,7 +178,7 @@ class Scheduler:
         self._scheduling = True
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRequest] = []
-        copies: list[BlockCopy] = []
+        copies: list[list[BlockCopy]] = [[] for _ in self.cache.groups]  # per group
         preempted: list[str] = []
         running = list(self._running.values())  # in admission order
 
@@ -200,13 +210,11 @@ class Scheduler:
         if (not rows) if preempted else (not admit_first):
             budget = self._admit(budget, rows, copies)
 
-        output = SchedulerOutput(
-            tuple(rows),
-            tuple(copies),
-            tuple(preempted),
-            tuple(self._aborted_ids),
-            tuple(self.cache.take_moves()),
+        plans = tuple(
+            GroupPlan(tuple(c), tuple(m)) if c or m else NO_PLAN
+            for c, m in zip(copies, self.cache.take_moves(), strict=True)
         )
+        output = SchedulerOutput(tuple(rows), plans, tuple(preempted), tuple(self._aborted_ids))
         self._aborted_ids.clear()
         if rows:
             self._unrecorded = output
@@ -293,7 +301,8 @@ class Scheduler:
 
     def _record_row(self, row: ScheduledRequest, req: Request) -> None:
         """A row's KV is written, and a placeholder appended for its sampled token. Inserts the
-        written prefix after a prefill chunk."""
+        written prefix after a prefill chunk, then lets the groups slide past what no later
+        query reads."""
         assert row.start_position == req.num_computed_tokens, (row, req)
         is_prefill = row.start_position < req.num_prefill_tokens
         req.num_computed_tokens += len(row.token_ids)
@@ -301,6 +310,10 @@ class Scheduler:
             req.append_placeholder()
         if self._use_cache and is_prefill:
             self._insert_written(req, writes_on=True)
+        # NOTE: one token short of what is written: a request that stops in an overlapped step
+        # gives back its last computed token (`fill`), and its final commit keeps what the
+        # groups resume from at the tokens before it.
+        self.cache.slide(req.table, req.num_computed_tokens - 1)  # type: ignore[arg-type]
 
     def _finish_running(self, req: Request) -> None:
         """Insert everything a finished request wrote, then free what it holds."""
@@ -332,11 +345,10 @@ class Scheduler:
         return self._row(req, num_tokens)
 
     def _reserve(self, req: Request, end: int) -> bool:
-        """Blocks for the request's tokens up to `end` (evicting if need be); False if they
-        are not there."""
+        """Every group's blocks for the request's tokens up to `end` (evicting if need be);
+        False if they are not there."""
         assert req.table is not None
-        need = _cdiv(end, self._block_size) - len(req.table.blocks)
-        return need <= 0 or self.cache.grow(req.table, need)
+        return self.cache.extend(req.table, end)
 
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: insert what it wrote (so its restart is mostly a cache hit), drop
@@ -370,15 +382,18 @@ class Scheduler:
         n, table = req.num_computed_tokens, req.table
         assert table is not None and n > 0, f"{req}: a running request has a table and wrote KV"
         last = _cdiv(n, self._block_size) - 1
-        old_tail = table.blocks[last]
-        self.cache.commit(table, req.packed_tokens[:n])
+        old_tails = [t.blocks[last] for t in table.tables]
+        # NOTE: a hit stops one token short of a prompt (its last token is computed): groups
+        # that resume only where they kept something keep the point before it too.
+        prompt_end = writes_on and n == req.num_prefill_tokens
+        self.cache.commit(table, req.packed_tokens[:n], prompt_end=prompt_end)
         # NOTE: a request writes the rest of a partial tail block after inserting it. That is
         # safe only in the block it wrote itself (the tree vouches for the inserted slots alone;
         # another owner's block has later slots of its own), so the cache must hand it back: it
         # keeps a caller's private partial last block, and its own earlier tail, even where the
         # tree already holds those tokens in another block.
-        tail_kept = n % self._block_size == 0 or table.blocks[last] == old_tail
-        assert tail_kept or not writes_on, f"{req}: insert replaced the tail block {old_tail}"
+        tail_kept = n % self._block_size == 0 or [t.blocks[last] for t in table.tables] == old_tails
+        assert tail_kept or not writes_on, f"{req}: insert replaced the tail blocks {old_tails}"
 
     def _release(self, req: Request) -> None:
         """Unlock and free everything a request holds (after its insert, if any)."""
@@ -388,7 +403,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, budget: int, rows: list[ScheduledRequest], copies: list[BlockCopy]) -> int:
+    def _admit(
+        self, budget: int, rows: list[ScheduledRequest], copies: list[list[BlockCopy]]
+    ) -> int:
         """Admit waiting requests in policy order; returns the token budget left.
 
         Stops at the budget, at `max_num_seqs`, or at the first request that does not fit (FCFS
@@ -490,20 +507,25 @@ class Scheduler:
         return True
 
     def _try_admit(
-        self, req: Request, budget: int, copies: list[BlockCopy], *, use_hit: bool
+        self, req: Request, budget: int, copies: list[list[BlockCopy]], *, use_hit: bool
     ) -> ScheduledRequest | None:
-        """Match, lock, copy-on-write the partial last block, allocate the uncached rest; None if
-        the blocks are not there, and then the cache is untouched: no query counted, no recency
-        refreshed (the fit is checked read-only before anything is locked)."""
+        """Match, lock, copy-on-write each group's partial last block, allocate the uncached
+        rest (every group's blocks up to the first chunk's end at least); None if the blocks are
+        not there, and then the cache is untouched: no query counted, no recency refreshed (the
+        fit is checked read-only before anything is locked)."""
         n = req.num_tokens
         # NOTE: the last token is always computed, so there are logits to sample from.
         max_hit = (n - 1 if use_hit else 0) if self._use_cache else None
-        table = self._open_table(req, max_hit, budget)
+        chunk = min(self.config.chunked_prefill_size, budget)
+        table = self.cache.admit(
+            req.packed_tokens, max_hit=max_hit, namespace=req.cache_salt, first_chunk=chunk
+        )
         if table is None:
             return None
         req.table = table  # at once: a fault from here on cannot leak its lock or blocks
-        if table.copy is not None:
-            copies.append(BlockCopy(*table.copy))
+        for group_copies, t in zip(copies, table.tables, strict=True):
+            if t.copy is not None:
+                group_copies.append(BlockCopy(*t.copy))
         num_hit = table.num_cached_tokens
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
@@ -513,21 +535,16 @@ class Scheduler:
         self._running[req.request_id] = req
         return self._row(req, min(n - num_hit, self.config.chunked_prefill_size, budget))
 
-    def _open_table(self, req: Request, max_hit: int | None, budget: int) -> BlockTable | None:
-        """The cache's table for a request admitted with at most `max_hit` cached tokens and
-        `budget` tokens to compute this step; None if it does not fit now."""
-        return self.cache.admit(req.packed_tokens, max_hit=max_hit, namespace=req.cache_salt)
-
     def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
         """The row computing the request's next `num_tokens` (its table covers them)."""
         start = req.num_computed_tokens
         end = start + num_tokens
+        assert req.table is not None
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start:end]),
             start_position=start,
-            # The table's own tuple (no copy) when the row covers all of it, as decodes do.
-            block_table=req.table.blocks[: _cdiv(end, self._block_size)],
+            block_tables=self.cache.row_tables(req.table, _cdiv(end, self._block_size)),
             sample=end == req.num_tokens,
         )
 
@@ -536,33 +553,29 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Recompute the scheduler's invariants (see the class docstring), then the cache's."""
         self.cache.check_integrity()
-        B, use_cache = self._block_size, self._use_cache
+        use_cache, chunk = self._use_cache, self.config.chunked_prefill_size
         assert not self._waiting.keys() & self._running.keys(), "request both waiting and running"
         assert len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs"
         for rid, req in self._waiting.items():
             assert req.request_id == rid and req.status is RequestStatus.WAITING, req
             assert req.table is None and req.num_computed_tokens == 0, req
-        private: list[int] = []  # every running request's private blocks
+        tables: set[GroupedTable] = set()
         for rid, req in self._running.items():
             table = req.table
             assert req.request_id == rid and req.status is RequestStatus.RUNNING, req
             assert table is not None and 0 <= req.num_computed_tokens < req.num_tokens, req
-            blocks = table.blocks
-            assert _cdiv(req.num_computed_tokens, B) <= len(blocks) <= _cdiv(req.num_tokens, B), req
-            assert len(set(blocks)) == len(blocks), f"{req}: {blocks}"
-            assert all(0 <= b < self.cache.num_blocks for b in blocks), blocks
             assert table.locked == use_cache, req
-            private += table.private
-        assert len(set(private)) == len(private), f"a block private to two requests: {private}"
-        # NOTE: the scheduler is the only user of its cache: every private block and every lock
-        # of the cache belongs to a running request.
+            self.cache.check_table(table, req.num_computed_tokens, req.num_tokens, chunk)
+            tables.add(table)
+        # NOTE: the scheduler is the only user of its cache: every open table, hence every
+        # private block and every lock of the cache, belongs to a running request.
+        assert self.cache.open_tables == tables, "the cache's open tables are not the running ones"
         stats = self.cache.stats()
         in_use = stats.num_in_use_blocks
-        assert stats.num_private_blocks == len(private), (len(private), stats)
         assert stats.num_locked_tables == (len(self._running) if use_cache else 0), stats
-        assert len(private) <= in_use and (self._running or in_use == 0), (len(private), stats)
+        assert stats.num_private_blocks <= in_use and (self._running or in_use == 0), stats
         if not use_cache:
-            assert in_use == len(private) == stats.num_blocks - stats.num_free_blocks, stats
+            assert in_use == stats.num_private_blocks == stats.num_blocks - stats.num_free_blocks
 
     def fail_step(self) -> list[Request]:
         """After a fault in a step: finish the requests it touched with FINISHED_ERROR and return

@@ -10,12 +10,16 @@ events.py        KV events: the queue the owner drains
 summary.py       a bounded picture of one namespace's tree, for a live view
 prefix_cache.py  PrefixCache: the one contract (match; admit / grow / commit / close a
                  BlockTable), stats, integrity
+group.py         the protocol every cache group speaks, and the records it passes
+grouped.py       GroupedCache: a model's groups as one list, the tree's first; a hit is the
+                 deepest point every group can resume from
 window.py        WindowGroup: sliding-window layers' blocks, released as they leave the window,
                  kept as tails where a later request can resume
-hybrid.py        HybridCache: a PrefixCache (full layers) and a WindowGroup side by side
+kinds.py         the registry of group kinds, and the grouped cache built from a model's specs
 """
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from radixkv.cache.grouped import GroupedCache, GroupedTable
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.prefix_cache import (
     BlockTable,
@@ -34,6 +38,8 @@ __all__ = [
     "BlockStored",
     "BlockTable",
     "CacheStats",
+    "GroupedCache",
+    "GroupedTable",
     "KVEvent",
     "MatchResult",
     "NodeView",

@@ -116,25 +116,25 @@ class EventRecorder:
         namespace: str | None = None,
         medium: str | None = None,
         *,
+        group: int = 0,
         window: int | None = None,
     ) -> None:
         """Consecutive full blocks of one path entered a tier; `namespace` is published only
-        with a path's block 0. `window`: they are the window group's (group 1) blocks."""
+        with a path's block 0. `group`: the KV cache group whose blocks they are, `window` its
+        sliding window (None: it reads every token)."""
         if keys:
             parent = keys[0].parent_hash
             tokens = tuple(np.frombuffer(b"".join(k.tokens for k in keys), "<u4").tolist())
             hashes = tuple(k.block_hash for k in keys)
             namespace = namespace if parent is None else None
-            B, group = self.block_size, _group(window)
+            B = self.block_size
             event = BlockStored(hashes, parent, tokens, B, namespace, medium, group, window)
             self.queue.append(event)
 
-    def removed(
-        self, hashes: Sequence[int], medium: str | None = None, *, window: int | None = None
-    ) -> None:
-        """Blocks (deepest first along a path) left a tier (`window`: of the window group)."""
+    def removed(self, hashes: Sequence[int], medium: str | None = None, *, group: int = 0) -> None:
+        """Blocks (deepest first along a path) of KV cache group `group` left a tier."""
         if hashes:
-            self.queue.append(BlockRemoved(tuple(hashes), medium, _group(window)))
+            self.queue.append(BlockRemoved(tuple(hashes), medium, group))
 
     def cleared(self) -> None:
         self.queue.append(AllBlocksCleared())
@@ -145,7 +145,3 @@ class EventRecorder:
         for node in nodes:
             if node.block_keys is None:
                 raise AssertionError(f"[{node.start},{node.end}) was never hashed")
-
-
-def _group(window: int | None) -> int:
-    return 0 if window is None else 1

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 from radixkv.cache.events import EventRecorder, KVEvent
 from radixkv.cache.eviction import EVICTION_ORDERS
+from radixkv.cache.group import GroupSetup, GroupSpec, PoolConfig
 from radixkv.cache.keys import XXH64, BlockHasher, BlockKey, KeyChain, PromptKeys
 from radixkv.cache.moves import Move
 from radixkv.cache.pool import BlockPool
@@ -196,7 +197,9 @@ class NodeView:
 
 
 class PrefixCache:
-    """Token-granular prefix cache over `num_blocks` blocks of `block_size` tokens.
+    """Token-granular prefix cache over `num_blocks` blocks of `block_size` tokens: the tree's
+    group of a `GroupedCache` (it speaks the group protocol of `radixkv.cache.group` but for
+    `find` / `fits` / `admit`, which its own `lookup` and `admit` stand in for).
 
     Invariants (recomputed by `check_integrity`, which tests call after every operation):
     * every block is free, private (ref 1, in `_private`) or owned by tree nodes (ref = owners);
@@ -234,6 +237,7 @@ class PrefixCache:
         if disk is not None and (not host_blocks or disk.block_size != block_size):
             raise ValueError("a disk tier needs a host tier (host_blocks >= 1) and its block size")
         self._pool = BlockPool(num_blocks, block_size)
+        self.name = FullKind.name
         self.num_blocks: int = self._pool.num_blocks
         self.block_size: int = self._pool.block_size
         hasher = XXH64 if isinstance(kv_events, bool) else kv_events
@@ -358,6 +362,18 @@ class PrefixCache:
         return table
 
     # ------------------------------------------------------------- block tables
+    def extend(self, table: BlockTable, num_tokens: int) -> bool:
+        """Blocks for every position up to `num_tokens` (`grow` by what is missing)."""
+        need = -(-num_tokens // self.block_size) - len(table.blocks)
+        return need <= 0 or self.grow(table, need)
+
+    def slide(self, table: BlockTable, num_written: int) -> None:
+        """Nothing to let go: every later query reads every earlier token."""
+
+    def row_blocks(self, table: BlockTable, num_blocks: int) -> tuple[int, ...]:
+        """The table's first `num_blocks` entries (its own tuple when that is all of it)."""
+        return table.blocks[:num_blocks]
+
     def grow(self, table: BlockTable, num_blocks: int) -> bool:
         """Append `num_blocks` private blocks to `table` (evicting on demand); False, nothing
         changed, if they are not there."""
@@ -367,7 +383,7 @@ class PrefixCache:
         table.blocks += tuple(self._allocate(num_blocks))
         return True
 
-    def commit(self, table: BlockTable, tokens: Sequence[int]) -> None:
+    def commit(self, table: BlockTable, tokens: Sequence[int], *, prompt_end: bool = False) -> None:
         """Insert `tokens[0:n)`, whose KV is written in the table's first ceil(n/B) blocks, into
         the table's namespace; the table's lock moves to the inserted path (its recency
         refreshed) and it takes the canonical blocks the tree returns.
@@ -384,7 +400,9 @@ class PrefixCache:
             partial tail, the parent has no other child, no other lock in its subtree and is that
             tail's only owner, the parent co-owns the copy and its old tail is freed (no path
             could read it any more; `CacheStats.num_superseded_tails_freed`).
-        Raises like `match` for bad tokens, before anything changes.
+        Raises like `match` for bad tokens, before anything changes. `prompt_end` (the tokens
+        are a whole prompt) changes nothing here: every point of a path is one a hit can
+        resume from.
         """
         assert table.node is not None, "a table admitted without the cache cannot commit"
         qb = pack_tokens(tokens)
@@ -466,10 +484,21 @@ class PrefixCache:
         forward of the step that reads their blocks ([] without lower tiers)."""
         return [] if self._tiers is None else self._tiers.take_moves()
 
-    def forget_host_blocks(self, host_blocks: Sequence[int]) -> None:
+    def forget(self, host_blocks: Sequence[int]) -> None:
         """A move failed and left these host blocks holding garbage: their entries go."""
         if self._tiers is not None:
             self._tiers.forget(host_blocks)
+
+    @property
+    def tiers(self) -> LowerTiers | None:
+        return self._tiers
+
+    @property
+    def num_open_tables(self) -> int:
+        return len(self._open)
+
+    def is_open(self, table: BlockTable) -> bool:
+        return table in self._open
 
     @property
     def event_recorder(self) -> EventRecorder | None:
@@ -583,6 +612,14 @@ class PrefixCache:
             raise AssertionError(f"private blocks {sorted(self._private)} != open tables' {held}")
         for table in self._open:
             self._check_table(table)
+
+    def check_table(self, table: BlockTable, num_written: int, num_tokens: int, chunk: int) -> None:
+        """A running request's table covers its `num_written` tokens and no more blocks than
+        its `num_tokens` take (admission reserves them all), each once, each in the pool."""
+        B, blocks = self.block_size, table.blocks
+        assert -(-num_written // B) <= len(blocks) <= -(-num_tokens // B), (table, num_written)
+        assert len(set(blocks)) == len(blocks), f"a block twice in {blocks}"
+        assert all(0 <= b < self.num_blocks for b in blocks), blocks
 
     def _check_table(self, table: BlockTable) -> None:
         """A table's blocks that are not private are owned, at their index, by nodes on the path
@@ -704,3 +741,26 @@ class PrefixCache:
 def _check_namespace(namespace: object) -> None:
     if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
+
+
+class FullKind:
+    """The tree's kind of group (`radixkv.cache.kinds`): the layers that read every token."""
+
+    name = "full"
+
+    def plan_blocks(
+        self, spec: GroupSpec, config: PoolConfig, bytes_per_block: int, budget: int | None
+    ) -> int | None:
+        """`config.num_blocks`, else what the budget leaves after the other groups' pools."""
+        return config.num_blocks
+
+    def build(self, spec: GroupSpec, setup: GroupSetup) -> PrefixCache:
+        return PrefixCache(
+            setup.num_blocks,
+            setup.block_size,
+            eviction=setup.eviction,
+            kv_events=setup.kv_events,
+            host_blocks=setup.host_blocks,
+            disk=setup.disk,
+            write_through=setup.write_through,
+        )

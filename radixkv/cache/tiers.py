@@ -105,8 +105,8 @@ class HostEntry(LruEntry):
 class LowerTiers:
     """The host tier (`num_host_blocks` blocks of `block_size` tokens) and the disk store (None:
     no disk tier), planned by the cache, run by the engine (see the module docstring). One per
-    KV cache group: `window` names the window layers' group (their blocks' KV, under the same
-    keys; `radixkv.cache.window`), None the full layers'."""
+    KV cache group: `group` is its index (its events' group), `window` its sliding window (None:
+    its layers read every token); every group's blocks go under the same keys."""
 
     def __init__(
         self,
@@ -115,16 +115,19 @@ class LowerTiers:
         disk: DiskIndex | None,
         events: EventRecorder | None,
         *,
+        group: int = 0,
         window: int | None = None,
     ) -> None:
         self.pool = BlockPool(num_host_blocks, block_size)
         self.block_size = block_size
         self.disk = disk
         self.events = events
-        self.window = window
+        self.group, self.window = group, window
         if disk is not None and events is not None:
-            disk.on_stored = lambda key: events.stored([key], medium=DISK_MEDIUM, window=window)
-            disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM, window=window)
+            disk.on_stored = lambda key: events.stored(
+                [key], medium=DISK_MEDIUM, group=group, window=window
+            )
+            disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM, group=group)
         self.entries = LruEntries()  # block hash -> HostEntry
         self.moves: list[Move] = []
         self.counts = dict.fromkeys(
@@ -283,10 +286,10 @@ class LowerTiers:
     def _add(self, key: BlockKey, block: int) -> None:
         self.entries.add(HostEntry(key.block_hash, key=key, block=block))
         if self.events is not None:
-            self.events.stored([key], medium=HOST_MEDIUM, window=self.window)
+            self.events.stored([key], medium=HOST_MEDIUM, group=self.group, window=self.window)
 
     def _remove(self, entry: HostEntry) -> None:
         self.entries.remove(entry.block_hash)
         self.pool.release([entry.block])
         if self.events is not None:
-            self.events.removed([entry.key.block_hash], HOST_MEDIUM, window=self.window)
+            self.events.removed([entry.key.block_hash], HOST_MEDIUM, group=self.group)

@@ -54,16 +54,20 @@ run). Deterministic: recency is the order of use, nothing reads the wall clock.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.events import EventRecorder
+from radixkv.cache.group import GroupSetup, GroupSpec, PoolConfig, Probe
 from radixkv.cache.keys import BlockKey, KeyChain, PromptKeys, token_bytes_le
+from radixkv.cache.moves import Move
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tiers import LowerHit, LowerTiers
-from radixkv.cache.tokens import TOKEN_BYTES, check_size
+from radixkv.cache.tokens import TOKEN_BYTES, PackedTokens, check_size
 
 # (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
 # many tails end inside it; the tail keeps the tokens, compared before a hit is served
@@ -87,6 +91,79 @@ def first_live_index(num_written: int, window: int, block_size: int) -> int:
     return max(0, num_written - window + 1) // block_size
 
 
+def window_budget(window: int, block_size: int, chunk: int, margin: int = 0) -> int:
+    """Window blocks one running request lists at most: those its next chunk's queries read
+    (W - 1 tokens before it and the chunk itself, one more where they straddle a block), one
+    for the token the scheduler keeps back from each slide (a stop in an overlapped step gives
+    its last computed token back), one copy source pinned until its copy ran, and the `margin`
+    kept before the window (`tier_margin`)."""
+    return -(-(window + chunk) // block_size) + 2 + margin
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSpec(GroupSpec):
+    """The window group of a model's layers: the largest window any of them reads (one group
+    serves every window size: a smaller window reads fewer of its tokens)."""
+
+    kind: ClassVar[str] = "window"
+    window: int
+
+
+class WindowPoolConfig(PoolConfig, Protocol):
+    @property
+    def num_window_blocks(self) -> int | None: ...  # None: sized by `WindowKind.plan_blocks`
+
+
+class WindowKind:
+    """The window group's entry in the registry (`radixkv.cache.kinds`)."""
+
+    name = "window"
+
+    def plan_blocks(
+        self, spec: WindowSpec, config: WindowPoolConfig, bytes_per_block: int, budget: int | None
+    ) -> int:
+        """`config.num_window_blocks`, or room for `max_num_seqs` requests' windows and chunks,
+        twice over (tails share them), at most half of a `budget` in bytes (None: the tree's
+        pool is counted out in blocks instead) unless that holds not one request's. ValueError
+        for a pool that holds not one request's."""
+        B = config.block_size
+        chunk = min(config.chunked_prefill_size, config.max_num_batched_tokens)
+        need = window_budget(spec.window, B, chunk, tier_margin(bool(config.host_cache_bytes)))
+        if config.num_window_blocks is None:
+            blocks = 2 * config.max_num_seqs * need
+            if budget is None:
+                return blocks
+            return max(need, min(blocks, budget // 2 // bytes_per_block))
+        if config.num_window_blocks < need:
+            raise ValueError(
+                f"num_window_blocks={config.num_window_blocks} holds not one request's window "
+                f"({need} blocks of {B} tokens for a window of {spec.window} and chunks of {chunk})"
+            )
+        return config.num_window_blocks
+
+    def build(self, spec: WindowSpec, setup: GroupSetup) -> WindowGroup:
+        tiers = None
+        if setup.host_blocks:
+            tiers = LowerTiers(
+                setup.host_blocks,
+                setup.block_size,
+                setup.disk,
+                setup.events,
+                group=setup.index,
+                window=spec.window,
+            )
+        return WindowGroup(
+            setup.num_blocks,
+            setup.block_size,
+            spec.window,
+            events=setup.events,
+            keys=setup.keys,
+            tiers=tiers,
+            write_through=setup.write_through,
+            index=setup.index,
+        )
+
+
 @dataclass(slots=True, eq=False)
 class WindowTable:
     """A request's window-layer blocks: issued by `WindowGroup.open`, changed by `extend` and
@@ -102,6 +179,11 @@ class WindowTable:
     pinned: int | None = field(default=None, repr=False)  # the copy's source, held until it ran
     # the tail the request last resumed from or kept: a deeper one supersedes it
     last_tail: TailKey | None = field(default=None, repr=False)
+    prompt: bytes = field(default=b"", repr=False)  # packed, as admitted
+    # Where the request's tokens leave the tree's cached path, past the hit: a point a later
+    # request can resume from (the next question about the same document), whose window KV is
+    # kept once written (`slide`). None: none, or kept already.
+    branch: int | None = None
 
     @property
     def num_live_blocks(self) -> int:
@@ -124,6 +206,15 @@ class _Tail:
     @property
     def hashes(self) -> tuple[int, ...]:
         return tuple(key.block_hash for key in self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowHit:
+    """Where the window group resumes a prompt (`WindowGroup.find`): at `end` tokens, from the
+    tail kept there or (`lower`) from its lower tiers' blocks at a block boundary."""
+
+    end: int
+    lower: LowerHit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,15 +264,19 @@ class WindowGroup:
         keys: KeyChain | None = None,
         tiers: LowerTiers | None = None,
         write_through: bool = False,
+        index: int = 1,
     ) -> None:
-        """`events`: the recorder tails are announced to; `tiers`: the lower tiers an evicted
-        tail's full window blocks are demoted to and a hit past the device's tails is loaded
-        from; both name blocks by `keys` (a `HybridCache` passes its full group's chain).
+        """`events`: the recorder tails are announced to, as group `index`; `tiers`: the lower
+        tiers an evicted tail's full window blocks are demoted to and a hit past the device's
+        tails is loaded from; both name blocks by `keys` (the tree group's chain).
         `write_through`: a tail's full blocks are copied to the tiers when it is kept, not when
         it is evicted (no effect without tiers)."""
         assert (events is None and tiers is None) or keys is not None, "blocks need keys"
+        self.name = WindowKind.name
+        self.index = index
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
+        self.num_blocks = self.pool.num_blocks
         self.window = check_size(window, "window", low=1)
         self._events, self._keys, self.tiers = events, keys, tiers
         self._write_through = write_through and tiers is not None
@@ -251,7 +346,40 @@ class WindowGroup:
             num_tokens, self.window, self.block_size
         )
 
-    def fits(self, qb: bytes, hit: int, namespace: str | None, num_tokens: int) -> bool:
+    # ---------------------------------------------------- the group protocol's admission
+    def find(self, probe: Probe, upto: int) -> WindowHit:
+        """The deepest point <= `upto` of the probed prompt with its window KV kept: a tail on
+        the device, or a block boundary past it whose window blocks are in the lower tiers."""
+        end = self.hit(probe.tokens, upto, probe.namespace)
+        lower = self.lower_hit(probe.keys, upto, end)
+        if lower is None:
+            return WindowHit(end)
+        return WindowHit(lower.end_block * self.block_size, lower)
+
+    def fits(self, probe: Probe, hit: WindowHit, num_tokens: int) -> bool:
+        """Whether `admit(probe, hit, num_tokens)` would succeed. Read-only."""
+        if hit.lower is not None:
+            return self.fits_lower(hit.lower, num_tokens)
+        return self.fits_tail(probe.tokens, hit.end, probe.namespace, num_tokens)
+
+    def admit(self, probe: Probe, hit: WindowHit, num_tokens: int) -> WindowTable | None:
+        """A table resuming at `hit` with blocks up to `num_tokens` tokens (None, nothing
+        changed, if they are not there: `fits` says so beforehand). It keeps a tail where its
+        tokens leave the tree's cached path, once written (`slide`)."""
+        if hit.lower is None:
+            table = self.open(probe.tokens, hit.end, probe.namespace)
+        else:
+            table = self.open_lower(hit.lower, probe.namespace)
+        if table is None:
+            return None
+        if not self.extend(table, num_tokens):
+            self.close(table)
+            return None
+        table.prompt = probe.tokens
+        table.branch = probe.num_matched if probe.num_matched > hit.end else None
+        return table
+
+    def fits_tail(self, qb: bytes, hit: int, namespace: str | None, num_tokens: int) -> bool:
         """Whether `open(qb, hit, namespace)` then `extend(table, num_tokens)` would succeed.
         Read-only: O(tail blocks) when the free list is short."""
         B = self.block_size
@@ -302,12 +430,31 @@ class WindowGroup:
         return table
 
     def persist(self) -> None:
-        """Demote every tail's full blocks to the lower tiers (they stay on the device too)."""
-        assert self.tiers is not None
+        """Demote every tail's full blocks to the lower tiers (they stay on the device too),
+        then the host tier to disk. Nothing to do without a disk tier."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None:
+            return
         for key in (*self._speculative, *self._proven):
             tail = self._tails[key]
             if tail.keys:
-                self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
+                tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
+        tiers.write_to_disk()
+
+    def take_moves(self) -> list[Move]:
+        """The tier moves planned since the last call, in order, over this group's blocks ([]
+        without lower tiers)."""
+        return [] if self.tiers is None else self.tiers.take_moves()
+
+    def forget(self, host_blocks: Sequence[int]) -> None:
+        """A move failed and left these host blocks holding garbage: their entries go."""
+        if self.tiers is not None:
+            self.tiers.forget(host_blocks)
+
+    def row_blocks(self, table: WindowTable, num_blocks: int) -> tuple[int, ...]:
+        """Entries [0, num_blocks), 0 where released: no query of a row reads those (a window
+        layer reads from its window's start on)."""
+        return tuple(b or 0 for b in table.blocks[:num_blocks])
 
     # ----------------------------------------------------------------- tables
     def open(self, qb: bytes, hit: int, namespace: str | None) -> WindowTable | None:
@@ -355,9 +502,15 @@ class WindowGroup:
         return True
 
     def slide(self, table: WindowTable, num_written: int) -> None:
-        """Release the entries no query at position `num_written` or later reads, and the pinned
-        copy source (the copy ran with the step that wrote the tokens before `num_written`)."""
+        """Tokens [0, num_written) are written: keep the tail at the table's branch point once
+        reached, then release the entries no query at position `num_written` or later reads,
+        and the pinned copy source (the copy ran with the step that wrote the tokens before
+        `num_written`)."""
         assert table in self._open, "slide an open table"
+        branch = table.branch
+        if branch is not None and branch <= num_written:
+            self.keep_tail(table, table.prompt, branch, branch=True)
+            table.branch = None
         self._unpin(table)
         live = first_live_index(num_written, self.window, self.block_size) - self.margin
         live = min(max(0, live), len(table.blocks))
@@ -366,7 +519,16 @@ class WindowGroup:
             self.pool.release(dead)
             table.blocks = (None,) * live + table.blocks[live:]
 
-    def commit(
+    def commit(self, table: WindowTable, tokens: PackedTokens, *, prompt_end: bool = False) -> None:
+        """Tokens [0, n) are written: keep their tail. `prompt_end`: they are a whole prompt, so
+        a tail one token short of it too, where a repeat of the prompt resumes (a hit stops
+        short of a prompt's last token, which is always computed)."""
+        qb, n = tokens.tobytes(), len(tokens)
+        self.keep_tail(table, qb, n)
+        if prompt_end and n > 1:
+            self.keep_tail(table, qb, n - 1)
+
+    def keep_tail(
         self, table: WindowTable, qb: bytes, num_tokens: int, *, branch: bool = False
     ) -> None:
         """Keep a tail at `num_tokens` (the KV of tokens [0, num_tokens) of `qb` is written): a
@@ -437,10 +599,10 @@ class WindowGroup:
             if not self._announced[key.block_hash]:
                 run.append(key)
             elif run:
-                self._events.stored(run, namespace, window=self.window)
+                self._events.stored(run, namespace, group=self.index, window=self.window)
                 run = []
             self._announced[key.block_hash] += 1
-        self._events.stored(run, namespace, window=self.window)
+        self._events.stored(run, namespace, group=self.index, window=self.window)
 
     def _place(self, key: TailKey, *, proven: bool, first: bool = False) -> None:
         """Move a tail to the recent end (`first`: the front) of a segment."""
@@ -459,6 +621,13 @@ class WindowGroup:
         self._unpin(table)
         self.pool.release([b for b in table.blocks if b is not None])
         table.blocks, table.copy = (), None
+
+    @property
+    def num_open_tables(self) -> int:
+        return len(self._open)
+
+    def is_open(self, table: WindowTable) -> bool:
+        return table in self._open
 
     def _unpin(self, table: WindowTable) -> None:
         if table.pinned is not None:
@@ -490,7 +659,8 @@ class WindowGroup:
             freed += self.pool.release(tail.blocks)
             self.num_evicted_tails += 1
             if self._events is not None:
-                self._events.removed(self._unannounce(tail.hashes), window=self.window)
+                gone = self._unannounce(tail.hashes)
+                self._events.removed(gone, group=self.index)
         return freed
 
     def clear(self) -> None:
@@ -524,6 +694,15 @@ class WindowGroup:
         return self.pool.allocate(num_blocks)
 
     # ----------------------------------------------------------------- checks
+    def check_table(
+        self, table: WindowTable, num_written: int, num_tokens: int, chunk: int
+    ) -> None:
+        """A running request's table covers its written tokens and lists at most
+        `window_budget` blocks for rows of at most `chunk` tokens."""
+        assert len(table.blocks) >= -(-num_written // self.block_size), (table, num_written)
+        limit = window_budget(self.window, self.block_size, chunk, self.margin)
+        assert table.num_live_blocks <= limit, (table, limit)
+
     def check_integrity(self) -> None:
         """Recompute the invariants in the class docstring; raise AssertionError on a violation."""
         B = self.block_size
@@ -561,6 +740,8 @@ class WindowGroup:
             if table.pinned is not None:
                 owners[table.pinned] += 1
         self.pool.check_integrity(dict(owners))
+        if self.tiers is not None:
+            self.tiers.check_integrity()
 
     def _check_announced(self) -> None:
         held: Counter[int] = Counter()

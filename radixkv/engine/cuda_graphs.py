@@ -142,7 +142,7 @@ class DecodeGraphs:
         return (
             len(rows) <= self.buckets[-1]
             and is_decode_step(rows)
-            and max(len(r.block_table) for r in rows) <= self.max_blocks
+            and max(len(r.block_tables[0]) for r in rows) <= self.max_blocks
         )
 
     def run(self, rows: Sequence[ScheduledRequest], feed: TokenFeed | None = None) -> torch.Tensor:

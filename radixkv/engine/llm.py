@@ -34,11 +34,12 @@ from typing import Any
 
 import torch
 
-from radixkv.cache import PackedTokens, PrefixCache
-from radixkv.cache.hybrid import HybridCache
-from radixkv.cache.keys import BlockHasher, make_block_hasher
+from radixkv.cache import PackedTokens
+from radixkv.cache.group import GroupSpec
+from radixkv.cache.keys import make_block_hasher
+from radixkv.cache.kinds import build_cache
 from radixkv.cache.moves import Move, Poisoned
-from radixkv.cache.window import WindowStats
+from radixkv.cache.window import WindowSpec, WindowStats
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
@@ -67,7 +68,7 @@ from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
 from radixkv.engine.tier_io import TierIO, make_group_tier_ios, make_tier_io
 from radixkv.kv_events import KVEventFeed
-from radixkv.scheduler import HybridScheduler, Request, Scheduler
+from radixkv.scheduler import Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -154,15 +155,23 @@ class LLM:
         self.tier_io, self.window_tier_io = self._tier_ios()
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
-        self.cache = PrefixCache(
-            self.runner.num_blocks,
+        runner = self.runner
+        specs: list[GroupSpec] = [GroupSpec()]
+        num_blocks = [runner.num_blocks]
+        if runner.window is not None:
+            specs.append(WindowSpec(runner.window))
+            num_blocks.append(runner.num_window_blocks)
+        tier_ios = [self.tier_io, self.window_tier_io][: len(specs)]
+        self.cache = build_cache(
+            specs,
+            num_blocks,
             config.block_size,
             kv_events=hasher,
-            host_blocks=0 if self.tier_io is None else self.tier_io.host.num_blocks,
-            disk=None if self.tier_io is None else self.tier_io.disk,
+            host_blocks=[0 if t is None else t.host.num_blocks for t in tier_ios],
+            disks=[None if t is None else t.disk for t in tier_ios],
             write_through=config.host_cache_write_through,
         )
-        self.scheduler = self._scheduler(hasher)
+        self.scheduler = Scheduler(self.cache, self.config)
         self.kv_events = None if events is None else _event_feed(config)
         overlap = config.async_scheduling
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -186,29 +195,6 @@ class LLM:
             return make_tier_io(self.model, *full, self.config), None
         window = (runner.window_k_cache, runner.window_v_cache)
         return make_group_tier_ios(self.model, full, window, self.config)
-
-    def _scheduler(self, hasher: BlockHasher | bool) -> Scheduler:
-        """The plain scheduler over `cache`, or for a model with window layers the hybrid one
-        over `cache` (then its full group, whose queue the window group's events join) and the
-        window group (`radixkv.cache.hybrid`)."""
-        runner = self.runner
-        if runner.window is None:
-            return Scheduler(self.cache, self.config)
-        full, window = self.tier_io, self.window_tier_io
-        hybrid = HybridCache(
-            runner.num_blocks,
-            runner.num_window_blocks,
-            self.config.block_size,
-            runner.window,
-            kv_events=hasher,
-            host_blocks=0 if full is None else full.host.num_blocks,
-            disk=None if full is None else full.disk,
-            write_through=self.config.host_cache_write_through,
-            window_host_blocks=0 if window is None else window.host.num_blocks,
-            window_disk=None if window is None else window.disk,
-        )
-        self.cache = hybrid.full
-        return HybridScheduler(hybrid, self.config)
 
     # ------------------------------------------------------------------ step API
 
@@ -269,8 +255,8 @@ class LLM:
     def window_stats(self) -> WindowStats | None:
         """The window layers' group's figures (None: a model without window layers); the full
         layers' are `cache.stats()`."""
-        cache = self.scheduler.cache
-        return cache.window.stats() if isinstance(cache, HybridCache) else None
+        groups = self.cache.group_stats()
+        return groups[1] if len(groups) > 1 else None
 
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
@@ -494,7 +480,7 @@ class LLM:
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
         # Even with no rows: the moves the cache planned since the last step must run.
-        requeued = self._run_step_moves(out) if out.moves or out.window_moves else set()
+        requeued = self._run_step_moves(out) if out.has_moves else set()
         launched = None
         if not out.is_empty:
             launched = self._steps.launch(out, self._sampled_rows(out), previous, requeued)
@@ -596,14 +582,10 @@ class LLM:
         the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
         to do without a disk tier. Not during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
-        hybrid = self.scheduler.cache if isinstance(self.scheduler, HybridScheduler) else None
-        (hybrid or self.cache).persist()
-        moves = self.cache.take_moves()
-        if moves:
-            self._run_moves(moves)
-        window_moves = [] if hybrid is None else hybrid.take_window_moves()
-        if window_moves:
-            self._run_moves(window_moves, window=True)
+        self.cache.persist()
+        for group, moves in enumerate(self.cache.take_moves()):
+            if moves:
+                self._run_moves(moves, window=bool(group))
         for tier_io in (self.tier_io, self.window_tier_io):
             if tier_io is not None:
                 tier_io.log_saved()
@@ -618,10 +600,7 @@ class LLM:
             poisoned = tier_io.run(moves)
         finally:
             garbage = sorted(tier_io.poisoned_so_far.host)
-            if window:
-                self.scheduler.cache.forget_window_host_blocks(garbage)  # type: ignore[attr-defined]
-            else:
-                self.cache.forget_host_blocks(garbage)
+            self.cache.forget(int(window), garbage)
         tier_io.order_before_compute()
         return poisoned
 
@@ -632,15 +611,17 @@ class LLM:
         the cache holds then (a block file that could not be read is a miss, not an error: the
         disk tier does not offer it again); a second failed copy fails it. Their rows still run,
         and are ignored. Returns their ids."""
-        poisoned = self._run_moves(out.moves) if out.moves else Poisoned()
-        window = self._run_moves(out.window_moves, window=True) if out.window_moves else Poisoned()
+        moves, window_moves = out.plan(0).moves, out.plan(1).moves
+        poisoned = self._run_moves(moves) if moves else Poisoned()
+        window = self._run_moves(window_moves, window=True) if window_moves else Poisoned()
         if poisoned.device or window.device:
 
             def reading(bad: set[int], wbad: set[int]) -> list[str]:
                 return [
                     r.request_id
                     for r in out.rows
-                    if bad.intersection(r.block_table) or wbad.intersection(r.window_block_table)
+                    if bad.intersection(r.block_tables[0])
+                    or (len(r.block_tables) > 1 and wbad.intersection(r.block_tables[1]))
                 ]
 
             hit = reading(poisoned.device, window.device)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from radixkv import kernels
-from radixkv.cache.window import tier_margin
+from radixkv.cache.window import tier_margin, window_budget
 from radixkv.engine.attention import PagedKVCache, register_attention
 from radixkv.engine.attention_layout import probe_attention
 from radixkv.engine.config import EngineConfig
@@ -51,8 +51,7 @@ from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.fused_llama import fuse_llama_modules, unfuse_llama_modules
 from radixkv.engine.step_inputs import InputStager, StepLayout, stage_step
 from radixkv.kernels import AttentionMetadata
-from radixkv.scheduler.hybrid import window_budget
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -277,12 +276,13 @@ class ModelRunner:
     def _execute(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(step.rows):
-            if step.copies:  # the copies alone, before the replay
-                layout = StepLayout(0, 0, 0, num_copies=len(step.copies))
-                _, dev = self.stager.stage((), step.copies, self.block_size, layout)
+            copies = step.plan(0).copies
+            if copies:  # the copies alone, before the replay
+                layout = StepLayout(0, 0, 0, num_copies=len(copies))
+                _, dev = self.stager.stage((), copies, self.block_size, layout)
                 self._copy_blocks(layout.split(dev))
-            if step.window_copies:
-                self._copy_window_blocks(step.window_copies)
+            if step.plan(1).copies:
+                self._copy_window_blocks(step.plan(1).copies)
             # A copy: the graph overwrites its output buffer on the next replay.
             return graphs.run(step.rows, feed).to(torch.float32, copy=True)
         return self._execute_eager(step, feed)
@@ -299,10 +299,10 @@ class ModelRunner:
         )
         if feed is not None:
             feed(views["input_ids"])
-        if step.copies:
+        if step.plan(0).copies:
             self._copy_blocks(views)
-        if step.window_copies:
-            self._copy_window_blocks(step.window_copies)
+        if step.plan(1).copies:
+            self._copy_window_blocks(step.plan(1).copies)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
         return self._forward(views, meta, views["sample_idx"], window_meta)[0].float()
 
@@ -380,13 +380,13 @@ def warm_up_steps(
         table padded with block 0 to `width` columns."""
         blocks = tuple(range(first_block, first_block + -(-num_tokens // B)))
         table = blocks + (0,) * (width - len(blocks))
-        window_table = table if window else ()
-        return ScheduledRequest(f"warm-up-{name}", (0,) * num_tokens, 0, table, True, window_table)
+        tables = (table, table) if window else (table,)
+        return ScheduledRequest(f"warm-up-{name}", (0,) * num_tokens, 0, tables, True)
 
     steps = [SchedulerOutput(rows=(row("prefill", min(16, num_blocks * B), 0),))]
     if num_blocks >= 2:
         mixed = (row("decode", 1, 0), row("chunk", min(8, (num_blocks - 1) * B), 1))
-        steps.append(SchedulerOutput(rows=mixed, copies=(BlockCopy(0, 1, 1),)))
+        steps.append(SchedulerOutput(rows=mixed, plans=(GroupPlan(copies=(BlockCopy(0, 1, 1),)),)))
     decode = tuple(row(f"decode-{i}", 1, i, width=-(-512 // B)) for i in range(min(2, num_blocks)))
     steps.append(SchedulerOutput(rows=decode))
     return steps

@@ -100,7 +100,7 @@ def layout_for(
 ) -> StepLayout:
     """The eager layout of `rows`: exact sizes, the sampled rows' indices kept; `window`: with
     the window layers' regions (a row's window table is as wide as its full one)."""
-    max_blocks = max(len(r.block_table) for r in rows)
+    max_blocks = max(len(r.block_tables[0]) for r in rows)
     return StepLayout(
         num_tokens=sum(len(r.token_ids) for r in rows),
         num_reqs=len(rows),
@@ -150,8 +150,8 @@ def stage_step(
     """An eager step's inputs on the device, packed and copied in one go: `split_step` over
     its buffer. The KV shapes are one layer's, as `split_step` takes them."""
     window = window_kv_cache_shape is not None
-    layout = layout_for(step.rows, num_copies=len(step.copies), window=window)
-    host, dev = stager.stage(step.rows, step.copies, block_size, layout)
+    layout = layout_for(step.rows, num_copies=len(step.plan(0).copies), window=window)
+    host, dev = stager.stage(step.rows, step.plan(0).copies, block_size, layout)
     ids = host.numpy()[: layout.num_tokens]
     # On the host: an id past the embedding would be a device-side assert on CUDA, which
     # leaves the whole process unable to run another step.
@@ -199,7 +199,7 @@ def pack_step(
     """
     B, n = block_size, len(rows)
     v = layout.split(flat)
-    per_row = [(len(r.token_ids), r.start_position, len(r.block_table), r.sample) for r in rows]
+    per_row = [(len(r.token_ids), r.start_position, len(r.block_tables[0]), r.sample) for r in rows]
     q_lens, starts, widths, sample = np.array(per_row, dtype=np.int64).reshape(n, 4).T
     ends = starts + q_lens
     assert n == 0 or q_lens.min() > 0, "a row has no tokens"
@@ -212,7 +212,7 @@ def pack_step(
     tables.fill(0)
     used = np.arange(layout.max_blocks) < widths[:, None]  # [n, max_blocks], row-major like rows
     tables[:n][used] = np.fromiter(
-        chain.from_iterable(r.block_table for r in rows), np.int32, int(widths.sum())
+        chain.from_iterable(r.block_tables[0] for r in rows), np.int32, int(widths.sum())
     )
     if t == n:  # decode rows only (every graph replay): one token each, at its start
         token_row, pos = np.arange(n), starts
@@ -226,7 +226,7 @@ def pack_step(
         window = v["window_block_tables"]
         window.fill(0)
         window[:n][used] = np.fromiter(
-            chain.from_iterable(r.window_block_table for r in rows), np.int32, int(widths.sum())
+            chain.from_iterable(r.block_tables[1] for r in rows), np.int32, int(widths.sum())
         )
         v["window_slot_mapping"][:t] = window[token_row, pos // B] * B + pos % B
         v["window_slot_mapping"][t:] = PAD_SLOT

@@ -50,7 +50,7 @@ class DamagedSim(Sim):
                 oks = [self.disk.get(key, self.host[h]) or None for key, h in pairs]
             poisoned.record(move, oks)
         assert not poisoned.faulty, "a damaged file is a miss, never a fault"
-        self.cache.forget_host_blocks(sorted(poisoned.host))
+        self.cache.forget(sorted(poisoned.host))
         return poisoned
 
     def serve(self, prompt: list[int], reply: list[int], namespace: str | None = None) -> int:

@@ -212,7 +212,7 @@ def test_the_disk_run_stops_before_a_block_the_host_holds(tmp_path: Path) -> Non
     sim.run_moves()
     tiers = sim.cache.inner._tiers
     lost = keys_of(a)[:2] + keys_of(b)[:2]  # a failed move: their host copies are garbage
-    sim.cache.forget_host_blocks([tiers.entries[k.block_hash].block for k in lost])
+    sim.cache.forget([tiers.entries[k.block_hash].block for k in lost])
     assert [tiers.holds(k) for k in keys_of(a)] == [False, False, True, True]
     assert sim.disk is not None and sim.disk.probe(keys_of(a)) == 4
     match = sim.cache.match(a, max_tokens=15)

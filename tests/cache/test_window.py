@@ -1,4 +1,4 @@
-"""The window group (`radixkv.cache.window`) and the hybrid cache over it: window blocks follow
+"""The window group (`radixkv.cache.window`) and the grouped cache over it: window blocks follow
 a running request's window, a hit resumes only where the window KV before it is kept, tails are
 evicted least recently used first. The simulated test writes a "KV" per slot (the hash of the
 prefix up to that token) and checks every read a query would do against it."""
@@ -8,11 +8,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from group_sim import GroupSim
 from router_index import BlockHashIndex
+from window_cache import window_cache
 
 from radixkv import PackedTokens
 from radixkv.cache.events import BlockStored
-from radixkv.cache.hybrid import HybridCache, HybridTable
+from radixkv.cache.grouped import GroupedCache
 from radixkv.cache.keys import chain_hashes, namespace_seed
 from radixkv.cache.window import WindowGroup, first_live_index
 
@@ -51,7 +53,7 @@ def test_a_tail_serves_a_hit_with_a_copy_of_its_partial_block() -> None:
     first = group.open(tokens, 0, None)
     assert first is not None and group.extend(first, 13)
     group.slide(first, 13)
-    group.commit(first, tokens, 13)  # keeps indices first_live_index(13) = 1 .. 3
+    group.keep_tail(first, tokens, 13)  # keeps indices first_live_index(13) = 1 .. 3
     tail = first.blocks[1:4]
     group.close(first)
     assert group.pool.num_free == 13 and group.num_tails == 1
@@ -76,7 +78,7 @@ def test_tails_go_least_recently_used_first_and_the_hit_falls_back() -> None:
     for end in (10, 18, 26):  # three tails of 2 blocks each (indices 1-2, 3-4, 5-6)
         assert group.extend(table, end)
         group.slide(table, end)
-        group.commit(table, tokens, end)
+        group.keep_tail(table, tokens, end)
     group.close(table)
     assert group.pool.num_free == 2 and group.num_evictable_blocks() == 6
     assert group.hit(tokens, 30, None) == 26 and group.hit(tokens, 25, None) == 18
@@ -100,7 +102,7 @@ def test_stats_split_the_pool_into_in_use_tail_and_free_blocks() -> None:
     for end in (10, 18):  # tails of indices 1-2, then 3-4, which the table still lists
         assert group.extend(table, end)
         group.slide(table, end)
-        group.commit(table, tokens, end)
+        group.keep_tail(table, tokens, end)
     split = ("num_in_use_blocks", "num_tail_blocks", "num_free_blocks", "num_tails")
 
     def figures() -> tuple[int, ...]:
@@ -124,12 +126,12 @@ def test_speculative_and_superseded_tails_go_before_proven_ones() -> None:
     for end in (10, 18):  # the tail at 18 supersedes the one at 10: a chat's next turn
         assert group.extend(table, end)
         group.slide(table, end)
-        group.commit(table, chat, end)
+        group.keep_tail(table, chat, end)
     group.close(table)
     table = group.open(doc, 0, None)
     assert table is not None and group.extend(table, 10)
-    group.commit(table, doc, 10, branch=True)  # where the tree's paths branch: proven
-    group.commit(table, doc, 6)  # a speculative tail on the same path, kept at a chunk's end
+    group.keep_tail(table, doc, 10, branch=True)  # where the tree's paths branch: proven
+    group.keep_tail(table, doc, 6)  # a speculative tail on the same path, kept at a chunk's end
     group.close(table)
     ends = [len(prefix) // 4 for _, prefix in group.tail_prefixes()]
     assert ends == [10, 18, 6, 10], "superseded, speculative, then proven"
@@ -141,9 +143,9 @@ def test_speculative_and_superseded_tails_go_before_proven_ones() -> None:
 
 
 def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -> None:
-    cache = HybridCache(num_blocks=32, num_window_blocks=5, block_size=4, window=8)
+    cache = window_cache(num_blocks=32, num_window_blocks=5, block_size=4, window=8)
     prompt = PackedTokens(range(1, 22))
-    first = cache.admit(prompt, max_hit=20, window_chunk=12)
+    first = cache.admit(prompt, max_hit=20, first_chunk=12)
     assert first is not None and first.num_cached_tokens == 0
     cache.slide(first, 12)
     cache.commit(first, prompt[:12])  # a chunk's end
@@ -153,28 +155,28 @@ def test_admit_resumes_at_the_deepest_kept_window_and_returns_none_untouched() -
     cache.close(first)
     cache.check_integrity()
     longer = prompt + [90, 91]
-    assert cache.full.match(longer).num_cached_tokens == 21
+    assert cache.tree.match(longer).num_cached_tokens == 21
     assert cache.match(longer).num_cached_tokens == 21
     assert cache.match(longer, max_tokens=20).num_cached_tokens == 12
-    before = cache.full.stats()
+    before = cache.tree.stats()
     much_longer = prompt + list(range(90, 130))  # the same hit, 40 tokens past it
-    assert cache.admit(much_longer, max_hit=22, window_chunk=60) is None  # 13 window blocks
-    assert cache.full.stats() == before and cache.window.num_tails == 2
+    assert cache.admit(much_longer, max_hit=22, first_chunk=60) is None  # 13 window blocks
+    assert cache.tree.stats() == before and cache.groups[1].num_tails == 2
     resumed = cache.admit(longer, max_hit=22)
     assert resumed is not None and resumed.num_cached_tokens == 21
-    assert resumed.window.copy is not None and resumed.full.copy is not None
+    assert resumed.tables[1].copy is not None and resumed.tables[0].copy is not None
     cache.check_integrity()
     cache.close(resumed)
     cache.check_integrity()
 
 
 def test_the_window_before_a_branch_point_is_kept_for_the_next_request() -> None:
-    cache = HybridCache(num_blocks=64, num_window_blocks=32, block_size=4, window=8)
+    cache = window_cache(num_blocks=64, num_window_blocks=32, block_size=4, window=8)
     doc = list(range(1, 40))
 
     def serve(question: list[int]) -> int:
         tokens = doc + question
-        table = cache.admit(tokens, max_hit=len(tokens) - 1, window_chunk=0)
+        table = cache.admit(tokens, max_hit=len(tokens) - 1, first_chunk=0)
         assert table is not None
         hit = table.num_cached_tokens
         for pos, end in ((hit, 30), (30, len(tokens))):  # two chunks, the branch inside the 2nd
@@ -192,89 +194,18 @@ def test_the_window_before_a_branch_point_is_kept_for_the_next_request() -> None
     assert serve([70, 71, 72, 73]) == len(doc)  # kept by the second request at its branch
 
 
-# ---------------------------------------------------------------------------------------------
-# Simulated KV: every read of every query checked
-
-
-def _kv(tokens: list[int], position: int) -> int:
-    """What a layer's KV at `position` depends on: the tokens up to it."""
-    return hash(tuple(tokens[: position + 1]))
-
-
-class _Simulation:
-    def __init__(self, cache: HybridCache) -> None:
-        self.cache = cache
-        self.full_kv: dict[tuple[int, int], int] = {}
-        self.window_kv: dict[tuple[int, int], int] = {}
-
-    def copy(self, store: dict[tuple[int, int], int], copy: tuple[int, int, int] | None) -> None:
-        if copy is not None:
-            src, dst, slots = copy
-            for s in range(slots):
-                store[(dst, s)] = store[(src, s)]
-
-    def write(self, table: HybridTable, tokens: list[int], start: int, end: int) -> None:
-        B = self.cache.block_size
-        for p in range(start, end):
-            self.full_kv[(table.full.blocks[p // B], p % B)] = _kv(tokens, p)
-            block = table.window.blocks[p // B]
-            assert block is not None, f"position {p} has no window block"
-            self.window_kv[(block, p % B)] = _kv(tokens, p)
-
-    def read(self, table: HybridTable, tokens: list[int], query: int) -> None:
-        """The keys the query at `query` reads: every earlier position (full layers), the last
-        W (window layers)."""
-        B, W = self.cache.block_size, self.cache.window.window
-        for p in range(query + 1):
-            assert self.full_kv[(table.full.blocks[p // B], p % B)] == _kv(tokens, p), p
-        for p in range(max(0, query - W + 1), query + 1):
-            block = table.window.blocks[p // B]
-            assert block is not None, f"query {query} lost its window key {p}"
-            assert self.window_kv[(block, p % B)] == _kv(tokens, p), (query, p)
-
-    def serve(self, rng: random.Random, tokens: list[int], num_prompt: int, chunk: int) -> int:
-        cache = self.cache
-        table = cache.admit(tokens, max_hit=num_prompt - 1, window_chunk=0)
-        if table is None:
-            return -1
-        cache.check_integrity()
-        hit = table.num_cached_tokens
-        self.copy(self.full_kv, table.full.copy)
-        self.copy(self.window_kv, table.window.copy)
-        pos = hit
-        try:
-            while pos < len(tokens):
-                end = min(pos + chunk, len(tokens))
-                if not cache.extend(table, end):
-                    return -1
-                cache.slide(table, pos)
-                self.write(table, tokens, pos, end)
-                for query in range(pos, end):
-                    self.read(table, tokens, query)
-                pos = end
-                if rng.random() < 0.3:
-                    cache.commit(table, tokens[:pos])
-                cache.check_integrity()
-            cache.commit(table, tokens)
-            cache.check_integrity()
-        finally:
-            cache.close(table)
-            cache.check_integrity()
-        return hit
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_query_reads_the_kv_it_needs_under_eviction(block_size: int, seed: int) -> None:
     rng = random.Random(seed)
     window = rng.choice([3, 8, 21])
-    cache = HybridCache(
+    cache = window_cache(
         num_blocks=400 // block_size + 8,
         num_window_blocks=3 * (window // block_size + 2) + 40 // block_size,
         block_size=block_size,
         window=window,
     )
-    sim = _Simulation(cache)
+    sim = GroupSim(cache)
     stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
     hits = 0
     for _ in range(40):
@@ -284,19 +215,19 @@ def test_every_query_reads_the_kv_it_needs_under_eviction(block_size: int, seed:
         num_prompt = rng.randrange(1, len(tokens) + 1)
         hit = sim.serve(rng, tokens, num_prompt, chunk=rng.choice([1, 5, 64]))
         hits += max(hit, 0)
-        assert cache.full.stats().num_in_use_blocks == 0
-        assert cache.window.pool.num_free + cache.window.num_evictable_blocks() == (
-            cache.window.pool.num_blocks
+        assert cache.tree.stats().num_in_use_blocks == 0
+        assert cache.groups[1].pool.num_free + cache.groups[1].num_evictable_blocks() == (
+            cache.groups[1].pool.num_blocks
         )
     assert hits > 0
-    assert cache.window.num_evicted_tails > 0
+    assert cache.groups[1].num_evicted_tails > 0
 
 
-def _tail_hashes(cache: HybridCache) -> set[int]:
+def _tail_hashes(cache: GroupedCache) -> set[int]:
     """The chained hashes of the full blocks the tails keep, recomputed from their prefixes."""
-    B, W = cache.block_size, cache.window.window
+    B, W = cache.block_size, cache.groups[1].window
     hashes: set[int] = set()
-    for namespace, prefix in cache.window.tail_prefixes():
+    for namespace, prefix in cache.groups[1].tail_prefixes():
         end = len(prefix) // 4
         seed = None if namespace is None else namespace_seed(namespace)
         chain = chain_hashes(seed, prefix[: 4 * (end // B * B)], B)
@@ -312,14 +243,14 @@ def test_events_name_each_groups_blocks_under_eviction(block_size: int, seed: in
     request, while both pools evict."""
     rng = random.Random(seed)
     window = rng.choice([3, 8])
-    cache = HybridCache(
+    cache = window_cache(
         num_blocks=200 // block_size + 8,
         num_window_blocks=3 * (window // block_size + 2) + 40 // block_size,
         block_size=block_size,
         window=window,
         kv_events=True,
     )
-    sim, index = _Simulation(cache), BlockHashIndex()
+    sim, index = GroupSim(cache), BlockHashIndex()
     stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
     served: list[list[int]] = []
     for _ in range(30):
@@ -328,7 +259,7 @@ def test_events_name_each_groups_blocks_under_eviction(block_size: int, seed: in
             stems.append(tokens)
         sim.serve(rng, tokens, rng.randrange(1, len(tokens) + 1), chunk=rng.choice([1, 5, 64]))
         served.append(tokens)
-        events = cache.full.take_events()
+        events = cache.tree.take_events()
         for event in events:
             index.apply(event)  # strict: a key stored twice in its group or removed unknown raises
         window_events = [e for e in events if getattr(e, "group_idx", 0)]
@@ -336,20 +267,22 @@ def test_events_name_each_groups_blocks_under_eviction(block_size: int, seed: in
         assert all(e.sliding_window == window for e in window_events if isinstance(e, BlockStored))
         assert index.window_hashes == _tail_hashes(cache)
         for prompt in served:
-            held = cache.full.match(prompt).num_cached_tokens // block_size
+            held = cache.tree.match(prompt).num_cached_tokens // block_size
             assert index.longest_prefix_blocks(prompt, block_size) == held
-    assert cache.window.num_evicted_tails > 0 and index.window_hashes
-    assert cache.full.stats().num_evicted_blocks > 0
+    assert cache.groups[1].num_evicted_tails > 0 and index.window_hashes
+    assert cache.tree.stats().num_evicted_blocks > 0
 
 
 def test_a_window_run_chains_from_the_full_block_before_it() -> None:
-    cache = HybridCache(num_blocks=32, num_window_blocks=16, block_size=4, window=8, kv_events=True)
+    cache = window_cache(
+        num_blocks=32, num_window_blocks=16, block_size=4, window=8, kv_events=True
+    )
     tokens = list(range(1, 22))
     table = cache.admit(tokens, max_hit=0, namespace="tenant")
     assert table is not None
     cache.commit(table, tokens)  # a tail at 21 keeps window indices 3, 4 and 5 (5 partial)
     cache.close(table)
-    full, window = cache.full.take_events()
+    full, window = cache.tree.take_events()
     seed = namespace_seed("tenant")
     chain = chain_hashes(seed, b"".join(t.to_bytes(4, "little") for t in tokens[:20]), 4)
     assert isinstance(full, BlockStored) and full.block_hashes == tuple(chain)
@@ -365,7 +298,7 @@ def _group_with_a_tail_and_a_table() -> tuple[WindowGroup, object]:
     tokens = _qb(range(1, 30))
     table = group.open(tokens, 0, None)
     assert table is not None and group.extend(table, 13)
-    group.commit(table, tokens, 13)
+    group.keep_tail(table, tokens, 13)
     group.check_integrity()
     return group, table
 

@@ -20,9 +20,9 @@ import pytest
 import xxhash
 from kv_sim import run_move, sim_disk_store
 from lifecycle import HashCount
+from window_cache import window_cache
 
 from radixkv.cache.events import BlockRemoved, BlockStored
-from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.keys import BlockKey, token_bytes_le
 from radixkv.cache.tiers import LowerHit
 from radixkv.cache.tokens import PackedTokens
@@ -71,7 +71,7 @@ class Sim:
     ) -> None:
         full_disk = _disk(root, "full", B, disk_files)
         window_disk = _disk(root, "window", B, disk_files)
-        self.cache = HybridCache(
+        self.cache = window_cache(
             num_blocks,
             num_window_blocks,
             B,
@@ -88,8 +88,9 @@ class Sim:
         self.window = _Group(num_window_blocks, host_blocks, B, window_disk)
 
     def run_moves(self) -> None:
-        self.full.run(self.cache.take_moves())
-        self.window.run(self.cache.take_window_moves())
+        full, window = self.cache.take_moves()
+        self.full.run(full)
+        self.window.run(window)
         self.cache.check_integrity()
 
     def serve(self, prompt: list[int], reply: list[int], namespace: str | None = None) -> int:
@@ -100,23 +101,24 @@ class Sim:
         table = cache.admit(written, max_hit=len(prompt) - 1, namespace=namespace)
         assert table is not None
         self.run_moves()
-        for group, copy in ((self.full, table.full.copy), (self.window, table.window.copy)):
+        for group, copy in ((self.full, table.tables[0].copy), (self.window, table.tables[1].copy)):
             if copy is not None:
                 src, dst, slots = copy
                 group.device[dst, :slots] = group.device[src, :slots]
         hit = table.num_cached_tokens
         for pos in range(hit):
-            block = table.full.blocks[pos // B]
+            block = table.tables[0].blocks[pos // B]
             assert self.full.device[block, pos % B] == kv(written, pos), ("full", pos)
         for pos in range(max(0, hit - W + 1), hit):
-            block = table.window.blocks[pos // B]
+            block = table.tables[1].blocks[pos // B]
             assert block is not None, ("window released", pos)
             assert self.window.device[block, pos % B] == kv(written, pos), ("window", pos)
         for pos in range(hit, len(written)):
-            self.full.device[table.full.blocks[pos // B], pos % B] = kv(written, pos)
-            self.window.device[table.window.blocks[pos // B], pos % B] = kv(written, pos)
+            self.full.device[table.tables[0].blocks[pos // B], pos % B] = kv(written, pos)
+            self.window.device[table.tables[1].blocks[pos // B], pos % B] = kv(written, pos)
         cache.commit(table, written)
-        cache.keep_tail(table, prompt[:-1])
+        qb = PackedTokens(prompt).tobytes()
+        cache.groups[1].keep_tail(table.tables[1], qb, len(prompt) - 1)  # where a repeat resumes
         cache.slide(table, len(written))
         cache.close(table)
         self.run_moves()
@@ -138,8 +140,8 @@ def test_an_evicted_tail_is_demoted_and_a_repeat_resumes_from_the_host() -> None
     # a lower-tier hit resumes at the last block boundary before the prompt's last token
     assert hits == [20, 20, 20]
     assert "Load" in sim.window.kinds and "Load" in sim.full.kinds
-    assert sim.cache.window.tiers.counts["num_loaded_blocks"] > 0
-    assert sim.cache.full.stats().num_host_hit_tokens > 0
+    assert sim.cache.groups[1].tiers.counts["num_loaded_blocks"] > 0
+    assert sim.cache.tree.stats().num_host_hit_tokens > 0
 
 
 def test_a_tail_spills_to_disk_and_a_fresh_cache_resumes_from_it(tmp_path: Path) -> None:
@@ -151,7 +153,7 @@ def test_a_tail_spills_to_disk_and_a_fresh_cache_resumes_from_it(tmp_path: Path)
     assert "DiskWrite" in sim.window.kinds
     assert sim.serve(docs[0], [9]) == 20  # from disk: the host holds the later ones
     assert "DiskRead" in sim.window.kinds
-    assert sim.cache.full.stats().num_disk_hit_tokens > 0
+    assert sim.cache.tree.stats().num_disk_hit_tokens > 0
     sim.cache.persist()
     sim.run_moves()
     fresh = Sim(host_blocks=8, root=tmp_path)  # a restart over the same folders
@@ -161,7 +163,7 @@ def test_a_tail_spills_to_disk_and_a_fresh_cache_resumes_from_it(tmp_path: Path)
 
 
 def _tail_keys(sim: Sim) -> list[BlockKey]:
-    return [key for tail in sim.cache.window._tails.values() for key in tail.keys]
+    return [key for tail in sim.cache.groups[1]._tails.values() for key in tail.keys]
 
 
 @pytest.mark.parametrize("write_through", [False, True])
@@ -172,15 +174,15 @@ def test_write_through_copies_a_tail_to_the_host_when_it_is_kept(write_through: 
     sim = Sim(write_through=write_through)
     doc = _docs(random.Random(6), 1, 22)[0]
     sim.serve(doc, [7, 8])
-    tiers = sim.cache.window.tiers
-    assert tiers is not None and sim.cache.window.num_evicted_tails == 0
+    tiers = sim.cache.groups[1].tiers
+    assert tiers is not None and sim.cache.groups[1].num_evicted_tails == 0
     keys = _tail_keys(sim)
-    assert len(keys) >= 2 and sim.cache.window.num_tails == 2
+    assert len(keys) >= 2 and sim.cache.groups[1].num_tails == 2
     assert [tiers.holds(key) for key in keys] == [write_through] * len(keys)
     assert ("Offload" in sim.window.kinds) == write_through
     offloaded = tiers.counts["num_offloaded_blocks"]
-    sim.cache.window.evict(sim.cache.window.pool.num_blocks)
-    assert sim.cache.window.num_tails == 0 and all(map(tiers.holds, keys))
+    sim.cache.groups[1].evict(sim.cache.groups[1].pool.num_blocks)
+    assert sim.cache.groups[1].num_tails == 0 and all(map(tiers.holds, keys))
     assert (tiers.counts["num_offloaded_blocks"] == offloaded) == write_through
     sim.run_moves()
     loads = tiers.counts["num_loaded_blocks"]
@@ -192,15 +194,15 @@ def test_no_window_blocks_below_no_hit() -> None:
     sim = Sim()
     doc = _docs(random.Random(2), 1, 22)[0]
     sim.serve(doc, [7, 8])
-    tiers = sim.cache.window.tiers
+    tiers = sim.cache.groups[1].tiers
     assert tiers is not None
     tiers.clear()  # the window group's lower tiers forget everything; the device keeps its tail
-    sim.cache.window.evict(sim.cache.window.pool.num_blocks)  # demotes the tail again
+    sim.cache.groups[1].evict(sim.cache.groups[1].pool.num_blocks)  # demotes the tail again
     sim.run_moves()
     tiers.clear()
     sim.run_moves()
-    assert sim.cache.window.num_tails == 0
-    assert sim.cache.full.match(doc, max_tokens=21).num_cached_tokens == 21
+    assert sim.cache.groups[1].num_tails == 0
+    assert sim.cache.tree.match(doc, max_tokens=21).num_cached_tokens == 21
     assert sim.cache.match(doc, max_tokens=21).num_cached_tokens == 0
     assert sim.serve(doc, [9]) == 0
 
@@ -218,7 +220,7 @@ def test_random_workload_through_every_tier_reads_only_what_it_claims(
         prompt = _random_prompt(rng, stems)
         hits += sim.serve(prompt, [rng.randrange(1, 200) for _ in range(rng.randrange(1, 4))])
     assert hits > 0
-    counts = sim.cache.window.tiers.counts
+    counts = sim.cache.groups[1].tiers.counts
     assert counts["num_loaded_blocks"] > 0 and counts["num_offloaded_blocks"] > 0
 
 
@@ -251,7 +253,7 @@ def _lower_hit_from_scratch(
 ) -> LowerHit | None:
     """`WindowGroup.lower_hit` over the prompt's chain hashed from block 0, every boundary
     tried from the deepest down (no skipping)."""
-    tiers, B = sim.cache.window.tiers, sim.B
+    tiers, B = sim.cache.groups[1].tiers, sim.B
     assert tiers is not None
     if not tiers.entries and tiers.disk is None:
         return None
@@ -279,19 +281,19 @@ def test_the_keys_handed_to_the_window_group_equal_the_chain_hashed_from_scratch
     for _ in range(40):
         prompt = _random_prompt(rng, stems)
         namespace = rng.choice([None, "tenant"])
-        found, keys = cache.full.lookup(prompt, max_tokens=len(prompt) - 1, namespace=namespace)
+        found, keys = cache.tree.lookup(prompt, max_tokens=len(prompt) - 1, namespace=namespace)
         assert keys is not None
         qb = PackedTokens(prompt).tobytes()
         num_full = len(prompt) // B
-        chain = cache.full.key_chain.chain(namespace, token_bytes_le(qb[: 4 * B * num_full]))
+        chain = cache.tree.key_chain.chain(namespace, token_bytes_le(qb[: 4 * B * num_full]))
         for _ in range(4):
             lo = rng.randrange(num_full + 1)
             hi = rng.randrange(lo, num_full + 1)
             assert keys.span(lo, hi) == chain[lo:hi]
         assert keys.span(0, num_full) == chain
         m = found.num_cached_tokens
-        above = cache.window.hit(qb, m, namespace)
-        lower = cache.window.lower_hit(keys, m, above)
+        above = cache.groups[1].hit(qb, m, namespace)
+        lower = cache.groups[1].lower_hit(keys, m, above)
         assert lower == _lower_hit_from_scratch(sim, chain, m, above)
         lower_hits += lower is not None
         cache.check_integrity()
@@ -309,14 +311,14 @@ def test_an_admission_hashes_each_block_of_its_prompt_once(monkeypatch: pytest.M
     long, other = _docs(rng, 1, 80)[0], _docs(rng, 1, 76)[0]
     sim.serve(long, [7, 8])
     sim.serve(other, [7, 8])  # evicts the long prompt's last blocks and its window tails
-    assert sim.cache.window.num_tails == 2
+    assert sim.cache.groups[1].num_tails == 2
     count = HashCount(monkeypatch)
     table = sim.cache.admit(long, max_hit=len(long) - 1)
     assert table is not None
     assert count.num_blocks > 0 and max(count.per_block.values()) == 1
     sim.run_moves()  # (its integrity check hashes every path again)
     # the hit: 12 blocks in the tree, 7 more on the full group's host, their window there too
-    assert table.num_cached_tokens == 76 and sim.cache.full.stats().num_host_hit_tokens == 28
+    assert table.num_cached_tokens == 76 and sim.cache.tree.stats().num_host_hit_tokens == 28
     assert "Load" in sim.window.kinds
     sim.cache.close(table)
     sim.cache.check_integrity()
@@ -330,7 +332,7 @@ def test_each_tier_announces_the_window_blocks_it_holds_as_group_1(tmp_path: Pat
     rng = random.Random(3)
     for doc in _docs(rng, 8, 22) * 2:
         sim.serve(doc, [7, 8])
-        for event in sim.cache.full.take_events():
+        for event in sim.cache.tree.take_events():
             held = index.setdefault((event.medium, event.group_idx), set())
             hashes = set(event.block_hashes)
             if isinstance(event, BlockStored):
@@ -340,7 +342,7 @@ def test_each_tier_announces_the_window_blocks_it_holds_as_group_1(tmp_path: Pat
             else:
                 assert isinstance(event, BlockRemoved) and hashes <= held, "unknown removal"
                 held -= hashes
-    tiers = sim.cache.window.tiers
+    tiers = sim.cache.groups[1].tiers
     assert tiers is not None and tiers.disk is not None
     assert index[("CPU", 1)] == set(tiers.entries) and index[("CPU", 1)]
     on_disk = index[("DISK", 1)]
@@ -353,14 +355,14 @@ def test_a_reset_clears_both_groups_in_every_tier(tmp_path: Path) -> None:
     docs = _docs(random.Random(4), 6, 22)
     for doc in docs:
         sim.serve(doc, [7, 8])
-    sim.cache.full.take_events()
+    sim.cache.tree.take_events()
     assert sim.cache.reset()
-    events = sim.cache.full.take_events()
+    events = sim.cache.tree.take_events()
     assert type(events[0]).__name__ == "AllBlocksCleared"
     assert {(e.medium, e.group_idx) for e in events[1:]} <= {("CPU", 0), ("CPU", 1)}
-    tiers = sim.cache.window.tiers
-    assert tiers is not None and not tiers.entries and sim.cache.window.num_tails == 0
-    assert sim.cache.window.pool.num_free == sim.cache.window.pool.num_blocks
+    tiers = sim.cache.groups[1].tiers
+    assert tiers is not None and not tiers.entries and sim.cache.groups[1].num_tails == 0
+    assert sim.cache.groups[1].pool.num_free == sim.cache.groups[1].pool.num_blocks
     sim.cache.check_integrity()
     for doc in docs:  # served again from what is left (the disk keeps its files), reads checked
         sim.serve(doc, [9])

@@ -38,7 +38,7 @@ def _decode_rows(n: int, context: int, first_block: int) -> list[ScheduledReques
     for i in range(n):
         start = first_block + i * per_row
         rows.append(
-            ScheduledRequest(f"r{i}", (7,), context, tuple(range(start, start + per_row)), True)
+            ScheduledRequest(f"r{i}", (7,), context, (tuple(range(start, start + per_row)),), True)
         )
     return rows
 
@@ -67,7 +67,7 @@ def test_steps_of_every_shape_share_one_variant_per_kind(monkeypatch):
             _run_step(_decode_rows(n, context, first_block=0), k_cache, v_cache)
         decode = recorder.variants()
         for q_len, start in [(5, 0), (16, 3), (1 + 2 * BLOCK, 1)]:
-            prefill = [ScheduledRequest("p", (7,) * q_len, start, tuple(range(8)), True)]
+            prefill = [ScheduledRequest("p", (7,) * q_len, start, (tuple(range(8)),), True)]
             _run_step(_decode_rows(2, 3, first_block=8) + prefill, k_cache, v_cache)
     assert len(decode["store_kv"]) == 1
     assert len(decode["paged_attention"]) == 1

@@ -24,7 +24,7 @@ from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.step import token_feed
 from radixkv.engine.step_inputs import InputStager
 from radixkv.kernels import use_backend
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 pytestmark = pytest.mark.interpreter
 
@@ -80,9 +80,8 @@ def graph_runner():
 
 def row(rid, tokens, start, table, window=False):
     """A sampled row; `window`: its window layers' table is the same blocks (their own pool)."""
-    return ScheduledRequest(
-        rid, tuple(tokens), start, tuple(table), True, tuple(table) if window else ()
-    )
+    tables = (tuple(table), tuple(table)) if window else (tuple(table),)
+    return ScheduledRequest(rid, tuple(tokens), start, tables, True)
 
 
 def test_graph_replays_equal_eager_steps(graph_runner):
@@ -99,7 +98,7 @@ def test_graph_replays_equal_eager_steps(graph_runner):
         SchedulerOutput(rows=(row("a", [41], 10, [3, 7, 1]), row("b", [42], 5, [5, 2]))),
         SchedulerOutput(
             rows=(row("b", [43], 6, [5, 2]), row("c", [44], 6, [5, 9])),
-            copies=(BlockCopy(src_block=2, dst_block=9, num_slots=2),),
+            plans=(GroupPlan(copies=(BlockCopy(src_block=2, dst_block=9, num_slots=2),)),),
         ),
         SchedulerOutput(rows=(row("d", [45], 40, [*range(11, 21), 21]),)),  # 11 blocks: eager
     ]

@@ -90,7 +90,7 @@ def fault(llm: LLM, point: str, at: int, exc: BaseException) -> Iterator[list[bo
                 llm.scheduler, "schedule", around(llm.scheduler.schedule, point == "schedule")
             )
         elif point in ("_allocate", "commit"):  # the cache's, in schedule / record / fill
-            mp.setattr(llm.cache, point, around(getattr(llm.cache, point), True))
+            mp.setattr(llm.cache.tree, point, around(getattr(llm.cache.tree, point), True))
         elif point == "forward":
             hook = llm.model.model.layers[1].register_forward_pre_hook(lambda *_: trip())
         elif point == "kv-store":  # the fused Llama layers' store, or the generic hook's

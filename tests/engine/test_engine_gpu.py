@@ -17,7 +17,7 @@ from tiny_llama import build_model, random_prompts
 from radixkv import LLM, SamplingParams
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +107,7 @@ def test_greedy_matches_transformers_on_cuda(
 
 
 def _row(rid, tokens, start, table, sample=True):
-    return ScheduledRequest(rid, tuple(tokens), start, tuple(table), sample)
+    return ScheduledRequest(rid, tuple(tokens), start, (tuple(table),), sample)
 
 
 def _steps() -> list[SchedulerOutput]:
@@ -119,7 +119,7 @@ def _steps() -> list[SchedulerOutput]:
         SchedulerOutput(rows=(_row("a", [31], 21, [7, 3]), _row("b", [49], 9, [5]))),
         SchedulerOutput(
             rows=(_row("a", [32], 22, [7, 3]), _row("b", [50], 10, [5])),
-            copies=(BlockCopy(src_block=5, dst_block=9, num_slots=10),),
+            plans=(GroupPlan(copies=(BlockCopy(src_block=5, dst_block=9, num_slots=10),)),),
         ),
         SchedulerOutput(rows=(_row("a", [33], 23, [7, 3]), _row("c", c, 0, [11]))),
         SchedulerOutput(
@@ -283,7 +283,7 @@ def test_window_models_match_transformers_on_cuda(arch, overlap, host_tier, tmp_
         llm.check_integrity()
     graphs = llm.runner.decode_graphs
     assert graphs is not None and graphs.num_replays > 0
-    assert llm.scheduler.cache.window.num_evicted_tails > 0
+    assert llm.cache.groups[1].num_evicted_tails > 0
     if host_tier:
         assert llm.cache.stats().num_host_hit_tokens > 0
         assert llm.window_tier_io.totals["load"].num_blocks > 0

@@ -45,7 +45,7 @@ def test_router_index_scores_prompts_with_the_cached_full_blocks(tiny_model_dir)
 def test_an_engine_without_kv_events_records_none(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("gqa")), block_size=B, num_blocks=40)
     llm.generate(random_prompts(8, 2, min_len=12, max_len=20), SamplingParams(max_tokens=2))
-    assert llm.kv_events is None and llm.cache._events is None
+    assert llm.kv_events is None and llm.cache.tree.event_recorder is None
     assert llm.cache.take_events() == []
 
 

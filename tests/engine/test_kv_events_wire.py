@@ -27,15 +27,15 @@ from vllm_kv_events import (
     VllmBlockRemoved,
     VllmBlockStored,
 )
+from window_cache import window_cache
 
-from radixkv.cache import PrefixCache
+from radixkv.cache import PackedTokens, PrefixCache
 from radixkv.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
 )
-from radixkv.cache.hybrid import HybridCache
 from radixkv.cache.keys import chain_hashes
 from radixkv.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
 
@@ -273,17 +273,20 @@ def from_wire(event: KVCacheEvent) -> KVEvent:
 
 def _hybrid_workload() -> Iterator[list[KVEvent]]:
     """A window model's cache under eviction in both groups: each request's events."""
-    cache = HybridCache(num_blocks=16, num_window_blocks=10, block_size=4, window=6, kv_events=True)
+    cache = window_cache(
+        num_blocks=16, num_window_blocks=10, block_size=4, window=6, kv_events=True
+    )
     for k in range(12):
         tokens = [1, 2, 3, 4, 5, 6, 7, *range(100 * k, 100 * k + 3 + k % 5)]
         table = cache.admit(tokens, max_hit=len(tokens) - 1)
         assert table is not None
         cache.commit(table, tokens)
-        cache.keep_tail(table, tokens[:-1])
+        qb = PackedTokens(tokens).tobytes()
+        cache.groups[1].keep_tail(table.tables[1], qb, len(tokens) - 1)  # where a repeat resumes
         cache.close(table)
         cache.check_integrity()
-        yield cache.full.take_events()
-    assert cache.window.num_evicted_tails > 0 and cache.full.stats().num_evicted_blocks > 0
+        yield cache.take_events()
+    assert cache.groups[1].num_evicted_tails > 0 and cache.stats().num_evicted_blocks > 0
 
 
 def test_a_window_models_events_carry_their_group_on_the_wire() -> None:

@@ -16,7 +16,7 @@ from radixkv.engine.model_runner import (
     plan_num_blocks,
 )
 from radixkv.kernels import metadata, reference
-from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 ATOL = 1e-4
 
@@ -36,8 +36,11 @@ def dense_last_logits(reference, tokens: list[int]) -> torch.Tensor:
         return reference(torch.tensor([tokens])).logits[0, -1]
 
 
+COPY_9_TO_11 = GroupPlan(copies=(BlockCopy(9, 11, 2),))  # its first 2 slots
+
+
 def row(rid, tokens, start, table, sample=True):
-    return ScheduledRequest(rid, tuple(tokens), start, tuple(table), sample)
+    return ScheduledRequest(rid, tuple(tokens), start, (tuple(table),), sample)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -114,7 +117,10 @@ def test_copy_on_write_of_a_partial_block(models):
     runner.execute(SchedulerOutput(rows=(row("a", a, 0, [5, 9]),)))
     c = [*a[:6], 99, 98, 97]
     logits = runner.execute(
-        SchedulerOutput(rows=(row("c", c[6:], 6, [5, 11, 12]),), copies=(BlockCopy(9, 11, 2),))
+        SchedulerOutput(
+            rows=(row("c", c[6:], 6, [5, 11, 12]),),
+            plans=(GroupPlan(copies=(BlockCopy(9, 11, 2),)),),
+        )
     )
     torch.testing.assert_close(logits[0], dense_last_logits(reference, c), atol=ATOL, rtol=0)
     # a's block 9 is untouched by c's writes.
@@ -142,7 +148,9 @@ def test_a_step_is_one_host_copy_and_its_token_ids_are_checked_before_the_forwar
     a = [11, 12, 13, 14, 15, 16]
     runner.execute(SchedulerOutput(rows=(row("a", a, 0, [5, 9]),)))
     runner.execute(
-        SchedulerOutput(rows=(row("c", [7, 8], 6, [5, 11]),), copies=(BlockCopy(9, 11, 2),))
+        SchedulerOutput(
+            rows=(row("c", [7, 8], 6, [5, 11]),), plans=(GroupPlan(copies=(BlockCopy(9, 11, 2),)),)
+        )
     )
     assert len(calls) == 2
     k_cache = runner.k_cache.clone()

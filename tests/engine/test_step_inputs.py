@@ -34,7 +34,7 @@ BLOCK = 4
 
 
 def decode_row(rid: str, token: int, position: int, table: list[int]) -> ScheduledRequest:
-    return ScheduledRequest(rid, (token,), position, tuple(table), True)
+    return ScheduledRequest(rid, (token,), position, (tuple(table),), True)
 
 
 def packed(rows, layout, copies=()):
@@ -73,13 +73,13 @@ def test_graph_max_blocks():
 
 def test_is_decode_step():
     assert is_decode_step([decode_row("a", 5, 3, [1])])
-    assert not is_decode_step([ScheduledRequest("a", (5, 6), 0, (1,), True)])
-    assert not is_decode_step([ScheduledRequest("a", (5,), 0, (1,), False)])  # a mid-prefill row
+    assert not is_decode_step([ScheduledRequest("a", (5, 6), 0, ((1,),), True)])
+    assert not is_decode_step([ScheduledRequest("a", (5,), 0, ((1,),), False)])  # a mid-prefill row
 
 
 def test_eager_layout_packs_rows_exactly():
     rows = [
-        ScheduledRequest("a", (10, 11, 12), 2, (7, 3), False),  # positions 2..4
+        ScheduledRequest("a", (10, 11, 12), 2, ((7, 3),), False),  # positions 2..4
         decode_row("b", 20, 5, [9, 1]),
     ]
     copies = [BlockCopy(src_block=4, dst_block=8, num_slots=3)]
@@ -159,7 +159,7 @@ def test_padded_packing_matches_eager_on_real_rows(data, extra):
         for i, (tok, pos) in enumerate(data)
     ]
     eager = packed(rows, layout_for(rows))
-    max_blocks = max(len(r.block_table) for r in rows) + 2
+    max_blocks = max(len(r.block_tables[0]) for r in rows) + 2
     pad = packed(rows, bucket_layout(len(rows) + extra, max_blocks))
     n = len(rows)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
@@ -175,7 +175,7 @@ def per_row_reference(rows, copies, layout) -> dict[str, list]:
     """What `pack_step` must produce, written the plain way: one row at a time."""
     out: dict[str, list] = {name: [] for name, _ in layout.sizes()}
     for row in rows:
-        table = [*row.block_table, *[0] * (layout.max_blocks - len(row.block_table))]
+        table = [*row.block_tables[0], *[0] * (layout.max_blocks - len(row.block_tables[0]))]
         out["block_tables"].append(table)
         out["cu_seqlens_q"].append(len(out["input_ids"]))
         for j, token in enumerate(row.token_ids):
@@ -224,7 +224,7 @@ def test_vectorized_packing_equals_packing_row_by_row(specs, extra_rows, num_cop
         blocks = -(-(start + q_len) // BLOCK) + spare
         tokens = tuple(int(t) for t in rng.integers(0, 1000, q_len))
         table = tuple(int(b) for b in rng.integers(0, 500, blocks))
-        rows.append(ScheduledRequest(f"r{i}", tokens, start, table, sample))
+        rows.append(ScheduledRequest(f"r{i}", tokens, start, (table,), sample))
     copies = [BlockCopy(int(a), int(b), int(c)) for a, b, c in rng.integers(0, 9, (num_copies, 3))]
     eager = layout_for(rows, num_copies=num_copies)
     padded = StepLayout(

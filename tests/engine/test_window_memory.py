@@ -17,8 +17,7 @@ from tiny_llama import random_prompts
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.cache.keys import chain_hashes
-from radixkv.cache.window import first_live_index
-from radixkv.scheduler.hybrid import window_budget
+from radixkv.cache.window import first_live_index, window_budget
 
 B, CHUNK = 4, 16
 SETTINGS = dict(block_size=B, num_blocks=256, chunked_prefill_size=CHUNK)
@@ -34,15 +33,15 @@ def test_a_running_request_holds_its_window_not_its_length(gemma3, cache):
     llm = LLM(gemma3, **SETTINGS, enable_prefix_cache=cache)
     (prompt,) = random_prompts(31, 1, min_len=20 * WINDOW, max_len=20 * WINDOW)
     llm.add_request(prompt, SamplingParams(max_tokens=24))
-    window, pool = llm.scheduler.cache.window, llm.scheduler.cache.window.pool
+    window, pool = llm.cache.groups[1], llm.cache.groups[1].pool
     peak_window = peak_full = 0
     while llm.has_unfinished_requests():
         llm.step()
         for req in llm.scheduler.running_requests:
-            peak_window = max(peak_window, req.table.window.num_live_blocks)
-            peak_full = max(peak_full, len(req.table.blocks))
+            peak_window = max(peak_window, req.table.tables[1].num_live_blocks)
+            peak_full = max(peak_full, len(req.table.tables[0].blocks))
             if not cache:  # nothing but the running table holds window blocks
-                assert pool.num_blocks - pool.num_free == req.table.window.num_live_blocks
+                assert pool.num_blocks - pool.num_free == req.table.tables[1].num_live_blocks
         llm.check_integrity()
     assert peak_window <= window_budget(WINDOW, B, CHUNK) == 8
     assert peak_full == -(-(len(prompt) + 23) // B) == 46
@@ -102,17 +101,17 @@ def test_kv_events_name_both_groups_and_change_no_token(gemma3):
     index = BlockHashIndex()  # strict, per group
     for event in events:
         index.apply(event)
-    cache = llm.scheduler.cache
+    cache = llm.cache
     kept = set()
-    for _, prefix in cache.window.tail_prefixes():
+    for _, prefix in cache.groups[1].tail_prefixes():
         end = len(prefix) // 4
         kept.update(
             chain_hashes(None, prefix[: 4 * (end // B * B)], B)[first_live_index(end, WINDOW, B) :]
         )
     assert index.window_hashes == kept and kept
     for prompt in prompts:
-        held = cache.full.match(prompt).num_cached_tokens // B
+        held = cache.tree.match(prompt).num_cached_tokens // B
         assert index.longest_prefix_blocks(prompt, B) == held
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert {(e.group_idx, e.sliding_window) for e in stored} == {(0, None), (1, WINDOW)}
-    assert cache.window.num_evicted_tails > 0 and llm.cache.stats().num_evicted_blocks > 0
+    assert cache.groups[1].num_evicted_tails > 0 and llm.cache.stats().num_evicted_blocks > 0

@@ -63,7 +63,7 @@ def test_host_tier_hits_match_transformers(arch, overlap, arch_model):
     moved = tier_moves(llm.tier_io, llm.window_tier_io)["load"][0]
     assert moved == llm.tier_io.totals["load"].nbytes + llm.window_tier_io.totals["load"].nbytes
     assert moved > llm.tier_io.totals["load"].nbytes
-    assert llm.scheduler.cache.window.num_evicted_tails > 0
+    assert llm.cache.groups[1].num_evicted_tails > 0
 
 
 def test_write_through_copies_window_tails_when_kept_and_matches_tiers_off(arch_model):
@@ -74,7 +74,7 @@ def test_write_through_copies_window_tails_when_kept_and_matches_tiers_off(arch_
     tiers_off = run(LLM(path, **DEVICE))
     assert tiers_off == expected
     llm = LLM(path, **DEVICE, host_cache_bytes=2**20, host_cache_write_through=True)
-    window = llm.scheduler.cache.window
+    window = llm.cache.groups[1]
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
     assert window.num_tails > 0 and window.num_evicted_tails == 0
     held = {key.block_hash for tail in window._tails.values() for key in tail.keys}
@@ -96,7 +96,7 @@ def test_disk_tier_hits_and_a_restart_match_transformers(arch, arch_model, tmp_p
     assert first.cache.stats().num_disk_hit_tokens > 0
     assert window_moved(first, "disk_write") > 0 and window_moved(first, "disk_read") > 0
     window = first.window_tier_io
-    held = len(first.scheduler.cache.window.tiers.entries)
+    held = len(first.cache.groups[1].tiers.entries)
     _, _, host_line, disk_line = tier_lines(first)  # the chat's /stats: both groups' tiers
     assert host_line.startswith(f"window host tier {held} of {window.host.num_blocks} blocks used;")
     assert disk_line.startswith(f"window disk tier {window.disk.stats().num_files} files")
@@ -191,7 +191,7 @@ def test_kv_events_name_the_tier_and_group_with_tiers_on(arch_model):
         assert run(llm) == expected
     stored = {(e.medium, e.group_idx) for e in events if isinstance(e, BlockStored)}
     assert stored == {(None, 0), (None, 1), ("CPU", 0), ("CPU", 1)}
-    tiers = llm.scheduler.cache.window.tiers
+    tiers = llm.cache.groups[1].tiers
     held: set[int] = set()
     for e in events:
         if getattr(e, "medium", None) == "CPU" and e.group_idx == 1:

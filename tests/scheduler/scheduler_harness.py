@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from radixkv.cache.grouped import GroupedCache
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.sampling_params import SamplingParams
@@ -83,7 +84,7 @@ class KVSim:
         out: dict[tuple[int, int], set[str]] = {}
         for req in scheduler.running_requests:
             for p in range(req.num_computed_tokens):
-                out.setdefault((req.table.blocks[p // self.B], p % self.B), set()).add(
+                out.setdefault((req.table.tables[0].blocks[p // self.B], p % self.B), set()).add(
                     req.request_id
                 )
         return out
@@ -99,7 +100,7 @@ class KVSim:
         B = self.B
         vouched = self.vouched_slots()
         live = self.live_slots(scheduler)
-        for c in output.copies:
+        for c in output.plan(0).copies:
             assert 0 < c.num_slots < B, c
             for i in range(c.num_slots):
                 assert (c.src_block, i) in vouched, f"copy of a slot the tree does not hold: {c}"
@@ -115,9 +116,9 @@ class KVSim:
             keys = prefix_keys(req.all_token_ids)
             rows.append((row, keys))
             end = row.start_position + len(row.token_ids)
-            assert len(row.block_table) == -(-end // B), f"table does not cover the row: {row}"
+            assert len(row.block_tables[0]) == -(-end // B), f"table does not cover the row: {row}"
             for p in range(row.start_position, end):
-                slot = (row.block_table[p // B], p % B)
+                slot = (row.block_tables[0][p // B], p % B)
                 rid = row.request_id
                 assert slot not in writes, f"{rid} and {writes[slot][0]} both write {slot}"
                 assert slot not in vouched, f"{rid} overwrites tree slot {slot}"
@@ -125,7 +126,7 @@ class KVSim:
                 writes[slot] = (rid, keys[p])
         for row, keys in rows:
             for p in range(row.start_position):
-                slot = (row.block_table[p // B], p % B)
+                slot = (row.block_tables[0][p // B], p % B)
                 assert slot not in writes, f"{row.request_id} reads {slot}, written this step"
                 assert self.slots.get(slot) == keys[p], f"{row.request_id}: wrong KV at {p}"
         for slot, (_, key) in writes.items():
@@ -145,7 +146,7 @@ class Harness:
     launched: tuple[SchedulerOutput, dict[str, int]] | None = None
 
     @property
-    def cache(self) -> PrefixCache:
+    def cache(self) -> GroupedCache:
         return self.scheduler.cache
 
     @property
@@ -262,7 +263,7 @@ class Harness:
             assert row.start_position == req.num_computed_tokens, (row, req)
             assert row.token_ids == tuple(req.all_token_ids[row.start_position : end]), row
             assert row.sample == (end == req.num_tokens), row
-            assert len(row.block_table) == -(-end // B), row
+            assert len(row.block_tables[0]) == -(-end // B), row
 
     def check_decisions(
         self, out: SchedulerOutput, running: dict[str, int], waiting: list[str]
@@ -328,5 +329,5 @@ class Harness:
 def make_harness(num_blocks: int = 64, block_size: int = 4, **config: object) -> Harness:
     cache = PrefixCache(num_blocks=num_blocks, block_size=block_size)
     config = {"max_model_len": MAX_MODEL_LEN, **config}
-    scheduler = Scheduler(cache, EngineConfig(**config))  # type: ignore[arg-type]
+    scheduler = Scheduler(GroupedCache([cache]), EngineConfig(**config))  # type: ignore[arg-type]
     return Harness(scheduler, KVSim(cache))

@@ -14,9 +14,9 @@ import pytest
 
 from radixkv.scheduler.request import RequestStatus
 
-# Cache calls of schedule() (admission, growth, preemption) and of update_from_output(), and the
-# allocation inside admit and grow (after admit has locked its hit); "forward" is a fault between
-# the two, in the model.
+# The tree group's calls of schedule() (admission, growth, preemption) and of update_from_output(),
+# and the allocation inside admit and grow (after admit has locked its hit); "forward" is a fault
+# between the two, in the model.
 POINTS = ("match", "admit", "_allocate", "grow", "commit", "close", "forward")
 
 
@@ -54,13 +54,13 @@ def test_a_fault_anywhere_fails_only_what_its_step_touched(
             raise Injected(point)
 
     if point != "forward":
-        real = getattr(h.cache, point)
+        real = getattr(h.cache.tree, point)
 
         def faulty(*args: object, **kwargs: object) -> object:
             trip()
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(h.cache, point, faulty)
+        monkeypatch.setattr(h.cache.tree, point, faulty)
 
     failed: set[str] = set()
     while sched.has_unfinished() and not failed:

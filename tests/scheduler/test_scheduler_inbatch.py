@@ -105,7 +105,7 @@ def test_shared_prefix_computed_once(harness: MakeHarness, defer: int) -> None:
             assert [first_step(h, r.request_id) for r in reqs] == [0, 1, 1, 1]
             assert [r.num_cached_tokens for r in reqs] == [0, 188, 188, 188]
             # 188 = 11 full blocks + 12 tokens: each hit copies the partial block on write.
-            assert [c.num_slots for c in h.outputs[1].copies] == [12, 12, 12]
+            assert [c.num_slots for c in h.outputs[1].plan(0).copies] == [12, 12, 12]
         else:
             assert num_prefill_tokens(h) == 4 * 208
             assert [first_step(h, r.request_id) for r in reqs] == [0, 0, 0, 0]

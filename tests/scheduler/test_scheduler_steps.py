@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from radixkv.cache.grouped import GroupedCache
 from radixkv.cache.prefix_cache import PrefixCache
 from radixkv.engine.config import EngineConfig
 from radixkv.scheduler.output import BlockCopy, SchedulerOutput
@@ -24,7 +25,7 @@ Harness = Any
 
 def blocks_of(req: Request) -> tuple[int, ...]:
     """The request's block table (() when it holds none)."""
-    return req.table.blocks if req.table is not None else ()
+    return req.table.tables[0].blocks if req.table is not None else ()
 
 
 def seq(start: int, n: int) -> list[int]:
@@ -166,23 +167,23 @@ def test_waiting_request_leaves_the_cache_untouched(harness: MakeHarness, monkey
     failures = []
 
     def watched(req: Request, *args: Any, **kwargs: Any) -> Any:
-        before = _cache_state(h.cache)
+        before = _cache_state(h.cache.tree)
         stats = h.cache.stats()  # what a fit check blind to the pinned blocks would answer:
         over_promised = stats.num_free_blocks + stats.num_evictable_blocks >= 4
         row = try_admit(req, *args, **kwargs)
         if row is None:
-            assert _cache_state(h.cache) == before, f"{req.request_id} touched the cache"
+            assert _cache_state(h.cache.tree) == before, f"{req.request_id} touched the cache"
             failures.append(over_promised)
         return row
 
     monkeypatch.setattr(sched, "_try_admit", watched)
     quiet_steps = 0
     while b.status is RequestStatus.WAITING:
-        before, num_blocks = _cache_state(h.cache), len(blocks_of(a))
+        before, num_blocks = _cache_state(h.cache.tree), len(blocks_of(a))
         h.step()
         if len(blocks_of(a)) == num_blocks and not a.is_finished:
             quiet_steps += 1  # a decoded within its blocks: nothing but b's attempt happened
-            assert _cache_state(h.cache) == before
+            assert _cache_state(h.cache.tree) == before
     assert True in failures, "the scenario must catch the over-promise of free + evictable"
     assert quiet_steps >= 2
     h.run()
@@ -205,8 +206,13 @@ def test_cow_of_partial_matched_block(harness: MakeHarness) -> None:
     out = h.step()
     (row,) = out.rows
     assert row.start_position == 37 and req.num_cached_tokens == 37
-    assert out.copies == (BlockCopy(src_block=src, dst_block=row.block_table[2], num_slots=5),)
-    assert row.block_table[2] != src and row.block_table[:2] == h.cache.match(shared).block_ids[:2]
+    assert out.plan(0).copies == (
+        BlockCopy(src_block=src, dst_block=row.block_tables[0][2], num_slots=5),
+    )
+    assert (
+        row.block_tables[0][2] != src
+        and row.block_tables[0][:2] == h.cache.match(shared).block_ids[:2]
+    )
     h.run()
     assert req.output_token_ids == h.reference(req)
     h.assert_no_leak()
@@ -220,17 +226,17 @@ def test_rows_take_the_table_as_it_is_and_it_stays_as_scheduled(harness: MakeHar
     tables: dict[str, tuple[int, ...]] = {}
 
     def record() -> None:  # after the forward, before update_from_output
-        tables.update((r.request_id, r.table.blocks) for r in h.scheduler.running_requests)
+        tables.update((r.request_id, blocks_of(r)) for r in h.scheduler.running_requests)
 
     req = h.add("a", seq(1, 6), max_tokens=6)
     rows = []
     for _ in range(5):  # the prefill, then decodes at positions 6 .. 9 (a new block at 8)
         (row,) = h.step(in_flight=record).rows
-        assert row.block_table is tables["a"]
-        rows.append((row, tuple(row.block_table)))
+        assert row.block_tables[0] is tables["a"]
+        rows.append((row, tuple(row.block_tables[0])))
     assert [len(snapshot) for _, snapshot in rows] == [2, 2, 2, 3, 3]
-    assert all(row.block_table == snapshot for row, snapshot in rows)
-    assert blocks_of(req) is not rows[0][0].block_table  # committed and grown since
+    assert all(row.block_tables[0] == snapshot for row, snapshot in rows)
+    assert blocks_of(req) is not rows[0][0].block_tables[0]  # committed and grown since
     # Two requests compute [8, 16) of one prompt in the same step; the update swaps the second's
     # duplicates for the first's blocks, and its row still names the blocks it wrote.
     prompt = seq(100, 40)
@@ -239,8 +245,8 @@ def test_rows_take_the_table_as_it_is_and_it_stays_as_scheduled(harness: MakeHar
     r2 = h.add("r2", prompt, max_tokens=3)
     out = h.step(in_flight=record)
     row2 = next(r for r in out.rows if r.request_id == "r2")
-    assert row2.block_table == tables["r2"][:4]
-    assert blocks_of(r2)[2:4] == blocks_of(r1)[2:4] != row2.block_table[2:4]
+    assert row2.block_tables[0] == tables["r2"][:4]
+    assert blocks_of(r2)[2:4] == blocks_of(r1)[2:4] != row2.block_tables[0][2:4]
     h.run()
     h.assert_no_leak()
 
@@ -254,7 +260,7 @@ def test_concurrent_request_shares_after_first_chunk(harness: MakeHarness) -> No
     out = h.step()
     row2 = next(r for r in out.rows if r.request_id == "r2")
     assert row2.start_position == 8 and r2.num_cached_tokens == 8
-    assert row2.block_table[:2] == tuple(blocks_of(r1)[:2])
+    assert row2.block_tables[0][:2] == tuple(blocks_of(r1)[:2])
     # Both computed [8, 16); r1 inserted first, r2's duplicates were freed for r1's blocks.
     assert blocks_of(r2)[:4] == blocks_of(r1)[:4]
     h.run()
@@ -271,10 +277,10 @@ def test_same_prompt_same_step_keeps_private_tails(harness: MakeHarness) -> None
     r2 = h.add("r2", seq(1, 37), max_tokens=6)
     h.step()
     assert blocks_of(r2)[:2] == blocks_of(r1)[:2]  # r2's duplicates were freed
-    assert blocks_of(r2)[2] != blocks_of(r1)[2] and r2.table.private == {blocks_of(r2)[2]}
+    assert blocks_of(r2)[2] != blocks_of(r1)[2] and r2.table.tables[0].private == {blocks_of(r2)[2]}
     assert h.cache.stats().num_duplicate_blocks_freed == 2
     out = h.step()  # both decode position 37, each in its own block (checked by the sim)
-    assert not out.copies
+    assert not out.plan(0).copies
     h.run()
     assert r1.output_token_ids == r2.output_token_ids == h.reference(r1)
     h.assert_no_leak()
@@ -442,7 +448,8 @@ def test_cache_off_gives_the_same_outputs(harness: MakeHarness) -> None:
 
 def test_misuse_of_the_step_protocol_is_an_assert() -> None:
     # The engine is the scheduler's one caller: it samples exactly the rows that ask for it.
-    sched = Scheduler(PrefixCache(num_blocks=8, block_size=4), EngineConfig(max_model_len=64))
+    cache = GroupedCache([PrefixCache(num_blocks=8, block_size=4)])
+    sched = Scheduler(cache, EngineConfig(max_model_len=64))
     sched.add_request(Request("a", [1, 2, 3], 4))
     out = sched.schedule()
     with pytest.raises(AssertionError, match="before record_launched"):

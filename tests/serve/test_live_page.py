@@ -418,7 +418,7 @@ def window_server(tmp_path_factory: pytest.TempPathFactory, make_server: Callabl
 
 def window_counters(llm: Any) -> dict[str, Any]:
     """Engine thread: the window group's own counters, read where they are kept."""
-    group, io = llm.scheduler.cache.window, llm.window_tier_io
+    group, io = llm.cache.groups[1], llm.window_tier_io
     moves = {kind: {"bytes": t.nbytes, "seconds": t.seconds} for kind, t in io.totals.items()}
     counts = group.tiers.counts
     return {

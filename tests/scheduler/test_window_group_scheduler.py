@@ -1,4 +1,5 @@
-"""HybridScheduler with the fake model: window layers' reads find their KV, memory follows W.
+"""The scheduler over a window group beside the tree's, with the fake model: window layers'
+reads find their KV, memory follows W.
 
 The harness (`scheduler_harness.py`) checks the full group (`KVSim` over the tree's blocks) and
 the outputs against the reference; `WindowSim` plays the window layers' memory: each row's queries
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 from scheduler_harness import MAX_MODEL_LEN, Harness, KVSim, prefix_keys
+from window_cache import window_cache
 
-from radixkv.cache.hybrid import HybridCache
+from radixkv.cache.window import window_budget
 from radixkv.engine.config import EngineConfig
-from radixkv.scheduler.hybrid import HybridScheduler, window_budget
 from radixkv.scheduler.output import SchedulerOutput
+from radixkv.scheduler.scheduler import Scheduler
 
 W = 8
 
@@ -23,14 +25,14 @@ W = 8
 class WindowSim:
     """(window block, slot) -> key of the prefix whose window KV it holds."""
 
-    def __init__(self, scheduler: HybridScheduler) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.B = scheduler.cache.block_size
         self.slots: dict[tuple[int, int], int] = {}
 
     def step(self, out: SchedulerOutput) -> None:
         B = self.B
-        for c in out.window_copies:
+        for c in out.plan(1).copies:
             for i in range(c.num_slots):
                 self.slots[(c.dst_block, i)] = self.slots[(c.src_block, i)]
         writes = {}
@@ -39,10 +41,10 @@ class WindowSim:
             assert req is not None, row
             keys, table, start = (
                 prefix_keys(req.all_token_ids),
-                row.window_block_table,
+                row.block_tables[1],
                 row.start_position,
             )
-            assert len(table) == len(row.block_table), row
+            assert len(table) == len(row.block_tables[0]), row
             for p in range(max(0, start - W + 1), start):
                 assert self.slots.get((table[p // B], p % B)) == keys[p], f"{row}: window KV at {p}"
             for p in range(start, start + len(row.token_ids)):
@@ -53,10 +55,10 @@ class WindowSim:
 
 
 def make(num_window_blocks: int, *, block_size: int = 4, **config: object) -> Harness:
-    cache = HybridCache(64, num_window_blocks, block_size, W)
+    cache = window_cache(64, num_window_blocks, block_size, W)
     settings = {"max_model_len": MAX_MODEL_LEN, **config}
-    scheduler = HybridScheduler(cache, EngineConfig(block_size=block_size, **settings))  # type: ignore[arg-type]
-    return Harness(scheduler, KVSim(cache.full))
+    scheduler = Scheduler(cache, EngineConfig(block_size=block_size, **settings))  # type: ignore[arg-type]
+    return Harness(scheduler, KVSim(cache.tree))
 
 
 @pytest.mark.parametrize("cache_on", [True, False])
@@ -91,13 +93,13 @@ def test_window_reads_find_their_kv_and_outputs_equal_the_reference(
             break
         h.step(in_flight=lambda: wsim.step(last[0]))
         for req in sched.running_requests:
-            peak = max(peak, req.table.window.num_live_blocks)
+            peak = max(peak, req.table.tables[1].num_live_blocks)
     assert not sched.has_unfinished()
     assert [h.finished[r.request_id].output_token_ids for r in reqs] == [
         h.reference(r) for r in reqs
     ]
     assert peak <= window_budget(W, block_size, 5)
-    window = sched.cache.window
+    window = sched.cache.groups[1]
     assert window.pool.num_free + window.num_evictable_blocks() == num_window_blocks
     if num_window_blocks == 10:  # short of window blocks: tails go, requests wait or restart
         assert sched.num_preemptions + window.num_evicted_tails > 0
