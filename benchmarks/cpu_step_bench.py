@@ -196,7 +196,7 @@ class _Step(NamedTuple):
 
 
 def _make_step(llm: LLM, seq_lens: list[int], q_lens: list[int], gen: torch.Generator) -> _Step:
-    _, num_blocks, block_size, num_kv_heads, head_dim = llm.runner.k_cache.shape
+    _, num_blocks, block_size, num_kv_heads, head_dim = llm.runner.kv[0].k_cache.shape
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
     tables = perm.view(len(seq_lens), max_blocks).int()
@@ -238,7 +238,7 @@ def _metadata_layers(s: _Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 
 def kernel_layer_table(llm: LLM, repeats: int) -> None:
     """CPU time of the kernel calls of one step over all layers: loose vs metadata once."""
-    k_cache, v_cache = llm.runner.k_cache, llm.runner.v_cache
+    k_cache, v_cache = llm.runner.kv[0].k_cache, llm.runner.kv[0].v_cache
     gen = torch.Generator().manual_seed(0)
     cases = {
         "decode, batch 1, context 48": ([48], [1]),

@@ -15,9 +15,9 @@ Llama's attention with one that calls the kernels directly):
    transformers passes (Gemma's `query_pre_attn_scalar`), and RoPE (Gemma 3's local base
    included) is applied by transformers before either hook.
 
-A model with window layers keeps their KV in a smaller tensor of its own (the window group's
-blocks, `radixkv.cache.window`): such a layer reads and writes it through the step's window
-metadata (its own block tables and slots), every other layer the full tensor and metadata.
+Each KV cache group keeps its layers' KV in tensors of its own (a model with window layers: the
+window group's, over its smaller pool, `radixkv.cache.window`): a layer reads and writes its
+group's tensors through its group's metadata (the group's own block tables and slots).
 
 transformers does not hand `past_key_values` to the attention function, so the runner passes the
 same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
@@ -43,18 +43,18 @@ class PagedKVCache(Cache):
     """A transformers `Cache` whose storage is the engine's paged KV tensors.
 
     `layer_kv[i]` is layer i's (K, V) cache, each [num_blocks, B, kv_heads, head_dim]: views of
-    the runner's tensors, the full one's or (a window layer of a model with `window_metadata`)
-    the window one's. One instance per step (it carries the step's kernel metadata, validated
-    once when the runner built it, for every layer); it never grows or allocates. `kinds[i]` is
-    layer i's attention.
+    the runner's tensors of its KV cache group `layer_groups[i]`, whose step metadata is
+    `metadata[layer_groups[i]]`. One instance per step (it carries the step's kernel metadata,
+    validated once when the runner built it, for every layer); it never grows or allocates.
+    `kinds[i]` is layer i's attention.
     """
 
     def __init__(
         self,
         layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],
         kinds: Sequence[AttentionKind],
-        window_metadata: AttentionMetadata | None = None,
+        layer_groups: Sequence[int],
     ) -> None:
         # No per-layer objects: transformers' layer bookkeeping (lazy growth, offloading, cropping)
         # has no meaning for a cache whose blocks the scheduler manages.
@@ -62,15 +62,12 @@ class PagedKVCache(Cache):
         self.layer_kv = layer_kv
         self.metadata = metadata
         self.kinds = kinds
-        self.window_metadata = window_metadata
+        self.layer_groups = layer_groups
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The K cache, V cache and metadata layer `layer_idx` writes and reads."""
         k_cache, v_cache = self.layer_kv[layer_idx]
-        window = self.window_metadata
-        if window is not None and self.kinds[layer_idx].window is not None:
-            return k_cache, v_cache, window
-        return k_cache, v_cache, self.metadata
+        return k_cache, v_cache, self.metadata[self.layer_groups[layer_idx]]
 
     def update(
         self,

@@ -8,11 +8,12 @@ function registered in transformers' attention interface and a recording cache, 
 every layer hands them (the shapes of query, key and value, the window, soft-cap and sinks
 keyword arguments, the layer's `is_causal`). The result is an `AttentionLayout`:
 
-    layers[i]   the AttentionKind layer i attends with (full, window W, soft-cap, sinks)
-    groups      the layers by the KV they need: full layers keep KV of every token, window-W
-                layers only of the last W; each group could own its blocks (one pool per kind,
-                as vLLM's hybrid manager, or one pool with tables per group), which is where a
-                window's memory can later follow the window
+    layers[i]        the AttentionKind layer i attends with (full, window W, soft-cap, sinks)
+    cache_groups()   the layers by the KV they need, one KV cache group each (`LayerGroup`):
+                     the layers that read every token keep KV of every token (the tree's group),
+                     window-W layers only of the last W (one window group, of the largest W);
+                     each group owns a pool of blocks (`radixkv.cache.group`). This is the one
+                     place above the cache that names the kinds of group.
     num_kv_heads, head_dim   one KV layout shared by every layer (the paged cache's)
 
 A model this engine cannot run exactly is refused here, with one line saying why (ModelLoadError):
@@ -31,6 +32,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from radixkv.cache.group import GroupSpec
+from radixkv.cache.window import WindowSpec
 from radixkv.engine.model_loader import ModelLoadError
 from radixkv.kernels import FULL, AttentionKind
 
@@ -48,11 +51,10 @@ _INERT_KWARGS = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
-class KVGroup:
-    """Layers that need the KV of the same tokens: every token (window None) or the last
-    `window` tokens before each query."""
+class LayerGroup:
+    """Layers whose KV one cache group keeps (`spec` names its kind), in tensor order."""
 
-    window: int | None
+    spec: GroupSpec
     layers: tuple[int, ...]
 
 
@@ -65,30 +67,25 @@ class AttentionLayout:
     num_kv_heads: int
     head_dim: int
 
-    @property
-    def groups(self) -> tuple[KVGroup, ...]:
-        """Full-attention layers first, then one group per window size, smallest first."""
-        windows = sorted({k.window for k in self.layers}, key=lambda w: (w is not None, w or 0))
-        return tuple(
-            KVGroup(w, tuple(i for i, k in enumerate(self.layers) if k.window == w))
-            for w in windows
-        )
-
-    @property
-    def window(self) -> int | None:
-        """The largest window of any layer (one window group serves them all: a smaller window
-        reads fewer of its tokens); None: no window layers."""
-        return max((k.window for k in self.layers if k.window is not None), default=None)
+    def cache_groups(self) -> tuple[LayerGroup, ...]:
+        """The tree's group first (the layers that read every token; it is there, bookkeeping
+        only, even when every layer is windowed: it holds the tree), then one window group for
+        every windowed layer, of the largest window (a smaller window reads fewer of its
+        tokens)."""
+        full = tuple(i for i, k in enumerate(self.layers) if k.window is None)
+        windowed = tuple(i for i, k in enumerate(self.layers) if k.window is not None)
+        groups = [LayerGroup(GroupSpec(), full)]
+        if windowed:
+            window = max(self.layers[i].window for i in windowed)  # type: ignore[type-var]
+            groups.append(LayerGroup(WindowSpec(window), windowed))
+        return tuple(groups)
 
     def describe(self) -> str:
-        """One line: each group's size, e.g. "2 full + 4 window-512 layers"."""
-        return (
-            " + ".join(
-                f"{len(g.layers)} {'full' if g.window is None else f'window-{g.window}'}"
-                for g in self.groups
-            )
-            + " layers"
-        )
+        """One line: the layers of each kind, e.g. "2 full + 4 window-512 layers"."""
+        windows = sorted({k.window for k in self.layers}, key=lambda w: (w is not None, w or 0))
+        counts = [sum(k.window == w for k in self.layers) for w in windows]
+        kinds = ["full" if w is None else f"window-{w}" for w in windows]
+        return " + ".join(f"{n} {kind}" for n, kind in zip(counts, kinds, strict=True)) + " layers"
 
 
 @dataclass(slots=True)

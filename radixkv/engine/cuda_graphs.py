@@ -12,7 +12,8 @@ launch. What makes that possible:
 * fixed launch parameters: every kernel's grid and split-KV count is computed from tensor shapes
   only (the bucket and `max_blocks * block_size`, the longest context a row can have), never from
   per-step values, so the captured launches are right for every step of that bucket;
-* one `AttentionMetadata` per bucket, built at capture over the static buffers.
+* one `AttentionMetadata` per bucket and KV cache group, built at capture over the static
+  buffers.
 
 Prefill and mixed steps stay eager: their token counts vary too much to bucket.
 """
@@ -23,7 +24,6 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -42,8 +42,8 @@ from radixkv.scheduler.output import ScheduledRequest
 logger = logging.getLogger(__name__)
 
 
-# forward(views of a split step buffer, its metadata, logits to keep, the window layers'
-# metadata or None) -> logits [1, T, vocab]
+# forward(views of a split step buffer, each KV cache group's metadata, logits to keep) ->
+# logits [1, T, vocab]
 DecodeForward = Callable[..., torch.Tensor]
 # Writes input tokens that are still on the device into a step's device `input_ids` (overlapped
 # steps: `radixkv.engine.step`).
@@ -98,6 +98,9 @@ class DecodeGraphs:
     """Decode forwards captured per bucket (`decode_buckets(max_num_seqs)`), over one static input
     buffer of `graph_max_blocks` block-table columns and one memory pool.
 
+    `kv_shapes[g]`: one layer's KV shape of KV cache group g (the first group's pool bounds
+    the block-table columns: every group's table is as wide).
+
     Invariants: `static` holds the inputs of the last replay (or the pad rows of the capture);
     each bucket's graph reads the leading `bucket_layout(bucket, max_blocks).total` entries and
     writes its logits [1, bucket, vocab] into its own output, overwritten by each replay.
@@ -107,19 +110,16 @@ class DecodeGraphs:
         self,
         forward: DecodeForward,
         stager: InputStager,
-        kv_cache_shape: tuple[int, ...],
+        kv_shapes: Sequence[tuple[int, ...]],
         max_num_seqs: int,
         max_model_len: int,
         compiles: CompileCounter | None = None,
-        window_kv_cache_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.buckets = decode_buckets(max_num_seqs)
-        num_blocks, self.block_size = kv_cache_shape[:2]
+        num_blocks, self.block_size = kv_shapes[0][:2]
         self.max_blocks = graph_max_blocks(max_model_len, self.block_size, num_blocks)
         self.stager = stager
-        # A model with window layers: their block tables (as wide as the full ones) and slots
-        # in the static buffer too, their metadata over their own cache.
-        self.window_kv_cache_shape = window_kv_cache_shape
+        self.kv_shapes = tuple(kv_shapes)
         largest = self._layout(self.buckets[-1])
         self.static = torch.zeros(largest.total, dtype=torch.int32, device=stager.device)
         # bucket -> (its graph, the logits buffer the graph writes)
@@ -128,13 +128,12 @@ class DecodeGraphs:
         self.capture_s = 0.0  # seconds the capture took, compiles included (a statistic)
         self.capture_compile_s = 0.0  # of which Triton JIT compiles (a statistic)
         compile_s = compiles.seconds if compiles is not None else 0.0
-        self._capture_all(forward, kv_cache_shape)
+        self._capture_all(forward)
         if compiles is not None:
             self.capture_compile_s = compiles.seconds - compile_s
 
     def _layout(self, bucket: int) -> StepLayout:
-        window_blocks = self.max_blocks if self.window_kv_cache_shape is not None else 0
-        return replace(bucket_layout(bucket, self.max_blocks), window_blocks=window_blocks)
+        return bucket_layout(bucket, self.max_blocks, len(self.kv_shapes))
 
     def can_run(self, rows: Sequence[ScheduledRequest]) -> bool:
         """Whether a replay computes this step: decode rows only, a bucket for their number,
@@ -160,7 +159,7 @@ class DecodeGraphs:
         self.num_replays += 1
         return logits[0, : len(rows)]
 
-    def _capture_all(self, forward: DecodeForward, kv_cache_shape: tuple[int, ...]) -> None:
+    def _capture_all(self, forward: DecodeForward) -> None:
         device = self.static.device
         logger.info(
             "capturing CUDA graphs of the decode forward: batch sizes %s, %d block-table columns",
@@ -175,11 +174,8 @@ class DecodeGraphs:
             host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
-            window = self.window_kv_cache_shape
-            views, metadata, window_meta = split_step(
-                layout, host, self.static, kv_cache_shape, window
-            )
-            fn = partial(forward, views, metadata, 0, window_meta)
+            views, metas = split_step(layout, host, self.static, self.kv_shapes)
+            fn = partial(forward, views, metas, 0)
             graph, logits = capture_graph(fn, device, pool)
             pool = graph.pool()
             self._graphs[bucket] = (graph, logits)

@@ -35,11 +35,10 @@ from typing import Any
 import torch
 
 from radixkv.cache import PackedTokens
-from radixkv.cache.group import GroupSpec
 from radixkv.cache.keys import make_block_hasher
 from radixkv.cache.kinds import build_cache
 from radixkv.cache.moves import Move, Poisoned
-from radixkv.cache.window import WindowSpec, WindowStats
+from radixkv.cache.window import WindowStats
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
@@ -155,16 +154,11 @@ class LLM:
         self.tier_io, self.window_tier_io = self._tier_ios()
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
-        runner = self.runner
-        specs: list[GroupSpec] = [GroupSpec()]
-        num_blocks = [runner.num_blocks]
-        if runner.window is not None:
-            specs.append(WindowSpec(runner.window))
-            num_blocks.append(runner.num_window_blocks)
-        tier_ios = [self.tier_io, self.window_tier_io][: len(specs)]
+        kvs = self.runner.kv
+        tier_ios = [self.tier_io, self.window_tier_io][: len(kvs)]
         self.cache = build_cache(
-            specs,
-            num_blocks,
+            [kv.spec for kv in kvs],
+            [kv.num_blocks for kv in kvs],
             config.block_size,
             kv_events=hasher,
             host_blocks=[0 if t is None else t.host.num_blocks for t in tier_ios],
@@ -190,10 +184,10 @@ class LLM:
         """The tier movers of the full layers' pool and of the window layers' (None: no host
         tier, or no window layers)."""
         runner = self.runner
-        full = (runner.k_cache, runner.v_cache)
-        if runner.window_k_cache is None:
+        full = (runner.kv[0].k_cache, runner.kv[0].v_cache)
+        if len(runner.kv) == 1:
             return make_tier_io(self.model, *full, self.config), None
-        window = (runner.window_k_cache, runner.window_v_cache)
+        window = (runner.kv[1].k_cache, runner.kv[1].v_cache)
         return make_group_tier_ios(self.model, full, window, self.config)
 
     # ------------------------------------------------------------------ step API

@@ -2,8 +2,9 @@
 
     | input_ids | positions | slot_mapping | block_tables (num_reqs x max_blocks) | seq_lens |
     | cu_seqlens_q (num_reqs + 1) | sample_idx | copy_src | copy_dst | copy_slots |
-    and for a model with window layers (`window_blocks` > 0) their own table and slots:
-    | window_slot_mapping | window_block_tables (num_reqs x window_blocks) |
+    and for each KV cache group g >= 1 (`radixkv.cache.grouped`: a model with window layers has
+    two groups) its own slots, block tables (as wide as the first group's) and copies:
+    | slot_mapping.g | block_tables.g | copy_src.g | copy_dst.g | copy_slots.g |
 
 `StepLayout` names the regions, `pack_step` fills them on the host from the scheduler's rows (and,
 for a CUDA-graph bucket, pad rows up to the bucket), `InputStager` owns the host buffer: pinned and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from typing import TypeVar
 
@@ -37,9 +39,12 @@ ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 PAD_TOKEN_ID = 0
 PAD_SLOT = -1  # store_kv skips negative slots
-# What AttentionMetadata reads from the host (its `host_tensors`), in its order.
-_METADATA_REGIONS = ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping")
-_WINDOW_REGIONS = ("window_block_tables", "seq_lens", "cu_seqlens_q", "window_slot_mapping")
+_GROUP_REGIONS = ("slot_mapping", "block_tables", "copy_src", "copy_dst", "copy_slots")
+
+
+def region(name: str, group: int) -> str:
+    """The name of a KV cache group's own region (`_GROUP_REGIONS`): group 0's is the bare name."""
+    return name if group == 0 else f"{name}.{group}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +55,16 @@ class StepLayout:
     num_reqs: int  # rows, pad rows included
     max_blocks: int  # block-table columns
     num_sampled: int = 0  # rows whose last token's logits are kept
-    num_copies: int = 0  # copy-on-write block copies
-    window_blocks: int = 0  # window block-table columns (0: the model has no window layers)
+    # copy-on-write block copies per KV cache group, one entry per group
+    num_copies: tuple[int, ...] = (0,)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.num_copies)
 
     def sizes(self) -> tuple[tuple[str, int], ...]:
-        t, r = self.num_tokens, self.num_reqs
-        regions = (
+        t, r, c = self.num_tokens, self.num_reqs, self.num_copies[0]
+        regions = [
             ("input_ids", t),
             ("positions", t),
             ("slot_mapping", t),
@@ -63,17 +72,14 @@ class StepLayout:
             ("seq_lens", r),
             ("cu_seqlens_q", r + 1),
             ("sample_idx", self.num_sampled),
-            ("copy_src", self.num_copies),
-            ("copy_dst", self.num_copies),
-            ("copy_slots", self.num_copies),
-        )
-        if not self.window_blocks:
-            return regions
-        return (
-            *regions,
-            ("window_slot_mapping", t),
-            ("window_block_tables", r * self.window_blocks),
-        )
+            ("copy_src", c),
+            ("copy_dst", c),
+            ("copy_slots", c),
+        ]
+        for g, c in enumerate(self.num_copies[1:], 1):
+            sizes = (t, r * self.max_blocks, c, c, c)
+            regions += [(region(name, g), n) for name, n in zip(_GROUP_REGIONS, sizes, strict=True)]
+        return tuple(regions)
 
     @property
     def total(self) -> int:
@@ -88,107 +94,105 @@ class StepLayout:
         for name, n in self.sizes():
             views[name] = flat[start : start + n]
             start += n
-        views["block_tables"] = views["block_tables"].reshape(self.num_reqs, self.max_blocks)
-        if self.window_blocks:
-            tables = views["window_block_tables"]
-            views["window_block_tables"] = tables.reshape(self.num_reqs, self.window_blocks)
+        for g in range(self.num_groups):
+            name = region("block_tables", g)
+            views[name] = views[name].reshape(self.num_reqs, self.max_blocks)
         return views
 
 
 def layout_for(
-    rows: Sequence[ScheduledRequest], *, num_copies: int = 0, window: bool = False
+    rows: Sequence[ScheduledRequest], *, num_copies: tuple[int, ...] | None = None
 ) -> StepLayout:
-    """The eager layout of `rows`: exact sizes, the sampled rows' indices kept; `window`: with
-    the window layers' regions (a row's window table is as wide as its full one)."""
-    max_blocks = max(len(r.block_tables[0]) for r in rows)
+    """The eager layout of `rows`: exact sizes, the sampled rows' indices kept, regions for
+    every KV cache group the rows carry tables of (`num_copies`: copies per group; None:
+    none)."""
+    num_groups = len(rows[0].block_tables)
     return StepLayout(
         num_tokens=sum(len(r.token_ids) for r in rows),
         num_reqs=len(rows),
-        max_blocks=max_blocks,
+        max_blocks=max(len(r.block_tables[0]) for r in rows),
         num_sampled=sum(r.sample for r in rows),
-        num_copies=num_copies,
-        window_blocks=max_blocks if window else 0,
+        num_copies=(0,) * num_groups if num_copies is None else num_copies,
     )
 
 
-def bucket_layout(bucket: int, max_blocks: int) -> StepLayout:
+def bucket_layout(bucket: int, max_blocks: int, num_groups: int = 1) -> StepLayout:
     """The layout of a CUDA-graph decode bucket: `bucket` one-token rows (pad rows included)
-    whose logits are all kept (no sample_idx), over `max_blocks` block-table columns."""
-    return StepLayout(bucket, bucket, max_blocks)
+    whose logits are all kept (no sample_idx), over `max_blocks` block-table columns, for
+    `num_groups` KV cache groups."""
+    return StepLayout(bucket, bucket, max_blocks, num_copies=(0,) * num_groups)
 
 
 def split_step(
     layout: StepLayout,
     host: torch.Tensor,
     dev: torch.Tensor,
-    kv_cache_shape: tuple[int, ...],
-    window_kv_cache_shape: tuple[int, ...] | None = None,
+    kv_shapes: Sequence[tuple[int, ...]],
     *,
     validate: bool = True,
-) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
-    """The device views of a packed step (`layout.split(dev)`), its attention metadata over
-    them and, for a model with window layers (`window_kv_cache_shape`: one window layer's KV
-    shape), theirs: their own block tables and slots, the same lengths (else None). The
-    metadata's values are read from the host copy `host` of `dev`, so nothing syncs."""
+) -> tuple[dict[str, torch.Tensor], tuple[AttentionMetadata, ...]]:
+    """The device views of a packed step (`layout.split(dev)`) and the attention metadata of
+    each KV cache group over them (`kv_shapes[g]`: one layer's KV shape of group g): its own
+    block tables and slots, the same lengths. The metadata's values are read from the host
+    copy `host` of `dev`, so nothing syncs."""
     views, on_host = layout.split(dev), layout.split(host)
-    window = None
-    if window_kv_cache_shape is not None:
-        window = _metadata(views, on_host, _WINDOW_REGIONS, window_kv_cache_shape, validate)
-    return views, _metadata(views, on_host, _METADATA_REGIONS, kv_cache_shape, validate), window
+    # NOTE: `map`, not a loop: the step's walk then ends here, without a return to this file.
+    metadata = partial(_metadata, views, on_host, validate=validate)
+    return views, tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
 
 
 def stage_step(
     step: SchedulerOutput,
     stager: InputStager,
-    kv_cache_shape: tuple[int, ...],
-    window_kv_cache_shape: tuple[int, ...] | None,
+    kv_shapes: Sequence[tuple[int, ...]],
     *,
     block_size: int,
     vocab_size: int,
     validate: bool,
-) -> tuple[dict[str, torch.Tensor], AttentionMetadata, AttentionMetadata | None]:
+) -> tuple[dict[str, torch.Tensor], tuple[AttentionMetadata, ...]]:
     """An eager step's inputs on the device, packed and copied in one go: `split_step` over
-    its buffer. The KV shapes are one layer's, as `split_step` takes them."""
-    window = window_kv_cache_shape is not None
-    layout = layout_for(step.rows, num_copies=len(step.plan(0).copies), window=window)
-    host, dev = stager.stage(step.rows, step.plan(0).copies, block_size, layout)
+    its buffer. The KV shapes are one layer's per group, as `split_step` takes them."""
+    copies = [step.plan(g).copies for g in range(len(kv_shapes))]
+    layout = layout_for(step.rows, num_copies=tuple(map(len, copies)))
+    host, dev = stager.stage(step.rows, copies, block_size, layout)
     ids = host.numpy()[: layout.num_tokens]
     # On the host: an id past the embedding would be a device-side assert on CUDA, which
     # leaves the whole process unable to run another step.
     assert ids.min() >= 0 and ids.max() < vocab_size, "token id out of range"
-    return split_step(layout, host, dev, kv_cache_shape, window_kv_cache_shape, validate=validate)
+    return split_step(layout, host, dev, kv_shapes, validate=validate)
 
 
 def _metadata(
     views: dict[str, torch.Tensor],
     on_host: dict[str, torch.Tensor],
-    regions: tuple[str, str, str, str],
+    group: int,
     kv_cache_shape: tuple[int, ...],
     validate: bool,
 ) -> AttentionMetadata:
-    """Attention metadata over the device views of `regions` (block tables, seq_lens,
-    cu_seqlens_q, slot mapping), its values read from their host copies."""
-    tables, lens, cu, slots = regions
+    """Attention metadata over the device views of group `group`'s block tables and slots and
+    the shared seq_lens and cu_seqlens_q, its values read from their host copies (its
+    `host_tensors`, in its order)."""
+    regions = (region("block_tables", group), "seq_lens", "cu_seqlens_q")
+    slots = region("slot_mapping", group)
     return AttentionMetadata(
-        views[tables],
-        views[lens],
-        views[cu],
+        *(views[name] for name in regions),
         kv_cache_shape,
         slot_mapping=views[slots],
         validate=validate,
-        host_tensors=tuple(on_host[name] for name in regions),
+        host_tensors=tuple(on_host[name] for name in (*regions, slots)),
     )
 
 
 def pack_step(
     rows: Sequence[ScheduledRequest],
-    copies: Sequence[BlockCopy],
+    copies: Sequence[Sequence[BlockCopy]],
     block_size: int,
     layout: StepLayout,
     flat: np.ndarray,
 ) -> None:
     """Fill `flat[:layout.total]` (int32) with the rows, then pad rows up to `layout.num_reqs`,
-    then the copies. Mutates `flat` only.
+    then each KV cache group's copies (`copies[g]`; groups past its end have none). Mutates
+    `flat` only.
 
         row 0                     row 1        row 2 (decode)   pad rows
         |--- q_len 0 ---|--------- q_len 1 ---|q|               |0|0|
@@ -208,12 +212,7 @@ def pack_step(
     np.cumsum(q_lens, out=cu[1:])
     t = int(cu[-1])
 
-    tables = v["block_tables"]
-    tables.fill(0)
     used = np.arange(layout.max_blocks) < widths[:, None]  # [n, max_blocks], row-major like rows
-    tables[:n][used] = np.fromiter(
-        chain.from_iterable(r.block_tables[0] for r in rows), np.int32, int(widths.sum())
-    )
     if t == n:  # decode rows only (every graph replay): one token each, at its start
         token_row, pos = np.arange(n), starts
     else:
@@ -221,15 +220,21 @@ def pack_step(
         pos = np.arange(t) + np.repeat(starts - cu[:-1], q_lens)  # start + index within the row
     v["input_ids"][:t] = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int32, t)
     v["positions"][:t] = pos
-    v["slot_mapping"][:t] = tables[token_row, pos // B] * B + pos % B
-    if layout.window_blocks:
-        window = v["window_block_tables"]
-        window.fill(0)
-        window[:n][used] = np.fromiter(
-            chain.from_iterable(r.block_tables[1] for r in rows), np.int32, int(widths.sum())
+    for g in range(layout.num_groups):  # every group's table is as wide as the first's
+        tables = v[region("block_tables", g)]
+        tables.fill(0)
+        tables[:n][used] = np.fromiter(
+            chain.from_iterable(r.block_tables[g] for r in rows), np.int32, int(widths.sum())
         )
-        v["window_slot_mapping"][:t] = window[token_row, pos // B] * B + pos % B
-        v["window_slot_mapping"][t:] = PAD_SLOT
+        slots = v[region("slot_mapping", g)]
+        slots[:t] = tables[token_row, pos // B] * B + pos % B
+        slots[t:] = PAD_SLOT
+        group_copies = copies[g] if g < len(copies) else ()
+        assert len(group_copies) == layout.num_copies[g], f"group {g}'s copies != layout's"
+        if group_copies:
+            v[region("copy_src", g)][:] = [c.src_block for c in group_copies]
+            v[region("copy_dst", g)][:] = [c.dst_block for c in group_copies]
+            v[region("copy_slots", g)][:] = [c.num_slots for c in group_copies]
     v["seq_lens"][:n] = ends
     v["cu_seqlens_q"][:n] = cu[:-1]
     if layout.num_sampled:
@@ -238,15 +243,10 @@ def pack_step(
         v["sample_idx"][:] = cu[sampled + 1] - 1
     num_pad = layout.num_reqs - n
     assert t + num_pad == layout.num_tokens, f"{t} tokens + {num_pad} pad rows != layout"
-    for name, value in (("input_ids", PAD_TOKEN_ID), ("positions", 0), ("slot_mapping", PAD_SLOT)):
-        v[name][t:] = value
+    v["input_ids"][t:] = PAD_TOKEN_ID
+    v["positions"][t:] = 0
     v["seq_lens"][n:] = 1
     v["cu_seqlens_q"][n:] = np.arange(t, t + num_pad + 1, dtype=np.int32)
-    assert len(copies) == layout.num_copies, f"{len(copies)} copies != layout's"
-    if copies:
-        v["copy_src"][:] = [c.src_block for c in copies]
-        v["copy_dst"][:] = [c.dst_block for c in copies]
-        v["copy_slots"][:] = [c.num_slots for c in copies]
 
 
 class InputStager:
@@ -280,7 +280,7 @@ class InputStager:
     def stage(
         self,
         rows: Sequence[ScheduledRequest],
-        copies: Sequence[BlockCopy],
+        copies: Sequence[Sequence[BlockCopy]],
         block_size: int,
         layout: StepLayout,
         out: torch.Tensor | None = None,

@@ -27,6 +27,8 @@ from tiny_archs import (
 from tiny_llama import random_prompts
 
 from radixkv import LLM, ModelLoadError, SamplingParams
+from radixkv.cache.group import GroupSpec
+from radixkv.cache.window import WindowSpec
 
 # Pools of 2048 tokens at block sizes 1 / 16 / 64, with the cache on and off.
 VARIANTS = {f"b{size}": dict(block_size=size, num_blocks=2048 // size) for size in (1, 16, 64)}
@@ -80,7 +82,7 @@ def test_greedy_matches_transformers(arch, variant, arch_model):
     stats = llm.cache.stats()
     if variant == "eviction":
         assert stats.num_evicted_blocks > 0
-        if llm.runner.window is not None:
+        if len(llm.cache.groups) > 1:  # a window group
             assert llm.cache.groups[1].num_evicted_tails > 0
     if variant == "no-cache":
         assert all(o.stats.num_cached_tokens == 0 for o in outs)
@@ -134,7 +136,7 @@ def test_kv_heads_come_from_the_attention_not_the_config(arch_model):
     assert llm.model.config.num_key_value_heads == 2
     layout = llm.runner.layout
     assert (layout.num_q_heads, layout.num_kv_heads, layout.head_dim) == (4, 4, 16)
-    assert tuple(llm.runner.k_cache.shape) == (4, 64, 4, 4, 16)
+    assert tuple(llm.runner.kv[0].k_cache.shape) == (4, 64, 4, 4, 16)
 
 
 def test_a_window_is_not_the_context(arch_model):
@@ -150,7 +152,8 @@ def test_a_window_is_not_the_context(arch_model):
 def test_layout_of_gemma2_and_gpt_oss(arch_model):
     gemma2 = LLM(str(arch_model("gemma2")[0]), block_size=4, num_blocks=64).runner.layout
     assert [(k.window, k.softcap) for k in gemma2.layers] == [(WINDOW, 1.0), (None, 1.0)] * 2
-    assert [(g.window, g.layers) for g in gemma2.groups] == [(None, (1, 3)), (WINDOW, (0, 2))]
+    groups = [(g.spec, g.layers) for g in gemma2.cache_groups()]
+    assert groups == [(GroupSpec(), (1, 3)), (WindowSpec(WINDOW), (0, 2))]
     assert gemma2.describe() == f"2 full + 2 window-{WINDOW} layers"
     llm = LLM(str(arch_model("gpt-oss")[0]), block_size=4, num_blocks=64)
     attention = [m for m in llm.model.modules() if hasattr(m, "sinks")]

@@ -48,7 +48,7 @@ def _run_step(rows: list[ScheduledRequest], k_cache: torch.Tensor, v_cache: torc
     layout = layout_for(rows)
     flat = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
     pack_step(rows, (), BLOCK, layout, flat.numpy())
-    _, meta, _ = split_step(layout, flat, flat, KV_SHAPE)
+    _, (meta,) = split_step(layout, flat, flat, [KV_SHAPE])
     num_tokens = layout.num_tokens
     kv = torch.randn(num_tokens, KV_SHAPE[2], KV_SHAPE[3])
     store_kv_step(kv, kv, k_cache, v_cache, meta)

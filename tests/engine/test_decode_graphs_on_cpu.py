@@ -60,7 +60,7 @@ def _graph_runners() -> list[ModelRunner]:
             if graphs:  # built as the runner builds them: under inference mode
                 with torch.inference_mode():
                     runner.decode_graphs = DecodeGraphs(
-                        runner._forward, runner.stager, runner.kv_cache_shape, 3, max_model_len=40
+                        runner._forward, runner.stager, runner.kv_shapes, 3, max_model_len=40
                     )
             runners.append(runner)
     return runners
@@ -109,7 +109,9 @@ def test_graph_replays_equal_eager_steps(graph_runner):
             got = graphs_runner.execute(step)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             assert graphs.num_replays - replays == (1 if i in (1, 2, 3) else 0), i
-    torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        graphs_runner.kv[0].k_cache, eager_runner.kv[0].k_cache, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
@@ -136,7 +138,9 @@ def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
         expected = eager_runner.execute(mixed_real)
         got = graphs_runner.execute(mixed_held, token_feed(stager, [6], [2], sampled))
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(graphs_runner.k_cache, eager_runner.k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        graphs_runner.kv[0].k_cache, eager_runner.kv[0].k_cache, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_step_profile_stages_a_replay_as_the_runner_runs_it(graph_runner):
@@ -177,10 +181,9 @@ def test_graph_replays_of_window_softcap_and_sink_layers(monkeypatch):
                 graphs.decode_graphs = DecodeGraphs(
                     graphs._forward,
                     graphs.stager,
-                    graphs.kv_cache_shape,
+                    graphs.kv_shapes,
                     2,
                     max_model_len=40,
-                    window_kv_cache_shape=graphs.window_kv_cache_shape,
                 )
             for runner in (eager, graphs):
                 runner.execute(SchedulerOutput(rows=(row("a", prompt, 0, table, True),)))
@@ -221,4 +224,4 @@ def test_a_model_another_runner_fused_loads_again():
         assert first.fused_modules
         second = ModelRunner(model, EngineConfig(block_size=BLOCK, num_blocks=16))
     assert second.fused_modules and second.layout.describe() == first.layout.describe()
-    assert second.kv_cache_shape == first.kv_cache_shape
+    assert second.kv_shapes == first.kv_shapes

@@ -159,7 +159,9 @@ def test_steps_never_sync_and_graphs_equal_eager():
     for graph_step, eager_step in zip(logits[False], logits[True], strict=True):
         torch.testing.assert_close(graph_step, eager_step, rtol=1e-5, atol=1e-5)
     # Padded graph batches may pick other matmul kernels: equal up to rounding.
-    torch.testing.assert_close(runners[False].k_cache, runners[True].k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        runners[False].kv[0].k_cache, runners[True].kv[0].k_cache, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_nothing_compiles_after_the_warm_up_on_cuda(tiny_model_dir):

@@ -9,12 +9,8 @@ import torch
 from tiny_llama import build_model, build_qwen2
 
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.model_runner import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    KVCacheSpec,
-    ModelRunner,
-    plan_num_blocks,
-)
+from radixkv.engine.kv_tensors import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, plan_num_blocks
+from radixkv.engine.model_runner import ModelRunner
 from radixkv.kernels import metadata, reference
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
@@ -153,11 +149,11 @@ def test_a_step_is_one_host_copy_and_its_token_ids_are_checked_before_the_forwar
         )
     )
     assert len(calls) == 2
-    k_cache = runner.k_cache.clone()
+    k_cache = runner.kv[0].k_cache.clone()
     vocab = model.config.vocab_size
     with pytest.raises(AssertionError, match="token id out of range"):
         runner.execute(SchedulerOutput(rows=(row("b", [1, vocab], 0, [3]),)))
-    assert torch.equal(runner.k_cache, k_cache)
+    assert torch.equal(runner.kv[0].k_cache, k_cache)
 
 
 @pytest.mark.parametrize("validate_steps", [True, False])
@@ -212,7 +208,7 @@ def test_kv_cache_layout(models):
     runner = ModelRunner(model, EngineConfig(block_size=8, num_blocks=10))
     cfg = model.config
     shape = (cfg.num_hidden_layers, 10, 8, cfg.num_key_value_heads, cfg.hidden_size // 4)
-    assert runner.k_cache.shape == runner.v_cache.shape == shape
+    assert runner.kv[0].k_cache.shape == runner.kv[0].v_cache.shape == shape
     assert model.config._attn_implementation == "radixkv"
 
 

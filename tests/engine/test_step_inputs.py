@@ -39,7 +39,7 @@ def decode_row(rid: str, token: int, position: int, table: list[int]) -> Schedul
 
 def packed(rows, layout, copies=()):
     flat = np.full(layout.total, 12345, dtype=np.int32)  # garbage: every entry must be written
-    pack_step(rows, copies, BLOCK, layout, flat)
+    pack_step(rows, [copies], BLOCK, layout, flat)
     return {k: v.copy() for k, v in layout.split(flat).items()}
 
 
@@ -83,8 +83,10 @@ def test_eager_layout_packs_rows_exactly():
         decode_row("b", 20, 5, [9, 1]),
     ]
     copies = [BlockCopy(src_block=4, dst_block=8, num_slots=3)]
-    layout = layout_for(rows, num_copies=1)
-    assert layout == StepLayout(num_tokens=4, num_reqs=2, max_blocks=2, num_sampled=1, num_copies=1)
+    layout = layout_for(rows, num_copies=(1,))
+    assert layout == StepLayout(
+        num_tokens=4, num_reqs=2, max_blocks=2, num_sampled=1, num_copies=(1,)
+    )
     v = packed(rows, layout, copies)
     assert v["input_ids"].tolist() == [10, 11, 12, 20]
     assert v["positions"].tolist() == [2, 3, 4, 5]
@@ -129,7 +131,7 @@ def test_pad_rows_change_no_slot_and_no_real_row_output():
     def run(layout):
         flat = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
         pack_step(rows, (), BLOCK, layout, flat.numpy())
-        _, meta, _ = split_step(layout, flat, flat, shape)  # validated: pad rows are legal metadata
+        _, (meta,) = split_step(layout, flat, flat, [shape])  # validated: pad rows are legal
         k, vv = k_cache.clone(), v_cache.clone()
         new_kv = torch.randn(layout.num_tokens, kv_heads, head_dim, generator=gen.manual_seed(1))
         reference.store_kv_step(new_kv, new_kv, k, vv, meta)
@@ -226,13 +228,13 @@ def test_vectorized_packing_equals_packing_row_by_row(specs, extra_rows, num_cop
         table = tuple(int(b) for b in rng.integers(0, 500, blocks))
         rows.append(ScheduledRequest(f"r{i}", tokens, start, (table,), sample))
     copies = [BlockCopy(int(a), int(b), int(c)) for a, b, c in rng.integers(0, 9, (num_copies, 3))]
-    eager = layout_for(rows, num_copies=num_copies)
+    eager = layout_for(rows, num_copies=(num_copies,))
     padded = StepLayout(
         eager.num_tokens + extra_rows,
         eager.num_reqs + extra_rows,
         eager.max_blocks + 1,
         eager.num_sampled,
-        num_copies,
+        (num_copies,),
     )
     for layout in (eager, padded):
         got = packed(rows, layout, copies)
@@ -249,3 +251,31 @@ def test_cpu_stager_hands_out_fresh_buffers_and_copies_nothing():
     a.copy_(torch.arange(5))
     stager.to_device(a, out=out)
     assert out.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+
+
+def test_every_group_has_its_own_tables_slots_and_copies():
+    """Two KV cache groups: the second's block tables, slots and copies in regions of their own,
+    after the first's (whose layout is that of a model of one group)."""
+    rows = [
+        ScheduledRequest("a", (10, 11, 12), 2, ((7, 3), (5, 0)), False),  # positions 2..4
+        ScheduledRequest("b", (20,), 5, ((9, 1), (2, 6)), True),
+    ]
+    copies = [[], [BlockCopy(src_block=4, dst_block=6, num_slots=1)]]
+    layout = layout_for(rows, num_copies=(0, 1))
+    assert layout.num_groups == 2 and layout.sizes()[:10] == StepLayout(4, 2, 2, 1).sizes()
+    flat = np.full(layout.total, 12345, dtype=np.int32)
+    pack_step(rows, copies, BLOCK, layout, flat)
+    v = layout.split(flat)
+    assert v["block_tables"].tolist() == [[7, 3], [9, 1]]
+    assert v["block_tables.1"].tolist() == [[5, 0], [2, 6]]
+    assert v["slot_mapping"].tolist() == [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 1 * 4 + 1]
+    assert v["slot_mapping.1"].tolist() == [5 * 4 + 2, 5 * 4 + 3, 0 * 4 + 0, 6 * 4 + 1]
+    assert v["copy_src"].size == 0
+    assert (v["copy_src.1"].tolist(), v["copy_dst.1"].tolist(), v["copy_slots.1"].tolist()) == (
+        [4],
+        [6],
+        [1],
+    )
+    shapes = [(10, BLOCK, 2, 8), (7, BLOCK, 2, 8)]
+    _, metas = split_step(layout, torch.from_numpy(flat), torch.from_numpy(flat), shapes)
+    assert [m.kv_cache_shape for m in metas] == shapes

@@ -52,16 +52,16 @@ def test_window_layers_have_a_smaller_tensor_of_their_own(gemma3):
     llm = LLM(gemma3, **SETTINGS, max_num_seqs=2)
     runner = llm.runner
     default = 2 * 2 * window_budget(WINDOW, B, CHUNK)
-    assert runner.num_window_blocks == default
-    assert tuple(runner.k_cache.shape) == (1, 256, B, 2, 16)  # the full layer
-    assert tuple(runner.window_k_cache.shape) == (3, default, B, 2, 16)
+    assert runner.kv[1].num_blocks == default
+    assert tuple(runner.kv[0].k_cache.shape) == (1, 256, B, 2, 16)  # the full layer
+    assert tuple(runner.kv[1].k_cache.shape) == (3, default, B, 2, 16)
     assert [k.data_ptr() for k, _ in runner.layer_kv] == [
-        runner.window_k_cache[0].data_ptr(),
-        runner.window_k_cache[1].data_ptr(),
-        runner.window_k_cache[2].data_ptr(),
-        runner.k_cache[0].data_ptr(),
+        runner.kv[1].k_cache[0].data_ptr(),
+        runner.kv[1].k_cache[1].data_ptr(),
+        runner.kv[1].k_cache[2].data_ptr(),
+        runner.kv[0].k_cache[0].data_ptr(),
     ]
-    assert LLM(gemma3, **SETTINGS, num_window_blocks=9).runner.num_window_blocks == 9
+    assert LLM(gemma3, **SETTINGS, num_window_blocks=9).runner.kv[1].num_blocks == 9
 
 
 @pytest.mark.parametrize(
@@ -79,9 +79,9 @@ def test_a_byte_budget_is_split_between_the_pools(gemma3):
     """The default window pool takes at most half of `kv_cache_bytes`; the full pool the rest."""
     budget = 2**20
     runner = LLM(gemma3, block_size=B, chunked_prefill_size=CHUNK, kv_cache_bytes=budget).runner
-    full, window = 2 * runner.k_cache.nbytes, 2 * runner.window_k_cache.nbytes
-    full_block = 2 * runner.k_cache[:, 0].nbytes
-    assert window_budget(WINDOW, B, CHUNK) < runner.num_window_blocks
+    full, window = 2 * runner.kv[0].k_cache.nbytes, 2 * runner.kv[1].k_cache.nbytes
+    full_block = 2 * runner.kv[0].k_cache[:, 0].nbytes
+    assert window_budget(WINDOW, B, CHUNK) < runner.kv[1].num_blocks
     assert window <= budget // 2 and budget - full_block < full + window <= budget
 
 

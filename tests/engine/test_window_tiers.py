@@ -146,7 +146,7 @@ def _tier_ios(llm: LLM):
 def _bytes_per_block_pair(path: str) -> int:
     """Host bytes of one block of each group (the two pools hold as many blocks each)."""
     runner = LLM(path, **DEVICE).runner
-    return 2 * (runner.k_cache[:, 0].nbytes + runner.window_k_cache[:, 0].nbytes)
+    return 2 * (runner.kv[0].k_cache[:, 0].nbytes + runner.kv[1].k_cache[:, 0].nbytes)
 
 
 def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_model, tmp_path):
@@ -156,7 +156,7 @@ def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_m
     runner = LLM(path, **DEVICE).runner
     full, window = (
         block_file_nbytes(DEVICE["block_size"], 2 * k[:, 0].nbytes)
-        for k in (runner.k_cache, runner.window_k_cache)
+        for k in (runner.kv[0].k_cache, runner.kv[1].k_cache)
     )
     settings = dict(DEVICE, host_cache_bytes=2**20, kv_cache_dir=tmp_path)
     with pytest.raises(ValueError) as refused:
@@ -172,7 +172,7 @@ def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_m
 def test_a_host_budget_short_of_one_block_per_group_is_refused_naming_both(arch_model):
     path, _ = arch_model("gemma3")
     runner = LLM(path, **DEVICE).runner
-    full, window = (2 * k[:, 0].nbytes for k in (runner.k_cache, runner.window_k_cache))
+    full, window = (2 * k[:, 0].nbytes for k in (runner.kv[0].k_cache, runner.kv[1].k_cache))
     with pytest.raises(ValueError) as refused:
         LLM(path, **DEVICE, host_cache_bytes=full + window - 1)
     assert str(refused.value) == (
