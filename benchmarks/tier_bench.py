@@ -256,8 +256,8 @@ def chat(args: argparse.Namespace) -> None:
                 shutil.rmtree(settings["kv_cache_dir"], ignore_errors=True)
             llm = LLM(**base, **settings)
             results[name].append(run_chat(llm, turns, args.reply_tokens))
-            if llm.tier_io is not None and llm.tier_io.disk is not None:
-                d = llm.tier_io.disk.stats()
+            if llm.tier_ios[0] is not None and llm.tier_ios[0].disk is not None:
+                d = llm.tier_ios[0].disk.stats()
                 print(
                     f"# {name}: disk {d.num_bytes:,} bytes in {d.num_files} files, budget"
                     f" {d.budget_bytes:,}"

@@ -299,18 +299,19 @@ def stats_text(llm: object) -> str:
 
 
 def tier_lines(llm: object) -> list[str]:
-    """The host and disk tiers' lines of /stats (none without them); a model with window layers
-    has a second pair, its window group's (hits are counted once, by the full group)."""
-    tiers = llm.tier_io  # type: ignore[attr-defined]
-    if tiers is None:
+    """The host and disk tiers' lines of /stats (none without them), one pair per KV cache group
+    (a model with window layers has a second, its window group's, named by it; hits are counted
+    once, by the tree's group)."""
+    tier_ios = llm.tier_ios  # type: ignore[attr-defined]
+    if tier_ios[0] is None:
         return []
     s = llm.cache.stats()  # type: ignore[attr-defined]
     hits = (f", {s.num_host_hit_tokens} hit tokens", f", {s.num_disk_hit_tokens} hit tokens")
-    lines = _group_tier_lines("", tiers, s.num_host_cached_blocks, hits)
-    window = llm.window_tier_io  # type: ignore[attr-defined]
-    if window is not None:
-        held = llm.window_stats().num_host_cached_blocks  # type: ignore[attr-defined]
-        lines += _group_tier_lines("window ", window, held, ("", ""))
+    lines = _group_tier_lines("", tier_ios[0], s.num_host_cached_blocks, hits)
+    cache = llm.cache  # type: ignore[attr-defined]
+    others = zip(cache.groups, cache.group_stats(), tier_ios, strict=True)
+    for group, stats, tiers in list(others)[1:]:
+        lines += _group_tier_lines(f"{group.name} ", tiers, stats.num_host_cached_blocks, ("", ""))
     return lines
 
 

@@ -37,8 +37,6 @@ import torch
 from radixkv.cache import PackedTokens
 from radixkv.cache.keys import make_block_hasher
 from radixkv.cache.kinds import build_cache
-from radixkv.cache.moves import Move, Poisoned
-from radixkv.cache.window import WindowStats
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
@@ -65,7 +63,8 @@ from radixkv.engine.prompts import (
 from radixkv.engine.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
-from radixkv.engine.tier_io import TierIO, make_group_tier_ios, make_tier_io
+from radixkv.engine.tier_io import make_tier_ios
+from radixkv.engine.tier_moves import MoveFailure, run_planned_moves, run_step_moves
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Request, Scheduler
 from radixkv.scheduler.output import SchedulerOutput
@@ -151,11 +150,11 @@ class LLM:
             _set_cpu_threads(config.num_threads)
         self.runner = ModelRunner(self.model, self.config)
         self.runner.warm_up()
-        self.tier_io, self.window_tier_io = self._tier_ios()
+        self.tier_ios = make_tier_ios(self.model, self.runner.kv, self.config)
         events = config.kv_events
         hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
         kvs = self.runner.kv
-        tier_ios = [self.tier_io, self.window_tier_io][: len(kvs)]
+        tier_ios = self.tier_ios
         self.cache = build_cache(
             [kv.spec for kv in kvs],
             [kv.num_blocks for kv in kvs],
@@ -179,16 +178,6 @@ class LLM:
         self._stepping = False
         self._orphans: list[str] = []  # streams dropped during a step, released after it
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
-
-    def _tier_ios(self) -> tuple[TierIO | None, TierIO | None]:
-        """The tier movers of the full layers' pool and of the window layers' (None: no host
-        tier, or no window layers)."""
-        runner = self.runner
-        full = (runner.kv[0].k_cache, runner.kv[0].v_cache)
-        if len(runner.kv) == 1:
-            return make_tier_io(self.model, *full, self.config), None
-        window = (runner.kv[1].k_cache, runner.kv[1].v_cache)
-        return make_group_tier_ios(self.model, full, window, self.config)
 
     # ------------------------------------------------------------------ step API
 
@@ -245,12 +234,6 @@ class LLM:
     @property
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting
-
-    def window_stats(self) -> WindowStats | None:
-        """The window layers' group's figures (None: a model without window layers); the full
-        layers' are `cache.stats()`."""
-        groups = self.cache.group_stats()
-        return groups[1] if len(groups) > 1 else None
 
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
@@ -474,7 +457,8 @@ class LLM:
                 f"scheduler scheduled nothing with {self.scheduler.num_waiting} requests waiting"
             )
         # Even with no rows: the moves the cache planned since the last step must run.
-        requeued = self._run_step_moves(out) if out.has_moves else set()
+        moved = run_step_moves(out, self.tier_ios, self.cache) if out.has_moves else None
+        requeued = self._recover(moved)
         launched = None
         if not out.is_empty:
             launched = self._steps.launch(out, self._sampled_rows(out), previous, requeued)
@@ -577,59 +561,26 @@ class LLM:
         to do without a disk tier. Not during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
         self.cache.persist()
-        for group, moves in enumerate(self.cache.take_moves()):
-            if moves:
-                self._run_moves(moves, window=bool(group))
-        for tier_io in (self.tier_io, self.window_tier_io):
+        run_planned_moves(self.tier_ios, self.cache)
+        for tier_io in self.tier_ios:
             if tier_io is not None:
                 tier_io.log_saved()
 
-    def _run_moves(self, moves: Sequence[Move], *, window: bool = False) -> Poisoned:
-        """Run tier moves in order (`window`: the window layers' group's); the cache forgets the
-        host copies a failed move left holding garbage, whatever happens. Returns the blocks
-        that failed."""
-        tier_io = self.window_tier_io if window else self.tier_io
-        assert tier_io is not None, "the cache plans moves only with a host tier"
-        try:
-            poisoned = tier_io.run(moves)
-        finally:
-            garbage = sorted(tier_io.poisoned_so_far.host)
-            self.cache.forget(int(window), garbage)
-        tier_io.order_before_compute()
-        return poisoned
-
-    def _run_step_moves(self, out: SchedulerOutput) -> set[str]:
-        """The step's tier moves, before its copies and forward. A move that fails leaves blocks
-        holding garbage: the cache forgets the host copies among them, and a request whose row
-        reads one of the device blocks goes back to the waiting queue, to be admitted from what
-        the cache holds then (a block file that could not be read is a miss, not an error: the
-        disk tier does not offer it again); a second failed copy fails it. Their rows still run,
-        and are ignored. Returns their ids."""
-        moves, window_moves = out.plan(0).moves, out.plan(1).moves
-        poisoned = self._run_moves(moves) if moves else Poisoned()
-        window = self._run_moves(window_moves, window=True) if window_moves else Poisoned()
-        if poisoned.device or window.device:
-
-            def reading(bad: set[int], wbad: set[int]) -> list[str]:
-                return [
-                    r.request_id
-                    for r in out.rows
-                    if bad.intersection(r.block_tables[0])
-                    or (len(r.block_tables) > 1 and wbad.intersection(r.block_tables[1]))
-                ]
-
-            hit = reading(poisoned.device, window.device)
-            struck = reading(poisoned.faulty, window.faulty)
-            failed = [rid for rid in struck if self._tracked[rid].failed_load]
-            for rid in struck:
-                self._tracked[rid].failed_load = True
-            for rid in hit:
-                if rid not in failed:
-                    self.scheduler.requeue(rid)
-            logger.warning("loading cached KV failed: requeued %s, failing %s", hit, failed)
-            self._fail_requests(failed, RuntimeError("loading cached KV into the device failed"))
-            return set(hit)
-        return set()
+    def _recover(self, failure: MoveFailure | None) -> set[str]:
+        """After a step's moves: the requests whose rows read garbage go back to the waiting
+        queue (`radixkv.engine.tier_moves`), one struck by a fault a second time fails. Returns
+        the requests sent back or failed, whose rows are ignored."""
+        if failure is None:
+            return set()
+        failed = [rid for rid in failure.struck if self._tracked[rid].failed_load]
+        for rid in failure.struck:
+            self._tracked[rid].failed_load = True
+        for rid in failure.reading:
+            if rid not in failed:
+                self.scheduler.requeue(rid)
+        logger.warning("loading cached KV failed: requeued %s, failing %s", failure.reading, failed)
+        self._fail_requests(failed, RuntimeError("loading cached KV into the device failed"))
+        return set(failure.reading)
 
     def _fail(self, step_ids: list[str], exc: BaseException) -> None:
         """Fail the requests of a faulty step: every live one when it failed before its rows were

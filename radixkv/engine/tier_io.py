@@ -1,7 +1,8 @@
 """Runs the cache's tier moves (`radixkv.cache.moves`) and measures them.
 
-One `TierIO` per KV cache group: a model with sliding-window layers has a second one over the
-window layers' pool (`make_tier_io(group="window")`, its files in a folder of their own).
+One `TierIO` per KV cache group, built by `make_tier_ios`, which splits the host and disk
+budgets between the groups (a model with window layers has a second one over the window layers'
+pool, its files in a folder of their own).
 
 `TierIO.run(moves)` carries out one step's moves in order: copies between the device pool and the
 host pool through the `KVCopier` (asynchronous on CUDA), block files through the `DiskStore`.
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixkv.engine.config import EngineConfig
+    from radixkv.engine.kv_tensors import GroupKV
 
 logger = logging.getLogger(__name__)
 
@@ -118,48 +120,57 @@ def make_tier_io(
     return TierIO(KVCopier(k_cache, v_cache, host), disk)
 
 
-def make_group_tier_ios(
-    model: Any,
-    full: tuple[torch.Tensor, torch.Tensor],
-    window: tuple[torch.Tensor, torch.Tensor],
-    config: EngineConfig,
-) -> tuple[TierIO | None, TierIO | None]:
-    """`make_tier_io` for a model with window layers: one mover over the full layers' K / V
-    pool, one over the window layers'. The two split the host and disk budgets so that each
-    holds as many blocks (a window hit needs both groups' blocks of its prefix). (None, None)
-    without a host tier; ValueError as `make_tier_io`, for a host or disk budget that holds no
-    pair of blocks or block files (one of each group)."""
+def make_tier_ios(
+    model: Any, kvs: Sequence[GroupKV], config: EngineConfig
+) -> tuple[TierIO | None, ...]:
+    """One tier mover per KV cache group (`kvs[g]`: group g's device tensors), None each
+    without a host tier. One group takes the whole host and disk budgets; several split them
+    so that each holds as many blocks (a hit resumes where every group has its blocks of the
+    prefix), every group but the first keeping its files apart. ValueError, as `make_tier_io`,
+    for a host or disk budget that holds no block (several groups: no set of one block or
+    block file per group)."""
     if not config.host_cache_bytes:
-        return None, None
+        return (None,) * len(kvs)
+    if len(kvs) == 1:
+        return (make_tier_io(model, kvs[0].k_cache, kvs[0].v_cache, config),)
     B = config.block_size
-    nbytes = [2 * k[:, 0].nbytes for k, _ in (full, window)]  # K and V of one block
+    nbytes = [kv.bytes_per_block for kv in kvs]
     files = [block_file_nbytes(B, n) for n in nbytes]
-    _check_holds_a_pair("host_cache_bytes", config.host_cache_bytes, nbytes, "KV blocks")
+    names = [kv.name for kv in kvs]
+    _check_holds_a_set("host_cache_bytes", config.host_cache_bytes, nbytes, names, "KV blocks")
     if config.kv_cache_dir is not None:
-        _check_holds_a_pair("disk_cache_bytes", config.disk_cache_bytes, files, "KV block files")
+        _check_holds_a_set(
+            "disk_cache_bytes", config.disk_cache_bytes, files, names, "KV block files"
+        )
     num_host = config.host_cache_bytes // sum(nbytes)
-    full_file, window_file = files
-    num_files = config.disk_cache_bytes // (full_file + window_file)
-    full_io, window_io = (
+    num_files = config.disk_cache_bytes // sum(files)
+    return tuple(
         make_tier_io(
             model,
-            *kv,
+            kv.k_cache,
+            kv.v_cache,
             config,
             num_host_blocks=num_host,
             disk_bytes=num_files * file_nbytes,
-            group=group,
+            group=None if g == 0 else kv.name,
         )
-        for kv, file_nbytes, group in ((full, full_file, None), (window, window_file, "window"))
+        for g, (kv, file_nbytes) in enumerate(zip(kvs, files, strict=True))
     )
-    return full_io, window_io
 
 
-def _check_holds_a_pair(name: str, budget: int, sizes: list[int], what: str) -> None:
-    """ValueError unless `budget` holds one of each group's (full, window) `sizes`."""
+def _check_holds_a_set(
+    name: str, budget: int, sizes: list[int], groups: list[str], what: str
+) -> None:
+    """ValueError unless `budget` holds one of each group's `sizes`."""
     if budget < sum(sizes):
+        each = " + ".join(
+            f"{n}{' bytes' if i == 0 else ''} for the {group} layers"
+            for i, (n, group) in enumerate(zip(sizes, groups, strict=True))
+        )
+        kind = "pair" if len(sizes) == 2 else "set"
         raise ValueError(
-            f"{name}={budget} holds no pair of {what}, one per KV cache group ({sizes[0]} bytes "
-            f"for the full layers + {sizes[1]} for the window layers = {sum(sizes)})"
+            f"{name}={budget} holds no {kind} of {what}, one per KV cache group ({each} = "
+            f"{sum(sizes)})"
         )
 
 

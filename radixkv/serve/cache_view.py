@@ -93,7 +93,8 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
     t0 = time.perf_counter()
     prompt = () if last is None else last.tokens
     stats = llm.cache.stats()
-    disk = None if llm.tier_io is None else llm.tier_io.disk
+    tiers = llm.tier_ios[0]
+    disk = None if tiers is None else tiers.disk
     return Capture(
         tree=llm.cache.summary(max_nodes=MAX_NODES, prompt=prompt),
         num_blocks=stats.num_blocks,
@@ -111,10 +112,10 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
 
 
 def _window_capture(llm: LLM) -> WindowCapture | None:
-    stats = llm.window_stats()
-    if stats is None:
+    groups = llm.cache.group_stats()
+    if len(groups) < 2:  # the tree's group alone
         return None
-    tiers = llm.window_tier_io
+    stats, tiers = groups[1], llm.tier_ios[1]
     disk = None if tiers is None or tiers.disk is None else tiers.disk.stats()
     return WindowCapture(stats, disk, tier_moves(tiers))
 

@@ -279,13 +279,13 @@ class EngineLoop:
             num_evicted_blocks=stats.num_evicted_blocks,
             num_preemptions=scheduler.num_preemptions,
             hit_tokens_by_tier=_hit_tokens_by_tier(stats),
-            tier_moves=tier_moves(self.llm.tier_io, self.llm.window_tier_io),
+            tier_moves=tier_moves(*self.llm.tier_ios),
         )
 
 
 def tier_moves(*tier_ios: Any) -> dict[str, tuple[int, float]]:
     """Bytes and seconds of each kind of move since start, summed over the KV groups' movers
-    (a window model's window layers have their own; the live page shows theirs apart)."""
+    (one per KV cache group; the live page shows the other groups' apart)."""
     moves: dict[str, tuple[int, float]] = {}
     for tier_io in tier_ios:
         for kind, t in ({} if tier_io is None else tier_io.totals).items():

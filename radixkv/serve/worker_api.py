@@ -154,10 +154,9 @@ def _flush(llm: LLM, *, keep_disk: bool) -> tuple[str | None, str]:
     if llm.has_unfinished_requests():
         running, waiting = llm.scheduler.num_running, llm.num_waiting_requests
         return f"{running} requests running and {waiting} waiting", ""
-    if not llm.scheduler.cache.reset():  # a window model's: both KV cache groups
+    if not llm.cache.reset():  # every KV cache group's
         return "a request still holds cached blocks", ""
-    tier_ios = (llm.tier_io, llm.window_tier_io)
-    disks = [t.disk for t in tier_ios if t is not None and t.disk is not None]
+    disks = [t.disk for t in llm.tier_ios if t is not None and t.disk is not None]
     if not disks:
         return None, "every tier cleared (there is no disk tier)"
     if keep_disk:

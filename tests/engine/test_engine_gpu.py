@@ -288,4 +288,4 @@ def test_window_models_match_transformers_on_cuda(arch, overlap, host_tier, tmp_
     assert llm.cache.groups[1].num_evicted_tails > 0
     if host_tier:
         assert llm.cache.stats().num_host_hit_tokens > 0
-        assert llm.window_tier_io.totals["load"].num_blocks > 0
+        assert llm.tier_ios[1].totals["load"].num_blocks > 0

@@ -66,7 +66,7 @@ def test_a_failed_move_fails_only_the_requests_that_read_it(
     disk = dict(host_cache_bytes=6 * 3072, kv_cache_dir=tmp_path) if point == "disk-read" else {}
     llm = LLM(model_dir, **{**TIERS, **disk}, async_scheduling=overlap)
     assert [list(u.output.token_ids) for u in run(llm)] == expected
-    tiers = llm.tier_io
+    tiers = llm.tier_ios[0]
     target, name = {
         "load": (tiers.copier, "load"),
         "offload": (tiers.copier, "offload"),
@@ -100,7 +100,7 @@ def test_a_block_file_gone_between_probe_and_read_is_a_miss(overlap, model_dir, 
     settings = {**TIERS, "host_cache_bytes": 6 * 3072, "kv_cache_dir": tmp_path}
     llm = LLM(model_dir, **settings, async_scheduling=overlap)
     run(llm)
-    disk = llm.tier_io.disk
+    disk = llm.tier_ios[0].disk
     real_get = disk.get
 
     def get_after_another_process_evicted(key, out):
@@ -110,7 +110,7 @@ def test_a_block_file_gone_between_probe_and_read_is_a_miss(overlap, model_dir, 
     disk.get = get_after_another_process_evicted
     outs = run(llm)
     assert [list(u.output.token_ids) for u in outs] == expected
-    assert llm.tier_io.totals["disk_read"].num_failed_blocks > 0  # the misses
+    assert llm.tier_ios[0].totals["disk_read"].num_failed_blocks > 0  # the misses
     llm.check_integrity()
 
 
@@ -149,9 +149,9 @@ def test_damaged_block_files_are_misses_and_the_output_is_unchanged(
         outs = run(restarted)
         assert [u.error for u in outs] == [None] * len(PROMPTS)
         assert [list(u.output.token_ids) for u in outs] == expected
-    reads = restarted.tier_io.totals["disk_read"]  # missed and loaded blocks
+    reads = restarted.tier_ios[0].totals["disk_read"]  # missed and loaded blocks
     assert reads.num_failed_blocks > 0 and reads.num_blocks > 0
-    assert restarted.tier_io.disk.stats().num_unusable > 0
+    assert restarted.tier_ios[0].disk.stats().num_unusable > 0
     stats = restarted.cache.stats()
     assert stats.num_in_use_blocks == stats.num_private_blocks == 0
     restarted.check_integrity()
@@ -184,7 +184,7 @@ def test_a_keyed_disk_tier_is_read_back_with_its_secret_alone_and_says_what_it_h
         other = start(secret)
         assert [list(u.output.token_ids) for u in run(other)] == expected
         assert other.cache.stats().num_disk_hit_tokens == 0
-        assert other.tier_io.disk.stats().num_damaged == 0
+        assert other.tier_ios[0].disk.stats().num_damaged == 0
 
 
 @pytest.mark.parametrize(

@@ -44,8 +44,8 @@ def run(llm: LLM) -> list[list[int]]:
 
 
 def window_moved(llm: LLM, kind: str) -> int:
-    assert llm.window_tier_io is not None
-    return llm.window_tier_io.totals[kind].num_blocks
+    assert llm.tier_ios[1] is not None
+    return llm.tier_ios[1].totals[kind].num_blocks
 
 
 @pytest.mark.parametrize(
@@ -60,9 +60,9 @@ def test_host_tier_hits_match_transformers(arch, overlap, arch_model):
     assert stats.num_host_hit_tokens > 0
     assert window_moved(llm, "offload") > 0 and window_moved(llm, "load") > 0
     # /metrics counts both groups' moves
-    moved = tier_moves(llm.tier_io, llm.window_tier_io)["load"][0]
-    assert moved == llm.tier_io.totals["load"].nbytes + llm.window_tier_io.totals["load"].nbytes
-    assert moved > llm.tier_io.totals["load"].nbytes
+    moved = tier_moves(llm.tier_ios[0], llm.tier_ios[1])["load"][0]
+    assert moved == llm.tier_ios[0].totals["load"].nbytes + llm.tier_ios[1].totals["load"].nbytes
+    assert moved > llm.tier_ios[0].totals["load"].nbytes
     assert llm.cache.groups[1].num_evicted_tails > 0
 
 
@@ -95,7 +95,7 @@ def test_disk_tier_hits_and_a_restart_match_transformers(arch, arch_model, tmp_p
         assert run(first) == expected
     assert first.cache.stats().num_disk_hit_tokens > 0
     assert window_moved(first, "disk_write") > 0 and window_moved(first, "disk_read") > 0
-    window = first.window_tier_io
+    window = first.tier_ios[1]
     held = len(first.cache.groups[1].tiers.entries)
     _, _, host_line, disk_line = tier_lines(first)  # the chat's /stats: both groups' tiers
     assert host_line.startswith(f"window host tier {held} of {window.host.num_blocks} blocks used;")
@@ -119,7 +119,7 @@ def test_damaged_or_missing_window_files_are_misses(harm, arch_model, tmp_path):
     first.save_kv_cache()
     del first
     restarted = LLM(path, **settings)
-    window_disk = restarted.window_tier_io.disk
+    window_disk = restarted.tier_ios[1].disk
     if harm == "damaged":
         assert damage_every_other_file(tmp_path) >= 6
     else:
@@ -134,13 +134,13 @@ def test_damaged_or_missing_window_files_are_misses(harm, arch_model, tmp_path):
     if harm == "damaged":
         assert window_disk.stats().num_unusable > 0
     else:
-        assert restarted.window_tier_io.totals["disk_read"].num_failed_blocks > 0
+        assert restarted.tier_ios[1].totals["disk_read"].num_failed_blocks > 0
     stats = restarted.cache.stats()
     assert stats.num_in_use_blocks == stats.num_private_blocks == 0
 
 
 def _tier_ios(llm: LLM):
-    return [llm.tier_io, llm.window_tier_io]
+    return [llm.tier_ios[0], llm.tier_ios[1]]
 
 
 def _bytes_per_block_pair(path: str) -> int:
@@ -166,7 +166,7 @@ def test_a_disk_budget_short_of_one_file_per_group_is_refused_naming_both(arch_m
     needs = f"({full} bytes for the full layers + {window} for the window layers = {full + window})"
     assert message.endswith(needs)
     llm = LLM(path, **settings, disk_cache_bytes=full + window)
-    assert llm.tier_io.disk.budget_bytes == full and llm.window_tier_io.disk.budget_bytes == window
+    assert llm.tier_ios[0].disk.budget_bytes == full and llm.tier_ios[1].disk.budget_bytes == window
 
 
 def test_a_host_budget_short_of_one_block_per_group_is_refused_naming_both(arch_model):
@@ -180,7 +180,7 @@ def test_a_host_budget_short_of_one_block_per_group_is_refused_naming_both(arch_
         f"({full} bytes for the full layers + {window} for the window layers = {full + window})"
     )
     llm = LLM(path, **DEVICE, host_cache_bytes=full + window)
-    assert [io.host.num_blocks for io in (llm.tier_io, llm.window_tier_io)] == [1, 1]
+    assert [io.host.num_blocks for io in (llm.tier_ios[0], llm.tier_ios[1])] == [1, 1]
 
 
 def test_kv_events_name_the_tier_and_group_with_tiers_on(arch_model):
@@ -207,7 +207,7 @@ def test_a_failed_window_move_fails_only_the_requests_that_read_it(point, arch_m
     path, expected = arch_model("gemma3")
     llm = LLM(path, **DEVICE, host_cache_bytes=2**20)
     assert run(llm) == expected
-    copier = llm.window_tier_io.copier
+    copier = llm.tier_ios[1].copier
     real, calls = getattr(copier, point), [0]
 
     def failing(*args, **kwargs):
@@ -232,6 +232,6 @@ def test_a_failed_window_move_fails_only_the_requests_that_read_it(point, arch_m
     for u, tokens in zip(outs, expected, strict=True):
         assert u.error is not None or list(u.output.token_ids) == tokens
     assert failed == [] if point == "offload" else len(failed) <= 1
-    assert llm.window_tier_io.totals[point].num_failed_blocks > 0
+    assert llm.tier_ios[1].totals[point].num_failed_blocks > 0
     monkeypatch.undo()
     assert run(llm) == expected

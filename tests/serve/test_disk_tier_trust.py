@@ -37,8 +37,8 @@ def test_a_server_over_damaged_block_files_answers_every_request(
     again = make_server(engine)
     for _ in range(2):  # the second time, no damaged file is probed again
         assert complete_all(again) == expected
-    disk = again.on_engine(lambda llm: llm.tier_io.disk.stats())
-    loaded = again.on_engine(lambda llm: llm.tier_io.totals["disk_read"].num_blocks)
+    disk = again.on_engine(lambda llm: llm.tier_ios[0].disk.stats())
+    loaded = again.on_engine(lambda llm: llm.tier_ios[0].totals["disk_read"].num_blocks)
     assert disk.num_unusable > 0 and loaded > 0
     again.on_engine(lambda llm: llm.check_integrity())
     client = again.client(max_retries=0)

@@ -418,7 +418,7 @@ def window_server(tmp_path_factory: pytest.TempPathFactory, make_server: Callabl
 
 def window_counters(llm: Any) -> dict[str, Any]:
     """Engine thread: the window group's own counters, read where they are kept."""
-    group, io = llm.cache.groups[1], llm.window_tier_io
+    group, io = llm.cache.groups[1], llm.tier_ios[1]
     moves = {kind: {"bytes": t.nbytes, "seconds": t.seconds} for kind, t in io.totals.items()}
     counts = group.tiers.counts
     return {
@@ -465,7 +465,7 @@ def test_window_layers_figures_in_the_snapshot_are_the_engines(window_server: An
     assert disk["files"] > 0 and disk["written_blocks"] > 0 and disk["read_blocks"] > 0
     assert device["tails"] > 0 and device["in_use"] == 0  # idle: only tails hold blocks
     # The gauges beside it stay the full layers' group's.
-    full = window_server.on_engine(lambda llm: (llm.tier_io.host.num_blocks, llm.cache.stats()))
+    full = window_server.on_engine(lambda llm: (llm.tier_ios[0].host.num_blocks, llm.cache.stats()))
     gauges = snapshot["gauges"]
     assert gauges["host_blocks"] == full[0] and gauges["blocks"] == full[1].num_blocks
     assert gauges["host_used"] == full[1].num_host_cached_blocks
