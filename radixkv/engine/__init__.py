@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from radixkv.engine.config import EngineConfig
     from radixkv.engine.heap import freeze_startup_heap, release_heap
-    from radixkv.engine.llm import LLM, RequestUpdate
+    from radixkv.engine.llm import LLM
     from radixkv.engine.model_loader import ModelLoadError, ModelNotFoundError
     from radixkv.engine.outputs import RequestOutput, RequestStats, StreamDelta
+    from radixkv.engine.records import RequestUpdate
     from radixkv.engine.sampling_params import SamplingParams
 
 _MODULES = {  # name -> the module that defines it
@@ -24,7 +25,7 @@ _MODULES = {  # name -> the module that defines it
     "ModelNotFoundError": "model_loader",
     "RequestOutput": "outputs",
     "RequestStats": "outputs",
-    "RequestUpdate": "llm",
+    "RequestUpdate": "records",
     "SamplingParams": "sampling_params",
     "StreamDelta": "outputs",
     "freeze_startup_heap": "heap",

@@ -27,6 +27,7 @@ from typing import Any
 from radixkv.cache.tokens import common_prefix_len
 from radixkv.engine.detokenizer import decode
 from radixkv.engine.grammar import RequestGrammar
+from radixkv.scheduler import Request, Scheduler
 
 # Output tokens decoded again with the forced text: enough for a merge across the boundary.
 RETOKENIZE_WINDOW = 4
@@ -81,3 +82,40 @@ def _splice(
     if kept < len(old) - 1 or kept == len(new):
         return None  # it would rewrite a token with KV (or add nothing)
     return Jump(start + kept, tuple(new[kept:]))
+
+
+def jump_after_token(
+    request: Request, grammar: RequestGrammar, tokenizer: Any, scheduler: Scheduler
+) -> tuple[int, ...] | None:
+    """Jump-forward after a request's sampled token, if the text before that token was forced:
+    the rest of the forced text is appended, re-tokenized with that token, and its next row
+    computes it as one extend (`Scheduler.jump`). Returns its new tokens from the sampled one's
+    place on (that token, or what replaced it, first), None without a jump.
+
+    NOTE: both step modes jump at the same tokens, so that their outputs agree. Overlapped, a
+    request's next step is launched before its token is read, so whenever text is forced after
+    its known tokens it is held (`Scheduler.hold`): its next token is then read before anything
+    later is computed, and the jump after it can be taken."""
+    out = request.output_token_ids
+    new = None
+    if not request.num_pending and grammar.jump_string(out[:-1]):
+        new = _take_jump(request, grammar, tokenizer, scheduler)
+    known = len(out) - request.num_pending
+    if not request.is_finished and grammar.jump_string(out[:known]):
+        scheduler.hold(request.request_id)
+    return new
+
+
+def _take_jump(
+    request: Request, grammar: RequestGrammar, tokenizer: Any, scheduler: Scheduler
+) -> tuple[int, ...] | None:
+    """Splice the jump after a request's last token (all its tokens known) into the request and
+    its matcher; its new tokens from that token's place on, or None."""
+    jump = plan_jump(tokenizer, grammar, request.output_token_ids, request.stop_token_ids)
+    if jump is None:
+        return None
+    sampled_at = len(request.output_token_ids) - 1
+    scheduler.jump(request.request_id, jump.num_kept, jump.token_ids)
+    grammar.rewind(jump.num_kept)
+    grammar.catch_up(request.output_token_ids)  # the forced text's tokens: allowed
+    return tuple(request.output_token_ids[sampled_at:])

@@ -1,4 +1,6 @@
-"""The engine: `LLM` ties model runner, scheduler, prefix cache and sampler together.
+"""The engine's door: `LLM` checks what users pass, keeps a record of each request (`records`)
+and runs the one step loop over the parts `assembly` builds from the model (model runner, tier
+movers, grouped KV cache, scheduler, KV event feed).
 
 One step loop, three front doors:
 
@@ -25,34 +27,23 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from radixkv.cache import PackedTokens
-from radixkv.cache.keys import make_block_hasher
-from radixkv.cache.kinds import build_cache
+from radixkv.engine.assembly import assemble
 from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.detokenizer import IncrementalDetokenizer, decode
+from radixkv.engine.detokenizer import decode
 from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
 from radixkv.engine.interrupts import sigint_deferred
-from radixkv.engine.jump_forward import plan_jump
-from radixkv.engine.model_loader import Progress, load_model
-from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.outputs import (
-    DeltaStream,
-    RequestOutput,
-    RequestStats,
-    StreamDelta,
-    TokenLogprobs,
-)
-from radixkv.engine.penalties import prompt_token_mask
+from radixkv.engine.jump_forward import jump_after_token
+from radixkv.engine.model_loader import Progress, eos_token_ids, load_model, model_max_len
+from radixkv.engine.outputs import DeltaStream, RequestOutput, StreamDelta, TokenLogprobs
 from radixkv.engine.prompts import (
     PromptInput,
     check_chat_messages,
@@ -60,50 +51,16 @@ from radixkv.engine.prompts import (
     pack_prompts,
     params_list,
 )
-from radixkv.engine.sampler import make_generator
+from radixkv.engine.records import Record, RequestUpdate, derive_seed
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.step import Launched, SampledRow, Steps, sources
-from radixkv.engine.tier_io import make_tier_ios
 from radixkv.engine.tier_moves import MoveFailure, run_planned_moves, run_step_moves
-from radixkv.kv_events import KVEventFeed
-from radixkv.scheduler import Request, Scheduler
+from radixkv.scheduler import Request
 from radixkv.scheduler.output import SchedulerOutput
 
+__all__ = ["LLM", "RequestUpdate"]  # RequestUpdate: where the server has always imported it
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestUpdate:
-    """What one engine step did to one request."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]  # tokens sampled for it in this step (may be empty)
-    new_text: str  # newly completed detokenised text (may be "")
-    output: RequestOutput | None = None  # set once, when it finished (stop/length/abort/error)
-    error: BaseException | None = None  # set when it failed in this step
-    new_logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, if the request asked
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """Engine-side record of one request, kept until its front door has taken the output."""
-
-    request: Request
-    params: SamplingParams
-    generator: random.Random | None
-    detok: IncrementalDetokenizer
-    t_submit: float
-    sink: Callable[[RequestUpdate], None] | None  # where its updates go (generate needs none)
-    t_first_token: float | None = None
-    t_last_token: float | None = None
-    output: RequestOutput | None = None
-    error: BaseException | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # if its params ask for them
-    failed_load: bool = False  # a copy of cached KV for it failed once: the next failure fails it
-    grammar: RequestGrammar | None = None  # its structured-output matcher, if it asked for one
-    jumps: bool = False  # jump-forward over the text its grammar forces
-    # [vocab] bool on the device, its prompt's tokens: made at submit with a repetition penalty
-    prompt_mask: torch.Tensor | None = None
 
 
 class LLM:
@@ -142,38 +99,23 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.tokenizer_path = loaded.tokenizer_path or loaded.name  # a local folder where known
-        model_len = _max_model_len(self.model.config.get_text_config())
+        model_len = model_max_len(self.model)
         max_len = min(config.max_model_len or model_len, model_len)
         device_type = next(self.model.parameters()).device.type
         self.config = replace(config, max_model_len=max_len)
         if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
-        self.runner = ModelRunner(self.model, self.config)
-        self.runner.warm_up()
-        self.tier_ios = make_tier_ios(self.model, self.runner.kv, self.config)
-        events = config.kv_events
-        hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
-        kvs = self.runner.kv
-        tier_ios = self.tier_ios
-        self.cache = build_cache(
-            [kv.spec for kv in kvs],
-            [kv.num_blocks for kv in kvs],
-            config.block_size,
-            kv_events=hasher,
-            host_blocks=[0 if t is None else t.host.num_blocks for t in tier_ios],
-            disks=[None if t is None else t.disk for t in tier_ios],
-            write_through=config.host_cache_write_through,
-        )
-        self.scheduler = Scheduler(self.cache, self.config)
-        self.kv_events = None if events is None else _event_feed(config)
+        parts = assemble(self.model, self.config)
+        self.runner, self.tier_ios, self.cache = parts.runner, parts.tier_ios, parts.cache
+        self.scheduler, self.kv_events = parts.scheduler, parts.kv_events
         overlap = config.async_scheduling
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._steps = Steps(self.runner)
         self._in_flight: Launched | None = None  # overlapped: the step launched, not finished
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self._num_submitted = 0
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Record] = {}
         self._outbox: list[RequestUpdate] = []  # updates of add_request's requests, not yet taken
         self._stepping = False
         self._orphans: list[str] = []  # streams dropped during a step, released after it
@@ -223,8 +165,8 @@ class LLM:
         if t is None or t.output is not None:
             return False
         self.scheduler.abort(request_id)
-        self._finish(t, "abort")
-        self._emit(t, (), "")
+        t.finish("abort")
+        t.emit((), "")
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -372,19 +314,24 @@ class LLM:
                 index = self._num_submitted
                 self._num_submitted += 1
                 rid = f"req-{index}"  # never reused, not even after a rollback
-                seed = _derive_seed(self.config.seed, index) if p.seed is None else p.seed
+                seed = derive_seed(self.config.seed, index) if p.seed is None else p.seed
                 stop = p.stop_tokens(self.eos_token_ids)
                 request = Request(rid, tokens, p.max_tokens, stop, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 added.append(rid)
-                gen = None if p.greedy else make_generator(seed)
-                detok = IncrementalDetokenizer(self.tokenizer)
-                t = _Tracked(request, p, gen, detok, time.perf_counter(), sink)
-                t.grammar = None if grammar is None else RequestGrammar(grammar, stop)
-                t.jumps = grammar is not None and self._jumps(p)
-                if p.repetition_penalty != 1.0:
-                    t.prompt_mask = prompt_token_mask(tokens, self.vocab_size, self.runner.device)
-                if t.jumps and t.grammar.jump_string(()):  # see `_jump_forward`
+                matcher = None if grammar is None else RequestGrammar(grammar, stop)
+                t = Record.open(
+                    request,
+                    p,
+                    seed=seed,
+                    tokenizer=self.tokenizer,
+                    sink=sink,
+                    grammar=matcher,
+                    jumps=self._jumps(p),
+                    vocab_size=self.vocab_size,
+                    device=self.runner.device,
+                )
+                if t.jumps and matcher.jump_string(()):  # see `jump_after_token`
                     self.scheduler.hold(rid)
                 self._tracked[rid] = t
         except BaseException:
@@ -497,59 +444,22 @@ class LLM:
                 self._fail_one(t, exc)
 
     def _take_token(
-        self, t: _Tracked, token: int, now: float, logprobs: TokenLogprobs | None
+        self, t: Record, token: int, now: float, logprobs: TokenLogprobs | None
     ) -> None:
-        """Detokenize a request's new token and hand its update to its front door."""
-        t.t_first_token = t.t_first_token or now
-        t.t_last_token = now
-        if logprobs is not None:
-            t.logprobs.append(logprobs)
+        """Detokenize a request's new token (and those jump-forward appends after it) and hand
+        its update to its front door."""
+        t.took(now, logprobs)
         new = (token,)
         if t.jumps and not t.request.is_finished:
-            new = self._jump_forward(t) or new
+            assert t.grammar is not None
+            new = jump_after_token(t.request, t.grammar, self.tokenizer, self.scheduler) or new
         text = t.detok.push(new)
         if t.request.is_finished:
             text += t.detok.finish()
-            self._finish(t, str(t.request.finish_reason))
-        self._emit(t, new, text, () if logprobs is None else (logprobs,))
+            t.finish(str(t.request.finish_reason))
+        t.emit(new, text, () if logprobs is None else (logprobs,))
 
-    def _jump_forward(self, t: _Tracked) -> tuple[int, ...] | None:
-        """Jump-forward (`radixkv.engine.jump_forward`) after a request's sampled token, if the
-        text before that token was forced: the rest of the forced text is appended,
-        re-tokenized with that token, and its next row computes it as one extend. Returns its
-        new tokens from the sampled one's place on (that token, or what replaced it, first),
-        None without a jump.
-
-        NOTE: both step modes jump at the same tokens, so that their outputs agree. Overlapped,
-        a request's next step is launched before its token is read, so whenever text is forced
-        after its known tokens it is held (`Scheduler.hold`): its next token is then read
-        before anything later is computed, and the jump after it can be taken."""
-        req, grammar = t.request, t.grammar
-        assert grammar is not None
-        out = req.output_token_ids
-        new = None
-        if not req.num_pending and grammar.jump_string(out[:-1]):
-            new = self._jump(t)
-        known = len(out) - req.num_pending
-        if not req.is_finished and grammar.jump_string(out[:known]):
-            self.scheduler.hold(req.request_id)
-        return new
-
-    def _jump(self, t: _Tracked) -> tuple[int, ...] | None:
-        """Splice the jump after a request's last token (all its tokens known) into the
-        request and its matcher; its new tokens from that token's place on, or None."""
-        req, grammar = t.request, t.grammar
-        assert grammar is not None
-        jump = plan_jump(self.tokenizer, grammar, req.output_token_ids, req.stop_token_ids)
-        if jump is None:
-            return None
-        sampled_at = len(req.output_token_ids) - 1
-        self.scheduler.jump(req.request_id, jump.num_kept, jump.token_ids)
-        grammar.rewind(jump.num_kept)
-        grammar.catch_up(req.output_token_ids)  # the forced text's tokens: allowed
-        return tuple(req.output_token_ids[sampled_at:])
-
-    def _fail_one(self, t: _Tracked, exc: Exception) -> None:
+    def _fail_one(self, t: Record, exc: Exception) -> None:
         """Fail one request of a step whose other rows go on: its blocks and lock come back."""
         logger.error("request %s failed in a step: %r", t.request.request_id, exc)
         self._fail_requests([t.request.request_id], exc)
@@ -594,40 +504,8 @@ class LLM:
             if t is not None and t.output is None:
                 self.scheduler.abort(rid)  # False where it finished or fail_step() failed it
                 t.error = exc
-                self._finish(t, "error")
-                self._emit(t, (), "")
-
-    def _finish(self, t: _Tracked, finish_reason: str) -> None:
-        """Record a request's output; its final update is emitted by the caller."""
-        req = t.request
-        out_ids = tuple(req.output_token_ids)
-        now = time.perf_counter()
-        t_first = t.t_first_token or now
-        decode_s = (t.t_last_token or now) - t_first
-        stats = RequestStats(
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=len(out_ids),
-            ttft_s=t_first - t.t_submit,
-            decode_tokens_per_s=(len(out_ids) - 1) / decode_s if decode_s > 0 else 0.0,
-            total_s=now - t.t_submit,
-        )
-        rid, prompt_ids = req.request_id, tuple(req.prompt_token_ids)
-        logprobs = None if t.params.logprobs is None else tuple(t.logprobs)
-        t.output = RequestOutput(
-            rid, prompt_ids, out_ids, t.detok.emitted, finish_reason, stats, logprobs
-        )
-
-    def _emit(
-        self,
-        t: _Tracked,
-        new_token_ids: tuple[int, ...],
-        new_text: str,
-        new_logprobs: tuple[TokenLogprobs, ...] = (),
-    ) -> None:
-        if t.sink is not None:
-            rid = t.request.request_id
-            t.sink(RequestUpdate(rid, new_token_ids, new_text, t.output, t.error, new_logprobs))
+                t.finish("error")
+                t.emit((), "")
 
     @sigint_deferred()
     def _discard(self, *request_ids: str) -> None:
@@ -666,41 +544,6 @@ class LLM:
         if len(packed) != 1:
             raise ValueError("one prompt expected; use generate() for several")
         return packed
-
-
-def _event_feed(config: EngineConfig) -> KVEventFeed:
-    """Where the cache's drained events go: a callable, or a publisher on an address."""
-    assert config.kv_events is not None
-    if not isinstance(config.kv_events, str):
-        return KVEventFeed(config.kv_events)
-    return KVEventFeed(
-        config.kv_events,
-        event_layout=config.kv_events_layout,
-        topic=config.kv_events_topic,
-        replay_endpoint=config.kv_events_replay,
-        connect=config.kv_events_connect,
-    )
-
-
-def _derive_seed(engine_seed: int, index: int) -> int:
-    """Seed of an unseeded sampled request: a fixed mix of the engine seed and submit order."""
-    return (engine_seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63)
-
-
-def _eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
-    """The EOS ids of the model's generation config, then the tokenizer's, without repeats."""
-    ids: list[int] = []
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for eos in (config_eos, getattr(tokenizer, "eos_token_id", None)):
-        if eos is not None:
-            ids += list(eos) if isinstance(eos, Sequence) else [eos]
-    return tuple(dict.fromkeys(int(t) for t in ids))
-
-
-def _max_model_len(cfg: Any) -> int:
-    # The positions the model was trained for; a sliding window limits what a layer sees, not
-    # the context (GPT-2's n_positions answers to this name too).
-    return int(getattr(cfg, "max_position_embeddings", None) or 8192)
 
 
 def _set_cpu_threads(num_threads: int | None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,3 +187,20 @@ def _load_tokenizer(source: str) -> Any | None:
         # A model folder without (usable) tokenizer files is usable with token-id prompts only.
         logger.info("no tokenizer for %s (%s); prompts must be token ids", source, exc)
         return None
+
+
+def eos_token_ids(model: Any, tokenizer: Any | None) -> tuple[int, ...]:
+    """The EOS ids of the model's generation config, then the tokenizer's, without repeats."""
+    ids: list[int] = []
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for eos in (config_eos, getattr(tokenizer, "eos_token_id", None)):
+        if eos is not None:
+            ids += list(eos) if isinstance(eos, Sequence) else [eos]
+    return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def model_max_len(model: Any) -> int:
+    """The positions the model was trained for; a sliding window limits what a layer sees, not
+    the context (GPT-2's n_positions answers to this name too)."""
+    cfg = model.config.get_text_config()
+    return int(getattr(cfg, "max_position_embeddings", None) or 8192)

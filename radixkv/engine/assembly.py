@@ -1,0 +1,73 @@
+"""The parts of an engine, assembled from its model's layout: one function, `assemble`.
+
+    model ─► ModelRunner     the layout read from the model (`attention_layout`): its layers in
+                             KV cache groups, one pair of KV tensors per group, each group's
+                             pool sized by its kind (`kv_tensors`)
+          ─► tier movers     one per group, the host and disk budgets split between them
+          ─► GroupedCache    one group per tensor pair, of the kind its spec names, each with
+                             its host tier's blocks and disk store (`radixkv.cache.kinds`)
+          ─► Scheduler       over the grouped cache
+          ─► KVEventFeed     where the cache's events go (None: nowhere)
+
+Nothing here names a kind of group: the specs the runner read say which there are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.cache.grouped import GroupedCache
+from radixkv.cache.keys import make_block_hasher
+from radixkv.cache.kinds import build_cache
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.tier_io import TierIO, make_tier_ios
+from radixkv.kv_events import KVEventFeed
+from radixkv.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    runner: ModelRunner
+    tier_ios: tuple[TierIO | None, ...]  # per KV cache group; None each without a host tier
+    cache: GroupedCache
+    scheduler: Scheduler
+    kv_events: KVEventFeed | None
+
+
+def assemble(model: Any, config: EngineConfig) -> EngineParts:
+    """The runner over `model` (warmed up), its groups' tier movers, the grouped cache over
+    their pools and tiers, the scheduler and the event feed that `config` asks for. ValueError
+    for pools or tiers the settings cannot hold one request's blocks in."""
+    runner = ModelRunner(model, config)
+    runner.warm_up()
+    kvs = runner.kv
+    tier_ios = make_tier_ios(model, kvs, config)
+    events = config.kv_events
+    hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
+    cache = build_cache(
+        [kv.spec for kv in kvs],
+        [kv.num_blocks for kv in kvs],
+        config.block_size,
+        kv_events=hasher,
+        host_blocks=[0 if t is None else t.host.num_blocks for t in tier_ios],
+        disks=[None if t is None else t.disk for t in tier_ios],
+        write_through=config.host_cache_write_through,
+    )
+    feed = None if events is None else _event_feed(config)
+    return EngineParts(runner, tier_ios, cache, Scheduler(cache, config), feed)
+
+
+def _event_feed(config: EngineConfig) -> KVEventFeed:
+    """Where the cache's drained events go: a callable, or a publisher on an address."""
+    assert config.kv_events is not None
+    if not isinstance(config.kv_events, str):
+        return KVEventFeed(config.kv_events)
+    return KVEventFeed(
+        config.kv_events,
+        event_layout=config.kv_events_layout,
+        topic=config.kv_events_topic,
+        replay_endpoint=config.kv_events_replay,
+        connect=config.kv_events_connect,
+    )
