@@ -309,15 +309,15 @@ class RadixkvSystem(System):
         self.mismatches: list[str] = []
 
     def profile_parts(self, prof: Profile) -> list[str]:
-        import radixkv.engine.model_runner
-        import radixkv.engine.step
+        import radixkv.engine.step.launch
+        import radixkv.engine.step.model_runner
         import radixkv.kernels
 
         prof.wrap(self.llm.scheduler, "schedule", "scheduler")
         prof.wrap(self.llm.scheduler, "record_launched", "scheduler")
         prof.wrap(self.llm.scheduler, "fill", "scheduler")
-        prof.wrap(radixkv.engine.model_runner, "stage_step", "runner: build step inputs")
-        prof.wrap(radixkv.engine.step, "draw", "sampling")  # the name the step calls
+        prof.wrap(radixkv.engine.step.model_runner, "stage_step", "runner: build step inputs")
+        prof.wrap(radixkv.engine.step.launch, "draw", "sampling")  # the name the step calls
         prof.wrap(self.llm._steps, "finish", "sampling: read the tokens")
         # Inside the model forward (attention.py and fused_llama.py call them through the module
         # at call time). The engine calls the per-step variants (metadata validated once per
@@ -725,7 +725,7 @@ def format_report(
 def _load_hf_model() -> tuple[Any, Any]:
     """The embedded default model and tokenizer, loaded as plain transformers objects (a separate
     instance from radixkv's, which switches its model's attention implementation)."""
-    from radixkv.engine.model_loader import load_model
+    from radixkv.engine.model.model_loader import load_model
 
     loaded = load_model(None)
     return loaded.model, loaded.tokenizer

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from radixkv import SamplingParams
-from radixkv.engine import detokenizer, sampler, step_inputs
+from radixkv.engine.model import detokenizer
+from radixkv.engine.sampling import sampler
+from radixkv.engine.step import step_inputs
 from radixkv.scheduler.output import ScheduledRequest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -104,7 +104,7 @@ def _timing(owner: Any, name: str, record: Callable[[float, Any], None]) -> Call
 
 def step_phases(llm: Any, cfg: Any) -> None:
     """Section 1: the decode workload with every step's phases timed."""
-    import radixkv.engine.step as step_module
+    import radixkv.engine.step.launch as step_module
     from radixkv import SamplingParams
 
     current: dict[str, Any] = {}
@@ -179,7 +179,7 @@ def staged_graph(graphs: Any, rows: int, context: int, block_size: int) -> Any:
     """Replay the bucket of a `rows`-row decode step once, which leaves its inputs in the static
     buffer; returns that bucket's graph. Under inference mode, as the runner runs it: the static
     buffer is an inference tensor, which a write outside that mode refuses."""
-    from radixkv.engine.cuda_graphs import choose_bucket
+    from radixkv.engine.step.cuda_graphs import choose_bucket
 
     graphs.run(_decode_step(rows, context, block_size).rows)
     return graphs._graphs[choose_bucket(rows, graphs.buckets)][0]

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from radixkv.cache.keys import chain_keys
-from radixkv.engine.disk_store import DiskStore
-from radixkv.engine.host_kv import HostKVPool, KVCopier
+from radixkv.engine.tiers.disk_store import DiskStore
+from radixkv.engine.tiers.host_kv import HostKVPool, KVCopier
 
 try:
     from benchmarks.cache_bench import machine_line
@@ -56,7 +56,7 @@ def model_shape() -> dict[str, int]:
     """The embedded model's KV shape, read from its config (converted once if need be)."""
     from transformers import AutoConfig
 
-    from radixkv.engine.model_loader import ensure_default_model
+    from radixkv.engine.model.model_loader import ensure_default_model
 
     cfg = AutoConfig.from_pretrained(ensure_default_model())
     return {

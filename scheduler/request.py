@@ -10,9 +10,9 @@ While running, at least one token is still to compute (the last sampled token ha
 `num_computed_tokens < len(all_token_ids)`; the next row computes from `num_computed_tokens` on.
 The scheduler owns the block bookkeeping fields; everything else is read-only to callers.
 
-With overlapped steps (`radixkv.engine.step`), a step's sampled tokens are read one step late:
-the scheduler appends a placeholder for each sampled row when the step is launched, and the next
-step computes it (the device feeds it the real token); `fill_placeholder` writes the real token
+With overlapped steps (`radixkv.engine.step.launch`), a step's sampled tokens are read one step
+late: the scheduler appends a placeholder for each sampled row when the step is launched, and the
+next step computes it (the device feeds it the real token); `fill_placeholder` writes the real token
 in, oldest first, and ends generation there if it stops. `num_pending` counts the placeholders,
 always the last output tokens.
 """

@@ -36,7 +36,7 @@ each row, inserts the written prefix into the tree after every prefill chunk (co
 with the same prefix share it at once; the lock moves to the new deepest node) and appends a
 placeholder per sampled row; `fill()` brings the sampled tokens and finishes requests (insert
 everything written, release the lock, free what is still private). A synchronous step calls them
-back to back (`update_from_output()`); overlapped steps (`radixkv.engine.step`) fill one step
+back to back (`update_from_output()`); overlapped steps (`radixkv.engine.step.launch`) fill one step
 later. A request whose placeholder is its last allowed token is not scheduled again, and a request
 preempted with a placeholder is not readmitted until it is filled: no row computes past what it
 may generate, and nothing unknown reaches the tree.

@@ -217,7 +217,7 @@ def measure() -> dict[str, Walk]:
     from tiny_llama import build_model, build_tokenizer, random_prompts
 
     from radixkv import LLM, SamplingParams
-    from radixkv.engine.model_runner import ModelRunner
+    from radixkv.engine.step.model_runner import ModelRunner
     from radixkv.scheduler import Scheduler
 
     torch.set_num_threads(1)

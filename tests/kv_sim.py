@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
-from radixkv.engine.disk_store import CHECKSUM, HEADER, DiskStore
+from radixkv.engine.tiers.disk_store import CHECKSUM, HEADER, DiskStore
 
 
 def sim_disk_store(root: Path, tags: dict[str, Any], block_size: int, files: int) -> DiskStore:

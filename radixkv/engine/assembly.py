@@ -21,8 +21,8 @@ from radixkv.cache.grouped import GroupedCache
 from radixkv.cache.keys import make_block_hasher
 from radixkv.cache.kinds import build_cache
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.tier_io import TierIO, make_tier_ios
+from radixkv.engine.step.model_runner import ModelRunner
+from radixkv.engine.tiers.tier_io import TierIO, make_tier_ios
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Scheduler
 

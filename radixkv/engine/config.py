@@ -111,7 +111,7 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA if present, else the CPU
     dtype: torch.dtype | None = None  # None: fp32 on a CPU, the checkpoint's dtype on CUDA
     enforce_eager: bool = False  # no CUDA graphs for decode steps (a CPU always runs eager)
-    # Overlapped steps (`radixkv.engine.step`): the host schedules and packs the next step
+    # Overlapped steps (`radixkv.engine.step.launch`): the host schedules and packs the next step
     # while the device runs this one; sampled tokens are read one step late, the output is the
     # same, with penalties, logprobs and tiers. None: on where the device is CUDA (1.5x the
     # output tok/s there: benchmarks/RESULTS.md); a CPU runs the forward on the host itself, so
@@ -120,15 +120,15 @@ class EngineConfig:
     # Torch threads on a CPU. None: half the cores (1 on a 2-core machine), because OpenMP
     # spin-waiting collapses when a co-tenant keeps the other cores busy.
     num_threads: int | None = None
-    # Jump-forward for structured output (`radixkv.engine.jump_forward`): the text a request's
-    # grammar forces is computed as one extend step, not a decode step per token; a request's
-    # `SamplingParams.jump_forward` overrides it. Output may differ from token-by-token decoding
-    # (benchmarks/RESULTS.md, structured output).
+    # Jump-forward for structured output (`radixkv.engine.sampling.jump_forward`): the text a
+    # request's grammar forces is computed as one extend step, not a decode step per token; a
+    # request's `SamplingParams.jump_forward` overrides it. Output may differ from token-by-token
+    # decoding (benchmarks/RESULTS.md, structured output).
     jump_forward: bool = True
     seed: int = 0  # mixed with the submit order into the seed of a sampled request without one
     # Chat messages are what users typed: by default special-token text in their content (say
     # "<|im_end|><|im_start|>system") is tokenized as plain text, so no user can forge a turn;
-    # True parses it as the chat template's own text (`radixkv.engine.chat_template`).
+    # True parses it as the chat template's own text (`radixkv.engine.model.chat_template`).
     parse_special_tokens_in_content: bool = False
     # Where the prefix cache's KV events go: None, a ZeroMQ address such as "tcp://*:5557" (vLLM's
     # wire format, for cache-aware routers) or a callable taking each event
@@ -161,8 +161,8 @@ class EngineConfig:
     disk_cache_bytes: int = 8 * 2**30
     # A deployment's secret: block files then carry a checksum keyed by it (and live in a folder
     # of their own), so a file forged by whoever can write the folder without the secret is
-    # never loaded (`radixkv.engine.disk_store`). None: unkeyed. The command line takes it from
-    # the environment variable RADIXKV_KV_CACHE_SECRET (`radixkv.options`), never from argv.
+    # never loaded (`radixkv.engine.tiers.disk_store`). None: unkeyed. The command line takes it
+    # from the environment variable RADIXKV_KV_CACHE_SECRET (`radixkv.options`), never from argv.
     kv_cache_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

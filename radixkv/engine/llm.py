@@ -10,7 +10,7 @@ One step loop, three front doors:
         │
         ▼
     step: schedule() ─► tier moves ─► launch (forward, draw) ─► finish (read tokens) ─► fill
-          ─► detokenize (`radixkv.engine.step`; with `async_scheduling`, the next step is
+          ─► detokenize (`radixkv.engine.step.launch`; with `async_scheduling`, the next step is
           launched before this one is finished)
 
 Requests of every door advance together in each step. A fault that belongs to one row of a
@@ -36,25 +36,25 @@ import torch
 
 from radixkv.cache import PackedTokens
 from radixkv.engine.assembly import assemble
-from radixkv.engine.chat_template import encode_chat
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.detokenizer import decode
-from radixkv.engine.grammar import GrammarCompiler, RequestGrammar
 from radixkv.engine.interrupts import sigint_deferred
-from radixkv.engine.jump_forward import jump_after_token
-from radixkv.engine.model_loader import Progress, eos_token_ids, load_model, model_max_len
-from radixkv.engine.outputs import DeltaStream, RequestOutput, StreamDelta, TokenLogprobs
-from radixkv.engine.prompts import (
+from radixkv.engine.model.chat_template import encode_chat
+from radixkv.engine.model.detokenizer import decode
+from radixkv.engine.model.model_loader import Progress, eos_token_ids, load_model, model_max_len
+from radixkv.engine.model.prompts import (
     PromptInput,
     check_chat_messages,
     expand_choices,
     pack_prompts,
     params_list,
 )
+from radixkv.engine.outputs import DeltaStream, RequestOutput, StreamDelta, TokenLogprobs
 from radixkv.engine.records import Record, RequestUpdate, derive_seed
+from radixkv.engine.sampling.grammar import GrammarCompiler, RequestGrammar
+from radixkv.engine.sampling.jump_forward import jump_after_token
 from radixkv.engine.sampling_params import SamplingParams
-from radixkv.engine.step import Launched, SampledRow, Steps, sources
-from radixkv.engine.tier_moves import MoveFailure, run_planned_moves, run_step_moves
+from radixkv.engine.step.launch import Launched, SampledRow, Steps, sources
+from radixkv.engine.tiers.tier_moves import MoveFailure, run_planned_moves, run_step_moves
 from radixkv.scheduler import Request
 from radixkv.scheduler.output import SchedulerOutput
 
@@ -478,8 +478,8 @@ class LLM:
 
     def _recover(self, failure: MoveFailure | None) -> set[str]:
         """After a step's moves: the requests whose rows read garbage go back to the waiting
-        queue (`radixkv.engine.tier_moves`), one struck by a fault a second time fails. Returns
-        the requests sent back or failed, whose rows are ignored."""
+        queue (`radixkv.engine.tiers.tier_moves`), one struck by a fault a second time fails.
+        Returns the requests sent back or failed, whose rows are ignored."""
         if failure is None:
             return set()
         failed = [rid for rid in failure.struck if self._tracked[rid].failed_load]

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from radixkv.engine.detokenizer import IncrementalDetokenizer
-from radixkv.engine.grammar import RequestGrammar
+from radixkv.engine.model.detokenizer import IncrementalDetokenizer
 from radixkv.engine.outputs import RequestOutput, RequestStats, TokenLogprobs
-from radixkv.engine.penalties import prompt_token_mask
-from radixkv.engine.sampler import make_generator
+from radixkv.engine.sampling.grammar import RequestGrammar
+from radixkv.engine.sampling.penalties import prompt_token_mask
+from radixkv.engine.sampling.sampler import make_generator
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.scheduler import Request
 

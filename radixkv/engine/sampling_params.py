@@ -48,19 +48,19 @@ class SamplingParams:
     min_tokens: int = 0
     # None: no logprobs; k: the sampled token's logprob and the k most likely, k <= 20
     logprobs: int | None = None
-    # Structured output (`radixkv.engine.grammar`), at most one: a JSON schema (a dict, or its
-    # JSON text; kept as text), any JSON object, a regex, one of a few strings, an EBNF
-    # grammar (xgrammar's dialect, GBNF-like), or an xgrammar structural tag (JSON text).
+    # Structured output (`radixkv.engine.sampling.grammar`), at most one: a JSON schema (a dict, or
+    # its JSON text; kept as text), any JSON object, a regex, one of a few strings, an EBNF grammar
+    # (xgrammar's dialect, GBNF-like), or an xgrammar structural tag (JSON text).
     json_schema: str | Mapping[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
-    # Jump-forward (`radixkv.engine.jump_forward`): text the grammar forces is appended at once
-    # and computed as one extend step. None: the engine's `jump_forward` setting. Never with
-    # logprobs: a jumped token was not sampled, so it has no sampling distribution to report
-    # (True with logprobs is refused; None with logprobs decodes token by token).
+    # Jump-forward (`radixkv.engine.sampling.jump_forward`): text the grammar forces is appended at
+    # once and computed as one extend step. None: the engine's `jump_forward` setting. Never with
+    # logprobs: a jumped token was not sampled, so it has no sampling distribution to report (True
+    # with logprobs is refused; None with logprobs decodes token by token).
     jump_forward: bool | None = None
     # choices per prompt, each its own request: the first's prefill is cached, and the others'
     # prompts hit it (in-batch prefix caching, for prompts longer than the engine's

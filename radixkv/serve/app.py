@@ -27,9 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixkv.engine.grammar import GrammarError
 from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.engine.outputs import RequestOutput, TokenLogprobs
+from radixkv.engine.sampling.grammar import GrammarError
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.bodies import (
     BodyLimits,

@@ -34,9 +34,9 @@ from typing import Any
 
 from radixkv.cache.summary import TreeSummary
 from radixkv.cache.window import WindowStats
-from radixkv.engine.disk_store import DiskStoreStats
 from radixkv.engine.llm import LLM
 from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.tiers.disk_store import DiskStoreStats
 from radixkv.serve.engine_loop import RequestStream, tier_moves
 
 logger = logging.getLogger(__name__)

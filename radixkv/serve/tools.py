@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.engine.grammar import json_schema_for_xgrammar
+from radixkv.engine.sampling.grammar import json_schema_for_xgrammar
 from radixkv.serve.protocol import bad_request
 from radixkv.serve.structured import Constraint
 

@@ -27,7 +27,7 @@ from radixkv.cache.keys import BlockKey, token_bytes_le
 from radixkv.cache.tiers import LowerHit
 from radixkv.cache.tokens import PackedTokens
 from radixkv.cache.window import first_live_index
-from radixkv.engine.disk_store import DiskStore
+from radixkv.engine.tiers.disk_store import DiskStore
 
 
 def kv(tokens: list[int], pos: int) -> int:

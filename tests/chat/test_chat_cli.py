@@ -175,7 +175,7 @@ def test_undecodable_line_is_one_message_and_the_chat_goes_on(tiny_model_dir, tm
 
 
 def test_ctrl_c_in_a_reply_returns_to_the_prompt(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    from radixkv.engine.model_runner import ModelRunner
+    from radixkv.engine.step.model_runner import ModelRunner
 
     real_execute = ModelRunner.execute
     calls = 0

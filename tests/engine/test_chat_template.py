@@ -7,7 +7,7 @@ import pytest
 from tiny_llama import build_bpe_chat_tokenizer
 
 from radixkv import LLM
-from radixkv.engine.chat_template import encode_chat
+from radixkv.engine.model.chat_template import encode_chat
 from radixkv.options import engine_settings
 from radixkv.serve.cli import build_parser
 

@@ -20,8 +20,8 @@ from tiny_llama import build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.step_inputs import layout_for, pack_step, split_step
+from radixkv.engine.step.model_runner import ModelRunner
+from radixkv.engine.step.step_inputs import layout_for, pack_step, split_step
 from radixkv.kernels import paged_attention_step, store_kv_step, use_backend
 from radixkv.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -128,7 +128,7 @@ def test_a_compile_after_start_up_is_logged_with_the_step(model_dir, caplog, mon
 
         monkeypatch.setattr(runner, "_execute", compiling_execute)
         rows = tuple(_decode_rows(2, 3, first_block=0))
-        with caplog.at_level(logging.WARNING, logger="radixkv.engine.model_runner"):
+        with caplog.at_level(logging.WARNING, logger="radixkv.engine.step.model_runner"):
             runner.execute(SchedulerOutput(rows=rows))
             runner.execute(SchedulerOutput(rows=rows))  # counted once, not again
     warnings = [r.getMessage() for r in caplog.records if "compile" in r.getMessage()]

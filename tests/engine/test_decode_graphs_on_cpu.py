@@ -17,12 +17,12 @@ import pytest
 import torch
 from tiny_llama import build_model
 
-from radixkv.engine import cuda_graphs
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.cuda_graphs import DecodeGraphs
-from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.step import token_feed
-from radixkv.engine.step_inputs import InputStager
+from radixkv.engine.step import cuda_graphs
+from radixkv.engine.step.cuda_graphs import DecodeGraphs
+from radixkv.engine.step.launch import token_feed
+from radixkv.engine.step.model_runner import ModelRunner
+from radixkv.engine.step.step_inputs import InputStager
 from radixkv.kernels import use_backend
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
@@ -116,7 +116,7 @@ def test_graph_replays_equal_eager_steps(graph_runner):
 
 def test_fed_tokens_reach_replays_and_eager_steps(graph_runner):
     """Overlapped steps' placeholders, fed on the device from the previous step's sampled tokens
-    (`radixkv.engine.step`), compute what the real tokens do: in a replay's static inputs and
+    (`radixkv.engine.step.launch`), compute what the real tokens do: in a replay's static inputs and
     in an eager mixed step (the placeholder ends a decode row beside a prefill chunk)."""
     graphs_runner, eager_runner = graph_runner
     a, b, c = list(range(10, 19)), list(range(30, 35)), list(range(50, 56))

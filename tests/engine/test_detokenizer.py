@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.engine import detokenizer
-from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.model import detokenizer
+from radixkv.engine.model.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_smollm2s_tokenizer_streams_its_text_exactly():
     CJK and special tokens, and on random ids."""
     from transformers import AutoTokenizer
 
-    from radixkv.engine.model_loader import load_model
+    from radixkv.engine.model.model_loader import load_model
 
     folder = os.path.join(os.path.expanduser("~"), ".cache", "radixkv", "models")
     name = "SmolLM2-135M-Instruct"

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from lifecycle import CheckedCache as Checked
 
 from radixkv.cache.keys import BlockKey, chain_hashes, chain_keys, namespace_seed
-from radixkv.engine.disk_store import (
+from radixkv.engine.tiers.disk_store import (
     CHECKSUM,
     FOREIGN_TMP_MAX_AGE_S,
     HEADER,
@@ -194,7 +194,7 @@ def test_another_model_or_layout_uses_another_folder_and_is_never_loaded(
     target = other.inner._path(key.block_hash)
     target.parent.mkdir(exist_ok=True)
     target.write_bytes(mine.inner._path(key.block_hash).read_bytes())
-    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.tiers.disk_store"):
         assert load(other, key) is None
         assert load(other, key) is None
     assert len(caplog.records) == 1 and "another model or layout" in caplog.text
@@ -214,7 +214,7 @@ def test_a_corrupt_file_is_skipped_with_one_warning_and_removed(
     at = {"header": 20, "tokens": HEADER.size + 1, "payload": FILE - 20, "checksum": FILE - 1}
     data[at[where]] ^= 0x40
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.tiers.disk_store"):
         assert load(store, key) is None
         assert load(store, key) is None  # gone: a quiet miss now
     assert len(caplog.records) == 1 and "truncated or corrupt" in caplog.text
@@ -232,14 +232,14 @@ def test_a_truncated_file_is_caught_at_load_and_at_the_next_open(
     paths = [store.inner._path(k.block_hash) for k in keys]
     with open(paths[0], "r+b") as f:  # truncated after this process indexed it
         f.truncate(FILE - 7)
-    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.tiers.disk_store"):
         assert load(store, keys[0]) is None
     assert len(caplog.records) == 1 and not paths[0].exists()
     caplog.clear()
     for path in paths[1:3]:  # two more, found by the next process's scan: one warning for both
         with open(path, "r+b") as f:
             f.truncate(HEADER.size)
-    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.tiers.disk_store"):
         fresh = make_store()
     assert len(caplog.records) == 1 and "removed 2" in caplog.text
     assert fresh.num_files == 1 and block_files(tmp_path) == [paths[3]]
@@ -497,7 +497,7 @@ def test_a_failed_write_stores_nothing_and_leaves_nothing(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", disk_full)
-    with caplog.at_level(logging.WARNING, logger="radixkv.engine.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.tiers.disk_store"):
         assert not store.put(keys[0], payload(keys[0]))
         assert not store.put(keys[1], payload(keys[1]))
     assert len(caplog.records) == 1  # the first failure warns; later ones are counted
@@ -516,7 +516,7 @@ def test_a_failed_write_stores_nothing_and_leaves_nothing(
 
 CHILD_PRELUDE = f"""
 import os, sys, numpy as np
-from radixkv.engine.disk_store import DiskStore
+from radixkv.engine.tiers.disk_store import DiskStore
 from radixkv.cache.keys import chain_keys
 B, NBYTES, FILE = {B}, {NBYTES}, {FILE}
 FINGERPRINT = {FINGERPRINT!r}
@@ -542,7 +542,7 @@ def test_a_process_killed_mid_write_leaves_nothing_a_later_start_loads(
     child = run_child(
         """
         import signal
-        import radixkv.engine.disk_store as ds
+        import radixkv.engine.tiers.disk_store as ds
         store = open_store(sys.argv[1], 8)
         key = chain_keys("t", np.arange(1, 1 + B, dtype="<u4").tobytes(), B)[0]
         def write_half_then_die(f, parts):
@@ -564,7 +564,7 @@ def test_a_process_killed_mid_write_leaves_nothing_a_later_start_loads(
 
 
 def test_a_live_writers_temporary_file_is_left_alone(make_store: MakeStore) -> None:
-    from radixkv.engine.disk_store import _HOST
+    from radixkv.engine.tiers.disk_store import _HOST
 
     store = make_store()
     shard = store.directory / "ab"

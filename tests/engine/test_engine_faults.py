@@ -18,10 +18,10 @@ from contextlib import contextmanager
 import pytest
 from tiny_llama import random_prompts
 
-import radixkv.engine.step as step_module
+import radixkv.engine.step.launch as step_module
 from radixkv import LLM, RequestUpdate, SamplingParams, kernels
-from radixkv.engine.attention import PagedKVCache
-from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.model.detokenizer import IncrementalDetokenizer
+from radixkv.engine.step.attention import PagedKVCache
 
 ENGINE_ARGS = dict(block_size=4, num_blocks=96, max_num_seqs=3, chunked_prefill_size=8)
 POINTS = (

@@ -16,7 +16,7 @@ from tiny_llama import build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.step.model_runner import ModelRunner
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 pytestmark = [
@@ -254,7 +254,7 @@ def test_overlapped_penalties_logprobs_and_tiers_equal_synchronous_on_cuda(tiny_
 
 # Window models on CUDA: decode graphs capture both block tables, the window group's pool is
 # short enough to evict tails and preempt, and with a host tier the window group's blocks move
-# over their own tensors (radixkv.engine.tier_io). Block size 4, 24 full and 12 window blocks:
+# over their own tensors (radixkv.engine.tiers.tier_io). Block size 4, 24 full and 12 window blocks:
 # the CPU window-tier tests' pressure.
 WINDOW_CASES = [("gemma3", True, True), ("gemma2", False, True), ("mistral-window", True, False)]
 

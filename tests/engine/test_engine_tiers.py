@@ -165,13 +165,13 @@ def test_a_keyed_disk_tier_is_read_back_with_its_secret_alone_and_says_what_it_h
     settings = {**TIERS, "host_cache_bytes": 8 * 3072, "kv_cache_dir": tmp_path}
 
     def start(secret: str | None) -> LLM:
-        with caplog.at_level(logging.INFO, logger="radixkv.engine.tier_io"):
+        with caplog.at_level(logging.INFO, logger="radixkv.engine.tiers.tier_io"):
             return LLM(model_dir, **settings, kv_cache_secret=secret)
 
     first = start("one")
     assert "0 block files found at start" in caplog.text
     run(first)
-    with caplog.at_level(logging.INFO, logger="radixkv.engine.tier_io"):
+    with caplog.at_level(logging.INFO, logger="radixkv.engine.tiers.tier_io"):
         first.save_kv_cache()
     num_files = len(list(tmp_path.rglob("*.kv")))
     assert num_files > 0 and f": {num_files} block files written" in caplog.text

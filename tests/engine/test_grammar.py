@@ -18,7 +18,7 @@ from schema_strategies import SCHEMAS
 from tiny_llama import build_char_tokenizer, build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
-from radixkv.engine.grammar import GrammarCompiler, GrammarError, json_schema_for_xgrammar
+from radixkv.engine.sampling.grammar import GrammarCompiler, GrammarError, json_schema_for_xgrammar
 
 jsonschema = pytest.importorskip("jsonschema")  # test extras: absent on the GPU machine
 pytest.importorskip("xgrammar")
@@ -310,8 +310,8 @@ def test_a_jump_is_cut_at_max_tokens(engines, async_scheduling):
 def test_a_jump_never_rewrites_a_token_with_kv():
     """plan_jump keeps every output token but the last (sampled, not computed): where a merge
     would rewrite an earlier one, the last token alone is encoded with the forced text."""
-    from radixkv.engine.grammar import RequestGrammar
-    from radixkv.engine.jump_forward import plan_jump
+    from radixkv.engine.sampling.grammar import RequestGrammar
+    from radixkv.engine.sampling.jump_forward import plan_jump
 
     tok = build_char_tokenizer()
     compiler = GrammarCompiler(tok, 256)

@@ -13,9 +13,9 @@ import torch
 from tiny_llama import build_model
 
 from radixkv.cache.keys import chain_keys
-from radixkv.engine.disk_store import DiskStore
-from radixkv.engine.host_kv import OFFLOAD, HostKVPool, KVCopier, _runs, plan_host_blocks
-from radixkv.engine.kv_fingerprint import kv_fingerprint, weights_digest
+from radixkv.engine.tiers.disk_store import DiskStore
+from radixkv.engine.tiers.host_kv import OFFLOAD, HostKVPool, KVCopier, _runs, plan_host_blocks
+from radixkv.engine.tiers.kv_fingerprint import kv_fingerprint, weights_digest
 
 L, N, B, H, D = 3, 12, 4, 2, 8  # layers, device blocks, block size, kv heads, head dim
 

@@ -14,8 +14,8 @@ import pytest
 from radixkv import bundled_model
 from radixkv.bundled_model import converted_dir, ensure_converted
 from radixkv.chat import cli
-from radixkv.engine import model_loader
-from radixkv.engine.model_loader import ModelNotFoundError
+from radixkv.engine.model import model_loader
+from radixkv.engine.model.model_loader import ModelNotFoundError
 
 
 @pytest.fixture

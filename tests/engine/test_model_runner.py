@@ -9,8 +9,8 @@ import torch
 from tiny_llama import build_model, build_qwen2
 
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.kv_tensors import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, plan_num_blocks
-from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.step.kv_tensors import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, plan_num_blocks
+from radixkv.engine.step.model_runner import ModelRunner
 from radixkv.kernels import metadata, reference
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
@@ -188,7 +188,7 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
 def test_only_plain_llamas_on_triton_get_the_fused_modules(build):
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
 
-    from radixkv.engine.fused_llama import FusedLlamaRMSNorm, PagedLlamaAttention
+    from radixkv.engine.step.fused_llama import FusedLlamaRMSNorm, PagedLlamaAttention
     from radixkv.kernels import use_backend
 
     model = build()

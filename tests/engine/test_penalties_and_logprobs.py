@@ -9,7 +9,7 @@ import torch
 from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
-from radixkv.engine.penalties import RowTokens, adjust_logits
+from radixkv.engine.sampling.penalties import RowTokens, adjust_logits
 
 PROMPTS = random_prompts(91, 3, max_len=14)
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from tiny_llama import random_prompts
 
-import radixkv.engine.sampler as sampler_module
+import radixkv.engine.sampling.sampler as sampler_module
 from radixkv import LLM, SamplingParams
-from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.model.detokenizer import IncrementalDetokenizer
 
 ENGINE_ARGS = dict(block_size=4, num_blocks=128, max_num_seqs=8)
 PROMPTS = random_prompts(77, 6, shared_prefix=6, max_len=16)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from radixkv import SamplingParams
-from radixkv.engine import sampler
-from radixkv.engine.sampler import _draw, _filtered_probs, make_generator, sample
+from radixkv.engine.sampling import sampler
+from radixkv.engine.sampling.sampler import _draw, _filtered_probs, make_generator, sample
 
 VOCAB = 50
 

@@ -12,8 +12,8 @@ import torch
 
 from radixkv import SamplingParams
 from radixkv.cache import PackedTokens
-from radixkv.engine.penalties import RowTokens, adjust_logits, prompt_token_mask
-from radixkv.engine.sampler import _filtered_probs, make_generator, sample
+from radixkv.engine.sampling.penalties import RowTokens, adjust_logits, prompt_token_mask
+from radixkv.engine.sampling.sampler import _filtered_probs, make_generator, sample
 
 VOCAB = 40
 INF = float("inf")

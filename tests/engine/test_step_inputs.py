@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.engine.cuda_graphs import (
+from radixkv.engine.step.cuda_graphs import (
     choose_bucket,
     decode_buckets,
     graph_max_blocks,
     is_decode_step,
 )
-from radixkv.engine.step_inputs import (
+from radixkv.engine.step.step_inputs import (
     PAD_SLOT,
     InputStager,
     StepLayout,

@@ -10,9 +10,9 @@ import torch
 
 from radixkv.cache.keys import chain_keys
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Offload
-from radixkv.engine.disk_store import DiskStore
-from radixkv.engine.host_kv import HostKVPool, KVCopier
-from radixkv.engine.tier_io import TierIO
+from radixkv.engine.tiers.disk_store import DiskStore
+from radixkv.engine.tiers.host_kv import HostKVPool, KVCopier
+from radixkv.engine.tiers.tier_io import TierIO
 
 L, N, B, H, D = 2, 8, 4, 2, 4
 
@@ -79,7 +79,7 @@ def test_a_failed_copy_poisons_what_it_writes_and_garbage_never_reaches_the_disk
         DiskWrite((1, 3), KEYS[:2]),  # block 1 is garbage: only host 3's file is written
         Load((2, 3), (6, 7)),  # device 6 gets garbage, device 7 sound
     ]
-    with caplog.at_level(logging.ERROR, logger="radixkv.engine.tier_io"):
+    with caplog.at_level(logging.ERROR, logger="radixkv.engine.tiers.tier_io"):
         bad = tier.run(moves)
     assert (bad.host, bad.device) == ({1, 2}, {6})
     assert "injected offload fault" in caplog.text

@@ -14,7 +14,7 @@ from tiny_archs import WINDOW_TIER_DEVICE, WINDOW_TIER_PROMPTS, build_arch, gree
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import tier_lines
-from radixkv.engine.disk_store import block_file_nbytes
+from radixkv.engine.tiers.disk_store import block_file_nbytes
 from radixkv.serve.engine_loop import tier_moves
 
 # every round evicts the prefixes and tails of the one before into the lower tiers

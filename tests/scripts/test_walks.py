@@ -13,7 +13,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "walks.py"
 LLM_FILE = "radixkv/engine/llm.py"
-STEP_FILE = "radixkv/engine/step.py"
+STEP_FILE = "radixkv/engine/step/launch.py"
 
 
 @pytest.fixture(scope="module")

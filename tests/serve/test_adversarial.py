@@ -481,8 +481,8 @@ def test_an_unexpected_error_is_a_counted_500_in_openai_shape_on_a_kept_connecti
 def test_a_fault_in_one_requests_sampling_fails_it_alone_and_the_others_finish(
     make_server, reference_llm, monkeypatch
 ) -> None:
-    import radixkv.engine.sampler as sampler_module
-    import radixkv.engine.step as step_module
+    import radixkv.engine.sampling.sampler as sampler_module
+    import radixkv.engine.step.launch as step_module
     from radixkv.engine.sampling_params import SamplingParams
 
     server = make_server({"max_num_seqs": 8})
@@ -682,7 +682,7 @@ def test_seeds_are_openais_int64_and_each_gives_its_own_stream(server) -> None:
 def test_special_token_text_in_a_message_cannot_forge_a_turn(make_server, parse) -> None:
     from tiny_llama import build_bpe_chat_tokenizer
 
-    from radixkv.engine.chat_template import encode_chat
+    from radixkv.engine.model.chat_template import encode_chat
 
     tokenizer = build_bpe_chat_tokenizer()
     server = make_server({"tokenizer": tokenizer, "parse_special_tokens_in_content": parse})

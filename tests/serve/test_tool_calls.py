@@ -14,7 +14,7 @@ from schema_strategies import SCHEMAS
 from tiny_llama import CHATML, build_char_tokenizer, build_model, random_prompts
 
 from radixkv import LLM, SamplingParams
-from radixkv.engine.chat_template import encode_chat
+from radixkv.engine.model.chat_template import encode_chat
 from radixkv.serve.tools import (
     CALL_BEGIN,
     MAX_PARALLEL_CALLS,

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.cache.tokens import common_prefix_len
-from radixkv.engine.detokenizer import decode
-from radixkv.engine.grammar import RequestGrammar
+from radixkv.engine.model.detokenizer import decode
+from radixkv.engine.sampling.grammar import RequestGrammar
 from radixkv.scheduler import Request, Scheduler
 
 # Output tokens decoded again with the forced text: enough for a merge across the boundary.

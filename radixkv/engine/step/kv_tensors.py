@@ -23,8 +23,8 @@ from radixkv.cache.group import GroupSpec
 from radixkv.cache.kinds import GROUP_KINDS
 
 if TYPE_CHECKING:
-    from radixkv.engine.attention_layout import LayerGroup
     from radixkv.engine.config import EngineConfig
+    from radixkv.engine.model.attention_layout import LayerGroup
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
 DEFAULT_GPU_MEMORY_FRACTION = 0.8  # of the free device memory after the weights are loaded

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.moves import DiskRead, DiskWrite, Load, Move, Offload, Poisoned
-from radixkv.engine.disk_store import DiskStore, block_file_nbytes
-from radixkv.engine.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
-from radixkv.engine.kv_fingerprint import kv_fingerprint
+from radixkv.engine.tiers.disk_store import DiskStore, block_file_nbytes
+from radixkv.engine.tiers.host_kv import HostKVPool, KVCopier, KVCopy, plan_host_blocks
+from radixkv.engine.tiers.kv_fingerprint import kv_fingerprint
 
 if TYPE_CHECKING:
     import torch
 
     from radixkv.engine.config import EngineConfig
-    from radixkv.engine.kv_tensors import GroupKV
+    from radixkv.engine.step.kv_tensors import GroupKV
 
 logger = logging.getLogger(__name__)
 

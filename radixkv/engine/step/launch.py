@@ -39,15 +39,15 @@ from dataclasses import dataclass
 
 import torch
 
-from radixkv.engine.cuda_graphs import TokenFeed
-from radixkv.engine.grammar import RequestGrammar, mask_rows
-from radixkv.engine.logprobs import StepLogprobs, logprobs_on_device
-from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import TokenLogprobs
-from radixkv.engine.penalties import RowTokens, adjust_logits
-from radixkv.engine.sampler import Draw, draw, host_values_on
+from radixkv.engine.sampling.grammar import RequestGrammar, mask_rows
+from radixkv.engine.sampling.logprobs import StepLogprobs, logprobs_on_device
+from radixkv.engine.sampling.penalties import RowTokens, adjust_logits
+from radixkv.engine.sampling.sampler import Draw, draw, host_values_on
 from radixkv.engine.sampling_params import SamplingParams
-from radixkv.engine.step_inputs import InputStager
+from radixkv.engine.step.cuda_graphs import TokenFeed
+from radixkv.engine.step.model_runner import ModelRunner
+from radixkv.engine.step.step_inputs import InputStager
 from radixkv.scheduler import Request
 from radixkv.scheduler.output import SchedulerOutput
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import transformers
 
-from radixkv.engine.disk_store import FORMAT_VERSION
+from radixkv.engine.tiers.disk_store import FORMAT_VERSION
 
 SAMPLES_PER_TENSOR = 256
 # Config keys that say how a model was saved or loaded, not what it computes.

@@ -111,7 +111,7 @@ class KVCopier:
     """Batched block copies between a device pool (`k_cache`, `v_cache`: [num_layers, num_blocks,
     block_size, kv_heads, head_dim]) and a `HostKVPool` of the same block shape and dtype; see
     the module docstring for how they are ordered on CUDA. What the copies move is counted
-    once, by the tier mover (`radixkv.engine.tier_io.MoveTotals`)."""
+    once, by the tier mover (`radixkv.engine.tiers.tier_io.MoveTotals`)."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, host: HostKVPool) -> None:
         assert k_cache.shape == v_cache.shape and k_cache.dtype == host.data.dtype

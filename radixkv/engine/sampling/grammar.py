@@ -11,8 +11,8 @@ the scheduler's ordinary stop-token check, in either step mode.
 
 Matchers catch up lazily: a row's mask is built from the request's output tokens known at that
 point, so a preempted, recomputed request keeps its matcher and the overlapped step only has to
-hand over the one token still in flight. Jump-forward (`radixkv.engine.jump_forward`) reads the
-text a matcher forces (`jump_string`) and rewinds it past a token its re-tokenization replaced.
+hand over the one token still in flight. Jump-forward (`radixkv.engine.sampling.jump_forward`) reads
+the text a matcher forces (`jump_string`) and rewinds it past a token its re-tokenization replaced.
 """
 
 from __future__ import annotations

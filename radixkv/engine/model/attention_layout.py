@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache
 
 from radixkv.cache.group import GroupSpec
 from radixkv.cache.window import WindowSpec
-from radixkv.engine.model_loader import ModelLoadError
+from radixkv.engine.model.model_loader import ModelLoadError
 from radixkv.kernels import FULL, AttentionKind
 
 PROBE_ATTENTION_NAME = "radixkv-probe"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from radixkv.cache.grouped import GroupedCache
 from radixkv.cache.moves import Move, Poisoned
-from radixkv.engine.tier_io import TierIO
+from radixkv.engine.tiers.tier_io import TierIO
 from radixkv.scheduler.output import SchedulerOutput
 
 

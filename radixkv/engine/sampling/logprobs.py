@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.engine.outputs import TokenLogprobs
-from radixkv.engine.sampler import host_values_on
+from radixkv.engine.sampling.sampler import host_values_on
 from radixkv.engine.sampling_params import SamplingParams
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from radixkv.cache import PackedTokens
-from radixkv.engine.sampler import host_values_on
+from radixkv.engine.sampling.sampler import host_values_on
 from radixkv.engine.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@
   the group's layers as `[num_layers, num_blocks, block_size, kv_heads, head_dim]` (`kv_tensors`:
   each group's pool sized by its kind; a model with window layers has two groups), binds every
   layer to its group's views, switches the model to the ``"radixkv"`` attention (see
-  `radixkv.engine.attention`), and runs `execute(step)`:
+  `radixkv.engine.step.attention`), and runs `execute(step)`:
 
       copies (copy-on-write of partial blocks)  ->  metadata  ->  model forward  ->  logits
 
@@ -39,13 +39,13 @@ from typing import Any
 import torch
 
 from radixkv import kernels
-from radixkv.engine.attention import PagedKVCache, register_attention
-from radixkv.engine.attention_layout import probe_attention
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.cuda_graphs import DecodeGraphs, TokenFeed
-from radixkv.engine.fused_llama import fuse_llama_modules, unfuse_llama_modules
-from radixkv.engine.kv_tensors import allocate_group_kv
-from radixkv.engine.step_inputs import InputStager, StepLayout, region, stage_step
+from radixkv.engine.model.attention_layout import probe_attention
+from radixkv.engine.step.attention import PagedKVCache, register_attention
+from radixkv.engine.step.cuda_graphs import DecodeGraphs, TokenFeed
+from radixkv.engine.step.fused_llama import fuse_llama_modules, unfuse_llama_modules
+from radixkv.engine.step.kv_tensors import allocate_group_kv
+from radixkv.engine.step.step_inputs import InputStager, StepLayout, region, stage_step
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 

@@ -29,7 +29,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from radixkv.engine.step_inputs import (
+from radixkv.engine.step.step_inputs import (
     InputStager,
     StepLayout,
     bucket_layout,
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # logits [1, T, vocab]
 DecodeForward = Callable[..., torch.Tensor]
 # Writes input tokens that are still on the device into a step's device `input_ids` (overlapped
-# steps: `radixkv.engine.step`).
+# steps: `radixkv.engine.step.launch`).
 TokenFeed = Callable[[torch.Tensor], None]
 
 
