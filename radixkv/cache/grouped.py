@@ -144,8 +144,9 @@ class GroupedCache:
 
     def slide(self, table: GroupedTable, num_written: int) -> None:
         """Tokens [0, num_written) are written: each group lets go of what no query at
-        `num_written` or later reads (and keeps what it resumes from first)."""
-        for group, t in zip(self.groups, table.tables, strict=True):
+        `num_written` or later reads (and keeps what it resumes from first). The tree's group
+        lets go of nothing (every later query reads every earlier token): it is not asked."""
+        for group, t in zip(self._others, table.tables[1:], strict=True):
             group.slide(t, num_written)
 
     def commit(
@@ -170,6 +171,8 @@ class GroupedCache:
 
     def row_tables(self, table: GroupedTable, num_blocks: int) -> tuple[tuple[int, ...], ...]:
         """The block ids of entries [0, num_blocks) of each group's table, for a step's row."""
+        if not self._others:  # every row of every step: the tree's tuple itself, no copy
+            return (table.tables[0].blocks[:num_blocks],)
         return tuple(
             group.row_blocks(t, num_blocks)
             for group, t in zip(self.groups, table.tables, strict=True)
