@@ -17,8 +17,9 @@ checks the values then (on the host: no device sync) and precomputes the torch r
 indices, and calls `store_kv_step` / `paged_attention_step`, which check only the per-layer
 tensors' shapes, dtypes and devices against it (`metadata.py`).
 
-CUDA tensors run the Triton kernels (`triton_*.py`), CPU tensors the torch reference
-(`reference.py`, the executable spec); `use_backend` overrides the choice. Importing this package
+CUDA tensors run the Triton kernels (`triton_*.py`); CPU tensors run `cpu_attention.py` (attention
+in a small C kernel compiled at first use, the rest the reference) or, where it cannot be built,
+the torch reference (`reference.py`, the executable spec); `use_backend` overrides the choice. Importing this package
 imports neither triton nor transformers.
 
 The Triton kernels also run under `TRITON_INTERPRET=1` (how the CPU tests exercise them), which

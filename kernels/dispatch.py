@@ -1,9 +1,11 @@
-"""Backend switch: Triton for CUDA tensors, the torch reference for CPU tensors.
+"""Backend switch: Triton for CUDA tensors; for CPU tensors the compiled CPU kernels
+(`cpu_attention`: attention in C, everything else the reference), or the torch reference where
+they cannot be built.
 
-`use_backend("triton" | "torch")` overrides the choice inside a `with` block (per thread / task, a
-ContextVar): tests run the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`, and a GPU run
-can be compared against the reference. Triton is imported on first use of the Triton backend only,
-so the CPU engine works where triton is not installed (e.g. macOS).
+`use_backend("triton" | "cpu" | "torch")` overrides the choice inside a `with` block (per thread /
+task, a ContextVar): tests run the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`, and
+compare either backend against the reference. Triton is imported on first use of the Triton
+backend only, so the CPU engine works where triton is not installed (e.g. macOS).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from typing import Literal
 
 import torch
 
-from radixkv.kernels import reference
+from radixkv.kernels import cpu_attention, reference
 from radixkv.kernels.attention_kind import AttentionKind
 from radixkv.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["triton", "torch"]
-_BACKENDS = ("triton", "torch")
+Backend = Literal["triton", "cpu", "torch"]
+_BACKENDS = ("triton", "cpu", "torch")
 _override: ContextVar[Backend | None] = ContextVar("radixkv_kernels_backend", default=None)
 
 
@@ -51,6 +53,8 @@ def backend_for(device: torch.device) -> Backend:
         if _triton_available():
             return "triton"
         _warn_no_triton()
+    if device.type == "cpu" and cpu_attention.available():
+        return "cpu"
     return "torch"
 
 
@@ -93,11 +97,12 @@ def _triton_modules() -> dict[str, ModuleType]:
 
 
 def _impl(kernel: str, t: object) -> ModuleType:
-    """The module implementing `kernel` for `t`'s device: a Triton module or the reference (which
-    has every kernel under the same names and signatures)."""
-    if backend_for(_device_of(t)) == "triton":
+    """The module implementing `kernel` for `t`'s device: a Triton module, the CPU kernels or the
+    reference (the last two have every kernel under the same names and signatures)."""
+    backend = backend_for(_device_of(t))
+    if backend == "triton":
         return _triton_modules()[kernel]
-    return reference
+    return cpu_attention if backend == "cpu" else reference
 
 
 def store_kv(
