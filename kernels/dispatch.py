@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from radixkv.kernels import reference
+from radixkv.kernels import latent_reference, reference
 from radixkv.kernels.attention_kind import AttentionKind
 from radixkv.kernels.metadata import AttentionMetadata
 
@@ -77,10 +77,13 @@ def _triton_modules() -> dict[str, ModuleType]:
         )
     from radixkv.kernels import (
         triton_copy_blocks,
+        triton_latent_attention,
+        triton_latent_expanded,
         triton_paged_attention,
         triton_rms_norm,
         triton_rope_store_kv,
         triton_store_kv,
+        triton_store_latent,
     )
 
     return {
@@ -89,15 +92,18 @@ def _triton_modules() -> dict[str, ModuleType]:
         "copy_blocks": triton_copy_blocks,
         "rms_norm": triton_rms_norm,
         "rope_store_kv": triton_rope_store_kv,
+        "store_latent": triton_store_latent,
+        "latent_attention": triton_latent_attention,
+        "expanded_latent_attention": triton_latent_expanded,
     }
 
 
-def _impl(kernel: str, t: object) -> ModuleType:
-    """The module implementing `kernel` for `t`'s device: a Triton module or the reference (which
-    has every kernel under the same names and signatures)."""
+def _impl(kernel: str, t: object, spec: ModuleType = reference) -> ModuleType:
+    """The module implementing `kernel` for `t`'s device: a Triton module or its reference,
+    `spec` (which has the kernel under the same name and signature)."""
     if backend_for(_device_of(t)) == "triton":
         return _triton_modules()[kernel]
-    return reference
+    return spec
 
 
 def store_kv(
@@ -224,4 +230,110 @@ def rope_store_kv(
     """`rope_store_kv_step` over loose tensors. See `reference.rope_store_kv`."""
     return _impl("rope_store_kv", k_cache).rope_store_kv(
         q, k, v, cos, sin, k_cache, v_cache, slot_mapping
+    )
+
+
+# ------------------------------------------------------------------ the latent cache (MLA)
+
+
+def store_latent(
+    latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new tokens' [latent | k_pe] at their slots of a latent cache, in place. See
+    `latent_reference.store_latent`."""
+    _impl("store_latent", cache, latent_reference).store_latent(latent, k_pe, cache, slot_mapping)
+
+
+def store_latent_step(
+    latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata
+) -> None:
+    """`store_latent` at `metadata.slot_mapping`: the engine's per-layer call."""
+    module = _impl("store_latent", cache, latent_reference)
+    module.store_latent_step(latent, k_pe, cache, metadata)
+
+
+def latent_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of latent-space queries over a paged latent cache (the absorbed
+    form of MLA). See `latent_reference.latent_attention`."""
+    return _impl("latent_attention", cache, latent_reference).latent_attention(
+        q_latent,
+        q_pe,
+        cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        out=out,
+        num_kv_splits=num_kv_splits,
+    )
+
+
+def latent_attention_step(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """`latent_attention` over an `AttentionMetadata` of a latent layer: the engine's call."""
+    return _impl("latent_attention", cache, latent_reference).latent_attention_step(
+        q_latent, q_pe, cache, metadata, scale, out=out, num_kv_splits=num_kv_splits
+    )
+
+
+def expanded_latent_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention over a paged latent cache up-projected a chunk at a time (MLA's
+    expanded form). See `latent_reference.expanded_latent_attention`."""
+    return _impl("expanded_latent_attention", cache, latent_reference).expanded_latent_attention(
+        q_nope,
+        q_pe,
+        cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        kv_b_weight,
+        scale,
+        chunk_size=chunk_size,
+    )
+
+
+def expanded_latent_attention_step(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """`expanded_latent_attention` over an `AttentionMetadata` of a latent layer."""
+    module = _impl("expanded_latent_attention", cache, latent_reference)
+    return module.expanded_latent_attention_step(
+        q_nope, q_pe, cache, metadata, kv_b_weight, scale, chunk_size=chunk_size
     )
