@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from radixkv.engine.latent_attention import LatentCacheSpec
+from radixkv.engine.step.latent_attention import LatentCacheSpec
 from radixkv.kernels import LatentDims
 
 DTYPE = torch.bfloat16

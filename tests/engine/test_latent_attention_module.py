@@ -17,7 +17,8 @@ import torch
 from transformers import AutoConfig
 
 from radixkv import kernels
-from radixkv.engine.latent_attention import (
+from radixkv.engine.model.model_loader import ModelLoadError
+from radixkv.engine.step.latent_attention import (
     FAMILY_SPECS,
     LatentCacheSpec,
     LatentLayers,
@@ -26,7 +27,6 @@ from radixkv.engine.latent_attention import (
     swap_latent_modules,
     unswap_latent_modules,
 )
-from radixkv.engine.model_loader import ModelLoadError
 from radixkv.kernels import AttentionMetadata, LatentPart, LatentStep, latent_cache_shape
 
 SIZES = dict(

@@ -9,4 +9,5 @@ step_inputs.py   a step's integer inputs in one buffer (one block table and slot
 cuda_graphs.py   the decode forward captured per batch-size bucket
 attention.py     how a transformers model reads and writes the paged cache (the attention hook)
 fused_llama.py   Llama's modules with their elementwise work fused (on Triton)
+latent_attention.py  multi-head latent attention modules over the latent cache (by class)
 """

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from radixkv import kernels
-from radixkv.engine.model_loader import ModelLoadError
+from radixkv.engine.model.model_loader import ModelLoadError
 from radixkv.kernels import LatentDims, LatentStep
 
 logger = logging.getLogger(__name__)
