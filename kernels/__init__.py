@@ -9,6 +9,9 @@ Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, hea
 - `copy_blocks`: copy-on-write of the valid leading slots of partial blocks, across layers.
 - `rms_norm`, `rope_store_kv`: the elementwise work of a Llama layer fused into one kernel each
   (RMSNorm; rotary embedding of q and k together with the K/V store), for the engine's decode.
+- `causal_conv1d`, `gated_delta_rule`, `ssm_scan`: the recurrent layers of hybrid models (short
+  convolutions, Gated DeltaNet, Mamba-2 / Mamba-1) over a packed step, each request reading and
+  writing its own state slot (`RecurrentMetadata`; torch versions in `recurrent_reference.py`).
 
 Each function validates its inputs (a ValueError naming the argument), their values too except in
 the Triton launchers on CUDA (that would sync). The engine calls store_kv and paged_attention once
@@ -32,33 +35,41 @@ from radixkv.kernels.attention_kind import FULL, AttentionKind
 from radixkv.kernels.checks import check_attention_metadata
 from radixkv.kernels.dispatch import (
     backend_for,
+    causal_conv1d,
     copy_blocks,
+    gated_delta_rule,
     paged_attention,
     paged_attention_step,
     rms_norm,
     rope_store_kv,
     rope_store_kv_step,
+    ssm_scan,
     store_kv,
     store_kv_step,
     use_backend,
 )
 from radixkv.kernels.jit_monitor import CompileCounter, compile_counter
 from radixkv.kernels.metadata import AttentionMetadata
+from radixkv.kernels.recurrent_metadata import RecurrentMetadata
 
 __all__ = [
     "FULL",
     "AttentionKind",
     "AttentionMetadata",
     "CompileCounter",
+    "RecurrentMetadata",
     "backend_for",
+    "causal_conv1d",
     "check_attention_metadata",
     "compile_counter",
     "copy_blocks",
+    "gated_delta_rule",
     "paged_attention",
     "paged_attention_step",
     "rms_norm",
     "rope_store_kv",
     "rope_store_kv_step",
+    "ssm_scan",
     "store_kv",
     "store_kv_step",
     "use_backend",

@@ -19,9 +19,10 @@ from typing import Literal
 
 import torch
 
-from radixkv.kernels import reference
+from radixkv.kernels import recurrent_reference, reference
 from radixkv.kernels.attention_kind import AttentionKind
 from radixkv.kernels.metadata import AttentionMetadata
+from radixkv.kernels.recurrent_metadata import RecurrentMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,13 @@ def _triton_modules() -> dict[str, ModuleType]:
             "the triton backend needs the `triton` package; install it or use_backend('torch')"
         )
     from radixkv.kernels import (
+        triton_causal_conv1d,
         triton_copy_blocks,
+        triton_gated_delta_rule,
         triton_paged_attention,
         triton_rms_norm,
         triton_rope_store_kv,
+        triton_ssm_scan,
         triton_store_kv,
     )
 
@@ -89,7 +93,14 @@ def _triton_modules() -> dict[str, ModuleType]:
         "copy_blocks": triton_copy_blocks,
         "rms_norm": triton_rms_norm,
         "rope_store_kv": triton_rope_store_kv,
+        "causal_conv1d": triton_causal_conv1d,
+        "gated_delta_rule": triton_gated_delta_rule,
+        "ssm_scan": triton_ssm_scan,
     }
+
+
+# The recurrent layers' kernels, whose torch versions live in `recurrent_reference`.
+_RECURRENT = frozenset({"causal_conv1d", "gated_delta_rule", "ssm_scan"})
 
 
 def _impl(kernel: str, t: object) -> ModuleType:
@@ -97,7 +108,7 @@ def _impl(kernel: str, t: object) -> ModuleType:
     has every kernel under the same names and signatures)."""
     if backend_for(_device_of(t)) == "triton":
         return _triton_modules()[kernel]
-    return reference
+    return recurrent_reference if kernel in _RECURRENT else reference
 
 
 def store_kv(
@@ -224,4 +235,69 @@ def rope_store_kv(
     """`rope_store_kv_step` over loose tensors. See `reference.rope_store_kv`."""
     return _impl("rope_store_kv", k_cache).rope_store_kv(
         q, k, v, cos, sin, k_cache, v_cache, slot_mapping
+    )
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    metadata: RecurrentMetadata,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution of a packed step, each request after its window of earlier
+    inputs (updated in place). See `recurrent_reference.causal_conv1d`."""
+    return _impl("causal_conv1d", x).causal_conv1d(
+        x, weight, bias, conv_states, metadata, activation
+    )
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    metadata: RecurrentMetadata,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """Gated DeltaNet over a packed step, each request from and back to its state slot. See
+    `recurrent_reference.gated_delta_rule`."""
+    return _impl("gated_delta_rule", v).gated_delta_rule(
+        q, k, v, g, beta, states, metadata, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+
+
+def ssm_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    states: torch.Tensor,
+    metadata: RecurrentMetadata,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = recurrent_reference.NO_LIMIT,
+) -> torch.Tensor:
+    """The selective scan of Mamba-2 / Mamba-1 over a packed step, each request from and back to
+    its state slot. See `recurrent_reference.ssm_scan`."""
+    return _impl("ssm_scan", x).ssm_scan(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        states,
+        metadata,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
     )

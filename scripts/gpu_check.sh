@@ -163,7 +163,7 @@ fi
 
 # The files that hold gpu-marked tests: naming them spares collecting the whole suite.
 GPU_TESTS=(tests/engine/test_engine_gpu.py tests/engine/test_host_kv.py
-    tests/kernels/test_kernel_gpu.py)
+    tests/kernels/test_kernel_gpu.py tests/kernels/test_kernel_recurrent_gpu.py)
 if wanted pytest; then
     if ((DRY)); then
         # What the GPU machine's pytest sees: the extras it lacks are hidden.
