@@ -21,9 +21,10 @@ from typing import Literal
 
 import torch
 
-from radixkv.kernels import cpu_attention, latent_reference, reference
+from radixkv.kernels import cpu_attention, latent_reference, recurrent_reference, reference
 from radixkv.kernels.attention_kind import AttentionKind
 from radixkv.kernels.metadata import AttentionMetadata
+from radixkv.kernels.recurrent_metadata import RecurrentMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,15 @@ def _triton_modules() -> dict[str, ModuleType]:
             "the triton backend needs the `triton` package; install it or use_backend('torch')"
         )
     from radixkv.kernels import (
+        triton_causal_conv1d,
         triton_copy_blocks,
+        triton_gated_delta_rule,
         triton_latent_attention,
         triton_latent_expanded,
         triton_paged_attention,
         triton_rms_norm,
         triton_rope_store_kv,
+        triton_ssm_scan,
         triton_store_kv,
         triton_store_latent,
     )
@@ -99,6 +103,9 @@ def _triton_modules() -> dict[str, ModuleType]:
         "store_latent": triton_store_latent,
         "latent_attention": triton_latent_attention,
         "expanded_latent_attention": triton_latent_expanded,
+        "causal_conv1d": triton_causal_conv1d,
+        "gated_delta_rule": triton_gated_delta_rule,
+        "ssm_scan": triton_ssm_scan,
     }
 
 
@@ -342,4 +349,72 @@ def expanded_latent_attention_step(
     module = _impl("expanded_latent_attention", cache, latent_reference)
     return module.expanded_latent_attention_step(
         q_nope, q_pe, cache, metadata, kv_b_weight, scale, chunk_size=chunk_size
+    )
+
+
+# ------------------------------------------------------------------ the recurrent layers
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    metadata: RecurrentMetadata,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution of a packed step, each request after its window of earlier
+    inputs (updated in place). See `recurrent_reference.causal_conv1d`."""
+    return _impl("causal_conv1d", x, recurrent_reference).causal_conv1d(
+        x, weight, bias, conv_states, metadata, activation
+    )
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    metadata: RecurrentMetadata,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """Gated DeltaNet over a packed step, each request from and back to its state slot. See
+    `recurrent_reference.gated_delta_rule`."""
+    return _impl("gated_delta_rule", v, recurrent_reference).gated_delta_rule(
+        q, k, v, g, beta, states, metadata, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+
+
+def ssm_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    states: torch.Tensor,
+    metadata: RecurrentMetadata,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = recurrent_reference.NO_LIMIT,
+) -> torch.Tensor:
+    """The selective scan of Mamba-2 / Mamba-1 over a packed step, each request from and back to
+    its state slot. See `recurrent_reference.ssm_scan`."""
+    return _impl("ssm_scan", x, recurrent_reference).ssm_scan(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        states,
+        metadata,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
     )

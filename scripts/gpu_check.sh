@@ -198,7 +198,7 @@ fi
 
 # The files that hold gpu-marked tests: naming them spares collecting the whole suite.
 GPU_TESTS=(tests/engine/test_engine_gpu.py tests/engine/test_host_kv.py
-    tests/kernels/test_kernel_gpu.py)
+    tests/kernels/test_kernel_gpu.py tests/kernels/test_kernel_recurrent_gpu.py)
 # Files whose tests run on CUDA whenever it is there, unmarked (the architectures through the
 # engine, the attention kinds); the hybrid-state and latent-attention issues' CUDA tests go here.
 CUDA_TESTS=(tests/engine/test_architectures.py tests/kernels/test_kernel_attention_kinds.py)
