@@ -87,7 +87,7 @@ class GroupSim:
                     cache.commit(table, tokens[:pos], prompt_end=pos == num_prompt)
                 cache.check_integrity()
             cache.slide(table, len(tokens) - 1)
-            cache.commit(table, tokens[: len(tokens) - 1])
+            cache.commit(table, tokens)  # every token written (never fewer than committed before)
             cache.check_integrity()
         finally:
             cache.close(table)

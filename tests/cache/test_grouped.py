@@ -9,7 +9,7 @@ import random
 
 import pytest
 from group_sim import GroupSim
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from radixkv.cache.group import GroupSpec
@@ -18,6 +18,7 @@ from radixkv.cache.window import WindowSpec
 
 
 @settings(max_examples=20, deadline=None)
+@example(seed=714, block_size=1, windows=(3,))  # a prompt committed whole, then its end again
 @given(
     seed=st.integers(0, 2**32 - 1),
     block_size=st.sampled_from([1, 4, 16]),
