@@ -19,7 +19,14 @@ import webbrowser
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
+from radixkv.options import (
+    add_engine_options,
+    check_engine_options,
+    engine_settings,
+    format_bytes,
+    name_flags,
+    parse_bytes,
+)
 from radixkv.serve.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -196,6 +203,12 @@ _LIMIT_OPTIONS = [
         "seconds a structured-output grammar may take to compile; a slower one gets 400",
     ),
     ("--max-grammar-compiles", "max_grammar_compiles", int, "grammars compiled at once"),
+    (
+        "--grammar-cache",
+        "grammar_cache_bytes",
+        parse_bytes,
+        "memory for compiled grammars, e.g. 512MiB; a grammar over a quarter of it gets 400",
+    ),
     ("--max-n", "max_n", int, "choices one request may ask for (`n`)"),
 ]
 
@@ -210,11 +223,12 @@ _SERVE_FLAGS = {field: flag for flag, field, _, _ in _LIMIT_OPTIONS} | {
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits")
     for flag, field, kind, text in _LIMIT_OPTIONS:
+        default = _default(field)
         limits.add_argument(
             flag,
             dest=field,
             type=kind,
-            default=_default(field),
+            default=format_bytes(default) if kind is parse_bytes else default,  # parsed back
             help=f"{text} (default %(default)s)",
         )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from radixkv.engine.sampling_params import DEFAULT_GRAMMAR_CACHE_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -28,9 +30,12 @@ class ServeConfig:
     # (a stream: an error event and [DONE]). A second signal ends them at once.
     shutdown_timeout_s: float = 20.0
     # A structured-output grammar (schema, regex, EBNF, tools) that takes longer to compile is
-    # answered 400; at most this many compile at once.
+    # answered 400 (its compile is killed); at most this many compile at once, each in a worker
+    # process of its own (`grammar_pool.py`).
     grammar_compile_timeout_s: float = 10.0
     max_grammar_compiles: int = 2
+    # Compiled grammars are cached within this many bytes; one over a quarter of it: 400.
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     max_n: int = 16  # choices of one request (`n`); more: 400
     # /health_generate answers 503 when no token came within this long (SGLang's 20 s).
     health_check_timeout_s: float = 20.0
@@ -51,6 +56,7 @@ class ServeConfig:
             "max_stops",
             "max_stop_chars",
             "max_grammar_compiles",
+            "grammar_cache_bytes",
             "max_n",
         ):
             value = getattr(self, name)

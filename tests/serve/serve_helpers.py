@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
@@ -51,3 +54,24 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    """Until the `radixkv serve` process `proc` answers /health on `port` (it must not exit)."""
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else proc
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
