@@ -133,7 +133,8 @@ class OpenAIServer:
             max_stop_chars=config.max_stop_chars,
             max_prompt_chars=_max_prompt_chars(llm),
             max_messages=llm.config.max_model_len,
-            max_n=config.max_n,
+            # `n` choices are queued together: more than the queue holds could never be
+            max_n=min(config.max_n, config.max_queued_requests),
         )
         # Grammars compile in worker processes, off the event loop, the preparation thread and
         # the engine thread, each within `grammar_compile_timeout_s` (then killed).
@@ -407,6 +408,11 @@ class OpenAIServer:
                 if not stops.stopped:
                     num_tokens += len(item.new_token_ids)
                     text = stops.push(item.new_text, len(item.new_token_ids))
+                    if stops.stopped and len(item.new_token_ids) > 1:
+                        # A jump-forward's forced text: bill its tokens up to the stop string,
+                        # as one token at a time would have been.
+                        spent = self._tokens_spelling(item.new_token_ids, stops.stop_end)
+                        num_tokens -= len(item.new_token_ids) - spent
                     if stops.stopped:
                         # Keep the stream open: the aborted request's output carries its usage.
                         self.engine.abort(stream.request_id, keep_stream=True)
@@ -427,6 +433,16 @@ class OpenAIServer:
             if not (stream.finished or failed):
                 self.metrics.requests.labels("abort").inc()
             self.engine.release(stream)
+
+    def _tokens_spelling(self, token_ids: Sequence[int], num_chars: int) -> int:
+        """How many of `token_ids`, from the first, it takes to spell `num_chars` characters
+        of their text (decoded alone: close enough to bill a cut reply by)."""
+        if num_chars <= 0:
+            return 0
+        for count in range(1, len(token_ids)):
+            if len(self.llm.decode(token_ids[:count])) >= num_chars:
+                return count
+        return len(token_ids)
 
     def _observe_update(self, stream: RequestStream, update: RequestUpdate) -> None:
         n = len(update.new_token_ids)

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 MAX_UPDATES_PER_S = 4
 MAX_NODES = 300  # nodes listed per snapshot; the rest fold into counts
-MAX_SUBSCRIBERS = 16  # pages open at once; more get 503
+MAX_SUBSCRIBERS = 16  # pages open at once; a page past it ends the longest-open stream
 PREVIEW_CHARS = 48  # characters of a node's text shown
 MAX_ENGINE_SHARE = 0.02  # of the engine thread's time, the most snapshots may take
 REFRESH_S = 1.0  # while requests run, the longest a snapshot goes unrefreshed
@@ -254,19 +254,26 @@ def _preview(tokens: Sequence[int], decode: Callable[[Sequence[int]], str] | Non
 class CacheView:
     """The page's snapshots and their subscribers (one per app, asyncio side).
 
+    A page that comes when MAX_SUBSCRIBERS are open ends the longest-open stream (its queue
+    gets None): streams that never end would otherwise let any process that holds them all
+    keep the owner's page out for good; now it must keep reopening them, and the page's own
+    reconnection gets it back in.
+
     Invariants (`check_integrity`): at most MAX_SUBSCRIBERS subscribers, each queue holds at
-    most one snapshot; the builder task runs only while someone subscribes."""
+    most one item; the builder task runs only while someone subscribes."""
 
     def __init__(self, server: Any) -> None:
         self.server = server  # the app's OpenAIServer: engine loop, metrics, stopping
         self.last: LastRequest | None = None
-        self._subscribers: set[asyncio.Queue[str]] = set()
+        # insertion order: the first is the longest open; None in a queue ends its stream
+        self._subscribers: dict[asyncio.Queue[str | None], None] = {}
         self._latest: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._seen: tuple[Any, ...] | None = None  # what the latest snapshot was built from
         self._built_at = 0.0  # time.monotonic() of the latest snapshot
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-view")
         self._aliases = NodeAliases()  # the view thread's
+        self.num_displaced = 0  # streams ended by a newer page
         tokenizer = server.llm.tokenizer
         self._decode = None if tokenizer is None else tokenizer.decode
         server.on_finished.append(self.record)
@@ -284,20 +291,24 @@ class CacheView:
 
     # ------------------------------------------------------------------ subscribers
 
-    def subscribe(self) -> asyncio.Queue[str] | None:
-        """A queue of snapshot texts (the latest first, if any); None when too many are open."""
+    def subscribe(self) -> asyncio.Queue[str | None]:
+        """A queue of snapshot texts (the latest first, if any), then None if a newer page
+        displaced this one."""
         if len(self._subscribers) >= MAX_SUBSCRIBERS:
-            return None
-        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+            oldest = next(iter(self._subscribers))
+            del self._subscribers[oldest]
+            _replace(oldest, None)
+            self.num_displaced += 1
+        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=1)
         if self._latest is not None:
             queue.put_nowait(self._latest)
-        self._subscribers.add(queue)
+        self._subscribers[queue] = None
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[str]) -> None:
-        self._subscribers.discard(queue)
+    def unsubscribe(self, queue: asyncio.Queue[str | None]) -> None:
+        self._subscribers.pop(queue, None)
 
     @property
     def num_subscribers(self) -> int:
@@ -400,6 +411,11 @@ class CacheView:
         """Hand `text` to every subscriber; one that has not taken the previous one loses it."""
         self._latest = text
         for queue in self._subscribers:
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(text)
+            _replace(queue, text)
+
+
+def _replace(queue: asyncio.Queue[str | None], item: str | None) -> None:
+    """Put `item` in a one-item queue, dropping what it held."""
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)

@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a loopback address, off otherwise)",
     )
     parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the page may be opened under (repeatable), besides IP addresses, "
+        "localhost and --host: it answers no other, so that no web page can rebind a name of "
+        "its own to this server and read the cache's text",
+    )
+    parser.add_argument(
         "--open", action="store_true", help="open the page in a web browser once serving"
     )
     _add_limit_options(parser)
@@ -151,8 +160,23 @@ def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
         max_queued_requests=args.max_queued_requests,
         admin_key=args.admin_key,
         ui=ui,
+        ui_hosts=page_hosts(args.host, args.allowed_host),
         **limits,
     )
+
+
+def page_hosts(host: str, allowed: list[str]) -> tuple[str, ...]:
+    """The host names the page answers besides addresses and localhost: `--host` when it is a
+    name, this machine's name when it listens on every interface, and `--allowed-host`."""
+    names = list(allowed)
+    if host in ("0.0.0.0", "::", ""):
+        names.append(socket.gethostname())
+    else:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            names.append(host)
+    return tuple(dict.fromkeys(n for n in names if n.strip()))
 
 
 def is_loopback(host: str) -> bool:
@@ -217,6 +241,7 @@ _LIMIT_OPTIONS = [
 _SERVE_FLAGS = {field: flag for flag, field, _, _ in _LIMIT_OPTIONS} | {
     "max_queued_requests": "--max-queued-requests",
     "admin_key": "--admin-key",
+    "ui_hosts": "--allowed-host",
 }
 
 

@@ -45,6 +45,9 @@ class ServeConfig:
     # The live page of the cache at `/` and its event stream (`ui_routes.py`); off unless asked
     # (`radixkv serve` turns it on by default only on a loopback address).
     ui: bool = False
+    # Host names the page answers besides IP addresses and localhost (`ui_routes.host_allowed`):
+    # the name the server listens on, `--allowed-host`.
+    ui_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -62,6 +65,10 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.ui_hosts, tuple) or not all(
+            isinstance(h, str) and h.strip() for h in self.ui_hosts
+        ):
+            raise ValueError(f"ui_hosts must be a tuple of host names, got {self.ui_hosts!r}")
         key = self.admin_key
         # Printable ASCII: an HTTP header carries it as is.
         if key is not None and not (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import subprocess
 import time
@@ -75,3 +76,17 @@ def wait_healthy(proc: subprocess.Popen, port: int) -> None:
                 return
         except OSError:
             time.sleep(0.2)
+
+
+def post_json(port: int, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    """POST `body` as JSON to the server on `port`: (status, the JSON answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def chat_request(content: str = "hi", **fields: Any) -> dict:
+    """A greedy chat body of one user message; `fields` added or overriding."""
+    messages = [{"role": "user", "content": content}]
+    return {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, **fields}

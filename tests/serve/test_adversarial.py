@@ -311,7 +311,7 @@ def stream_completion(port: int, max_tokens: int) -> tuple[threading.Thread, lis
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         body = {"prompt": user_message(3), "max_tokens": max_tokens, "stream": True}
         body |= {"temperature": 0, "ignore_eos": True}
-        conn.request("POST", COMPLETIONS, body=json.dumps(body))
+        conn.request("POST", COMPLETIONS, json.dumps(body), {"Content-Type": "application/json"})
         for line in conn.getresponse():
             if line.startswith(b"data: "):
                 events.append((time.monotonic(), line[6:].strip().decode()))

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from serve_helpers import free_port, wait_healthy
+from serve_helpers import chat_request, free_port, post_json, wait_healthy
 from tiny_llama import build_char_tokenizer, build_model
 
 pytest.importorskip("xgrammar")
@@ -29,16 +29,8 @@ def slow_schema(bound: int) -> dict:
     return {"type": "string", "pattern": f"^.{{0,{bound}}}$"}
 
 
-def post(port: int, body: dict, path: str = CHAT) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    return response.status, json.loads(response.read())
-
-
-def chat_body(**fields) -> dict:
-    messages = [{"role": "user", "content": "hi"}]
-    return {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, **fields}
+post = post_json
+chat_body = chat_request
 
 
 def posts_at_once(port: int, bodies: list[dict]) -> list[tuple[int, dict]]:
