@@ -46,14 +46,14 @@ A model without window layers uses `PrefixCache` alone: none of this runs for it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from radixkv.cache.keys import BlockHasher
 from radixkv.cache.moves import Move
 from radixkv.cache.prefix_cache import BlockTable, CacheStats, MatchResult, PrefixCache
 from radixkv.cache.tiers import DiskIndex, LowerTiers
 from radixkv.cache.tokens import PackedTokens, check_size
-from radixkv.cache.window import LowerHit, WindowGroup, WindowTable
+from radixkv.cache.window import LowerHit, WindowGroup, WindowStats, WindowTable
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +67,9 @@ class HybridTable:
     # later request can resume from (the next question about the same document), whose window
     # KV is kept once written (`HybridCache.slide`). None: none, or kept already.
     branch: int | None = None
+    # What the full tree matched at admission (with lower tiers' continuation): more than the
+    # hit when the window KV ended earlier (a hit resumes only where the window layers' is).
+    num_matched_tokens: int = 0
 
     # What a scheduler reads of a table is the full half's (its window half travels apart).
     @property
@@ -129,6 +132,7 @@ class HybridCache:
             disk=disk,
             write_through=write_through,
         )
+        self._num_cut_tokens = 0  # matched by the full tree past the hits (`stats`)
         events, keys = self.full.event_recorder, self.full.key_chain
         tiers = None
         if window_host_blocks:
@@ -208,7 +212,9 @@ class HybridCache:
         else:
             window = self.window.open_lower(lower, namespace)
         assert window is not None and self.window.extend(window, n), "checked by fits()"
-        table = HybridTable(full, window, qb, branch if branch > hit else None)
+        matched = max(branch, hit)
+        table = HybridTable(full, window, qb, branch if branch > hit else None, matched)
+        self._num_cut_tokens += matched - hit
         self._open.add(table)
         return table
 
@@ -267,6 +273,10 @@ class HybridCache:
     def stats(self) -> CacheStats:
         """The full group's (the window group's pool is `window.pool`)."""
         return self.full.stats()
+
+    def window_stats(self) -> WindowStats:
+        """The window group's, with the tokens its KV cut from the full group's hits."""
+        return replace(self.window.stats(), num_cut_hit_tokens=self._num_cut_tokens)
 
     def take_moves(self) -> list[Move]:
         """The full group's tier moves (`PrefixCache.take_moves`)."""

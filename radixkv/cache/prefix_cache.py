@@ -126,6 +126,12 @@ class BlockTable:
     cache_private: set[int] = field(repr=False)
 
     @property
+    def num_matched_tokens(self) -> int:
+        """What the tree matched at admission: the hit (a grouped cache's tables may report
+        more, where another group's KV ended earlier)."""
+        return self.num_cached_tokens
+
+    @property
     def locked(self) -> bool:
         """Whether the table holds a lock on a cached path (it was admitted with the cache)."""
         return self.node is not None

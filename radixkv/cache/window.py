@@ -159,6 +159,9 @@ class WindowStats:
     num_loaded_blocks: int = 0  # host -> device copies planned (disk reads included)
     num_disk_reads: int = 0  # block files read into the host tier
     num_disk_writes: int = 0  # host blocks written to disk as they left the host tier
+    # Matched by the full group's tree past the hits, not served: the window KV ended earlier
+    # (`HybridCache.window_stats`; a hit resumes only where a tail keeps the window's KV)
+    num_cut_hit_tokens: int = 0
 
 
 class WindowGroup:

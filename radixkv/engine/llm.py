@@ -273,7 +273,7 @@ class LLM:
         """The window layers' group's figures (None: a model without window layers); the full
         layers' are `cache.stats()`."""
         cache = self.scheduler.cache
-        return cache.window.stats() if isinstance(cache, HybridCache) else None
+        return cache.window_stats() if isinstance(cache, HybridCache) else None
 
     def check_integrity(self) -> None:
         """Recompute the invariants (see the class docstring), then the scheduler's and cache's."""
@@ -700,6 +700,7 @@ class LLM:
             ttft_s=t_first - t.t_submit,
             decode_tokens_per_s=(len(out_ids) - 1) / decode_s if decode_s > 0 else 0.0,
             total_s=now - t.t_submit,
+            num_matched_tokens=max(req.num_matched_tokens, req.num_cached_tokens),
         )
         rid, prompt_ids = req.request_id, tuple(req.prompt_token_ids)
         logprobs = None if t.params.logprobs is None else tuple(t.logprobs)

@@ -445,9 +445,12 @@ class OpenAIServer:
         return len(token_ids)
 
     def _observe_update(self, stream: RequestStream, update: RequestUpdate) -> None:
+        """Per update, as each step's reach the server (asyncio side): the token counts, TTFT
+        and inter-token latency."""
         n = len(update.new_token_ids)
         if not n:
             return
+        self.metrics.record_generated(n)
         now = time.perf_counter()
         if stream.t_first_token is None:
             stream.t_first_token = now

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from radixkv.cache.summary import TreeSummary
 from radixkv.cache.window import WindowStats
 from radixkv.engine.disk_store import DiskStoreStats
 from radixkv.engine.llm import LLM
-from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.outputs import RequestOutput, hit_cut_reason
 from radixkv.serve.engine_loop import RequestStream, tier_moves
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ MAX_SUBSCRIBERS = 16  # pages open at once; a page past it ends the longest-open
 PREVIEW_CHARS = 48  # characters of a node's text shown
 MAX_ENGINE_SHARE = 0.02  # of the engine thread's time, the most snapshots may take
 REFRESH_S = 1.0  # while requests run, the longest a snapshot goes unrefreshed
+RATE_WINDOW_S = 2.0  # output tokens/s is measured over about this long (see `TokenRate`)
 CAPTURE_TIMEOUT_S = 5.0  # a capture not done by then (engine stopping) is dropped
 
 
@@ -58,6 +60,7 @@ class LastRequest:
     num_prompt_tokens: int
     num_cached_tokens: int
     seq: int  # counts finished shared requests
+    num_matched_tokens: int = 0  # what the tree matched (more: the hit was cut back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +254,31 @@ def _preview(tokens: Sequence[int], decode: Callable[[Sequence[int]], str] | Non
     return text[:PREVIEW_CHARS]
 
 
+class TokenRate:
+    """Output tokens per second over about the last RATE_WINDOW_S, from (time, total tokens)
+    samples: one snapshot's worth (a quarter second) would swing by a token in three at a
+    decode rate of a dozen a second.
+
+    Invariant: samples in time order; the first is the only one before the window."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def __call__(self, now: float, total: int) -> float:
+        """Record `total` tokens at `now` (time.monotonic()); the rate since the window's
+        start (its first sample at or before it)."""
+        self._samples.append((now, total))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+        t0, n0 = self._samples[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+    def check_integrity(self) -> None:
+        times = [t for t, _ in self._samples]
+        assert times == sorted(times), "samples out of order"
+
+
 class CacheView:
     """The page's snapshots and their subscribers (one per app, asyncio side).
 
@@ -273,6 +301,8 @@ class CacheView:
         self._built_at = 0.0  # time.monotonic() of the latest snapshot
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-view")
         self._aliases = NodeAliases()  # the view thread's
+        self._rate = TokenRate()
+        self._tokens_per_s = 0.0  # the latest snapshot's
         self.num_displaced = 0  # streams ended by a newer page
         tokenizer = server.llm.tokenizer
         self._decode = None if tokenizer is None else tokenizer.decode
@@ -287,7 +317,9 @@ class CacheView:
         written = output.prompt_token_ids + output.token_ids[:-1]  # the last has no KV yet
         seq = 1 if self.last is None else self.last.seq + 1
         stats = output.stats
-        self.last = LastRequest(written, stats.num_prompt_tokens, stats.num_cached_tokens, seq)
+        self.last = LastRequest(
+            written, stats.num_prompt_tokens, stats.num_cached_tokens, seq, stats.num_matched_tokens
+        )
 
     # ------------------------------------------------------------------ subscribers
 
@@ -321,6 +353,7 @@ class CacheView:
         if self._subscribers:
             assert self._task is not None, "subscribers but no builder"
         self._aliases.check_integrity()
+        self._rate.check_integrity()
 
     # ------------------------------------------------------------------ building
 
@@ -348,8 +381,11 @@ class CacheView:
         # change of the tree that matters here; while requests run (a prefill chunk inserts
         # without moving a counter) the view is refreshed at least every REFRESH_S anyway.
         snap = server.engine.snapshot
-        state = (snap, self.last, server.metrics.num_prompt_tokens)
-        stale = snap.num_running > 0 and time.monotonic() - self._built_at > REFRESH_S
+        metrics = server.metrics
+        state = (snap, self.last, metrics.num_prompt_tokens, metrics.num_generated_tokens)
+        # While requests run, and until the token rate it shows has come down to 0:
+        moving = snap.num_running > 0 or self._tokens_per_s > 0
+        stale = moving and time.monotonic() - self._built_at > REFRESH_S
         if state == self._seen and not stale:
             return 0.0
         last = self.last
@@ -367,11 +403,13 @@ class CacheView:
         """The server's counters now (asyncio side: the metrics live here)."""
         metrics, engine = self.server.metrics, self.server.engine
         snap = engine.snapshot
+        self._tokens_per_s = self._rate(time.monotonic(), metrics.num_generated_tokens)
         return {
             "time": now,
             "prompt_tokens": metrics.num_prompt_tokens,
             "cached_tokens": metrics.num_cached_tokens,
             "generated_tokens": metrics.num_generated_tokens,
+            "tokens_per_s": self._tokens_per_s,  # output, over about RATE_WINDOW_S
             "hit_rate": metrics.hit_rate(),
             "blocks": cap.num_blocks,
             "block_size": cap.block_size,
@@ -395,6 +433,9 @@ class CacheView:
                 "seq": last.seq,
                 "prompt_tokens": last.num_prompt_tokens,
                 "cached_tokens": last.num_cached_tokens,
+                "matched_tokens": max(last.num_matched_tokens, last.num_cached_tokens),
+                # why the tree matched more than was served (None: it did not)
+                "cut_reason": hit_cut_reason(last.num_cached_tokens, last.num_matched_tokens),
             }
         body = {
             "model": self.server.config.model_name,
