@@ -302,7 +302,7 @@ def hostile_report(row: dict[str, Any]) -> str:
         "| 3 hostile of each kind in flight | {:.0f} ms | {:.0f} ms |".format(*ms["u"]),
         f"ratio of medians x{ratio:.2f}; worst {ms['u'][1]:.0f} ms (goal < "
         f"{CHAT_GOAL_S * 1000:.0f} ms on a quiet machine); {row['load']}",
-        f"hostile answers: {answers}",
+        f"hostile answers (0: none yet when released): {answers}",
     ]
     return "\n".join(lines)
 

@@ -246,10 +246,10 @@ class GrammarPool:
         """Kill the slot's worker, if any, and close its pipes (its slot thread only)."""
         with self._lock:
             worker = self._workers.pop(slot, None)
+            self.num_killed += worker is not None
         if worker is not None:
             worker.kill()
             worker.close_pipes()
-            self.num_killed += 1
 
 
 _Job = tuple[tuple[str, str], "concurrent.futures.Future[Any]"]
