@@ -446,6 +446,20 @@ class PlainGenerateSystem(System):
         self.counter.close()
 
 
+def run_on_manager(manager: Any, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """Requests on a running transformers continuous batching manager, each recording its
+    tokens' timestamps: request id -> finished output, in prompt order."""
+    ids = manager.add_requests(inputs=prompts, max_new_tokens=max_new, record_timestamps=True)
+    results: dict[str, Any] = {}
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            results[result.request_id] = result
+        elif result is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching loop stopped")
+    return {rid: results[rid] for rid in ids}
+
+
 class ContinuousBatchingSystem(System):
     """(d): transformers' continuous batching, the engine behind `model.generate_batch`.
 
@@ -509,17 +523,7 @@ class ContinuousBatchingSystem(System):
                 persistent_manager=True,
                 max_new_tokens=num_tokens,
             )
-        ids = self._manager.add_requests(
-            inputs=prompts, max_new_tokens=num_tokens, record_timestamps=True
-        )
-        results: dict[str, Any] = {}
-        while len(results) < len(ids):
-            result = self._manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-            elif result is None and not self._manager.is_running():
-                raise RuntimeError("transformers' continuous batching loop stopped")
-        return {rid: results[rid] for rid in ids}
+        return run_on_manager(self._manager, prompts, num_tokens)
 
     def warmup(self, num_tokens: int) -> None:
         self._generate([[1, 2, 3, 4, 5, 6, 7, 8]], num_tokens)

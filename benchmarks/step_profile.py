@@ -9,11 +9,14 @@
    engine's step; medians over the full-batch decodes.
    The engine runs its steps synchronously here (`async_scheduling=False`), so each phase shows:
    these are the host costs that overlapped steps hide (gpu_bench's `sync` system vs `on`).
-2. GPU time of one graph replay per bucket at a 640-token context (CUDA only).
+2. GPU time of one graph replay per bucket at a 640-token context, beside its roofline (the
+   weights and the K/V read at the copy bandwidth measured in the run; CUDA only).
 3. The kernels of one bucket-64 replay by category (torch.profiler): GEMMs, radixkv's Triton
-   kernels, everything else, and the largest (on the CPU: one eager decode step's ops).
+   kernels, everything else, and the largest (on the CPU: one eager decode step's ops); the
+   GEMMs' time against reading the weights at the copy bandwidth.
 4. A turn-6-like prefill step (32 rows x 129 new tokens over 2,432-token contexts): host enqueue
-   time against GPU time (CUDA only).
+   time against GPU time, and the GPU time against the step's FLOPs at the measured matrix
+   rate (CUDA only).
 5. That prefill step's host time by Python function (cProfile; on the CPU: a small decode step).
 6. The chat workload (gpu_bench's `run_chat`); its last turn's mean TTFT and its first step's
    host phases: schedule (of which the in-batch prefix deferral) and the step's wall time.
@@ -35,6 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # siblings by name: these scripts run with -P
+import roofline  # noqa: E402
 
 OURS = ("_paged_attention", "_merge_splits", "_store_kv", "_copy_blocks", "_rms_norm", "_rope_")
 GEMMS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm")
@@ -102,7 +110,7 @@ def _timing(owner: Any, name: str, record: Callable[[float, Any], None]) -> Call
     return lambda: setattr(owner, name, inner)
 
 
-def step_phases(llm: Any, cfg: Any) -> None:
+def step_phases(llm: Any, cfg: Any, ceilings: Any) -> None:
     """Section 1: the decode workload with every step's phases timed."""
     import radixkv.engine.step as step_module
     from radixkv import SamplingParams
@@ -185,11 +193,12 @@ def staged_graph(graphs: Any, rows: int, context: int, block_size: int) -> Any:
     return graphs._graphs[choose_bucket(rows, graphs.buckets)][0]
 
 
-def replay_times(llm: Any, cfg: Any) -> None:
+def replay_times(llm: Any, cfg: Any, ceilings: Any) -> None:
     """Section 2: GPU time per replay of each bucket."""
     graphs = llm.runner.decode_graphs
     context = 640
-    print(f"\n## 2. graph replay GPU time, context {context}")
+    model = roofline.Model.of(cfg)
+    print(f"\n## 2. graph replay GPU time, context {context} (roofline: weights + K/V read)")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for bucket in graphs.buckets:
         graph = staged_graph(graphs, bucket, context, cfg.block_size)
@@ -201,10 +210,14 @@ def replay_times(llm: Any, cfg: Any) -> None:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        print(f"bucket {bucket:3d}: {start.elapsed_time(end) / 20:.3f} ms per replay")
+        ms = start.elapsed_time(end) / 20
+        floor = 1e3 * roofline.step_floor_s(model, [(1, context - 1)] * bucket, ceilings)
+        print(
+            f"bucket {bucket:3d}: {ms:.3f} ms per replay, roofline {floor:.3f} ({floor / ms:.2f})"
+        )
 
 
-def kernel_split(llm: Any, cfg: Any) -> None:
+def kernel_split(llm: Any, cfg: Any, ceilings: Any) -> None:
     """Section 3: one bucket-64 replay (CUDA) or one eager decode step (CPU), by category."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -242,6 +255,13 @@ def kernel_split(llm: Any, cfg: Any) -> None:
     print(f"\n## 3. kernels of {what}: {total / 1e3:.3f} ms in total")
     for key, (us, count) in categories.items():
         print(f"  {key}: {us / 1e3:.3f} ms in {count:.0f} calls")
+    read_us = 1e6 * roofline.Model.of(cfg).weight_bytes / (ceilings.copy_gbps * 1e9)
+    gemm_us = categories["GEMM"][0]
+    if gemm_us > 0:
+        print(
+            f"  the GEMMs read the weights in {gemm_us / 1e3:.3f} ms, against "
+            f"{read_us / 1e3:.3f} ms at the copy bandwidth: {read_us / gemm_us:.2f} of it"
+        )
     for us, count, name in sorted(events, reverse=True)[:12]:
         print(f"  {us:9.1f} us  x{count:5.0f}  {name[:100]}")
 
@@ -268,7 +288,7 @@ def _prefill_step(cfg: Any) -> Any:
     )
 
 
-def prefill_step(llm: Any, cfg: Any) -> None:
+def prefill_step(llm: Any, cfg: Any, ceilings: Any) -> None:
     """Section 4: the turn-6-like prefill: host enqueue time against GPU time."""
     context, new, rows = PREFILL_SHAPE
     step = _prefill_step(cfg)
@@ -286,13 +306,17 @@ def prefill_step(llm: Any, cfg: Any) -> None:
             times.append((enqueue, time.perf_counter() - t0, start.elapsed_time(end) / 1e3))
     enqueue, wall, gpu = (_ms([t[i] for t in times]) for i in range(3))
     bound = "host-bound: the GPU waited" if enqueue > 0.8 * wall else "GPU-bound"
+    floor = 1e3 * roofline.step_floor_s(
+        roofline.Model.of(cfg), [(new, context - new)] * rows, ceilings
+    )
     print(
         f"\n## 4. turn-6-like prefill step ({rows} x {new} new over {context}): host enqueue "
-        f"{enqueue:.2f} ms, wall {wall:.2f} ms, GPU {gpu:.2f} ms ({bound})"
+        f"{enqueue:.2f} ms, wall {wall:.2f} ms, GPU {gpu:.2f} ms ({bound}); roofline "
+        f"{floor:.2f} ms ({floor / gpu:.2f} of the GPU time)"
     )
 
 
-def prefill_host_ops(llm: Any, cfg: Any) -> None:
+def prefill_host_ops(llm: Any, cfg: Any, ceilings: Any) -> None:
     """Section 5: where the prefill step's host time goes: its Python functions by own time
     (cProfile: the Triton launchers and transformers' modules are Python too)."""
     import cProfile
@@ -365,7 +389,7 @@ class _LastTurnTimed:
         return sys.modules["gpu_bench"].Generated([list(o.token_ids) for o in outs], None)
 
 
-def chat_turns(llm: Any, cfg: Any) -> None:
+def chat_turns(llm: Any, cfg: Any, ceilings: Any) -> None:
     """Section 6: the chat workload, its last turn's TTFT and first step's host phases."""
     bench = sys.modules["gpu_bench"]
     system = _LastTurnTimed(llm, cfg)
@@ -411,10 +435,12 @@ def main(argv: list[str] | None = None) -> int:
         print("step_profile needs a CUDA device (or --tiny for the CPU)", file=sys.stderr)
         return 2
     llm, cfg = build_engine(tiny, args.host_shapes)
+    ceilings = roofline.measure(torch.device(cfg.device), cfg.dtype, tiny=cfg.device == "cpu")
+    print(ceilings.describe())
     cuda = llm.runner.decode_graphs is not None
     for number in sorted({int(n) for n in args.sections.split(",")}):
         if cuda or number not in CUDA_ONLY:
-            SECTIONS[number](llm, cfg)
+            SECTIONS[number](llm, cfg, ceilings)
     return 0
 
 

@@ -33,6 +33,7 @@ from radixkv.kernels.checks import (
     check_metadata_tensors,
     check_metadata_values,
     check_new_kv,
+    check_paged_attention,
     check_query,
 )
 
@@ -96,6 +97,9 @@ class AttentionMetadata:
     # The reference's batches of each sliding window a layer asked for, built on first use and
     # reused by the step's later layers of that window (CPU only, like gather_plan).
     window_batches: dict[int, tuple[GatherBatch, ...]] = field(init=False, repr=False)
+    # What a kernel module plans from this metadata on its first layer and reuses for the step's
+    # later layers, under the module's own key (the CPU kernels' split of requests, say).
+    step_plans: dict[str, object] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = self.kv_cache_shape
@@ -146,6 +150,7 @@ class AttentionMetadata:
         set_field(self, "max_q_len", max((b - a for a, b in pairwise(cu)), default=0))
         set_field(self, "gather_plan", build_gather_plan(self) if device.type == "cpu" else None)
         set_field(self, "window_batches", {})
+        set_field(self, "step_plans", {})
         set_field(self, "host_tensors", None)
 
     def _host_copies(
@@ -290,6 +295,25 @@ def check_attention_step(
         q.shape[0] == metadata.num_tokens,
         f"cu_seqlens_q[-1] = {metadata.num_tokens} != number of q tokens {q.shape[0]}",
     )
+
+
+def call_metadata(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+) -> AttentionMetadata:
+    """The metadata of one loose-tensor `paged_attention` call, its arguments checked: what the
+    CPU backends' loose functions build before their step."""
+    check_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, check_values=False
+    )
+    # Building checks the values (the messages name block_tables / seq_lens / cu_seqlens_q).
+    return AttentionMetadata(block_tables, seq_lens, cu_seqlens_q, tuple(k_cache.shape))
 
 
 # -------------------------------------------------------------------- the reference's gather plan

@@ -1,4 +1,5 @@
-"""Plain-torch kernels: the executable spec of `radixkv.kernels`, and the CPU engine's fast path.
+"""Plain-torch kernels: the executable spec of `radixkv.kernels` (and the CPU engine's path where
+the compiled CPU attention cannot be built: `cpu_attention.py`).
 
 Paged KV cache of one layer: K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`.
 Token `i` of a request lives in block `block_tables[r, i // block_size]` at offset `i % block_size`
@@ -30,7 +31,6 @@ from radixkv.kernels.attention_kind import AttentionKind, check_kind
 from radixkv.kernels.checks import (
     check_copy_blocks,
     check_new_kv,
-    check_paged_attention,
     check_rms_norm,
     check_rope,
     check_store_kv,
@@ -41,6 +41,7 @@ from radixkv.kernels.metadata import (
     GatherPlan,
     build_gather_batches,
     build_gather_plan,
+    call_metadata,
     check_attention_step,
     check_store_step,
 )
@@ -136,11 +137,7 @@ def paged_attention(
     call.
     """
     del num_kv_splits  # one pass over the whole context: nothing to split
-    check_paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, check_values=False
-    )
-    # Building checks the values (the messages name block_tables / seq_lens / cu_seqlens_q).
-    metadata = AttentionMetadata(block_tables, seq_lens, cu_seqlens_q, tuple(k_cache.shape))
+    metadata = call_metadata(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
     return paged_attention_step(q, k_cache, v_cache, metadata, scale, out=out, kind=kind)
 
 

@@ -21,6 +21,10 @@ KERNEL_MODULES = {
     "copy_blocks": ("triton_copy_blocks", "_copy_blocks_kernel"),
     "rms_norm": ("triton_rms_norm", "_rms_norm_kernel"),
     "rope_store_kv": ("triton_rope_store_kv", "_rope_store_kv_kernel"),
+    "store_latent": ("triton_store_latent", "_store_latent_kernel"),
+    "latent_attention": ("triton_latent_attention", "_latent_attention_kernel"),
+    "gather_latents": ("triton_latent_expanded", "_gather_latents_kernel"),
+    "expanded_chunk": ("triton_latent_expanded", "_expanded_chunk_kernel"),
 }
 
 

@@ -1,5 +1,6 @@
-"""The backend switch: CUDA tensors -> Triton, CPU tensors -> reference, `use_backend` overrides it;
-triton stays optional for the reference path."""
+"""The backend switch: CUDA tensors -> Triton, CPU tensors -> the compiled CPU kernels (the
+reference where they cannot be built), `use_backend` overrides it; triton stays optional for the
+CPU paths."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import pytest
 import torch
 
 import radixkv.kernels as kernels
-from radixkv.kernels import backend_for, reference, use_backend
+from radixkv.kernels import backend_for, cpu_attention, reference, use_backend
 from radixkv.kernels import triton_paged_attention as triton_module
+
+CPU_DEFAULT = "cpu" if cpu_attention.available() else "torch"
 
 
 def test_default_backend_follows_the_device():
-    assert backend_for(torch.device("cpu")) == "torch"
+    assert backend_for(torch.device("cpu")) == CPU_DEFAULT
     assert backend_for(torch.device("cuda", 0)) == "triton"
 
 
@@ -26,14 +29,19 @@ def test_use_backend_overrides_and_restores():
         with use_backend("torch"):
             assert backend_for(torch.device("cuda")) == "torch"
         with use_backend(None):
-            assert backend_for(torch.device("cpu")) == "torch"
+            assert backend_for(torch.device("cpu")) == CPU_DEFAULT
         assert backend_for(torch.device("cpu")) == "triton"
-    assert backend_for(torch.device("cpu")) == "torch"
+    assert backend_for(torch.device("cpu")) == CPU_DEFAULT
 
 
 @pytest.mark.parametrize(
     ("backend", "expected"),
-    [(None, "reference"), pytest.param("triton", "triton", marks=pytest.mark.interpreter)],
+    [
+        (None, {"cpu": "cpu", "torch": "reference"}[CPU_DEFAULT]),
+        ("torch", "reference"),
+        pytest.param("cpu", "cpu", marks=pytest.mark.skipif(CPU_DEFAULT != "cpu", reason="no cc")),
+        pytest.param("triton", "triton", marks=pytest.mark.interpreter),
+    ],
 )
 def test_paged_attention_dispatch(paged_batch, monkeypatch, backend, expected):
     calls = []
@@ -46,6 +54,7 @@ def test_paged_attention_dispatch(paged_batch, monkeypatch, backend, expected):
         return wrapped
 
     monkeypatch.setattr(reference, "paged_attention", spy("reference", reference.paged_attention))
+    monkeypatch.setattr(cpu_attention, "paged_attention", spy("cpu", cpu_attention.paged_attention))
     monkeypatch.setattr(
         triton_module, "paged_attention", spy("triton", triton_module.paged_attention)
     )

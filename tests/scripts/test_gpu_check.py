@@ -23,20 +23,72 @@ def run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[s
     )
 
 
-def test_dry_run_of_the_cheap_stages(tmp_path):
-    """env, install (pip's --dry-run) and the tiny profile pass, each with its log and summary
-    line; the summary file holds what stdout showed."""
-    result = run(tmp_path, "--dry-run", "env", "install", "profile")
+def test_the_dry_run_runs_every_stage(tmp_path):
+    """The whole --dry-run (every stage on the CPU, a minute and a half): one test, so that a
+    run of the suite on several workers runs it once."""
+    env = {"GPU_CHECK_STATE": str(tmp_path / "state"), "GPU_CHECK_SITE": str(tmp_path / "site")}
+    result = run(tmp_path, "--dry-run", **env)
+    out_dir = tmp_path / "out"
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    for stage in ("env", "install", "import", "profile"):
-        assert f"{stage}: ok in" in out
-    logs = sorted(f.name for f in (tmp_path / "out").iterdir())
-    assert logs == ["env.log", "install.log", "profile.log", "summary.txt"]  # import: install's
+    _check_stages(result.stdout, out_dir)
+    _check_bench_and_hf((out_dir / "bench.log").read_text())
+    _check_kernels((out_dir / "kernels.log").read_text(), result.stdout)
+    _check_collection((out_dir / "pytest.log").read_text())
+
+
+def _check_stages(out: str, out_dir: Path) -> None:
+    stages = ("env", "install", "import", "bench", "kernels", "pytest", "profile", "hf")
+    positions = [out.index(f"{stage}: ok in") for stage in stages]
+    assert positions == sorted(positions)  # the headline figures and the peers' table first
+    assert "stages not passed: none" in out
+    assert (out_dir / "summary.txt").read_text().strip() in out.strip()
     assert "device: no CUDA" in out  # the env stage's versions
     assert "## 1. decode workload" in out and "median decode step" in out
-    assert "stages not passed: none" in out
-    assert (tmp_path / "out" / "summary.txt").read_text().strip() in out.strip()
+    # At most 7 files: 8 come back from the GPU machine's output folder.
+    logs = {f.name for f in out_dir.iterdir()}
+    stage_logs = {f"{name}.log" for name in ("env", "install", "bench", "kernels", "pytest")}
+    assert logs == stage_logs | {"profile.log", "summary.txt"}
+
+
+def _check_bench_and_hf(log: str) -> None:
+    """gpu_bench's `sync` system beside the others as the bench stage runs it; then the hf
+    stage's transformers systems, in the same log."""
+    names = "radixkv cache on | radixkv cache on, steps not overlapped | radixkv cache off"
+    head = "on vs sync, x | on vs off, x | on vs on, x"
+    assert f"| metric | {names} | radixkv cache on | {head} |" in log
+    own = "| replies equal to radixkv cache on's (share) |"
+    assert f"{own} 1.00 | 1.00 (must be 1.00) | 1.00 | 1.00 (must be 1.00) |" in log
+    for peer in ("sync (radixkv cache on, steps not overlapped)", "on (radixkv cache on)"):
+        assert f"| replies: on = {peer}, token for token | 1.00 | 1.00 | met |" in log
+    hf = "| metric | radixkv cache on | transformers continuous batching | transformers generate |"
+    assert hf in log and "--systems on,batch,generate" in log
+
+
+def _check_kernels(log: str, out: str) -> None:
+    """Every section of the kernel bench under the interpreter, its progress recorded for the
+    host-timed fallback, and the peers' kernels beside radixkv's where they are fetched."""
+    for section in ("decode", "extend", "splits", "decode-tiles", "extend-tiles"):
+        assert f"({section}: " in log
+    assert "### Goals" in log and "0 failed" in log
+    assert "--progress" in log and "--budget-s" in log
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import peer_kernels
+
+    if peer_kernels.fetched():
+        assert "peers: vLLM 0.32 and SGLang 0.5.23 Triton kernels" in log
+        decode = [line for line in log.splitlines() if line.startswith("| 16 | 2 | 40 | 16 |")]
+        assert decode and "| - | - |" not in decode[0]  # both peers timed and checked
+    else:
+        assert "kernels: .peers/ is not here" in out
+
+
+def _check_collection(log: str) -> None:
+    """What the GPU machine's pytest sees: the files the script names collect with openai,
+    msgspec, zmq, fastapi and the rest hidden (scripts/without_extras)."""
+    assert "tests/kernels/test_kernel_gpu.py::test_rope_store_kv_gpu" in log
+    assert "tests/engine/test_engine_gpu.py::" in log
+    assert "tests/engine/test_architectures.py::test_unsupported_architectures" in log
+    assert "tests/kernels/test_kernel_attention_kinds.py::" in log
 
 
 def test_a_failing_stage_fails_the_run_and_shows_its_log(tmp_path):
@@ -49,11 +101,27 @@ def test_a_failing_stage_fails_the_run_and_shows_its_log(tmp_path):
     assert "---- tail of install.log (import)" in summary  # the tails reach the summary too
 
 
-def test_every_stage_leaves_at_most_seven_files(tmp_path):
-    """Eight files come back from the GPU machine's output folder: six logs and the summary."""
-    result = run(tmp_path, "--dry-run", GPU_CHECK_BUDGET_S="1")
-    assert result.returncode != 0
-    assert len(list((tmp_path / "out").iterdir())) <= 7
+def test_a_crashed_kernel_bench_resumes_timed_from_the_host(tmp_path):
+    """The real kernels stage, its kernel bench faked: the first run records a point in flight
+    and dies as a segfault would; the fallback gets the same progress file and host timing."""
+    state = tmp_path / "state"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$*" != *kernel_bench.py* ]]; then exec ' + sys.executable + ' "$@"; fi\n'
+        'progress=$(echo "$*" | sed -E "s/.*--progress ([^ ]+).*/\\1/")\n'
+        'if [[ "$*" != *"--timing host"* ]]; then\n'
+        '    echo \'{"key": "p", "state": "started"}\' >>"$progress"; echo graph run; exit 139\n'
+        "fi\n"
+        'echo "host run resuming from $(cat "$progress")"\n'
+    )
+    fake.chmod(0o755)
+    result = run(tmp_path, "kernels", PYTHON=str(fake), GPU_CHECK_STATE=str(state))
+    assert "kernels: FAILED (rc 139)" in result.stdout
+    assert "kernels-host: ok in" in result.stdout
+    log = (tmp_path / "out" / "kernels.log").read_text()
+    assert "graph run" in log and 'host run resuming from {"key": "p", "state": "started"}' in log
+    assert "--quick" in log and "--budget-s" in log
 
 
 def test_runs_with_home_unset(tmp_path):
@@ -141,25 +209,24 @@ def test_unknown_stage_is_a_usage_error(tmp_path):
     assert "Stages, in order" in run(tmp_path, "--help").stdout
 
 
-def test_gpu_tests_collect_without_the_extras_the_gpu_machine_lacks(tmp_path):
-    """What the GPU machine's `pytest -m gpu` sees: the dry run's pytest stage collects the files
-    the script names with openai, msgspec, zmq, fastapi and the rest hidden
-    (scripts/without_extras); collection succeeds and finds the GPU tests. The GPU machine runs
-    those files only, so every file that marks a test gpu must be among them."""
-    result = run(tmp_path, "--dry-run", "pytest")
-    log = (tmp_path / "out" / "pytest.log").read_text()
-    assert result.returncode == 0, result.stdout + log[-3000:]
-    assert "tests/kernels/test_kernel_gpu.py::test_rope_store_kv_gpu" in log
-    assert "tests/engine/test_engine_gpu.py::" in log
-    named = re.search(r"^GPU_TESTS=\(([^)]*)\)", SCRIPT.read_text(), re.M)
-    assert named is not None
+def test_every_file_that_marks_a_test_gpu_is_run():
+    """The GPU machine runs the gpu-marked tests of GPU_TESTS only, so every file that marks a
+    test gpu must be among them; the files it runs whole on CUDA (CUDA_TESTS) mark none (the
+    dry run collects both lists)."""
+    script = SCRIPT.read_text()
+    named = {
+        name: set(re.search(rf"^{name}=\(([^)]*)\)", script, re.M).group(1).split())
+        for name in ("GPU_TESTS", "CUDA_TESTS")
+    }
     marks_gpu = re.compile(r"pytest\.mark\.gpu\b")
     marked = {
         str(path.relative_to(ROOT))
         for path in (ROOT / "tests").rglob("*.py")
         if marks_gpu.search(path.read_text())
     }
-    assert marked == set(named.group(1).split())
+    assert marked == named["GPU_TESTS"]
+    assert all((ROOT / f).is_file() for f in named["CUDA_TESTS"])
+    assert not named["CUDA_TESTS"] & marked
 
 
 @pytest.mark.parametrize("name", ["openai", "zmq", "fastapi"])
