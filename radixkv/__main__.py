@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [a for a in argv if a != "--web"]
         if rest[:1] == ["chat"]:
             rest = rest[1:]
-        return serve_main([*rest, "--ui", "--open"])
+        return serve_main([*rest, "--ui", "--open"], prog="radixkv chat --web")
     from radixkv.chat.cli import main as chat_main
 
     return chat_main(argv)

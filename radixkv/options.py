@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from radixkv.engine.config import BLOCK_HASHES, EVENT_LAYOUTS, EngineConfig
+from radixkv.engine.model.model_source import missing_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,13 +213,15 @@ def _default_text(default: object) -> str:
     return f" (default: {default})"
 
 
-def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+def engine_settings(args: argparse.Namespace, *, convert: bool = True) -> dict[str, Any]:
     """The `LLM` keyword arguments (EngineConfig fields) of the options given on the command line,
-    over the command's own defaults, and the disk tier's secret from the environment."""
+    over the command's own defaults, and the disk tier's secret from the environment.
+    `convert=False` leaves out the options whose conversion imports torch (`--dtype`, whose
+    name argparse has checked)."""
     settings = dict(args.engine_defaults)
     for opt in OPTIONS:
         value = getattr(args, opt.field)
-        if value is not None:
+        if value is not None and (convert or opt.to_field is not _torch_dtype):
             settings[opt.field] = value if opt.to_field is None else opt.to_field(value)
     if os.environ.get(SECRET_ENV) and settings.get("kv_cache_dir") is not None:
         settings["kv_cache_secret"] = os.environ[SECRET_ENV]
@@ -226,10 +229,14 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_engine_options(args: argparse.Namespace) -> None:
-    """Check the engine options of the command line before any model loads: every value (as
-    `EngineConfig` checks them) and the disk tier's folder. Raises ValueError / TypeError; pass
-    the text through `name_flags` for the user."""
-    config = EngineConfig(**engine_settings(args))
+    """Check the engine options of the command line before any model loads, without torch:
+    every value (as `EngineConfig` checks them), the disk tier's folder and that `--model`
+    names something there. Raises ValueError / TypeError; pass the text through `name_flags`
+    for the user."""
+    missing = missing_model(args.model)
+    if missing is not None:
+        raise ValueError(missing)
+    config = EngineConfig(**engine_settings(args, convert=False))
     if config.kv_cache_dir is not None:
         check_writable_folder(os.fspath(config.kv_cache_dir), "--kv-cache-dir")
 

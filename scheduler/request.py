@@ -95,6 +95,7 @@ class Request:
         self._packed = self.prompt_token_ids  # all_token_ids when it was last packed
         self.num_computed_tokens = 0  # tokens whose KV is written (this admission)
         self.num_cached_tokens = 0  # cache hit at the first admission
+        self.num_matched_tokens = 0  # what the tree matched then (more: the hit was cut back)
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # len(all_token_ids) at the latest admission
         self.table: GroupedTable | None = None  # its blocks and lock while RUNNING

@@ -530,6 +530,7 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit
+            req.num_matched_tokens = table.num_matched_tokens
         req.num_prefill_tokens = n
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req

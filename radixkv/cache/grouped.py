@@ -51,6 +51,9 @@ class GroupedTable:
     tables: tuple[Any, ...]
     num_cached_tokens: int  # the hit: every group holds the KV of tokens [0, hit)
     locked: bool  # admitted with the cache: the tree's table locks its hit's path
+    # What the tree matched at admission (its lower tiers' continuation included): more than
+    # the hit when another group's KV ended earlier (a hit resumes only where every group's does)
+    num_matched_tokens: int = 0
 
 
 class GroupedCache:
@@ -68,6 +71,7 @@ class GroupedCache:
         self.block_size = self.tree.block_size
         self.num_blocks = self.tree.num_blocks  # the tree's pool: what a request can fill
         self._open: set[GroupedTable] = set()
+        self.num_cut_hit_tokens = 0  # total since start: matched by the tree past the hits
 
     # ----------------------------------------------------------------- the door
     def match(
@@ -106,7 +110,10 @@ class GroupedCache:
         locked = max_hit is not None
         if not self._others:
             tree = self.tree.admit(packed, max_hit=max_hit, namespace=namespace)
-            return None if tree is None else self._opened((tree,), tree.num_cached_tokens, locked)
+            if tree is None:
+                return None
+            hit = tree.num_cached_tokens
+            return self._opened((tree,), hit, locked, hit)
         if max_hit is None:
             probe = Probe(packed.tobytes(), namespace, 0, None)
         else:
@@ -131,7 +138,8 @@ class GroupedCache:
             for group, table in zip(self.groups, tables, strict=False):
                 group.close(table)
             raise
-        return self._opened(tuple(tables), hit, locked)
+        self.num_cut_hit_tokens += probe.num_matched - hit
+        return self._opened(tuple(tables), hit, locked, probe.num_matched)
 
     # ------------------------------------------------------------- block tables
     def extend(self, table: GroupedTable, num_tokens: int) -> bool:
@@ -265,8 +273,10 @@ class GroupedCache:
             if hit == start or len(others) == 1:
                 return hit, found
 
-    def _opened(self, tables: tuple[Any, ...], hit: int, locked: bool) -> GroupedTable:
-        table = GroupedTable(tables, hit, locked)
+    def _opened(
+        self, tables: tuple[Any, ...], hit: int, locked: bool, matched: int
+    ) -> GroupedTable:
+        table = GroupedTable(tables, hit, locked, matched)
         self._open.add(table)
         return table
 

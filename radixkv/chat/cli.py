@@ -276,10 +276,12 @@ def status_line(stats: RequestStats) -> str:
     ttft_ms = 1000.0 * stats.ttft_s
     speed = stats.decode_tokens_per_s
     reply = stats.num_output_tokens
-    return (
+    line = (
         f"  [prompt {prompt} tok · cached {cached} ({hit:.1f}%) · ttft {ttft_ms:.0f} ms"
         f" · reply {reply} tok · decode {speed:.1f} tok/s]"
     )
+    reason = stats.hit_cut_reason
+    return line if reason is None else f"{line}\n  [{reason}]"
 
 
 def stats_text(llm: object) -> str:
@@ -293,9 +295,21 @@ def stats_text(llm: object) -> str:
             f" {s.num_evictable_blocks} cached, {s.num_in_use_blocks} in use",
             f"tree          {s.num_nodes} nodes",
             f"evictions     {s.num_evicted_blocks} blocks, {s.num_evicted_tokens} tokens",
+            *cut_lines(llm.cache.num_cut_hit_tokens),  # type: ignore[attr-defined]
             *tier_lines(llm),
         ]
     )
+
+
+def cut_lines(num_cut_hit_tokens: int) -> list[str]:
+    """/stats' line on hits cut back (none when no hit was: a model whose layers all keep every
+    token's KV never cuts one)."""
+    if not num_cut_hit_tokens:
+        return []
+    return [
+        f"cut hits      {num_cut_hit_tokens} matched tokens not served: the sliding-window"
+        " layers' KV ends earlier, and a hit resumes only where it is kept"
+    ]
 
 
 def tier_lines(llm: object) -> list[str]:

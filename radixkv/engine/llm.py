@@ -129,12 +129,15 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        grammar: Any | None = None,
     ) -> str:
         """Validate (ValueError / TypeError, nothing queued) and queue one request; returns its id.
         Its progress comes back from `step()` as RequestUpdates. No model work. Requests share
-        cached KV only with requests of the same `cache_salt` (None: the shared namespace)."""
+        cached KV only with requests of the same `cache_salt` (None: the shared namespace).
+        `grammar`: the compiled form of `params.grammar_spec` (an xgrammar CompiledGrammar of
+        this vocabulary), compiled elsewhere; None: compiled here, in the caller's thread."""
         prompts, plist = self._pack_one(prompt), params_list(params, 1)
-        (rid,) = self._submit(prompts, plist, self._outbox.append, cache_salt)
+        (rid,) = self._submit(prompts, plist, self._outbox.append, cache_salt, grammar)
         return rid
 
     def step(self) -> list[RequestUpdate]:
@@ -294,6 +297,7 @@ class LLM:
         params: list[SamplingParams],
         sink: Callable[[RequestUpdate], None] | None,
         cache_salt: str | None,
+        compiled: Any | None = None,
     ) -> list[str]:
         """Queue every request or none: one the scheduler refuses (it can never fit the cache)
         rolls back those before it. The prompts and params come checked from the door."""
@@ -307,7 +311,8 @@ class LLM:
                     f"logit_bias's token id {p.logit_bias[-1][0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-        grammars = [self._grammar_of(p) for p in params]  # compile errors before any state
+        # compile errors before any state
+        grammars = [self._grammar_of(p, compiled) for p in params]
         added: list[str] = []
         try:
             for tokens, p, grammar in zip(prompts, params, grammars, strict=True):
@@ -355,15 +360,25 @@ class LLM:
         on = self.config.jump_forward if params.jump_forward is None else params.jump_forward
         return on and params.logprobs is None
 
-    def _grammar_of(self, params: SamplingParams) -> Any:
-        """The compiled grammar of a request's params (None without one); ValueError for one
-        that cannot be compiled or could never end (no stop token)."""
+    def _grammar_of(self, params: SamplingParams, compiled: Any | None = None) -> Any:
+        """The compiled grammar of a request's params (None without one): `compiled` when the
+        caller compiled it, else compiled now. ValueError for one that cannot be compiled, is
+        of another vocabulary, or could never end (no stop token)."""
         spec = params.grammar_spec
         if spec is None:
+            if compiled is not None:
+                raise ValueError("grammar given for a request whose params have no grammar")
             return None
         if not params.stop_tokens(self.eos_token_ids):
             raise ValueError(f"{spec[0]} needs a stop token: ignore_eos with no stop_token_ids")
-        return self.grammars.compile(spec)
+        if compiled is None:
+            return self.grammars.compile(spec)
+        size = getattr(getattr(compiled, "tokenizer_info", None), "vocab_size", None)
+        if size != self.vocab_size:
+            raise ValueError(
+                f"grammar is compiled for a vocabulary of {size}, not {self.vocab_size}"
+            )
+        return compiled
 
     @sigint_deferred()
     def _run_step(self) -> None:

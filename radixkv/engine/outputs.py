@@ -16,10 +16,28 @@ class RequestStats:
     ttft_s: float  # submission -> first token sampled
     decode_tokens_per_s: float  # tokens after the first / time after the first (0 if only one)
     total_s: float  # submission -> finished
+    # What the tree matched at that admission: more than num_cached_tokens when a window
+    # model's hit was cut back to where its window layers' KV was kept
+    num_matched_tokens: int
 
     @property
     def cache_hit_rate(self) -> float:
         return hit_rate(self.num_cached_tokens, self.num_prompt_tokens)
+
+    @property
+    def hit_cut_reason(self) -> str | None:
+        """Why the tree matched more of the prompt than the cache served (None: it did not)."""
+        return hit_cut_reason(self.num_cached_tokens, self.num_matched_tokens)
+
+
+def hit_cut_reason(num_cached_tokens: int, num_matched_tokens: int) -> str | None:
+    """The words for a hit cut back (None when it was not), where the user reads hits."""
+    if num_matched_tokens <= num_cached_tokens:
+        return None
+    return (
+        f"the tree matched {num_matched_tokens} tokens, but this model's sliding-window layers "
+        f"kept their KV only up to {num_cached_tokens}: a hit resumes only where they did"
+    )
 
 
 @dataclass(frozen=True, slots=True)

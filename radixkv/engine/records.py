@@ -104,6 +104,7 @@ class Record:
             ttft_s=t_first - self.t_submit,
             decode_tokens_per_s=(len(out_ids) - 1) / decode_s if decode_s > 0 else 0.0,
             total_s=now - self.t_submit,
+            num_matched_tokens=max(req.num_matched_tokens, req.num_cached_tokens),
         )
         rid, prompt_ids = req.request_id, tuple(req.prompt_token_ids)
         logprobs = None if self.params.logprobs is None else tuple(self.logprobs)

@@ -199,6 +199,9 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_GRAMMAR_CHARS = 65536  # of a schema, regex, grammar or all choices: bounds compile work
+# The memory compiled grammars are cached in (vLLM's default for xgrammar's own cache): one
+# compiled grammar can hold tens of MiB (a long regex of dots over a large vocabulary).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 2**20
 MAX_CHOICES = 1024
 MAX_N = 128  # choices of one request (the server has its own, smaller, limit)
 

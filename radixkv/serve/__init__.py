@@ -7,6 +7,7 @@
     radixkv.serve.structured   response_format / vLLM's structured_outputs -> one constraint
     radixkv.serve.tools        tools and tool_choice: prompt, grammar, reading the calls back
     radixkv.serve.choices      n > 1: the choices' replies and usage merged
+    radixkv.serve.grammar_pool grammars compiled in killable worker processes (grammar_worker)
     radixkv.serve.engine_loop  EngineLoop: the one thread that owns and steps the LLM
     radixkv.serve.stop_strings the stop-string matcher     radixkv.serve.config    ServeConfig
     radixkv.serve.metrics      Prometheus metrics          radixkv.serve.protocol  OpenAI replies

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -43,6 +42,7 @@ from radixkv.serve.choices import merged, merged_usage
 from radixkv.serve.config import ServeConfig
 from radixkv.serve.door import RequestDoor
 from radixkv.serve.engine_loop import EngineLoop, RequestStream
+from radixkv.serve.grammar_pool import CompilesBusy, CompileTimeout, GrammarPool
 from radixkv.serve.logprobs_format import LogprobsWriter, token_texts
 from radixkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 from radixkv.serve.protocol import (
@@ -92,7 +92,8 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolRequest | None = None
-    constraint: Constraint | None = None  # structured output, compiled before submission
+    constraint: Constraint | None = None  # structured output
+    grammar: Any | None = None  # its compiled grammar (`compile_grammar`), for the engine
 
     def stop_matcher(self) -> StopStringMatcher:
         """A fresh matcher of the request's stop strings, for one of its replies."""
@@ -132,14 +133,18 @@ class OpenAIServer:
             max_stop_chars=config.max_stop_chars,
             max_prompt_chars=_max_prompt_chars(llm),
             max_messages=llm.config.max_model_len,
-            max_n=config.max_n,
+            # `n` choices are queued together: more than the queue holds could never be
+            max_n=min(config.max_n, config.max_queued_requests),
         )
-        # Grammars compile here, off the event loop and the preparation thread, within
-        # `grammar_compile_timeout_s`; xgrammar releases the GIL while it compiles.
-        self._compile = ThreadPoolExecutor(
-            max_workers=config.max_grammar_compiles, thread_name_prefix="radixkv-grammar"
+        # Grammars compile in worker processes, off the event loop, the preparation thread and
+        # the engine thread, each within `grammar_compile_timeout_s` (then killed).
+        self.grammars = GrammarPool(
+            llm.tokenizer,
+            llm.vocab_size,
+            num_workers=config.max_grammar_compiles,
+            timeout_s=config.grammar_compile_timeout_s,
+            cache_bytes=config.grammar_cache_bytes,
         )
-        self._grammars_made = threading.Lock()  # the engine's compiler is made on first use
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
@@ -161,12 +166,13 @@ class OpenAIServer:
         """End every reply in flight now: a stream with an error event and [DONE], a whole
         reply with a 503."""
         self.begin_shutdown()
+        self.grammars.close()  # a compile still running ends now, its request with a 503
         self.engine.end_all(shutting_down())
 
     def stop(self) -> None:
         self.engine.stop()
         self._prep.shutdown(wait=False, cancel_futures=True)
-        self._compile.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     @property
     def is_stopping(self) -> bool:
@@ -202,28 +208,30 @@ class OpenAIServer:
         return Job(fields, prompt, params, tools, constraint)
 
     async def compile_grammar(self, job: Job) -> None:
-        """Compile the job's grammar (the engine then finds it cached), off the event loop and
-        within the configured time. APIError(400) naming the field for a grammar that cannot
-        be compiled or takes too long (its compile goes on in its thread, and is cached)."""
+        """Compile the job's grammar into `job.grammar` (the request carries it to the engine),
+        in the grammar pool's worker processes. APIError: 400 naming the field for a grammar
+        that cannot be compiled, is too large or takes too long (its compile is killed); 503
+        when too many compiles wait, or the server is shutting down."""
         c, spec = job.constraint, job.params.grammar_spec
         if c is None or spec is None:
             return
-        loop = asyncio.get_running_loop()
-        compiling = loop.run_in_executor(self._compile, self._compile_now, spec)
-        compiling.add_done_callback(_retrieved)  # its error is read even after a timeout
-        timeout = self.config.grammar_compile_timeout_s
         try:
-            await asyncio.wait_for(asyncio.shield(compiling), timeout)
-        except asyncio.TimeoutError:
+            job.grammar = await self.grammars.compile(spec)
+        except CompilesBusy as exc:
+            raise APIError(
+                503,
+                f"the server is at capacity for grammar compiles ({exc}); retry later",
+                type="server_overloaded",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            ) from None
+        except CompileTimeout:
+            timeout = self.config.grammar_compile_timeout_s
             message = f"{c.param} did not compile within {timeout:g} s: simplify it"
             raise bad_request(message, c.param) from None
-        except (GrammarError, ValueError) as exc:  # ValueError: a model without a tokenizer
+        except GrammarError as exc:
+            if self.is_stopping:
+                raise shutting_down() from None
             raise bad_request(str(exc), c.param) from None
-
-    def _compile_now(self, spec: tuple[str, str]) -> Any:
-        with self._grammars_made:
-            grammars = self.llm.grammars
-        return grammars.compile(spec)
 
     def chat_prompt(
         self, messages: Sequence[dict[str, Any]], tools: ToolRequest | None = None
@@ -348,6 +356,7 @@ class OpenAIServer:
                 job.params if params is None else params,
                 cache_salt=job.fields.cache_salt,
                 t_arrival=arrival.headers,
+                grammar=job.grammar,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from exc
@@ -399,6 +408,11 @@ class OpenAIServer:
                 if not stops.stopped:
                     num_tokens += len(item.new_token_ids)
                     text = stops.push(item.new_text, len(item.new_token_ids))
+                    if stops.stopped and len(item.new_token_ids) > 1:
+                        # A jump-forward's forced text: bill its tokens up to the stop string,
+                        # as one token at a time would have been.
+                        spent = self._tokens_spelling(item.new_token_ids, stops.stop_end)
+                        num_tokens -= len(item.new_token_ids) - spent
                     if stops.stopped:
                         # Keep the stream open: the aborted request's output carries its usage.
                         self.engine.abort(stream.request_id, keep_stream=True)
@@ -420,10 +434,23 @@ class OpenAIServer:
                 self.metrics.requests.labels("abort").inc()
             self.engine.release(stream)
 
+    def _tokens_spelling(self, token_ids: Sequence[int], num_chars: int) -> int:
+        """How many of `token_ids`, from the first, it takes to spell `num_chars` characters
+        of their text (decoded alone: close enough to bill a cut reply by)."""
+        if num_chars <= 0:
+            return 0
+        for count in range(1, len(token_ids)):
+            if len(self.llm.decode(token_ids[:count])) >= num_chars:
+                return count
+        return len(token_ids)
+
     def _observe_update(self, stream: RequestStream, update: RequestUpdate) -> None:
+        """Per update, as each step's reach the server (asyncio side): the token counts, TTFT
+        and inter-token latency."""
         n = len(update.new_token_ids)
         if not n:
             return
+        self.metrics.record_generated(n)
         now = time.perf_counter()
         if stream.t_first_token is None:
             stream.t_first_token = now
@@ -433,11 +460,6 @@ class OpenAIServer:
             for _ in range(n):
                 self.metrics.inter_token.observe(gap)
         stream.t_last_token = now
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _max_prompt_chars(llm: LLM) -> int | None:

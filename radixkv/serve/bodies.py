@@ -151,6 +151,13 @@ def _check_strings(value: Any, path: str) -> None:
 def read_chat_body(body: Mapping[str, Any], limits: BodyLimits) -> ChatBody:
     sampling = _sampling_fields(body, limits, chat=True)
     tools = read_tools(body)
+    messages = _messages(body, limits)
+    if tools is not None and limits.max_prompt_chars is not None:
+        # The tools are templated and tokenized with the messages (even under "none"): their
+        # text counts against the same bound, before either is.
+        num_chars = _chat_chars(messages) + sum(len(json.dumps(t)) for t in tools.tools)
+        if num_chars > limits.max_prompt_chars:
+            raise _text_too_long(num_chars, limits.max_prompt_chars, "tools")
     if tools is not None and tools.calls_allowed and sampling.constraint is not None:
         param = sampling.constraint.param
         raise bad_request(
@@ -158,7 +165,7 @@ def read_chat_body(body: Mapping[str, Any], limits: BodyLimits) -> ChatBody:
             'reply (set tool_choice "none", or leave one out)',
             param,
         )
-    return ChatBody(sampling, _messages(body, limits), tools)
+    return ChatBody(sampling, messages, tools)
 
 
 def read_completion_body(body: Mapping[str, Any], limits: BodyLimits) -> CompletionBody:
@@ -365,10 +372,15 @@ def _messages(body: Mapping[str, Any], limits: BodyLimits) -> tuple[dict[str, st
             "messages",
         )
     out = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
-    num_chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in out)
+    num_chars = _chat_chars(out)
     if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
         raise _text_too_long(num_chars, limits.max_prompt_chars, "messages")
     return out
+
+
+def _chat_chars(messages: tuple[dict[str, Any], ...]) -> int:
+    """The characters of checked messages' text the chat template renders."""
+    return sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in messages)
 
 
 def _message(message: Any, path: str) -> dict[str, Any]:

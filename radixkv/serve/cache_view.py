@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any
 from radixkv.cache.summary import TreeSummary
 from radixkv.cache.window import WindowStats
 from radixkv.engine.llm import LLM
-from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.outputs import RequestOutput, hit_cut_reason
 from radixkv.engine.tiers.disk_store import DiskStoreStats
 from radixkv.serve.engine_loop import RequestStream, tier_moves
 
@@ -43,10 +44,11 @@ logger = logging.getLogger(__name__)
 
 MAX_UPDATES_PER_S = 4
 MAX_NODES = 300  # nodes listed per snapshot; the rest fold into counts
-MAX_SUBSCRIBERS = 16  # pages open at once; more get 503
+MAX_SUBSCRIBERS = 16  # pages open at once; a page past it ends the longest-open stream
 PREVIEW_CHARS = 48  # characters of a node's text shown
 MAX_ENGINE_SHARE = 0.02  # of the engine thread's time, the most snapshots may take
 REFRESH_S = 1.0  # while requests run, the longest a snapshot goes unrefreshed
+RATE_WINDOW_S = 2.0  # output tokens/s is measured over about this long (see `TokenRate`)
 CAPTURE_TIMEOUT_S = 5.0  # a capture not done by then (engine stopping) is dropped
 
 
@@ -58,6 +60,7 @@ class LastRequest:
     num_prompt_tokens: int
     num_cached_tokens: int
     seq: int  # counts finished shared requests
+    num_matched_tokens: int = 0  # what the tree matched (more: the hit was cut back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,22 +255,56 @@ def _preview(tokens: Sequence[int], decode: Callable[[Sequence[int]], str] | Non
     return text[:PREVIEW_CHARS]
 
 
+class TokenRate:
+    """Output tokens per second over about the last RATE_WINDOW_S, from (time, total tokens)
+    samples: one snapshot's worth (a quarter second) would swing by a token in three at a
+    decode rate of a dozen a second.
+
+    Invariant: samples in time order; the first is the only one before the window."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def __call__(self, now: float, total: int) -> float:
+        """Record `total` tokens at `now` (time.monotonic()); the rate since the window's
+        start (its first sample at or before it)."""
+        self._samples.append((now, total))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+        t0, n0 = self._samples[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+    def check_integrity(self) -> None:
+        times = [t for t, _ in self._samples]
+        assert times == sorted(times), "samples out of order"
+
+
 class CacheView:
     """The page's snapshots and their subscribers (one per app, asyncio side).
 
+    A page that comes when MAX_SUBSCRIBERS are open ends the longest-open stream (its queue
+    gets None): streams that never end would otherwise let any process that holds them all
+    keep the owner's page out for good; now it must keep reopening them, and the page's own
+    reconnection gets it back in.
+
     Invariants (`check_integrity`): at most MAX_SUBSCRIBERS subscribers, each queue holds at
-    most one snapshot; the builder task runs only while someone subscribes."""
+    most one item; the builder task runs only while someone subscribes."""
 
     def __init__(self, server: Any) -> None:
         self.server = server  # the app's OpenAIServer: engine loop, metrics, stopping
         self.last: LastRequest | None = None
-        self._subscribers: set[asyncio.Queue[str]] = set()
+        # insertion order: the first is the longest open; None in a queue ends its stream
+        self._subscribers: dict[asyncio.Queue[str | None], None] = {}
         self._latest: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._seen: tuple[Any, ...] | None = None  # what the latest snapshot was built from
         self._built_at = 0.0  # time.monotonic() of the latest snapshot
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-view")
         self._aliases = NodeAliases()  # the view thread's
+        self._rate = TokenRate()
+        self._tokens_per_s = 0.0  # the latest snapshot's
+        self.num_displaced = 0  # streams ended by a newer page
         tokenizer = server.llm.tokenizer
         self._decode = None if tokenizer is None else tokenizer.decode
         server.on_finished.append(self.record)
@@ -281,24 +318,30 @@ class CacheView:
         written = output.prompt_token_ids + output.token_ids[:-1]  # the last has no KV yet
         seq = 1 if self.last is None else self.last.seq + 1
         stats = output.stats
-        self.last = LastRequest(written, stats.num_prompt_tokens, stats.num_cached_tokens, seq)
+        self.last = LastRequest(
+            written, stats.num_prompt_tokens, stats.num_cached_tokens, seq, stats.num_matched_tokens
+        )
 
     # ------------------------------------------------------------------ subscribers
 
-    def subscribe(self) -> asyncio.Queue[str] | None:
-        """A queue of snapshot texts (the latest first, if any); None when too many are open."""
+    def subscribe(self) -> asyncio.Queue[str | None]:
+        """A queue of snapshot texts (the latest first, if any), then None if a newer page
+        displaced this one."""
         if len(self._subscribers) >= MAX_SUBSCRIBERS:
-            return None
-        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+            oldest = next(iter(self._subscribers))
+            del self._subscribers[oldest]
+            _replace(oldest, None)
+            self.num_displaced += 1
+        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=1)
         if self._latest is not None:
             queue.put_nowait(self._latest)
-        self._subscribers.add(queue)
+        self._subscribers[queue] = None
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[str]) -> None:
-        self._subscribers.discard(queue)
+    def unsubscribe(self, queue: asyncio.Queue[str | None]) -> None:
+        self._subscribers.pop(queue, None)
 
     @property
     def num_subscribers(self) -> int:
@@ -311,6 +354,7 @@ class CacheView:
         if self._subscribers:
             assert self._task is not None, "subscribers but no builder"
         self._aliases.check_integrity()
+        self._rate.check_integrity()
 
     # ------------------------------------------------------------------ building
 
@@ -338,8 +382,11 @@ class CacheView:
         # change of the tree that matters here; while requests run (a prefill chunk inserts
         # without moving a counter) the view is refreshed at least every REFRESH_S anyway.
         snap = server.engine.snapshot
-        state = (snap, self.last, server.metrics.num_prompt_tokens)
-        stale = snap.num_running > 0 and time.monotonic() - self._built_at > REFRESH_S
+        metrics = server.metrics
+        state = (snap, self.last, metrics.num_prompt_tokens, metrics.num_generated_tokens)
+        # While requests run, and until the token rate it shows has come down to 0:
+        moving = snap.num_running > 0 or self._tokens_per_s > 0
+        stale = moving and time.monotonic() - self._built_at > REFRESH_S
         if state == self._seen and not stale:
             return 0.0
         last = self.last
@@ -357,11 +404,13 @@ class CacheView:
         """The server's counters now (asyncio side: the metrics live here)."""
         metrics, engine = self.server.metrics, self.server.engine
         snap = engine.snapshot
+        self._tokens_per_s = self._rate(time.monotonic(), metrics.num_generated_tokens)
         return {
             "time": now,
             "prompt_tokens": metrics.num_prompt_tokens,
             "cached_tokens": metrics.num_cached_tokens,
             "generated_tokens": metrics.num_generated_tokens,
+            "tokens_per_s": self._tokens_per_s,  # output, over about RATE_WINDOW_S
             "hit_rate": metrics.hit_rate(),
             "blocks": cap.num_blocks,
             "block_size": cap.block_size,
@@ -385,6 +434,9 @@ class CacheView:
                 "seq": last.seq,
                 "prompt_tokens": last.num_prompt_tokens,
                 "cached_tokens": last.num_cached_tokens,
+                "matched_tokens": max(last.num_matched_tokens, last.num_cached_tokens),
+                # why the tree matched more than was served (None: it did not)
+                "cut_reason": hit_cut_reason(last.num_cached_tokens, last.num_matched_tokens),
             }
         body = {
             "model": self.server.config.model_name,
@@ -401,6 +453,11 @@ class CacheView:
         """Hand `text` to every subscriber; one that has not taken the previous one loses it."""
         self._latest = text
         for queue in self._subscribers:
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(text)
+            _replace(queue, text)
+
+
+def _replace(queue: asyncio.Queue[str | None], item: str | None) -> None:
+    """Put `item` in a one-item queue, dropping what it held."""
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)

@@ -19,16 +19,23 @@ import webbrowser
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixkv.options import add_engine_options, check_engine_options, engine_settings, name_flags
+from radixkv.options import (
+    add_engine_options,
+    check_engine_options,
+    engine_settings,
+    format_bytes,
+    name_flags,
+    parse_bytes,
+)
 from radixkv.serve.config import ServeConfig
 
 if TYPE_CHECKING:
     from radixkv.engine import LLM
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "radixkv serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="radixkv serve",
+        prog=prog,
         description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) "
         "over the prefix-cached engine.",
     )
@@ -60,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a loopback address, off otherwise)",
     )
     parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the page may be opened under (repeatable), besides IP addresses, "
+        "localhost and --host: it answers no other, so that no web page can rebind a name of "
+        "its own to this server and read the cache's text",
+    )
+    parser.add_argument(
         "--open", action="store_true", help="open the page in a web browser once serving"
     )
     _add_limit_options(parser)
@@ -67,28 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "radixkv serve") -> int:
     """Parse `argv` (the arguments after `serve`), load the model and serve until interrupted.
-    Returns the exit code: 0 after a clean shutdown, 2 for bad arguments or a missing model."""
-    args = build_parser().parse_args(argv)
+    Returns the exit code: 0 after a clean shutdown, 2 for bad arguments or a missing model.
+    `prog`: the command as the user typed it (`radixkv chat --web` comes here too)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # Imported here so that `radixkv serve --help` answers at once.
+    try:  # before torch, transformers and FastAPI are imported: they take seconds
+        listener = preflight(args)
+    except (ValueError, TypeError) as exc:
+        print(f"{prog}: {name_flags(str(exc), _SERVE_FLAGS)}", file=sys.stderr)
+        return 2
     from radixkv.engine import ModelLoadError
     from radixkv.serve.app import create_app
     from radixkv.serve.http_server import build_server
 
-    listener = None
     try:
-        listener = preflight(args)
         llm = build_llm(args)
         config = serve_config(args, args.served_model_name or llm.model_name)
     except (ValueError, TypeError, ImportError, _zmq_error()) as exc:
-        if listener is not None:
-            listener.close()
+        listener.close()
         # A model's error names the model in its own words; the others name fields: flags here.
         text = str(exc) if isinstance(exc, ModelLoadError) else name_flags(str(exc), _SERVE_FLAGS)
-        print(f"radixkv serve: {text}", file=sys.stderr)
+        print(f"{prog}: {text}", file=sys.stderr)
         return 2
     app = create_app(llm, config, on_shutdown=engine_services(llm))
     server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
@@ -125,14 +143,32 @@ def _url_host(host: str) -> str:
 
 
 def preflight(args: argparse.Namespace) -> socket.socket:
-    """What the user typed, checked before the model loads (which takes a while): the engine
-    options, the disk tier's folder, the server's limits, and the address, bound now (the
-    returned socket, which the server then runs on). Raises ValueError / TypeError."""
-    from radixkv.serve.http_server import bind_socket
-
+    """What the user typed, checked before the model loads (which takes a while) and before
+    torch and transformers are imported: the engine options, the model's folder, the disk
+    tier's folder, the server's limits, and the address, bound now (the returned socket, which
+    the server then runs on). Raises ValueError / TypeError."""
     check_engine_options(args)
     serve_config(args, "a model")
     return bind_socket(args.host, args.port)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (not yet listening: connections are refused until the
+    server runs on it), so that a port in use or a bad host is known before a model loads.
+    Raises ValueError naming the address, and --port where it is out of range."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        reason = getattr(exc, "strerror", None) or exc
+        where = f"{_url_host(host)}:{port}"
+        raise ValueError(f"cannot listen on {where}: {reason} (another: --port N)") from None
+    return sock
 
 
 def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
@@ -144,8 +180,23 @@ def serve_config(args: argparse.Namespace, model_name: str) -> ServeConfig:
         max_queued_requests=args.max_queued_requests,
         admin_key=args.admin_key,
         ui=ui,
+        ui_hosts=page_hosts(args.host, args.allowed_host),
         **limits,
     )
+
+
+def page_hosts(host: str, allowed: list[str]) -> tuple[str, ...]:
+    """The host names the page answers besides addresses and localhost: `--host` when it is a
+    name, this machine's name when it listens on every interface, and `--allowed-host`."""
+    names = list(allowed)
+    if host in ("0.0.0.0", "::", ""):
+        names.append(socket.gethostname())
+    else:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            names.append(host)
+    return tuple(dict.fromkeys(n for n in names if n.strip()))
 
 
 def is_loopback(host: str) -> bool:
@@ -196,6 +247,12 @@ _LIMIT_OPTIONS = [
         "seconds a structured-output grammar may take to compile; a slower one gets 400",
     ),
     ("--max-grammar-compiles", "max_grammar_compiles", int, "grammars compiled at once"),
+    (
+        "--grammar-cache",
+        "grammar_cache_bytes",
+        parse_bytes,
+        "memory for compiled grammars, e.g. 512MiB; a grammar over a quarter of it gets 400",
+    ),
     ("--max-n", "max_n", int, "choices one request may ask for (`n`)"),
 ]
 
@@ -204,17 +261,19 @@ _LIMIT_OPTIONS = [
 _SERVE_FLAGS = {field: flag for flag, field, _, _ in _LIMIT_OPTIONS} | {
     "max_queued_requests": "--max-queued-requests",
     "admin_key": "--admin-key",
+    "ui_hosts": "--allowed-host",
 }
 
 
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits")
     for flag, field, kind, text in _LIMIT_OPTIONS:
+        default = _default(field)
         limits.add_argument(
             flag,
             dest=field,
             type=kind,
-            default=_default(field),
+            default=format_bytes(default) if kind is parse_bytes else default,  # parsed back
             help=f"{text} (default %(default)s)",
         )
 

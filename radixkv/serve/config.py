@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from radixkv.engine.sampling_params import DEFAULT_GRAMMAR_CACHE_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -28,9 +30,12 @@ class ServeConfig:
     # (a stream: an error event and [DONE]). A second signal ends them at once.
     shutdown_timeout_s: float = 20.0
     # A structured-output grammar (schema, regex, EBNF, tools) that takes longer to compile is
-    # answered 400; at most this many compile at once.
+    # answered 400 (its compile is killed); at most this many compile at once, each in a worker
+    # process of its own (`grammar_pool.py`).
     grammar_compile_timeout_s: float = 10.0
     max_grammar_compiles: int = 2
+    # Compiled grammars are cached within this many bytes; one over a quarter of it: 400.
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     max_n: int = 16  # choices of one request (`n`); more: 400
     # /health_generate answers 503 when no token came within this long (SGLang's 20 s).
     health_check_timeout_s: float = 20.0
@@ -40,6 +45,9 @@ class ServeConfig:
     # The live page of the cache at `/` and its event stream (`ui_routes.py`); off unless asked
     # (`radixkv serve` turns it on by default only on a loopback address).
     ui: bool = False
+    # Host names the page answers besides IP addresses and localhost (`ui_routes.host_allowed`):
+    # the name the server listens on, `--allowed-host`.
+    ui_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -51,11 +59,16 @@ class ServeConfig:
             "max_stops",
             "max_stop_chars",
             "max_grammar_compiles",
+            "grammar_cache_bytes",
             "max_n",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.ui_hosts, tuple) or not all(
+            isinstance(h, str) and h.strip() for h in self.ui_hosts
+        ):
+            raise ValueError(f"ui_hosts must be a tuple of host names, got {self.ui_hosts!r}")
         key = self.admin_key
         # Printable ASCII: an HTTP header carries it as is.
         if key is not None and not (

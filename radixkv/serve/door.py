@@ -8,6 +8,10 @@
   within `read_timeout_s` of the head -> 408; the server began shutting down meanwhile -> 503.
   The last two close the connection. The route finds the body in `scope["radixkv.body"]`, and
   reading it from the request (`await request.body()`) gives the same bytes.
+- A request with a body must say it is JSON (`Content-Type: application/json`): else 415. A
+  web page may send any site a "simple" cross-origin request (text/plain or a form, no
+  preflight) that its browser never lets it read the answer of, but that would still run: a
+  completion spending the server's compute.
 - It answers any exception a route lets through with a 500 in OpenAI's error shape, counted in
   /metrics, and the connection stays usable (Starlette alone would answer in plain text and
   uvicorn would then drop the connection).
@@ -46,6 +50,8 @@ class RequestDoor:
         scope["radixkv.t_arrival"] = t_head
         try:
             body = await self._read_body(scope, receive, t_head)
+            if body and not _is_json(scope):
+                raise _not_json(scope)
         except APIError as exc:
             await send_error(send, exc, self.server.metrics)
             return
@@ -134,6 +140,23 @@ async def send_error(send: Send, exc: APIError, metrics: Any) -> None:
     ]
     await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _is_json(scope: Scope) -> bool:
+    """Whether the request's Content-Type is application/json (parameters such as charset
+    aside)."""
+    declared = dict(scope["headers"]).get(b"content-type", b"")
+    return declared.split(b";", 1)[0].strip().lower() == b"application/json"
+
+
+def _not_json(scope: Scope) -> APIError:
+    declared = dict(scope["headers"]).get(b"content-type", b"(none)").decode("latin-1")
+    return APIError(
+        415,
+        f"the request body must be JSON, sent with Content-Type: application/json (got "
+        f"{declared[:60]!r})",
+        code="unsupported_media_type",
+    )
 
 
 def _too_large(num_bytes: int, limit: int) -> APIError:

@@ -115,12 +115,17 @@ class EngineLoop:
         *,
         cache_salt: str | None = None,
         t_arrival: float | None = None,
+        grammar: Any | None = None,
     ) -> RequestStream:
         """Queue a request in the engine; returns its stream once the engine has accepted it.
+        A request with a grammar brings it compiled (`grammar`): the engine thread never
+        compiles one (a compile can take seconds, and every request would wait for it).
 
         Raises what `llm.add_request` raises (ValueError / TypeError: nothing was queued). If the
         caller is cancelled while waiting, the request is aborted as soon as it exists.
         """
+        if params.grammar_spec is not None and grammar is None:
+            raise ValueError("a request with a grammar must bring it compiled")
         loop = self._running_loop()
         added: asyncio.Future[str] = loop.create_future()
         ids = list(prompt_token_ids)
@@ -147,7 +152,7 @@ class EngineLoop:
 
         def add() -> None:  # engine thread
             try:
-                rid = self.llm.add_request(ids, params, cache_salt=cache_salt)
+                rid = self.llm.add_request(ids, params, cache_salt=cache_salt, grammar=grammar)
             except Exception as exc:
                 loop.call_soon_threadsafe(on_added, None, exc)
                 return

@@ -64,24 +64,6 @@ def build_server(
     return ServingServer(uv_config, app.state.server, config.shutdown_timeout_s)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host`:`port` (not yet listening: connections are refused until the
-    server runs on it), so that a port in use or a bad host is known before a model loads.
-    Raises ValueError naming --host / --port."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-    try:
-        sock.bind((host, port))
-    except (OSError, OverflowError) as exc:
-        sock.close()
-        reason = getattr(exc, "strerror", None) or exc
-        raise ValueError(f"cannot listen on --host {host} --port {port}: {reason}") from None
-    return sock
-
-
 class ServingServer(uvicorn.Server):
     """uvicorn's server with the shutdown of the module docstring. `api_server` is the app's
     `OpenAIServer`."""

@@ -58,7 +58,9 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.generated_tokens = Counter(
-            "radixkv_generated_tokens", "Tokens generated", registry=self.registry
+            "radixkv_generated_tokens",
+            "Tokens generated (counted as each step's tokens reach the server)",
+            registry=self.registry,
         )
         self.ttft = Histogram(
             "radixkv_time_to_first_token_seconds",
@@ -104,10 +106,14 @@ class ServerMetrics:
         self.requests.labels(outcome).inc()
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.cached_tokens.inc(stats.num_cached_tokens)
-        self.generated_tokens.inc(stats.num_output_tokens)
         self.num_prompt_tokens += stats.num_prompt_tokens
         self.num_cached_tokens += stats.num_cached_tokens
-        self.num_generated_tokens += stats.num_output_tokens
+
+    def record_generated(self, num_tokens: int) -> None:
+        """Tokens a step brought one request: counted as they come, as vLLM does, so that a
+        rate of them moves while replies stream (not in bursts as they finish)."""
+        self.generated_tokens.inc(num_tokens)
+        self.num_generated_tokens += num_tokens
 
     def record_refusal(self, exc: APIError) -> None:
         """Count an error answer (a refusal, or a failure of the server or engine)."""

@@ -40,6 +40,9 @@ class StopStringMatcher:
         self.stopped = False
         self._min_tokens = min_tokens
         self._num_tokens = 0  # pushed so far
+        # Once stopped: characters of the last push's text up to the stop string's end (what
+        # a push of several tokens bills; 0 when the stop string ended in earlier text).
+        self.stop_end = 0
 
     def push(self, text: str, num_tokens: int = 1) -> str:
         """`text`, the decoded text of the reply's next `num_tokens` tokens; returns the text
@@ -56,6 +59,7 @@ class StopStringMatcher:
             state = self._step(state, buf[end - 1])
             if self._stop_len[state] and may_stop:
                 self.stopped = True
+                self.stop_end = max(0, end - len(self._held))
                 self._held = ""
                 return buf[: end - self._stop_len[state]]
         self._state = state

@@ -79,10 +79,13 @@ def _response_format(body: Mapping[str, Any]) -> Constraint | None:
             "response_format.json_schema.name must be a non-empty string",
             "response_format.json_schema.name",
         )
-    schema = spec.get("schema", {})  # OpenAI: absent means any JSON object
     param = "response_format.json_schema.schema"
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI: absent means any JSON object (an empty schema: any value)
+        return Constraint("json_object", True, param)
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be an object (a JSON schema)", param)
+    check_schema_depth(schema, param)
     return Constraint("json_schema", schema, param)
 
 
@@ -113,7 +116,8 @@ def _guided(body: Mapping[str, Any]) -> list[Constraint | None]:
 def _vllm_constraint(key: str, value: Any, param: str) -> Constraint:
     kind = _VLLM_KINDS[key]
     if kind == "json_schema" and isinstance(value, str):
-        return Constraint(kind, value, param)  # vLLM takes the schema as text too
+        # vLLM takes the schema as text too (its compile refuses one nested too deep)
+        return Constraint(kind, value, param)
     expected = {
         "json_schema": (dict, "an object (a JSON schema)"),
         "regex": (str, "a string"),
@@ -125,4 +129,25 @@ def _vllm_constraint(key: str, value: Any, param: str) -> Constraint:
         raise bad_request(f"{param} must be {expected[1]}", param)
     if kind == "choice":
         value = tuple(value)
+    if kind == "json_schema":
+        check_schema_depth(value, param)
     return Constraint(kind, value, param)
+
+
+MAX_SCHEMA_DEPTH = 64  # of nested objects and arrays: real schemas nest far less, and a
+# deeper one's compile time soars with its depth
+
+
+def check_schema_depth(schema: Any, param: str) -> None:
+    """APIError(400) naming `param` for a schema nested deeper than MAX_SCHEMA_DEPTH, found
+    without recursion: what walks a schema later (xgrammar, the patterns rewrite) recurses,
+    and its compile time grows with the depth."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise bad_request(
+                f"{param} nests more than {MAX_SCHEMA_DEPTH} objects and arrays deep", param
+            )
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))

@@ -28,7 +28,7 @@ from typing import Any
 
 from radixkv.engine.sampling.grammar import json_schema_for_xgrammar
 from radixkv.serve.protocol import bad_request
-from radixkv.serve.structured import Constraint
+from radixkv.serve.structured import Constraint, check_schema_depth
 
 CALL_BEGIN = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -95,6 +95,7 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
             f"{param}.function.parameters must be an object (a JSON schema)",
             f"{param}.function.parameters",
         )
+    check_schema_depth(parameters, f"{param}.function.parameters")
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise bad_request(

@@ -33,7 +33,8 @@ class CacheInfo:
 
 
 class TokenTotals(Protocol):
-    """The server's token counts of finished requests (`ServerMetrics`)."""
+    """The server's token counts (`ServerMetrics`): prompt and cached tokens of finished
+    requests, generated tokens as each step brings them."""
 
     num_prompt_tokens: int
     num_cached_tokens: int

@@ -203,19 +203,61 @@ def test_a_grammar_the_vocabulary_cannot_spell_fails_its_request_alone(engines, 
     assert good.output.finish_reason == "stop" and re.fullmatch("[ab]{3}", good.output.text)
 
 
-def test_compiled_grammars_are_cached_by_text_within_a_bound():
-    compiler = GrammarCompiler(build_char_tokenizer(), 256, max_cached=2)
+def test_compiled_grammars_are_cached_by_text_within_a_byte_budget():
+    """The budget counts each grammar's memory_size_bytes; the least recently used go first,
+    and one larger than the whole budget is compiled but never kept."""
+    probe = GrammarCompiler(build_char_tokenizer(), 256)
+    size = {r: probe.compile(("regex", r)).memory_size_bytes for r in ("a+", "c+")}
+    budget = size["a+"] + size["c+"]  # a and c fit, a third does not
+    compiler = GrammarCompiler(build_char_tokenizer(), 256, cache_bytes=budget)
     a = compiler.compile(("regex", "a+"))
     assert compiler.compile(("regex", "a+")) is a
     b = compiler.compile(("regex", "b+"))
     assert compiler.compile(("regex", "a+")) is a  # a is now the most recent
     compiler.compile(("regex", "c+"))  # evicts b, the least recent
     compiler.check_integrity()
-    assert compiler.num_cached == 2
+    assert compiler.num_cached == 2 and compiler.cache.num_bytes == budget
     assert compiler.compile(("regex", "a+")) is a
     assert compiler.compile(("regex", "b+")) is not b
+    big = compiler.compile(("regex", "." * 300))
+    assert big.memory_size_bytes > budget and not compiler.is_cached(("regex", "." * 300))
+    compiler.check_integrity()
+    assert compiler.num_cached == 2 and compiler.cache.num_bytes <= budget
     with pytest.raises(GrammarError, match="regex"):
         compiler.compile(("regex", "(unclosed"))
+
+
+def test_a_grammar_cache_holds_its_budget_under_random_traffic():
+    """Byte-budget LRU against a plain model: after every put, the entries are the most
+    recent puts that fit, newest first, their sizes summing to at most the budget."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from radixkv.engine.sampling.grammar import GrammarCache
+
+    class Sized:
+        def __init__(self, n: int) -> None:
+            self.memory_size_bytes = n
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(0, 40), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 30))))
+    def run(budget: int, puts: list[tuple[int, int]]) -> None:
+        cache = GrammarCache(budget)
+        model: list[tuple[tuple[str, str], int]] = []  # most recent last
+        for key, size in puts:
+            spec = ("regex", str(key))
+            kept = cache.put(spec, Sized(size))
+            assert kept == (size <= budget)
+            if kept:
+                model = [(s, n) for s, n in model if s != spec] + [(spec, size)]
+                while sum(n for _, n in model) > budget:
+                    model.pop(0)
+            cache.check_integrity()
+            assert cache.num_bytes == sum(n for _, n in model) <= budget
+            assert [s for s, _ in model] == [s for s, _ in model if s in cache]
+            assert cache.num_cached == len(model)
+
+    run()
 
 
 @pytest.mark.parametrize("async_scheduling", STEP_MODES)

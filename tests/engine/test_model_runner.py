@@ -11,7 +11,7 @@ from tiny_llama import build_model, build_qwen2
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.step.kv_tensors import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, plan_num_blocks
 from radixkv.engine.step.model_runner import ModelRunner
-from radixkv.kernels import metadata, reference
+from radixkv.kernels import cpu_attention, metadata, reference
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 ATOL = 1e-4
@@ -163,16 +163,17 @@ def test_metadata_is_validated_once_per_step_for_every_layer(models, monkeypatch
     model, _ = models
     validated, stored, attended = [], [], []
     # The metadata's values are checked when it is built; each step kernel checks its own tensors
-    # (looked up in the reference's namespace, the CPU backend).
+    # (looked up in the namespace of the CPU backend's module: the compiled kernel's, or the
+    # reference's where it cannot be built; its store is the reference's either way).
     monkeypatch.setattr(
         metadata, "check_metadata_values", _recording(metadata.check_metadata_values, validated)
     )
     monkeypatch.setattr(
         reference, "check_store_step", _recording(metadata.check_store_step, stored)
     )
-    monkeypatch.setattr(
-        reference, "check_attention_step", _recording(metadata.check_attention_step, attended)
-    )
+    for module in (reference, cpu_attention):
+        check = _recording(metadata.check_attention_step, attended)
+        monkeypatch.setattr(module, "check_attention_step", check)
     runner = ModelRunner(
         model, EngineConfig(block_size=4, num_blocks=16), validate_steps=validate_steps
     )

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from radixkv.engine.recurrent import (
+from radixkv.engine.step.recurrent import (
     RecurrentStates,
     RecurrentStep,
     pack_recurrent_layers,
     unpack_recurrent_layers,
 )
-from radixkv.engine.recurrent.layers import packed_classes
+from radixkv.engine.step.recurrent.layers import packed_classes
 from radixkv.kernels import RecurrentMetadata, use_backend
 
 HIDDEN = 32

@@ -33,14 +33,15 @@ def test_readme_snippet_runs(index, tiny_model_dir, capsys):
     exec(compile(code, f"README.md python snippet {index}", "exec"), namespace)
     if index == 0:
         assert namespace["reply"].text == namespace["chat"].history[-1]["content"]  # type: ignore[attr-defined]
-        assert "CacheStats(" in capsys.readouterr().out  # print(llm.cache.stats())
+        out = capsys.readouterr().out  # copied as a file, what it prints reads apart:
+        assert "\nCacheStats(" in out  # print(llm.cache.stats()), on a line of its own
     else:
         cache = namespace["cache"]
         assert cache.stats().num_in_use_blocks == 0  # type: ignore[attr-defined]
         assert cache.match(list(range(100, 140))).num_cached_tokens == 40  # type: ignore[attr-defined]
 
 
-def test_readme_kv_events_snippet_runs(tiny_model_dir, monkeypatch):
+def test_readme_kv_events_snippet_runs(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(README.parent))  # "run from the repository root"
     text = README.read_text()
     section = text[text.index("## KV events") :]
@@ -54,3 +55,4 @@ def test_readme_kv_events_snippet_runs(tiny_model_dir, monkeypatch):
     full_blocks = llm.cache.match(tokens).num_cached_tokens // 16  # type: ignore[attr-defined]
     assert full_blocks >= 1, "the prompt fills at least one block"
     assert index.longest_prefix_blocks(tokens, block_size=16) == full_blocks  # type: ignore[attr-defined]
+    assert capsys.readouterr().out == f"{full_blocks}\n"  # copied as a file, it prints its score

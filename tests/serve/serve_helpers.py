@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
@@ -51,3 +55,38 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    """Until the `radixkv serve` process `proc` answers /health on `port` (it must not exit)."""
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else proc
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
+
+
+def post_json(port: int, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    """POST `body` as JSON to the server on `port`: (status, the JSON answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def chat_request(content: str = "hi", **fields: Any) -> dict:
+    """A greedy chat body of one user message; `fields` added or overriding."""
+    messages = [{"role": "user", "content": content}]
+    return {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, **fields}

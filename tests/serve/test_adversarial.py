@@ -22,7 +22,14 @@ import time
 from collections.abc import Callable
 
 import pytest
-from serve_helpers import metric, read_metrics, render_chat, user_message
+from serve_helpers import (
+    free_port,
+    metric,
+    read_metrics,
+    render_chat,
+    user_message,
+    wait_healthy,
+)
 
 HEALTH_BUDGET_S = 0.1  # the bar: /health answers within 100 ms whatever else happens
 CHAT = "/v1/chat/completions"
@@ -304,7 +311,7 @@ def stream_completion(port: int, max_tokens: int) -> tuple[threading.Thread, lis
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         body = {"prompt": user_message(3), "max_tokens": max_tokens, "stream": True}
         body |= {"temperature": 0, "ignore_eos": True}
-        conn.request("POST", COMPLETIONS, body=json.dumps(body))
+        conn.request("POST", COMPLETIONS, json.dumps(body), {"Content-Type": "application/json"})
         for line in conn.getresponse():
             if line.startswith(b"data: "):
                 events.append((time.monotonic(), line[6:].strip().decode()))
@@ -368,15 +375,15 @@ def test_shutdown_lets_replies_finish_until_the_deadline_then_ends_them(make_ser
 def test_a_second_signal_to_the_process_ends_streams_at_once_with_an_error_event(
     tiny_model_dir,
 ) -> None:
-    port = _free_port()
-    events_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    port = free_port()
+    events_endpoint = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "radixkv", "serve", "--model", str(tiny_model_dir("gqa"))]
     cmd += ["--port", str(port), "--num-blocks", "256", "--kv-events", events_endpoint]
     cmd += ["--shutdown-timeout", "120", "--log-level", "info"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         stream, events = stream_completion(port, max_tokens=1000)
         t_first = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -398,26 +405,6 @@ def test_a_second_signal_to_the_process_ends_streams_at_once_with_an_error_event
     assert t_end - t_second < 3 and t_end - t_first < 60
     assert code == 0, log
     assert "engine stopped, 1 shutdown hook(s) run" in log  # engine.stop, then the KV-event close
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.monotonic() < deadline, "the server did not start"
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------- F4: lone surrogates

@@ -168,10 +168,10 @@ def test_a_salted_tenant_never_reaches_the_page(
     check_view(server)
 
 
-def snapshot_after(server: Any, num_prompt_tokens: int, last_seq: int = 1) -> str:
+def snapshot_after(server: Any, num_prompt_tokens: int, last_seq: int | None = 1) -> str:
     """The first snapshot of /ui/events that counts `num_prompt_tokens` prompt tokens and shows
-    the shared request `last_seq` as the last one (a request's prompt tokens are counted before
-    it finishes, and it is recorded when it finishes)."""
+    the shared request `last_seq` as the last one (None: no request yet; a request's prompt
+    tokens are counted before it finishes, and it is recorded when it finishes)."""
     with urllib.request.urlopen(server.base_url + "/ui/events", timeout=60) as response:
         for raw in response:
             line = raw.decode()
@@ -236,7 +236,7 @@ def test_host_and_disk_occupancy_move(
 FULL_GAUGES = {  # the snapshot's gauges before the window layers had figures of their own
     "time", "prompt_tokens", "cached_tokens", "generated_tokens", "hit_rate", "blocks",
     "block_size", "device_used", "device_evictable", "host_blocks", "host_used", "disk_bytes",
-    "disk_budget", "evicted_blocks", "offloaded_blocks", "queue", "running",
+    "disk_budget", "evicted_blocks", "offloaded_blocks", "queue", "running", "tokens_per_s",
 }  # fmt: skip
 
 
@@ -318,9 +318,12 @@ def test_chat_web_serves_the_page_and_opens_it(model_dir: Path, tmp_path: Path) 
         assert proc.wait(timeout=60) == 0
 
 
-def test_pages_past_the_limit_get_503_and_a_page_gone_is_let_go(
+def test_a_page_past_the_limit_ends_the_longest_open_stream_and_a_page_gone_is_let_go(
     page_server: Callable[..., Any],
 ) -> None:
+    """Issue 43, item 7: a process that holds every stream no longer keeps the owner's page
+    out (it got 503 for as long as they were held). Each page past the limit is served and
+    ends the longest-open stream, two rounds over; the others go on."""
     from radixkv.serve.cache_view import MAX_SUBSCRIBERS
 
     server = page_server()
@@ -333,9 +336,14 @@ def test_pages_past_the_limit_get_503_and_a_page_gone_is_let_go(
         for stream in streams:
             assert stream.readline() == b"retry: 2000\n"
         assert view.num_subscribers == MAX_SUBSCRIBERS
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(server.base_url + "/ui/events", timeout=30)
-        assert refused.value.code == 503
+        for round_ in range(2):
+            newest = urllib.request.urlopen(server.base_url + "/ui/events", timeout=30)
+            assert newest.status == 200 and newest.readline() == b"retry: 2000\n"
+            displaced = streams.pop(0)
+            assert _read_to_end(displaced) is not None, "the longest-open stream was not ended"
+            streams.append(newest)
+            assert view.num_subscribers == MAX_SUBSCRIBERS
+            assert view.num_displaced == round_ + 1
         # The requests of the others go on meanwhile.
         reply = server.client().completions.create(model="tiny", prompt="hello", max_tokens=3)
         assert reply.usage.completion_tokens == 3
@@ -347,6 +355,17 @@ def test_pages_past_the_limit_get_503_and_a_page_gone_is_let_go(
     with urllib.request.urlopen(server.base_url + "/ui/events", timeout=30) as again:
         assert again.readline() == b"retry: 2000\n"
     view.check_integrity()
+
+
+def _read_to_end(stream: Any) -> bytes | None:
+    """What is left of `stream` once the server ends it; None if it is still open after 30 s
+    (a read timeout)."""
+    try:
+        return stream.read()
+    except TimeoutError:
+        return None
+    finally:
+        stream.close()
 
 
 def test_snapshots_come_at_most_four_a_second_under_load(
@@ -501,3 +520,150 @@ def test_the_page_shows_the_window_layers(browser: Any, window_server: Any) -> N
     )
     assert shown("disk").startswith(f"{disk['files']} files, ")
     assert f"read {disk['read_blocks']} · written {disk['written_blocks']}" in shown("disk")
+
+
+# ---------------------------------------------------------------------- issue 43: first minute
+
+
+def test_a_reply_cut_at_the_token_limit_says_so(
+    browser: Any, page_server: Callable[..., Any]
+) -> None:
+    """Item 11: before, nothing told a reply cut at the page's token limit from one that
+    ended."""
+    server = page_server()
+    open_page(browser, server)
+    browser.find_element("id", "temperature").send_keys("0")
+    limit = browser.find_element("id", "max-tokens")
+    limit.clear()
+    limit.send_keys("3")
+    reply = send_from_page(browser, "Name three rivers.")
+    assert "cut" in reply.get_attribute("class").split()
+    assert "cut at the token limit" in reply.find_element("css selector", ".reply-stats").text
+    limit.clear()
+    limit.send_keys("4000")
+    browser.find_element("id", "new-chat").click()
+    ended = send_from_page(browser, "Hi")  # the tiny model ends it long before 4,000
+    assert "cut" not in ended.get_attribute("class").split()
+
+
+def _node(node_id: int, parent: int | None, start: int, end: int) -> dict[str, Any]:
+    return {
+        "id": node_id,
+        "parent": parent,
+        "start": start,
+        "end": end,
+        "blocks": 1,
+        "shared_head": False,
+        "locks": 0,
+        "recency": 0,
+        "host": 0,
+        "text": "x",
+    }
+
+
+@pytest.mark.parametrize(
+    ("children_of_hit_end", "branch"),
+    [([(2, 10, 20)], False), ([(2, 10, 20), (3, 10, 15)], True)],
+)
+def test_branch_marks_only_a_hit_that_ends_at_a_fork(
+    browser: Any, page_server: Callable[..., Any], children_of_hit_end, branch
+) -> None:
+    """Item 11: a linear chat's hit ends where its one child begins (before, marked
+    `branch` with no sibling); only a node with another child than the path's is a fork.
+    Snapshots of both shapes, handed to the page's own renderer."""
+    server = page_server()
+    open_page(browser, server)
+    snapshot = json.loads(snapshot_after(server, 0, last_seq=None))
+    nodes = [_node(0, None, 0, 0), _node(1, 0, 0, 10)]
+    nodes += [_node(i, 1, start, end) for i, start, end in children_of_hit_end]
+    snapshot["tree"] = {
+        "nodes": nodes,
+        "folded": [],
+        "num_nodes": len(nodes) - 1,
+        "num_tokens": 20,
+        "path": [1, 2],
+        "path_tokens": 20,
+    }
+    snapshot["last_request"] = {
+        "seq": 1,
+        "prompt_tokens": 21,
+        "cached_tokens": 10,
+        "matched_tokens": 10,
+        "cut_reason": None,
+    }
+    browser.execute_script("onSnapshot(arguments[0])", snapshot)
+    marked = browser.find_elements("css selector", "#tree .node.branch")
+    assert [int(e.get_attribute("data-id")) for e in marked] == ([1] if branch else [])
+
+
+def test_generated_tokens_are_counted_as_each_step_brings_them(page_server) -> None:
+    """Item 9: before, they were added when a request finished, so a reply streaming read
+    0 tok/s and a dashboard's rate() saw bursts. Mid-reply, /metrics (both names) counts at
+    least the tokens the client has, and the page's snapshot has a rate above 0."""
+    server = page_server()
+    client = server.client()
+    stream = client.completions.create(
+        model="tiny",
+        prompt="hello",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    received = 0
+    rate = 0.0
+    with urllib.request.urlopen(server.base_url + "/ui/events", timeout=60) as events:
+        for chunk in stream:
+            received += len(chunk.choices[0].text) > 0
+            if received == 40:
+                samples = read_metrics(server.base_url)
+                assert metric(samples, "radixkv_generated_tokens_total") >= 40
+                vllm = metric(
+                    samples, "vllm:generation_tokens_total", model_name="tiny", engine="0"
+                )
+                assert vllm >= 40
+                assert server.server_state.engine.snapshot.num_running == 1  # still streaming
+                for raw in events:
+                    line = raw.decode()
+                    if line.startswith("data: "):
+                        rate = json.loads(line[6:])["gauges"]["tokens_per_s"]
+                        if rate > 0:
+                            break
+                break
+    stream.close()
+    assert rate > 0
+
+
+def test_the_token_rate_is_measured_over_its_window() -> None:
+    from radixkv.serve.cache_view import TokenRate
+
+    rate = TokenRate(window_s=2.0)
+    assert rate(0.0, 0) == 0.0
+    assert rate(1.0, 10) == 10.0
+    assert rate(2.0, 20) == 10.0
+    assert rate(3.0, 30) == 10.0  # the window holds 1.0 .. 3.0
+    assert rate(4.0, 30) == 5.0  # 2.0 .. 4.0: 10 tokens in 2 s
+    assert rate(6.5, 30) == 0.0  # no token in the window
+    rate.check_integrity()
+
+
+def test_a_window_models_cut_hit_is_explained_on_the_page(
+    browser: Any, tmp_path: Path, make_server: Callable[..., Any]
+) -> None:
+    """Item 10: a prompt sharing 30 tokens with the last one reports fewer cached and, before,
+    no reason: its window layers' KV was kept only where a later hit can resume. The
+    snapshot's last request and the page's line say how many matched and why."""
+    model = build_arch("gemma3", tmp_path / "gemma3")
+    engine = dict(block_size=4, num_blocks=64, num_window_blocks=40, chunked_prefill_size=16)
+    server = make_server(engine, model=model, ui=True)
+    client = server.client()
+    first = list(range(10, 50))
+    second = first[:30] + list(range(100, 110))
+    for prompt in (first, second):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    snapshot = json.loads(snapshot_after(server, len(first) + len(second), last_seq=2))
+    last = snapshot["last_request"]
+    assert last["matched_tokens"] == 30 and last["cached_tokens"] < 30, last
+    assert "matched 30 tokens" in last["cut_reason"] and "sliding-window" in last["cut_reason"]
+    open_page(browser, server)
+    wait_for(browser, lambda d: "sliding-window" in text_of(d, "last-request"), "the reason")

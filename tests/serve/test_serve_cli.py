@@ -126,7 +126,7 @@ def test_a_port_in_use_exits_2_before_the_model_loads(no_model_load, capsys) -> 
         port = taken.getsockname()[1]
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
     err = one_error_line(capsys)
-    assert f"--port {port}" in err and "in use" in err
+    assert f"127.0.0.1:{port}" in err and "in use" in err and "--port N" in err
 
 
 @pytest.mark.parametrize("port", ["99999", "-1"])
@@ -268,3 +268,65 @@ def test_a_server_with_a_disk_tier_writes_its_cache_at_shutdown(tiny_model_dir, 
         close()
     (out,) = build_llm(args).generate([prompt], SamplingParams(max_tokens=2))
     assert out.stats.num_cached_tokens == 19  # all but the last prompt token, from the disk
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str, list[str]]:
+    """`radixkv ARGV` in a fresh interpreter: (exit code, stderr, the heavy modules it had
+    imported when it returned)."""
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import json, sys; from radixkv.__main__ import main; code = main(sys.argv[1:]); "
+        "heavy = [m for m in ('torch', 'transformers', 'fastapi', 'uvicorn', 'xgrammar') "
+        "if m in sys.modules]; print(json.dumps([code, heavy]))"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+    code, heavy = json.loads(done.stdout.strip().splitlines()[-1])
+    return code, done.stderr, heavy
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--block-size", "0"], "--block-size"),
+        (["serve", "--port", "99999"], "--port must be in [0, 65535]"),
+        (["serve", "--port", "{taken}"], "in use"),
+        (["serve", "--model", "/no/such/model/folder"], "no such folder"),
+        (["serve", "--model", "nobody-xyz/no-such-model"], "available offline"),
+        (["serve", "--host-cache", "64KiB", "--kv-cache-dir", "{file}"], "is a file"),
+        (["serve", "--dtype", "bfloat16", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["serve", "--grammar-cache", "0"], "--grammar-cache must be"),
+        (["chat", "--model", "/no/such/model/folder"], "no such folder"),
+        (["chat", "--web", "--port", "{taken}"], "in use"),
+    ],
+)
+def test_option_errors_are_one_line_and_exit_2_before_the_heavy_imports(
+    tmp_path, argv, says
+) -> None:
+    """Issue 43, item 8: each of these took 15 s or more, importing torch and transformers
+    (and FastAPI) before the check. Now each is found first: one line, exit 2, and none of
+    those was imported. (Their wall time: `benchmarks/first_minute.py`.)"""
+    (tmp_path / "file").write_text("not a folder")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        filled = [a.format(taken=port, file=tmp_path / "file") for a in argv]
+        code, err, heavy = _run_cli(filled)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], err
+    prog = (
+        "radixkv chat --web:"
+        if "--web" in argv
+        else ("radixkv:" if argv[0] == "chat" else "radixkv serve:")
+    )
+    assert lines[0].startswith(prog), err
+    assert heavy == [], heavy
+    if "--web" in argv:  # the clash names what the user typed, not serve's own flags
+        assert "--ui" not in err and "--host" not in err and "radixkv serve" not in err

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from radixkv import bundled_model
+from radixkv.engine.model.model_source import OFFLINE_HINT, downloads_off, is_local_path
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def load_model(
     source = os.path.expanduser(os.fspath(model))  # no Hugging Face id starts with "~"
     if not source.strip():
         raise ModelNotFoundError("model must be a non-empty path or Hugging Face id")
-    if _is_local_path(source) and not os.path.exists(source):
+    if is_local_path(source) and not os.path.exists(source):
         # Said here: transformers would answer with advice about Hugging Face repo ids.
         raise ModelNotFoundError(f"cannot load model {source!r}: no such folder")
     net = _load_causal_lm(source, device, dtype)
@@ -91,16 +92,6 @@ def load_model(
         return LoadedModel(net, tokenizer, source)
     folder = os.path.abspath(source) if os.path.isdir(source) else None
     return LoadedModel(net, _load_tokenizer(source), source, folder)
-
-
-def _is_local_path(source: str) -> bool:
-    """Whether `source` can only be a path: a Hugging Face id is "name" or "owner/name"."""
-    return (
-        os.path.isabs(source)
-        or source.startswith((".", "~"))
-        or source.count("/") > 1
-        or (os.sep != "/" and os.sep in source)
-    )
 
 
 def _check_device(device: object) -> torch.device:
@@ -139,13 +130,10 @@ def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None
     except (OSError, ValueError) as exc:
         if os.path.isdir(source):
             hint = "the folder has no loadable config.json / weights"
-        elif os.environ.get("HF_HUB_OFFLINE", "") in ("", "0"):
+        elif not downloads_off():
             hint = "no such local folder, and it is not a Hugging Face id available online"
         else:
-            hint = (
-                "no such local folder, and it is not a Hugging Face id available offline "
-                "(HF_HUB_OFFLINE is set; allow downloads with HF_HUB_OFFLINE=0)"
-            )
+            hint = OFFLINE_HINT
         raise ModelNotFoundError(f"cannot load model {source!r}: {hint} ({exc})") from exc
     except Exception as exc:
         # e.g. safetensors' SafetensorError for a corrupt or truncated file: whatever a broken

@@ -1,7 +1,9 @@
 """Constrained decoding through xgrammar: each request with a grammar gets a matcher, and every
 step masks its rows' logits to the tokens the grammar allows next.
 
-    SamplingParams.grammar_spec ──► GrammarCompiler.compile (cached by text) ──► CompiledGrammar
+    SamplingParams.grammar_spec ──► compile_spec ──► CompiledGrammar (GrammarCache: by text,
+                                   within a byte budget; the Python API compiles in its caller's
+                                   thread, the server in worker processes: never the engine)
     per request: RequestGrammar (an xgrammar matcher fed the request's tokens as they are known)
     per step:    mask_rows(logits, grammars, outputs) before penalties, temperature and top-p
 
@@ -25,98 +27,163 @@ from typing import Any
 
 import torch
 
-DEFAULT_MAX_CACHED_GRAMMARS = 256
+from radixkv.engine.sampling_params import DEFAULT_GRAMMAR_CACHE_BYTES
 
 
 class GrammarError(ValueError):
     """A grammar that cannot be compiled, or a token it does not allow."""
 
 
-class GrammarCompiler:
-    """Compiles structured-output constraints for one tokenizer and vocabulary; keeps the
-    `max_cached` most recently used compiled grammars, keyed by (kind, text). Thread-safe: the
-    server compiles in threads of its own, the engine finds the result cached.
+class GrammarCache:
+    """Compiled grammars by spec ((kind, text), from `SamplingParams.grammar_spec`), most
+    recently used last, within a byte budget: each entry counts its `memory_size_bytes`, and
+    the least recently used go first. Thread-safe.
 
-    Invariant: at most `max_cached` entries, each a compiled grammar of this vocabulary."""
+    Invariant: `num_bytes` is the sum of the entries' sizes, at most `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
+        assert budget_bytes >= 0, budget_bytes
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._num_bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, spec: tuple[str, str]) -> Any | None:
+        """The cached grammar of `spec` (now the most recent), None when there is none."""
+        with self._lock:
+            entry = self._entries.get(spec)
+            if entry is None:
+                return None
+            self._entries.move_to_end(spec)
+            return entry[0]
+
+    def put(self, spec: tuple[str, str], compiled: Any) -> bool:
+        """Keep `compiled`, evicting the least recently used until it fits; False (nothing
+        changed) when it alone is over the budget."""
+        size = int(compiled.memory_size_bytes)
+        if size > self.budget_bytes:
+            return False
+        with self._lock:
+            old = self._entries.pop(spec, None)
+            if old is not None:
+                self._num_bytes -= old[1]
+            while self._num_bytes + size > self.budget_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._num_bytes -= evicted
+            self._entries[spec] = (compiled, size)
+            self._num_bytes += size
+        return True
+
+    def __contains__(self, spec: object) -> bool:
+        with self._lock:
+            return spec in self._entries
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._entries)
+
+    def check_integrity(self, vocab_size: int | None = None) -> None:
+        with self._lock:
+            sizes = [size for _, size in self._entries.values()]
+            assert self._num_bytes == sum(sizes), (self._num_bytes, sum(sizes))
+            assert self._num_bytes <= self.budget_bytes, (self._num_bytes, self.budget_bytes)
+            for spec, (compiled, size) in self._entries.items():
+                assert size == compiled.memory_size_bytes, spec
+                if vocab_size is not None:
+                    assert compiled.tokenizer_info.vocab_size == vocab_size, spec
+
+
+class GrammarCompiler:
+    """Compiles structured-output constraints for one tokenizer and vocabulary, in the
+    caller's thread (the Python API's; the server compiles in worker processes of its own,
+    `radixkv.serve.grammar_pool`), and keeps them in a `GrammarCache`."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS
+        self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     ) -> None:
-        try:
-            import xgrammar as xgr
-        except ImportError as exc:
-            raise GrammarError(f"structured output needs the xgrammar package ({exc})") from None
-        self._xgr = xgr
+        xgr = import_xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        # xgrammar's own cache is off: this one is bounded by entries and shared by all kinds.
+        # xgrammar's own cache is off: this one is bounded in bytes and shared by all kinds.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
-        self.max_cached = max_cached
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self.cache = GrammarCache(cache_bytes)
 
     def compile(self, spec: tuple[str, str]) -> Any:
         """The CompiledGrammar of `spec` (from `SamplingParams.grammar_spec`); GrammarError
         naming the kind for one xgrammar refuses."""
-        with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
-        kind, text = spec
-        try:
-            compiled = self._compile_now(kind, text)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise GrammarError(f"{kind} cannot be compiled: {exc}") from None
-        self._check_spellable(kind, compiled)
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+        compiled = self.cache.get(spec)
+        if compiled is None:
+            compiled = compile_spec(self._compiler, spec, self.vocab_size)
+            self.cache.put(spec, compiled)
         return compiled
 
-    def _check_spellable(self, kind: str, compiled: Any) -> None:
-        """GrammarError when no token of the vocabulary can begin the grammar (a tokenizer
-        without its characters): such a request could never make progress."""
-        matcher = self._xgr.GrammarMatcher(compiled)
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask)
-        if not bool(bitmask.any()):
-            raise GrammarError(f"{kind}: no token of this model's vocabulary can begin it")
-
     def check_integrity(self) -> None:
-        with self._lock:
-            assert len(self._cache) <= self.max_cached, (len(self._cache), self.max_cached)
-            for spec, compiled in self._cache.items():
-                assert compiled.tokenizer_info.vocab_size == self.vocab_size, spec
+        self.cache.check_integrity(self.vocab_size)
 
     def is_cached(self, spec: tuple[str, str]) -> bool:
-        with self._lock:
-            return spec in self._cache
+        return spec in self.cache
 
     @property
     def num_cached(self) -> int:
-        return len(self._cache)
+        return self.cache.num_cached
 
-    def _compile_now(self, kind: str, text: str) -> Any:
-        c = self._compiler
-        # NOTE: JSON comes compact (one space after ":" and ","), with no free whitespace:
-        # small models otherwise loop on whitespace until max_tokens (vLLM's reason for its
-        # disable-any-whitespace option).
-        if kind == "json_schema":
-            return c.compile_json_schema(json_schema_for_xgrammar(text), any_whitespace=False)
-        if kind == "json_object":
-            any_object = '{"type": "object"}'
-            return c.compile_json_schema(any_object, any_whitespace=False, strict_mode=False)
-        if kind == "regex":
-            return c.compile_regex(text)
-        if kind == "choice":
-            # JSON string literals are valid EBNF string literals.
-            alternatives = " | ".join(json.dumps(c_) for c_ in json.loads(text))
-            return c.compile_grammar(f"root ::= {alternatives}")
-        if kind == "grammar":
-            return c.compile_grammar(text)
-        assert kind == "structural_tag", kind
-        return c.compile_structural_tag(text)
+
+def import_xgrammar() -> Any:
+    """The xgrammar module; GrammarError when it is not installed."""
+    try:
+        import xgrammar as xgr
+    except ImportError as exc:
+        raise GrammarError(f"structured output needs the xgrammar package ({exc})") from None
+    return xgr
+
+
+def compile_spec(compiler: Any, spec: tuple[str, str], vocab_size: int) -> Any:
+    """`spec` compiled by `compiler` (an xgrammar GrammarCompiler); GrammarError naming the
+    kind for one xgrammar refuses, or one no token of the vocabulary can begin."""
+    kind, text = spec
+    try:
+        compiled = _compile_kind(compiler, kind, text)
+    except (RuntimeError, ValueError, TypeError) as exc:  # RecursionError among them
+        raise GrammarError(f"{kind} cannot be compiled: {exc}") from None
+    _check_spellable(kind, compiled, vocab_size)
+    return compiled
+
+
+def _check_spellable(kind: str, compiled: Any, vocab_size: int) -> None:
+    """GrammarError when no token of the vocabulary can begin the grammar (a tokenizer
+    without its characters): such a request could never make progress."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()):
+        raise GrammarError(f"{kind}: no token of this model's vocabulary can begin it")
+
+
+def _compile_kind(c: Any, kind: str, text: str) -> Any:
+    # NOTE: JSON comes compact (one space after ":" and ","), with no free whitespace:
+    # small models otherwise loop on whitespace until max_tokens (vLLM's reason for its
+    # disable-any-whitespace option).
+    if kind == "json_schema":
+        return c.compile_json_schema(json_schema_for_xgrammar(text), any_whitespace=False)
+    if kind == "json_object":
+        any_object = '{"type": "object"}'
+        return c.compile_json_schema(any_object, any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return c.compile_regex(text)
+    if kind == "choice":
+        # JSON string literals are valid EBNF string literals.
+        alternatives = " | ".join(json.dumps(c_) for c_ in json.loads(text))
+        return c.compile_grammar(f"root ::= {alternatives}")
+    if kind == "grammar":
+        return c.compile_grammar(text)
+    assert kind == "structural_tag", kind
+    return c.compile_structural_tag(text)
 
 
 def json_schema_for_xgrammar(text: str) -> str:

@@ -64,16 +64,21 @@ function render() {
 }
 
 function pathClasses(snap) {
-  // node id -> class: "hit" up to the last request's cached tokens, "computed" after them
+  // node id -> class: "hit" up to the last request's cached tokens, "computed" after them;
+  // "branch" where the hit ended at a fork (the node has another child than the path's)
   const classes = new Map();
   const req = snap.last_request;
   if (!req) return classes;
   const byId = new Map(snap.tree.nodes.map((n) => [n.id, n]));
+  const children = new Map();
+  for (const n of snap.tree.nodes) if (n.parent !== null) children.set(n.parent, (children.get(n.parent) || 0) + 1);
+  for (const f of snap.tree.folded) children.set(f.parent, (children.get(f.parent) || 0) + f.subtrees);
   for (const id of snap.tree.path) {
     const n = byId.get(id);
     if (!n) continue;
     let cls = n.start < req.cached_tokens ? "hit" : "computed";
-    if (n.end === req.cached_tokens && n.start < req.cached_tokens) cls += " branch";
+    const fork = (children.get(id) || 0) >= 2;
+    if (n.end === req.cached_tokens && n.start < req.cached_tokens && fork) cls += " branch";
     classes.set(id, cls);
   }
   return classes;
@@ -150,24 +155,24 @@ function renderTotals(snap) {
   $("node-count").textContent = String(snap.tree.num_nodes);
   $("token-count").textContent = String(snap.tree.num_tokens);
   const req = snap.last_request;
-  $("last-request").textContent = req
-    ? `last request: ${req.prompt_tokens} prompt tokens, ${req.cached_tokens} cached, ${req.prompt_tokens - req.cached_tokens} computed`
-    : "no request yet";
+  let line = "no request yet";
+  if (req) {
+    line = `last request: ${req.prompt_tokens} prompt tokens, ${req.cached_tokens} cached, ${req.prompt_tokens - req.cached_tokens} computed`;
+    if (req.cut_reason) line += ` (${req.cut_reason})`;
+  }
+  $("last-request").textContent = line;
 }
 
 // ---------------------------------------------------------------- gauges
 
 const series = new Map(); // gauge id -> values
-let previousGauges = null;
 
 function pct(used, total) {
   return total > 0 ? (100 * used) / total : 0;
 }
 
 function renderGauges(g) {
-  const dt = previousGauges ? g.time - previousGauges.time : 0;
-  const tps = dt > 0 ? Math.max(0, g.generated_tokens - previousGauges.generated_tokens) / dt : 0;
-  previousGauges = g;
+  const tps = g.tokens_per_s; // the server's, over its last couple of seconds
   const values = {
     "g-hit": [100 * g.hit_rate, `${(100 * g.hit_rate).toFixed(1)}%`],
     "g-device": [pct(g.device_used, g.blocks), `${g.device_used}/${g.blocks} blk`],
@@ -283,7 +288,7 @@ function addMessage(role, text) {
   return { box, body };
 }
 
-function statsLine(usage, ttftMs) {
+function statsLine(usage, ttftMs, finishReason) {
   const line = el("div", "reply-stats");
   const prompt = usage.prompt_tokens;
   const cached = (usage.prompt_tokens_details || {}).cached_tokens || 0;
@@ -292,6 +297,7 @@ function statsLine(usage, ttftMs) {
   line.append(el("span", "", " · "));
   line.append(el("span", "computed", `computed ${prompt - cached}`));
   line.append(el("span", "", ` · ttft ${Math.round(ttftMs)} ms · reply ${usage.completion_tokens} tok`));
+  if (finishReason === "length") line.append(el("span", "cut", " · cut at the token limit"));
   return line;
 }
 
@@ -305,6 +311,7 @@ async function send(text) {
   const started = performance.now();
   let ttft = null;
   let usage = null;
+  let finishReason = null;
   let content = "";
   try {
     const response = await fetch("/v1/chat/completions", {
@@ -325,7 +332,9 @@ async function send(text) {
     }
     for await (const chunk of events(response)) {
       if (chunk.error) throw new Error(chunk.error.message);
-      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      const choice = chunk.choices && chunk.choices[0];
+      if (choice && choice.finish_reason) finishReason = choice.finish_reason;
+      const delta = choice && choice.delta;
       if (delta && delta.content) {
         if (ttft === null) ttft = performance.now() - started;
         content += delta.content;
@@ -334,7 +343,8 @@ async function send(text) {
       if (chunk.usage) usage = chunk.usage;
     }
     chat.messages.push({ role: "assistant", content });
-    if (usage) reply.box.append(statsLine(usage, ttft === null ? performance.now() - started : ttft));
+    if (finishReason === "length") reply.box.classList.add("cut");
+    if (usage) reply.box.append(statsLine(usage, ttft === null ? performance.now() - started : ttft, finishReason));
   } catch (err) {
     chat.messages.pop(); // the turn is not kept
     reply.box.classList.add("error");

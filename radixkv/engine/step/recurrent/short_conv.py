@@ -10,7 +10,7 @@ from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeShortConv
 from transformers.models.lfm3.modeling_lfm3 import Lfm3ShortConv
 
 from radixkv import kernels
-from radixkv.engine.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
+from radixkv.engine.step.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
 from radixkv.kernels import RecurrentMetadata
 
 __all__ = ["PackedLfm2MoeShortConv", "PackedLfm2ShortConv", "PackedLfm3ShortConv"]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from radixkv.engine.recurrent.state import RecurrentLayerSpec
+from radixkv.engine.step.recurrent.state import RecurrentLayerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ _CONV_ACTIVATIONS = (None, "silu")
 @functools.cache
 def packed_classes() -> dict[type, type]:
     """transformers' recurrent module class -> the packed subclass that replaces it."""
-    from radixkv.engine.recurrent import gated_deltanet, mamba, short_conv
+    from radixkv.engine.step.recurrent import gated_deltanet, mamba, short_conv
 
     packed = [
         *(getattr(gated_deltanet, n) for n in gated_deltanet.__all__),

@@ -7,8 +7,8 @@ per-request slots, and a step hands the layers a `RecurrentStep` (the states plu
 `RecurrentMetadata`) in the `cache` argument transformers passes them.
 """
 
-from radixkv.engine.recurrent.layers import pack_recurrent_layers, unpack_recurrent_layers
-from radixkv.engine.recurrent.state import (
+from radixkv.engine.step.recurrent.layers import pack_recurrent_layers, unpack_recurrent_layers
+from radixkv.engine.step.recurrent.state import (
     RecurrentLayerSpec,
     RecurrentStates,
     RecurrentStateSource,

@@ -36,7 +36,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
 
 from radixkv import kernels
-from radixkv.engine.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
+from radixkv.engine.step.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
 from radixkv.kernels import RecurrentMetadata
 
 __all__ = [

@@ -25,7 +25,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGated
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from radixkv import kernels
-from radixkv.engine.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
+from radixkv.engine.step.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
 from radixkv.kernels import RecurrentMetadata
 
 __all__ = [
