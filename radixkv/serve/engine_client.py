@@ -6,7 +6,7 @@ commands there and results back.
                                                    ServedModel it sends back (tokenizer included)
                                                    is what the front end knows of the model
     EngineClient.start(loop)                       a receiver thread hands results to the loop
-    submit / abort / call                          pickled over a PUSH socket (one lock)
+    submit / abort / call                          over a PUSH socket (one lock), as `wire` bytes
 
 The updates arrive as token ids; each stream detokenizes its own (`EngineHandle._deliver`), on the
 front end's loop, as vLLM's API server does. A process that exits unasked is reported, never hung
@@ -21,7 +21,6 @@ import concurrent.futures
 import itertools
 import logging
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from radixkv.engine.model.detokenizer import IncrementalDetokenizer
+from radixkv.serve import wire
 from radixkv.serve.engine_handle import EngineHandle, RequestStream
 from radixkv.serve.engine_process import BOOT
 from radixkv.serve.served_model import ServedModel
@@ -113,7 +113,7 @@ class EngineClient(EngineHandle):
             start_new_session=True,  # the terminal's Ctrl-C is the front end's to handle
         )
         try:
-            commands.send(pickle.dumps(("init", model, settings, log_level)))
+            commands.send(wire.dumps(("init", model, settings, log_level)))
             served, snapshot = _wait_ready(process, results, timeout_s)
         except BaseException:
             _kill(process)
@@ -203,7 +203,7 @@ class EngineClient(EngineHandle):
     # ------------------------------------------------------------------ internals
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = wire.dumps(message)
         with self._send_lock:
             self._commands.send(data, copy=False)
 
@@ -217,7 +217,7 @@ class EngineClient(EngineHandle):
                         self._died(loop)
                     return
                 continue
-            message = pickle.loads(self._results.recv())
+            message = wire.loads(self._results.recv())
             kind = message[0]
             if kind == "snapshot":
                 self.snapshot = message[1]
@@ -274,12 +274,12 @@ def _wait_ready(
             raise RuntimeError(f"the engine process exited with code {process.returncode}")
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"the engine process was not ready within {timeout_s:.0f} s")
-    message = pickle.loads(results.recv())
+    message = wire.loads(results.recv())
     if message[0] == "failed":
         _, model_error, text = message
         raise EngineStartError(text, model_error=model_error)
     assert message[0] == "ready", message[0]
-    return message[1], message[2]
+    return message[1].with_own_tokenizer(), message[2]
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:

@@ -7,8 +7,7 @@ for the forward's core, nor the forward for the front end's interpreter.
     front end ──PUSH──► commands ──► receiver thread ──► worker inbox ──► EngineWorker.run
     front end ◄──PULL── results  ◄── (any thread, one lock) ◄── added / snapshot / updates / ...
 
-Messages are pickled tuples (the two ends are one program, over ipc sockets in a folder only this
-user can open):
+Messages are tuples, as bytes by `wire` (which reads nothing from outside the project):
 
     front end -> engine: ("init", model, settings) once; ("add", token, prompt ids, params,
         cache_salt, grammar); ("abort", request id); ("call", call id, fn, args); ("stop",)
@@ -28,11 +27,12 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from radixkv.serve import wire
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Outbox:
         self._lock = threading.Lock()
 
     def send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = wire.dumps(message)
         with self._lock:
             self._socket.send(data, copy=False)
 
@@ -72,7 +72,7 @@ def main() -> None:
     results.connect(results_address)
     out = Outbox(results)
     try:
-        _, model, settings, log_level = pickle.loads(commands.recv())
+        _, model, settings, log_level = wire.loads(commands.recv())
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         serve(model, settings, commands, out, parent)
     finally:
@@ -99,7 +99,7 @@ def serve(model: Any, settings: dict[str, Any], commands: Any, out: Outbox, pare
         publish=lambda snapshot: out.send(("snapshot", snapshot)),
         fail_all=lambda exc: out.send(("fail_all", _sendable_error(exc))),
     )
-    out.send(("ready", ServedModel.of(llm), worker.snapshot()))
+    out.send(("ready", ServedModel.of(llm).without_tokenizer(), worker.snapshot()))
     receiver = threading.Thread(
         target=receive, args=(commands, worker, out, parent), name="radixkv-receive", daemon=True
     )
@@ -122,7 +122,7 @@ def receive(commands: Any, worker: Any, out: Outbox, parent: int) -> None:
                 worker.stop()
                 return
             continue
-        message = pickle.loads(commands.recv())
+        message = wire.loads(commands.recv())
         kind = message[0]
         if kind == "stop":
             worker.stop()
@@ -165,6 +165,9 @@ def _call(
         except Exception as exc:
             out.send(("result", call_id, None, _sendable_error(exc)))
             return
+        # What the call changed (a flush's freed blocks) is in /metrics once the caller has
+        # its answer: the snapshot goes first on the same socket.
+        out.send(("snapshot", worker.snapshot()))
         out.send(("result", call_id, value, None))
 
     return call
@@ -213,12 +216,11 @@ def _sendable(update: Any) -> Any:
 
 
 def _sendable_error(exc: BaseException) -> BaseException:
-    """`exc`, or where it does not pickle, a RuntimeError that says what it was."""
-    try:
-        pickle.dumps(exc)
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
+    """`exc`, or where the front end could not read it back, a RuntimeError that says what it
+    was."""
+    if wire.travels(exc):
+        return exc
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

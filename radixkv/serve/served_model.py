@@ -3,12 +3,14 @@
 The front end parses, templates, tokenizes, compiles grammars and detokenizes; for that it needs
 the tokenizer and a few of the engine's figures (its settings as it runs them, its vocabulary, the
 KV pool's size), never the model. `ServedModel.of(llm)` reads them off an `LLM` in this process;
-an engine process sends the same record when it is ready (`engine_process`).
+an engine process sends the same record when it is ready (`engine_process`), without the
+tokenizer, which the front end loads itself from `tokenizer_path` (a message carries only the
+project's own objects: see `wire`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from radixkv.engine.config import EngineConfig
@@ -48,3 +50,13 @@ class ServedModel:
             model_type=getattr(model_config, "model_type", None),
             architectures=tuple(getattr(model_config, "architectures", None) or ()),
         )
+
+    def without_tokenizer(self) -> ServedModel:
+        return replace(self, text=replace(self.text, tokenizer=None))
+
+    def with_own_tokenizer(self) -> ServedModel:
+        """This record with the tokenizer loaded here from `tokenizer_path`, as the engine
+        loaded its own (None where the engine found none either)."""
+        from radixkv.engine.model.model_loader import load_tokenizer
+
+        return replace(self, text=replace(self.text, tokenizer=load_tokenizer(self.tokenizer_path)))

@@ -91,7 +91,7 @@ def load_model(
     if tokenizer is not None:
         return LoadedModel(net, tokenizer, source)
     folder = os.path.abspath(source) if os.path.isdir(source) else None
-    return LoadedModel(net, _load_tokenizer(source), source, folder)
+    return LoadedModel(net, load_tokenizer(source), source, folder)
 
 
 def _check_device(device: object) -> torch.device:
@@ -166,7 +166,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _load_tokenizer(source: str) -> Any | None:
+def load_tokenizer(source: str) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
