@@ -42,6 +42,7 @@ from radixkv import kernels
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model.attention_layout import probe_attention
 from radixkv.engine.step.attention import PagedKVCache, register_attention
+from radixkv.engine.step.cpu_weights import use_column_major_linears
 from radixkv.engine.step.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.step.fused_llama import fuse_llama_modules, unfuse_llama_modules
 from radixkv.engine.step.kv_tensors import allocate_group_kv
@@ -109,6 +110,8 @@ class ModelRunner:
         # transformers' own modules are the same computation, and cheaper to call.
         on_triton = kernels.backend_for(self.device) == "triton"
         self.fused_modules = on_triton and fuse_llama_modules(model)
+        if self.device.type == "cpu":
+            use_column_major_linears(model)
         pools = " + ".join(
             f"{kv.num_blocks} {kv.name} blocks ({kv.num_blocks * kv.bytes_per_block / 2**20:.1f} "
             "MiB)"
