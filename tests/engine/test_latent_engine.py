@@ -17,6 +17,7 @@ from tiny_llama import random_prompts
 
 from radixkv import LLM, SamplingParams
 from radixkv.chat.cli import stats_text
+from radixkv.engine.step.latent_attention import PagedLatentAttention
 from radixkv.engine.tiers.kv_fingerprint import HOST_BLOCK_LAYOUTS
 
 PROMPTS = random_prompts(31, 4, shared_prefix=20, min_len=4, max_len=12)
@@ -76,6 +77,12 @@ def test_a_token_costs_one_latent_vector_a_layer(deepseek_v3):
     caches = [views[0] for views in llm.runner.layer_kv]
     assert [c.shape for c in caches] == [(64, 16, LATENT_DIM)] * NUM_LAYERS
     assert [c.data_ptr() for c in caches] == [kv.k_cache[i].data_ptr() for i in range(NUM_LAYERS)]
+    # W_UK / W_UV stay views of kv_b_proj's weight, which keeps its row-major layout on a CPU
+    # (the other linears go column-major): no second copy of it, and the expanded kernel takes it
+    for module in llm.model.modules():
+        if isinstance(module, PagedLatentAttention):
+            weight = module.kv_b_proj.weight
+            assert weight.is_contiguous() and module.w_uk.data_ptr() == weight.data_ptr()
     line = f"KV blocks     full latent: 64 blocks of {kv.bytes_per_block / 1024:.1f} KiB (4 layers)"
     assert line in stats_text(llm).splitlines()
 
