@@ -23,6 +23,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from radixkv import LLM, ModelLoadError, SamplingParams
+from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import stats_text
 from radixkv.engine import EngineConfig
 from radixkv.engine.step.latent_attention import PagedLatentAttention
@@ -104,7 +105,8 @@ def test_latent_blocks_through_the_host_and_disk_tiers_and_a_restart(deepseek_v3
     device = dict(block_size=4, num_blocks=24, max_num_seqs=2, chunked_prefill_size=16)
     bytes_per_block = 4 * LATENT_DIM * NUM_LAYERS * 4
     settings = dict(device, host_cache_bytes=8 * bytes_per_block, kv_cache_dir=tmp_path)
-    first = LLM(path, **settings)
+    events: list = []
+    first = LLM(path, **settings, kv_events=events.append)
     (tiers,) = first.tier_ios
     assert tiers is not None and tiers.host.num_blocks == 8
     assert tuple(tiers.host.data.shape) == (8, NUM_LAYERS, 1, 4, 1, LATENT_DIM)  # one part
@@ -112,6 +114,15 @@ def test_latent_blocks_through_the_host_and_disk_tiers_and_a_restart(deepseek_v3
         assert run(first) == expected
     stats = first.cache.stats()
     assert stats.num_host_hit_tokens > 0 and stats.num_disk_hit_tokens > 0
+    # KV events of the latent blocks, as of any model's: one group, each tier named; replayed,
+    # the host tier's events leave what it holds
+    stored = {(e.medium, e.group_idx) for e in events if isinstance(e, BlockStored)}
+    assert {(None, 0), ("CPU", 0)} <= stored and {g for _, g in stored} == {0}
+    held: set[int] = set()
+    for e in events:
+        if getattr(e, "medium", None) == "CPU":
+            (held.update if isinstance(e, BlockStored) else held.difference_update)(e.block_hashes)
+    assert held == set(first.cache.groups[0].tiers.entries)
     assert tiers.totals["load"].nbytes == tiers.totals["load"].num_blocks * bytes_per_block
     (fingerprint,) = tmp_path.rglob("fingerprint.json")
     assert json.loads(fingerprint.read_text())["block_layout"] == HOST_BLOCK_LAYOUTS["latent"]
