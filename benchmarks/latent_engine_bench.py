@@ -52,6 +52,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from tiny_archs import build_config, save_tiny_model
+from tiny_llama import VOCAB_SIZE
 
 from radixkv import LLM, SamplingParams
 from radixkv.engine.model import attention_layout
@@ -155,7 +156,7 @@ def v3_shaped_config(args: argparse.Namespace) -> Any:
 
 
 def load_sides(path: Path, args: argparse.Namespace) -> dict[str, LLM]:
-    # Room for the decode batch and two conversations on both sides: nothing timed is evicted.
+    # Room for the decode batch and two conversations: what a round reads is never evicted.
     tokens = args.batch * (args.context + args.decode) + 2 * (args.conversation + 2 * args.turn)
     settings = dict(
         block_size=args.block_size,
@@ -184,7 +185,9 @@ def _timed(into: list[Timing]) -> Iterator[None]:
     into.append(Timing(time.perf_counter() - w0, time.process_time() - c0))
 
 
-def decode_round(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[list, list]:
+def decode_round(
+    llm: LLM, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[Timing], list[list[int]]]:
     """(timings of the decode-only steps, each request's tokens) of one batch."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
@@ -208,18 +211,21 @@ def first_token(llm: LLM, prompt: list[int]) -> tuple[Timing, int]:
     return into[0], out.token_ids[0]
 
 
-def ttft_round(llm: LLM, rng: random.Random, args: argparse.Namespace) -> tuple[Timing, Timing]:
-    """(cold, warm) time to first token of a fresh conversation's first turn and the next."""
+def ttft_round(
+    llm: LLM, rng: random.Random, args: argparse.Namespace
+) -> tuple[Timing, Timing, list[int]]:
+    """(cold, warm) time to first token of a fresh conversation's first turn and of the next,
+    and the tokens the turns got (the first token, the reply, the next turn's first)."""
     first = _tokens(rng, args.conversation)
-    cold, _ = first_token(llm, first)
+    cold, first_token_id = first_token(llm, first)
     (reply,) = llm.generate([first], SamplingParams(max_tokens=args.reply, ignore_eos=True))
-    warm, _ = first_token(llm, first + list(reply.token_ids) + _tokens(rng, args.turn))
+    warm, next_token_id = first_token(llm, first + list(reply.token_ids) + _tokens(rng, args.turn))
     llm.check_integrity()
-    return cold, warm
+    return cold, warm, [first_token_id, *reply.token_ids, next_token_id]
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 256) for _ in range(n)]
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
 def _median(timings: list[Timing]) -> Timing:
@@ -229,6 +235,7 @@ def _median(timings: list[Timing]) -> Timing:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of both sides, interleaved; the medians and whether the sides agree."""
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
         path = save_tiny_model(v3_shaped_config(args), Path(folder))
         sides = load_sides(path, args)
@@ -242,17 +249,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = SIDES if r % 2 == 0 else SIDES[::-1]
         for side in order:
             steps, tokens = decode_round(sides[side], prompts, args.decode)
-            c, w = ttft_round(sides[side], random.Random(1000 + r), args)
+            c, w, turns = ttft_round(sides[side], random.Random(1000 + r), args)
             if r:
                 decode[side].append(_median(steps))
                 cold[side].append(c)
                 warm[side].append(w)
-            outputs[side].append(tokens)
+            outputs[side].append((tokens, turns))
     return {
         "decode": {s: _median(decode[s]) for s in SIDES},
         "cold": {s: _median(cold[s]) for s in SIDES},
         "warm": {s: _median(warm[s]) for s in SIDES},
         "same_tokens": outputs["latent"] == outputs["expanded"],
+        "load": (load_at_start, os.getloadavg()),
         "kv_bytes_per_token": {
             s: sum(kv.bytes_per_block for kv in sides[s].runner.kv) // args.block_size
             for s in SIDES
@@ -261,13 +269,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace, print_: Callable = print) -> None:
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    start, end = (" / ".join(f"{x:.2f}" for x in load) for load in result["load"])
     print_(
         f"tiny DeepSeek V3 shape: {args.layers} layers, {args.heads} heads, hidden {args.hidden},"
         f" L {args.kv_lora_rank}, R {args.rope_dim}, P {args.nope_dim}, V {args.v_dim};"
         f" fp32, block {args.block_size}, {args.threads} torch thread(s), {args.rounds} rounds"
     )
-    print_(f"load average (1 / 5 / 15 min) at the end: {load}")
+    print_(f"load average (1 / 5 / 15 min) at the start: {start}, at the end: {end}")
     kv = result["kv_bytes_per_token"]
     print_(f"KV bytes a token: latent {kv['latent']:,}, expanded {kv['expanded']:,}")
     print_("side     | decode step ms (wall / cpu) | cold ttft ms (wall / cpu) | warm ttft ms")

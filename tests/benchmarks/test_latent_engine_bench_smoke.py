@@ -31,7 +31,7 @@ def test_both_sides_run_and_the_report_has_the_goals_ratios() -> None:
         rf"decode latent / expanded: {RATIO} \(goal <= 1.2x\)",
         rf"ttft warm / cold, latent: {RATIO} \(goal <= 0.3x\)",
         rf"ttft warm / cold, expanded: {RATIO}",
-        r"load average \(1 / 5 / 15 min\) at the end: [\d.]+ / [\d.]+ / [\d.]+",
+        r"load average \(1 / 5 / 15 min\) at the start: [\d. /]+, at the end: [\d. /]+",
     ):
         match = re.search(pattern, text)
         assert match, f"{pattern!r} not in:\n{text}"
