@@ -175,48 +175,6 @@ def test_the_live_page_and_the_admin_route_reach_the_engine(served: Server) -> N
     assert metric(samples, "radixkv_blocks", state="evictable") == 0
 
 
-def test_a_latent_model_serves_and_its_metrics_count_latent_blocks(tmp_path) -> None:
-    """A tiny DeepSeek V3 (multi-head latent attention) behind `radixkv serve`: its pool is one
-    of latent blocks (4 tokens x (L + R) values x 4 layers, fp32), the block gauges count them
-    as a request fills and leaves them, and the reply is the engine's in this process."""
-    from tiny_archs import build_arch
-
-    from radixkv import LLM, SamplingParams
-
-    path = build_arch("deepseek-v3", tmp_path)
-    block_bytes = 4 * (96 + 8) * 4 * 4
-    prompt = user_message(21, n=12)
-    llm = LLM(str(path), block_size=4, num_blocks=64)
-    expected = llm.generate([prompt], SamplingParams(max_tokens=6))[0].text
-    assert llm.runner.kv[0].bytes_per_block == block_bytes
-    del llm
-    server = start_server(path, "--block-size", "4", "--num-blocks", "64")  # the later count wins
-    try:
-        before = read_metrics(server.base_url)
-        assert metric(before, "radixkv_kv_pool_blocks", group="full", layout="latent") == 64
-        assert (
-            metric(before, "radixkv_kv_block_bytes", group="full", layout="latent") == block_bytes
-        )
-        assert metric(before, "radixkv_blocks", state="free") == 64
-        assert completion(server.port, prompt)["choices"][0]["text"] == expected
-        after = read_metrics(server.base_url)
-        states = {s: metric(after, "radixkv_blocks", state=s) for s in ("free", "evictable")}
-        assert states["evictable"] > 0 and sum(states.values()) == 64  # nothing still in use
-        assert (
-            metric(
-                after,
-                "vllm:cache_config_info",
-                block_size="4",
-                num_gpu_blocks="64",
-                enable_prefix_caching="True",
-                engine="0",
-            )
-            == 1
-        )
-    finally:
-        stop(server)
-
-
 def test_sigterm_stops_the_engine_process_with_the_server(tiny_model_dir) -> None:
     server = start_server(tiny_model_dir("gqa"))
     try:
