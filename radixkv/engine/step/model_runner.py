@@ -44,6 +44,7 @@ from radixkv import kernels
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model.attention_layout import probe_attention
 from radixkv.engine.step.attention import PagedKVCache, register_attention
+from radixkv.engine.step.cpu_memory import keep_freed_memory
 from radixkv.engine.step.cpu_weights import use_column_major_linears
 from radixkv.engine.step.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.step.fused_llama import fuse_llama_modules, unfuse_llama_modules
@@ -118,6 +119,7 @@ class ModelRunner:
         self.fused_modules = on_triton and fuse_llama_modules(model)
         if self.device.type == "cpu":
             use_column_major_linears(model, keep=row_major_linears(model))
+            keep_freed_memory()
         pools = " + ".join(
             f"{kv.num_blocks} {kv.label} blocks ({kv.num_blocks * kv.bytes_per_block / 2**20:.1f}"
             " MiB)"
