@@ -9,7 +9,8 @@ A server is named on the command line as `BASE[:OPTION...]`:
     BASE+schema        (radixkv) every chat request constrained by a JSON schema
 
     options: tN (N compute threads; default --threads), bf16 / fp32 (the dtype; default fp32),
-             eager (vLLM: --enforce-eager, no inductor compile)
+             eager (vLLM: --enforce-eager, no inductor compile), inproc (radixkv: the engine on
+             a thread of the server's process, `--no-engine-process`)
 
 e.g. `radixkv:t2`, `vllm:eager`, `radixkv:bf16`. Both radixkv and vLLM get the same KV cache
 bytes (`--kv-cache-gib`) and the same bound on running requests.
@@ -52,6 +53,7 @@ class ServerSpec:
     threads: int
     dtype: str  # "float32" | "bfloat16"
     eager: bool
+    in_process: bool = False  # radixkv: --no-engine-process
 
 
 def parse_server(name: str, default_threads: int) -> ServerSpec:
@@ -64,18 +66,20 @@ def parse_server(name: str, default_threads: int) -> ServerSpec:
         raise ValueError(f"unknown server {name!r}")
     if schema and kind != "radixkv":
         raise ValueError(f"{name!r}: +schema is radixkv's")
-    threads, dtype, eager = default_threads, "float32", False
+    threads, dtype, eager, in_process = default_threads, "float32", False, False
     for option in options:
         if option in _DTYPES:
             dtype = _DTYPES[option]
         elif option == "eager" and kind == "vllm":
             eager = True
+        elif option == "inproc" and kind == "radixkv":
+            in_process = True
         elif option[:1] == "t" and option[1:].isdigit() and int(option[1:]) > 0:
             threads = int(option[1:])
         else:
             raise ValueError(f"{name!r}: unknown option {option!r}")
     path = Path(source) if source else None
-    return ServerSpec(name, kind, path, schema, threads, dtype, eager)
+    return ServerSpec(name, kind, path, schema, threads, dtype, eager, in_process)
 
 
 def is_radixkv(name: str) -> bool:
@@ -91,6 +95,8 @@ def server_command(
         cmd = [sys.executable, "-m", "radixkv", "serve", *common, "--log-level", "warning"]
         cmd += ["--max-num-seqs", str(max_num_seqs), "--num-threads", str(spec.threads)]
         cmd += ["--cache-mb", str(int(kv_cache_gib * 1024)), "--dtype", spec.dtype]
+        if spec.in_process:
+            cmd.append("--no-engine-process")
         return [*cmd, "--model", model_path]
     if spec.kind == "vllm":
         launch = str(ROOT / "benchmarks" / "vllm_launch.py")

@@ -4,7 +4,8 @@ Each is a config of transformers' own class with the sizes of `tiny_llama` (voca
 word-level tokenizer), and where the architecture has them: sliding windows of WINDOW tokens (so
 the tests' prompts are several windows long), Gemma's query_pre_attn_scalar set apart from the
 head size and Gemma 2's logit soft-cap low enough to bind, GPT-OSS's sinks drawn at random
-(transformers initialises them to zero).
+(transformers initialises them to zero), multi-head latent attention whose latent is wide
+enough that both attention forms run (`LATENT`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,41 @@ _SIZES = dict(
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _GEMMA = dict(head_dim=16, query_pre_attn_scalar=64)  # scale 1/8, not head_dim ** -0.5 = 1/4
 _ALTERNATING = ["sliding_attention", "full_attention"] * 2
+# Multi-head latent attention (MLA): every head's keys and values from one latent of
+# kv_lora_rank values, wide against the heads' parts (qk_nope 16 + v 12) as in DeepSeek V3
+# (512 against 128 + 128), so that by the CPU's cost rule too prefills from position 0 attend
+# expanded and extends over a cached prefix absorbed (`LatentDims.prefers_absorbed`).
+_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=96,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+)
+_MLA_MOE = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1
+)
+# DeepSeek V3's routing: 8 experts in 2 groups, the top-1 group's top-2 experts; layer 0 dense.
+_V3_MOE = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+# YaRN past 8 positions, and Mistral 4's query scale past them (the tests' prompts reach ~45).
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=8,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
 
 # test id: (model_type, config fields over _SIZES)
 ARCHITECTURES: dict[str, tuple[str, dict]] = {
@@ -118,7 +154,50 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "ministral3-window": ("ministral3", dict(sliding_window=WINDOW, head_dim=16)),
     "vaultgemma-window": ("vaultgemma", dict(sliding_window=WINDOW, head_dim=16)),
     "afmoe-window": ("afmoe", dict(sliding_window=WINDOW)),
+    # Multi-head latent attention over the paged latent cache.
+    "deepseek-v2": (
+        "deepseek_v2",
+        dict(_MLA, q_lora_rank=None, first_k_dense_replace=1, **_MLA_MOE),
+    ),
+    "deepseek-v3": ("deepseek_v3", dict(_MLA, **_V3_MOE)),
+    "sarvam-mla": ("sarvam_mla", dict(_MLA, **_V3_MOE)),  # DeepSeek V3's classes
+    "glm4-moe-lite": ("glm4_moe_lite", dict(_MLA, n_group=1, topk_group=1, **_MLA_MOE)),
+    "mistral4": (
+        "mistral4",
+        dict(
+            _MLA,
+            architectures=["Mistral4ForCausalLM"],  # not among AutoModelForCausalLM's
+            rope_parameters={**YARN, "llama_4_scaling_beta": 0.1},
+            **_MLA_MOE,
+        ),
+    ),
+    "minicpm3": ("minicpm3", dict(_MLA)),
+    "longcat-flash": (  # two attention modules a decoder layer; head_dim is the RoPE width
+        "longcat_flash",
+        dict(
+            _MLA,
+            head_dim=8,
+            n_routed_experts=4,
+            moe_topk=2,
+            expert_ffn_hidden_size=32,
+            ffn_hidden_size=64,
+            zero_expert_num=1,
+        ),
+    ),
+    "axk1": ("axk1", dict(_MLA, n_group=1, topk_group=1, **_MLA_MOE)),
+    "youtu": ("youtu", dict(_MLA)),
 }
+LATENT = (
+    "deepseek-v2",
+    "deepseek-v3",
+    "sarvam-mla",
+    "glm4-moe-lite",
+    "mistral4",
+    "minicpm3",
+    "longcat-flash",
+    "axk1",
+    "youtu",
+)
 
 
 # Traffic that takes a window model's KV through its lower tiers: 6 prompts of 30-44 tokens (8-11
@@ -137,12 +216,22 @@ def build_config(model_type: str, **fields):
     return AutoConfig.for_model(model_type, **{**_SIZES, **fields})
 
 
-def tiny_model(config, seed: int = 0):
-    """A random model of `config`, its sinks (if any) drawn at random."""
+def causal_lm_class(config):
+    """AutoModelForCausalLM, or the class the config's `architectures` names for a type the auto
+    class does not map (Mistral 4)."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    return getattr(transformers, config.architectures[0])
+
+
+def tiny_model(config, seed: int = 0):
+    """A random model of `config`, its sinks (if any) drawn at random."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    cls = causal_lm_class(config)
+    model = (cls.from_config(config) if hasattr(cls, "from_config") else cls(config)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".sinks"):
@@ -171,11 +260,13 @@ def greedy_tokens(
     path: Path, prompts: list[list[int]], max_new: list[int], device: str = "cpu"
 ) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (eager attention, fp32, on `device`)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
+    model = (
+        causal_lm_class(AutoConfig.from_pretrained(path))
+        .from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+        .eval()
+    )
     model.to(device)
     outs = []
     for prompt, n in zip(prompts, max_new, strict=True):

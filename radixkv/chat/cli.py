@@ -293,12 +293,22 @@ def stats_text(llm: object) -> str:
             f" {s.num_queries} requests)",
             f"blocks        {s.num_blocks} x {s.block_size} tokens: {s.num_free_blocks} free,"
             f" {s.num_evictable_blocks} cached, {s.num_in_use_blocks} in use",
+            *kv_lines(llm.runner.kv),  # type: ignore[attr-defined]
             f"tree          {s.num_nodes} nodes",
             f"evictions     {s.num_evicted_blocks} blocks, {s.num_evicted_tokens} tokens",
             *cut_lines(llm.cache.num_cut_hit_tokens),  # type: ignore[attr-defined]
             *tier_lines(llm),
         ]
     )
+
+
+def kv_lines(kvs: Any) -> list[str]:
+    """/stats' line on what each KV cache group's blocks hold (a latent group's say so)."""
+    return [
+        f"KV blocks     {kv.label}: {kv.num_blocks} blocks of {kv.bytes_per_block / 1024:.1f} KiB"
+        f" ({len(kv.layers)} layers)"
+        for kv in kvs
+    ]
 
 
 def cut_lines(num_cut_hit_tokens: int) -> list[str]:

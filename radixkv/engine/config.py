@@ -53,6 +53,7 @@ _SWITCHES = (
     "host_cache_write_through",
     "parse_special_tokens_in_content",
     "jump_forward",
+    "detokenize",
 )
 # Switches whose None means "decided by the device".
 _AUTO_SWITCHES = ("async_scheduling",)
@@ -138,6 +139,10 @@ class EngineConfig:
     # request's `SamplingParams.jump_forward` overrides it. Output may differ from token-by-token
     # decoding (benchmarks/RESULTS.md, structured output).
     jump_forward: bool = True
+    # False: updates and outputs carry token ids and no text (their `new_text` and `text` are
+    # ""): the caller detokenizes, as `radixkv serve`'s front end does in its own process while
+    # the engine's process keeps its core for the forward.
+    detokenize: bool = True
     seed: int = 0  # mixed with the submit order into the seed of a sampled request without one
     # Chat messages are what users typed: by default special-token text in their content (say
     # "<|im_end|><|im_start|>system") is tokenized as plain text, so no user can forge a turn;

@@ -38,16 +38,14 @@ from radixkv.cache import PackedTokens
 from radixkv.engine.assembly import assemble
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.interrupts import sigint_deferred
-from radixkv.engine.model.chat_template import encode_chat
-from radixkv.engine.model.detokenizer import decode
 from radixkv.engine.model.model_loader import Progress, eos_token_ids, load_model, model_max_len
 from radixkv.engine.model.prompts import (
     PromptInput,
-    check_chat_messages,
     expand_choices,
     pack_prompts,
     params_list,
 )
+from radixkv.engine.model.text import ModelText
 from radixkv.engine.outputs import DeltaStream, RequestOutput, StreamDelta, TokenLogprobs
 from radixkv.engine.records import Record, RequestUpdate, derive_seed
 from radixkv.engine.sampling.grammar import GrammarCompiler, RequestGrammar
@@ -103,6 +101,8 @@ class LLM:
         max_len = min(config.max_model_len or model_len, model_len)
         device_type = next(self.model.parameters()).device.type
         self.config = replace(config, max_model_len=max_len)
+        parse = config.parse_special_tokens_in_content
+        self.text = ModelText(self.tokenizer, self.model_name, parse)
         if device_type == "cpu":
             _set_cpu_threads(config.num_threads)
         parts = assemble(self.model, self.config)
@@ -258,36 +258,23 @@ class LLM:
         return DeltaStream(self._deltas(pending), lambda: self._release(rid))
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize like generate() does for a string prompt."""
-        if self.tokenizer is None:
-            raise ValueError(
-                f"model {self.model_name!r} has no tokenizer: pass prompts as token-id lists"
-            )
-        return list(self.tokenizer.encode(text))
+        """Tokenize like generate() does for a string prompt (`ModelText.encode`)."""
+        return self.text.encode(text)
 
     @property
     def has_chat_template(self) -> bool:
         """Whether the model has a tokenizer with a chat template (what `encode_chat` needs)."""
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.text.has_chat_template
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> list[int]:
-        """The prompt of a chat: `messages` (and `tools`, OpenAI's tool definitions, for a
-        template that renders them) through the tokenizer's chat template, with the
-        assistant's turn opened; special-token text in their content is plain text unless the
-        config's `parse_special_tokens_in_content` (see `chat_template.py`). Raises ValueError
-        for a model without a tokenizer or chat template, a message without a string role and
-        content (TypeError: not a dict, or a role or content of another type), or messages the
-        template refuses."""
-        if not self.has_chat_template:
-            raise ValueError(f"model {self.model_name!r} has no chat template")
-        checked = check_chat_messages(messages)
-        parse = self.config.parse_special_tokens_in_content
-        return encode_chat(self.tokenizer, checked, parse_special_tokens=parse, tools=tools)
+        """The prompt of a chat through the tokenizer's chat template (`ModelText.encode_chat`,
+        which says what it raises)."""
+        return self.text.encode_chat(messages, tools)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return decode(self.tokenizer, token_ids)
+        return self.text.decode(token_ids)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -329,7 +316,7 @@ class LLM:
                     request,
                     p,
                     seed=seed,
-                    tokenizer=self.tokenizer,
+                    tokenizer=self.tokenizer if self.config.detokenize else None,
                     sink=sink,
                     grammar=matcher,
                     jumps=self._jumps(p),

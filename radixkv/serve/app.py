@@ -1,11 +1,11 @@
-"""The OpenAI-compatible HTTP API over one `LLM`: routes, request preparation and streaming.
+"""The OpenAI-compatible HTTP API over one engine: routes, request preparation and streaming.
 
 A request goes: the door (`door.py`: its body read under the server's limits) -> the preparation
 thread: JSON checked (`bodies.py`), prompt token ids (chat template or completion prompt),
 `SamplingParams`, the stop-string matcher -> capacity check (503 when the waiting queue is full)
--> `EngineLoop.submit` -> updates until the final output -> one JSON body, or server-sent events
-as tokens arrive. The event loop itself only moves bytes: parsing, templating and tokenizing
-never stall the other connections.
+-> `EngineHandle.submit` (the engine on a thread, or in a process of its own) -> updates until
+the final output -> one JSON body, or server-sent events as tokens arrive. The event loop itself
+only moves bytes: parsing, templating and tokenizing never stall the other connections.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.engine.outputs import RequestOutput, TokenLogprobs
 from radixkv.engine.sampling.grammar import GrammarError
 from radixkv.engine.sampling_params import SamplingParams
@@ -41,7 +40,8 @@ from radixkv.serve.bodies import (
 from radixkv.serve.choices import merged, merged_usage
 from radixkv.serve.config import ServeConfig
 from radixkv.serve.door import RequestDoor
-from radixkv.serve.engine_loop import EngineLoop, RequestStream
+from radixkv.serve.engine_handle import EngineHandle, RequestStream
+from radixkv.serve.engine_loop import EngineLoop
 from radixkv.serve.grammar_pool import CompilesBusy, CompileTimeout, GrammarPool
 from radixkv.serve.logprobs_format import LogprobsWriter, token_texts
 from radixkv.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -54,6 +54,7 @@ from radixkv.serve.protocol import (
     shutting_down,
     usage,
 )
+from radixkv.serve.served_model import ServedModel
 from radixkv.serve.stop_strings import StopStringMatcher
 from radixkv.serve.structured import Constraint
 from radixkv.serve.tools import (
@@ -66,6 +67,11 @@ from radixkv.serve.tools import (
 from radixkv.serve.ui_routes import add_ui_routes
 from radixkv.serve.vllm_metrics import CacheInfo
 from radixkv.serve.worker_api import add_worker_routes
+
+if TYPE_CHECKING:
+    from radixkv.engine.llm import LLM
+    from radixkv.engine.records import RequestUpdate
+    from radixkv.serve.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -114,41 +120,42 @@ class OpenAIServer:
     then on new requests get 503; `end_all` ends the replies still in flight.
     """
 
-    def __init__(self, llm: LLM, config: ServeConfig) -> None:
-        self.llm = llm
+    def __init__(self, model: ServedModel, engine: EngineHandle, config: ServeConfig) -> None:
+        self.model = model
         self.config = config
         # OpenAI's system_fingerprint, one per server process: behind a router, a reply tells
         # which replica served it (/server_info reports it too). Random, as the request ids.
         self.fingerprint = f"fp_{uuid.uuid4().hex[:12]}"
-        self.engine = EngineLoop(llm, on_update=self._observe_update)
-        cache_info = CacheInfo(
-            config.model_name, llm.config.block_size, llm.config.enable_prefix_cache
-        )
+        self.engine = engine
+        engine.on_update = self._observe_update
+        settings = model.config
+        cache_info = CacheInfo(config.model_name, settings.block_size, settings.enable_prefix_cache)
         self.metrics = ServerMetrics(
             lambda: self.engine.snapshot, lambda: self.engine.num_queued, cache_info
         )
         self.limits = BodyLimits(
-            vocab_size=llm.vocab_size,
+            vocab_size=model.vocab_size,
             max_stops=config.max_stops,
             max_stop_chars=config.max_stop_chars,
-            max_prompt_chars=_max_prompt_chars(llm),
-            max_messages=llm.config.max_model_len,
+            max_prompt_chars=_max_prompt_chars(model),
+            max_messages=settings.max_model_len,
             # `n` choices are queued together: more than the queue holds could never be
             max_n=min(config.max_n, config.max_queued_requests),
         )
         # Grammars compile in worker processes, off the event loop, the preparation thread and
         # the engine thread, each within `grammar_compile_timeout_s` (then killed).
         self.grammars = GrammarPool(
-            llm.tokenizer,
-            llm.vocab_size,
+            model.text.tokenizer,
+            model.vocab_size,
             num_workers=config.max_grammar_compiles,
             timeout_s=config.grammar_compile_timeout_s,
             cache_bytes=config.grammar_cache_bytes,
+            serialized=engine.ships_serialized_grammars,
         )
         # One thread: preparation is GIL-bound Python (JSON, template) or releases the GIL
         # (tokenizing); more threads would not make it faster, only let big requests pile up.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prep")
-        self.token_text = token_texts(llm.tokenizer)
+        self.token_text = token_texts(model.text.tokenizer)
         self.stopping: asyncio.Future[None] | None = None
         # Called on the asyncio side with each request's final output (the live page's).
         self.on_finished: list[Callable[[RequestStream, RequestOutput], None]] = []
@@ -236,17 +243,17 @@ class OpenAIServer:
     def chat_prompt(
         self, messages: Sequence[dict[str, Any]], tools: ToolRequest | None = None
     ) -> list[int]:
-        if not self.llm.has_chat_template:
+        if not self.model.text.has_chat_template:
             raise bad_request(f"model {self.config.model_name!r} has no chat template", "messages")
         shown = None
-        if tools is not None and template_renders_tools(self.llm.tokenizer):
+        if tools is not None and template_renders_tools(self.model.text.tokenizer):
             shown = tools.tools
         elif tools is not None:
             messages = messages_with_tools(messages, tools.tools)
         try:
             if shown is None:
-                return self.llm.encode_chat(messages)
-            return self.llm.encode_chat(messages, shown)
+                return self.model.text.encode_chat(messages)
+            return self.model.text.encode_chat(messages, shown)
         except (ValueError, TypeError) as exc:  # a template may refuse roles or their order
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
@@ -255,7 +262,7 @@ class OpenAIServer:
         if not isinstance(prompt, str):
             return list(prompt)
         try:
-            return self.llm.encode(prompt)
+            return self.model.text.encode(prompt)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), "prompt") from exc
 
@@ -279,12 +286,12 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
-        context = self.llm.config.max_model_len
+        context = self.model.config.max_model_len
         room = context - num_prompt_tokens
         if room < 1:
             raise over_context(num_prompt_tokens, context, prompt_param)
         max_tokens = fields.max_tokens
-        cache_tokens = self.llm.cache.num_blocks * self.llm.cache.block_size
+        cache_tokens = self.model.cache.num_blocks * self.model.cache.block_size
         if max_tokens is None:  # the n replies must fit the cache together
             fits = (cache_tokens - num_prompt_tokens) // fields.n
             max_tokens = max(1, min(room, fits, default or room))
@@ -440,7 +447,7 @@ class OpenAIServer:
         if num_chars <= 0:
             return 0
         for count in range(1, len(token_ids)):
-            if len(self.llm.decode(token_ids[:count])) >= num_chars:
+            if len(self.model.text.decode(token_ids[:count])) >= num_chars:
                 return count
         return len(token_ids)
 
@@ -462,14 +469,15 @@ class OpenAIServer:
         stream.t_last_token = now
 
 
-def _max_prompt_chars(llm: LLM) -> int | None:
+def _max_prompt_chars(model: ServedModel) -> int | None:
     """The longest text that could fit the context: no token covers more characters than the
     longest entry of the vocabulary (byte-level BPE and SentencePiece spell each byte or
     character of a token in its entry). None without a tokenizer (prompts are then token ids)."""
-    if llm.tokenizer is None:
+    tokenizer = model.text.tokenizer
+    if tokenizer is None:
         return None
-    longest = max((len(token) for token in llm.tokenizer.get_vocab()), default=1)
-    return llm.config.max_model_len * longest
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return model.config.max_model_len * longest
 
 
 def _sampling_param(exc: Exception, fields: SamplingFields) -> str | None:
@@ -540,13 +548,21 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 def create_app(
-    llm: LLM, config: ServeConfig, *, on_shutdown: Sequence[Callable[[], None]] = ()
+    engine: LLM | EngineClient,
+    config: ServeConfig,
+    *,
+    on_shutdown: Sequence[Callable[[], None]] = (),
 ) -> FastAPI:
-    """The FastAPI app serving `llm`. Its lifespan starts and stops the engine thread; then
-    each `on_shutdown` callable runs, in order (e.g. closing a KV-event publisher subscribed to
-    `llm.cache`, whose callbacks run on the engine thread). `radixkv.serve.http_server` runs
-    it with the connection rules and the graceful shutdown of `config`."""
-    server = OpenAIServer(llm, config)
+    """The FastAPI app serving an engine: an `LLM` of this process (stepped on a thread of it,
+    `EngineLoop`) or an engine process, started and ready (`EngineClient`: what `radixkv serve`
+    runs). Its lifespan starts and stops the engine; then each `on_shutdown` callable runs, in
+    order (e.g. closing a KV-event publisher subscribed to an `LLM`'s cache, whose callbacks
+    run on the engine thread). `radixkv.serve.http_server` runs it with the connection rules
+    and the graceful shutdown of `config`."""
+    if isinstance(engine, EngineHandle):
+        server = OpenAIServer(engine.model, engine, config)
+    else:
+        server = OpenAIServer(ServedModel.of(engine), EngineLoop(engine), config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -608,7 +624,7 @@ def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
                     "object": "model",
                     "created": 0,
                     "owned_by": "radixkv",
-                    "max_model_len": server.llm.config.max_model_len,
+                    "max_model_len": server.model.config.max_model_len,
                 }
             ],
         }

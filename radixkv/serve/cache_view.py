@@ -38,7 +38,8 @@ from radixkv.cache.window import WindowStats
 from radixkv.engine.llm import LLM
 from radixkv.engine.outputs import RequestOutput, hit_cut_reason
 from radixkv.engine.tiers.disk_store import DiskStoreStats
-from radixkv.serve.engine_loop import RequestStream, tier_moves
+from radixkv.serve.engine_handle import RequestStream
+from radixkv.serve.engine_worker import tier_moves
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ class CacheView:
         self._rate = TokenRate()
         self._tokens_per_s = 0.0  # the latest snapshot's
         self.num_displaced = 0  # streams ended by a newer page
-        tokenizer = server.llm.tokenizer
+        tokenizer = server.model.text.tokenizer
         self._decode = None if tokenizer is None else tokenizer.decode
         server.on_finished.append(self.record)
 
@@ -390,7 +391,7 @@ class CacheView:
         if state == self._seen and not stale:
             return 0.0
         last = self.last
-        done = server.engine.call(lambda llm: capture(llm, last))
+        done = server.engine.call(capture, last)  # a module-level function: it pickles
         cap = await asyncio.wait_for(asyncio.wrap_future(done), CAPTURE_TIMEOUT_S)
         gauges = self._gauges(cap, started)
         loop = asyncio.get_running_loop()

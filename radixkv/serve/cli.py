@@ -78,6 +78,13 @@ def build_parser(prog: str = "radixkv serve") -> argparse.ArgumentParser:
     parser.add_argument(
         "--open", action="store_true", help="open the page in a web browser once serving"
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine (model, scheduler, forward, sampling) in a process of its own, "
+        "beside this one's HTTP, templates, tokenizing and streaming (default: on)",
+    )
     _add_limit_options(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
@@ -95,27 +102,38 @@ def main(argv: list[str] | None = None, prog: str = "radixkv serve") -> int:
     except (ValueError, TypeError) as exc:
         print(f"{prog}: {name_flags(str(exc), _SERVE_FLAGS)}", file=sys.stderr)
         return 2
-    from radixkv.engine import ModelLoadError
     from radixkv.serve.app import create_app
     from radixkv.serve.http_server import build_server
 
     try:
-        llm = build_llm(args)
-        config = serve_config(args, args.served_model_name or llm.model_name)
+        engine, on_shutdown = start_engine(args)
+        config = serve_config(args, args.served_model_name or _model_name(engine))
     except (ValueError, TypeError, ImportError, _zmq_error()) as exc:
         listener.close()
         # A model's error names the model in its own words; the others name fields: flags here.
-        text = str(exc) if isinstance(exc, ModelLoadError) else name_flags(str(exc), _SERVE_FLAGS)
+        model_error = getattr(exc, "model_error", _is_model_error(exc))
+        text = str(exc) if model_error else name_flags(str(exc), _SERVE_FLAGS)
         print(f"{prog}: {text}", file=sys.stderr)
         return 2
-    app = create_app(llm, config, on_shutdown=engine_services(llm))
+    app = create_app(engine, config, on_shutdown=on_shutdown)
     server = build_server(app, config, host=args.host, port=args.port, log_level=args.log_level)
+    died: list[BaseException] = []
+    if hasattr(engine, "on_death"):  # an engine process: its death ends the server
+
+        def on_death(exc: BaseException) -> None:
+            died.append(exc)
+            server.should_exit = True
+
+        engine.on_death = on_death
     url = f"http://{_url_host(args.host)}:{listener.getsockname()[1]}/"
     if config.ui:
         logging.getLogger(__name__).info("the live page of the cache: %s", url)
     if args.open:
         _open_when_started(server, url, config.ui)
     server.run(sockets=[listener])
+    if died:
+        print(f"{prog}: {died[0]}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -291,8 +309,24 @@ def _zmq_error() -> type[Exception]:
     return zmq.ZMQError
 
 
+def start_engine(args: argparse.Namespace) -> tuple[Any, list[Callable[[], None]]]:
+    """The engine the parsed options describe, and what the server runs after it stops: an
+    engine process, started and ready (its services close with it), or with
+    `--no-engine-process` an `LLM` of this process and the closing of its services (the
+    KV-event publisher of `--kv-events`, the disk tier's save), run after the engine thread
+    stops so that the last events of a shutdown still go out. Raises what `LLM` raises, or
+    `EngineStartError` carrying the engine process's words."""
+    if args.engine_process:
+        from radixkv.serve.engine_client import EngineClient
+
+        level = args.log_level.upper()
+        return EngineClient.start_process(args.model, engine_settings(args), log_level=level), []
+    llm = build_llm(args)
+    return llm, engine_services(llm)
+
+
 def build_llm(args: argparse.Namespace) -> LLM:
-    """The engine the parsed options describe. Raises what `LLM` raises."""
+    """The engine the parsed options describe, in this process. Raises what `LLM` raises."""
     from radixkv.engine import LLM, freeze_startup_heap
 
     llm = LLM(args.model, **engine_settings(args))
@@ -301,10 +335,19 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
 
 def engine_services(llm: LLM) -> list[Callable[[], None]]:
-    """How to close the services that subscribe to the engine (the KV-event publisher of
-    `--kv-events`, started with the engine); the server closes them after the engine thread
-    stops, so the last events of a shutdown still go out."""
-    services = [] if llm.kv_events is None else [llm.kv_events.close]
-    if llm.config.kv_cache_dir is not None:
-        services.append(llm.save_kv_cache)  # a restart over the directory finds the prefixes
-    return services
+    """How to close the services that subscribe to an engine of this process
+    (`engine_process.shutdown_services`, which an engine process runs itself)."""
+    from radixkv.serve.engine_process import shutdown_services
+
+    return shutdown_services(llm)
+
+
+def _model_name(engine: Any) -> str:
+    model = getattr(engine, "model", None)  # an engine process's ServedModel
+    return model.text.model_name if hasattr(model, "text") else engine.model_name
+
+
+def _is_model_error(exc: BaseException) -> bool:
+    from radixkv.engine import ModelLoadError
+
+    return isinstance(exc, ModelLoadError)

@@ -42,7 +42,12 @@ from collections import OrderedDict
 from functools import partial
 from typing import Any
 
-from radixkv.engine.sampling.grammar import GrammarCache, GrammarError, import_xgrammar
+from radixkv.engine.sampling.grammar import (
+    GrammarCache,
+    GrammarError,
+    SerializedGrammar,
+    import_xgrammar,
+)
 from radixkv.serve import grammar_worker as wire
 
 logger = logging.getLogger(__name__)
@@ -85,8 +90,12 @@ class GrammarPool:
         num_workers: int,
         timeout_s: float,
         cache_bytes: int,
+        serialized: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # True: grammars stay as the workers send them (`SerializedGrammar`), for an engine in
+        # another process, which loads them itself; the front end never deserializes one.
+        self.serialized = serialized
         self.vocab_size = vocab_size
         self.num_workers = num_workers
         self.timeout_s = timeout_s
@@ -201,7 +210,11 @@ class GrammarPool:
             raise GrammarError(f"{spec[0]}: the compiler's process died on it") from None
         if reply[:1] != wire.OK:
             raise GrammarError(reply[1:].decode())
-        compiled = import_xgrammar().CompiledGrammar.deserialize_json(reply[1:].decode(), info)
+        text = reply[1:].decode()
+        if self.serialized:
+            compiled: Any = SerializedGrammar(text, self.vocab_size)
+        else:
+            compiled = import_xgrammar().CompiledGrammar.deserialize_json(text, info)
         self.cache.put(spec, compiled)
         return compiled
 

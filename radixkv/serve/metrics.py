@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from radixkv.cache import hit_rate
 from radixkv.engine.outputs import RequestOutput
-from radixkv.serve.engine_loop import EngineSnapshot
+from radixkv.serve.engine_snapshot import EngineSnapshot
 from radixkv.serve.protocol import APIError
 from radixkv.serve.vllm_metrics import CacheInfo, vllm_families
 

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from radixkv.serve.engine_loop import EngineSnapshot
+from radixkv.serve.engine_snapshot import EngineSnapshot
 
 LABELS = ["model_name", "engine"]
 

@@ -51,7 +51,8 @@ from radixkv.serve.protocol import APIError, bad_request
 
 if TYPE_CHECKING:
     from radixkv.engine.llm import LLM
-    from radixkv.serve.engine_loop import EngineLoop
+    from radixkv.serve.engine_handle import EngineHandle
+    from radixkv.serve.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ T = TypeVar("T")
 class OpenAIServer(Protocol):
     """What these routes use of `radixkv.serve.app.OpenAIServer` (which registers them)."""
 
-    llm: LLM
+    model: ServedModel
     config: Any  # ServeConfig: model_name, max_queued_requests, admin_key
-    engine: EngineLoop
+    engine: EngineHandle
     limits: BodyLimits
     is_stopping: bool
 
@@ -102,7 +103,7 @@ def _add_sglang_routes(app: FastAPI, server: OpenAIServer) -> None:
                 "num_reqs": snap.num_running + waiting,
                 "num_waiting_reqs": waiting,
                 # KV held by requests (cached-but-evictable blocks are capacity, not load)
-                "num_tokens": snap.num_in_use_blocks * server.llm.cache.block_size,
+                "num_tokens": snap.num_in_use_blocks * server.model.cache.block_size,
             }
         ]
 
@@ -169,16 +170,16 @@ def _flush(llm: LLM, *, keep_disk: bool) -> tuple[str | None, str]:
 
 def _server_info(server: OpenAIServer) -> dict[str, Any]:
     """SGLang's /server_info: its server arguments and scheduler info, the fields routers read."""
-    llm, config = server.llm, server.config
-    settings = llm.config
-    max_total_tokens = llm.cache.num_blocks * llm.cache.block_size
+    model, config = server.model, server.config
+    settings = model.config
+    max_total_tokens = model.cache.num_blocks * model.cache.block_size
     return {
-        "model_path": llm.model_name,
-        "tokenizer_path": llm.tokenizer_path,
+        "model_path": model.text.model_name,
+        "tokenizer_path": model.tokenizer_path,
         "served_model_name": config.model_name,
         "dp_size": 1,
         "tp_size": 1,
-        "page_size": llm.cache.block_size,
+        "page_size": model.cache.block_size,
         "context_length": settings.max_model_len,
         "max_total_tokens": max_total_tokens,
         "max_prefill_tokens": settings.max_num_batched_tokens,
@@ -196,18 +197,17 @@ def _server_info(server: OpenAIServer) -> dict[str, Any]:
 
 def _model_info(server: OpenAIServer) -> dict[str, Any]:
     """SGLang's /model_info."""
-    llm = server.llm
-    model_config = llm.model.config
+    model = server.model
     return {
-        "model_path": llm.model_name,
-        "tokenizer_path": llm.tokenizer_path,
+        "model_path": model.text.model_name,
+        "tokenizer_path": model.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": getattr(model_config, "model_type", None),
-        "architectures": list(getattr(model_config, "architectures", None) or []),
+        "model_type": model.model_type,
+        "architectures": list(model.architectures),
     }
 
 
@@ -265,7 +265,7 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
             "object": "model",
             "created": 0,
             "owned_by": "radixkv",
-            "max_model_len": server.llm.config.max_model_len,
+            "max_model_len": server.model.config.max_model_len,
         }
 
 
@@ -300,10 +300,11 @@ def _tokenize_reply(server: OpenAIServer, raw: bytes) -> Response:
     body = read_tokenize_body(parse_json(raw), server.limits)
     _check_model(server, body.model)
     tokens = _tokenize(server, body)
-    context = server.llm.config.max_model_len
+    context = server.model.config.max_model_len
     if len(tokens) > context:
         raise over_context(len(tokens), context, "prompt" if body.messages is None else "messages")
-    strs = server.llm.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    tokenizer = server.model.text.tokenizer
+    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     reply = {"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": strs}
     return JSONResponse(reply)  # encoded here, in the preparation thread, as it is built
 
@@ -323,7 +324,7 @@ def _tokenize(server: OpenAIServer, body: TokenizeBody) -> list[int]:
         return server.chat_prompt(body.messages)
     assert body.prompt is not None, "read_tokenize_body gives one of prompt and messages"
     if body.add_special_tokens is False:
-        tokenizer = server.llm.tokenizer
+        tokenizer = server.model.text.tokenizer
         if tokenizer is None:
             raise bad_request("the model has no tokenizer", "prompt")
         return list(tokenizer.encode(body.prompt, add_special_tokens=False))
@@ -335,13 +336,13 @@ def _detokenize_reply(server: OpenAIServer, raw: bytes) -> Response:
     context holds."""
     body = read_detokenize_body(parse_json(raw), server.limits)
     _check_model(server, body.model)
-    context = server.llm.config.max_model_len
+    context = server.model.config.max_model_len
     if len(body.tokens) > context:
         raise bad_request(
             f"{len(body.tokens)} token ids: more than the model's context length ({context})",
             "tokens",
         )
-    return JSONResponse({"prompt": server.llm.decode(body.tokens)})
+    return JSONResponse({"prompt": server.model.text.decode(body.tokens)})
 
 
 def _check_model(server: OpenAIServer, model: str | None) -> None:

@@ -144,6 +144,7 @@ def test_identical_replies_are_counted_against_the_first_server_of_the_round() -
 @pytest.mark.parametrize(
     ("name", "kind", "threads", "dtype", "eager", "schema"),
     [
+        ("radixkv:inproc", "radixkv", 1, "float32", False, False),
         ("radixkv", "radixkv", 1, "float32", False, False),
         ("radixkv:t2:bf16", "radixkv", 2, "bfloat16", False, False),
         ("radixkv+schema", "radixkv", 1, "float32", False, True),

@@ -6,9 +6,9 @@ windows included). The workload's prompts are 4-5 windows long and share a 28-to
 cache hits, chunk boundaries and blocks all fall inside, across and past windows.
 
 The matrix covers each property without the full cross product: the architectures with windows,
-soft-capping, query scaling and sinks (Mistral-window, Gemma 2, Gemma 3, GPT-OSS) run every
-engine variant (block sizes 1 / 16 / 64, cache off, eviction pressure, chunked prefill); every
-other architecture runs one variant, in turn.
+soft-capping, query scaling and sinks (Mistral-window, Gemma 2, Gemma 3, GPT-OSS) and one with
+latent attention (DeepSeek V3) run every engine variant (block sizes 1 / 16 / 64, cache off,
+eviction pressure, chunked prefill); every other architecture runs one variant, in turn.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ VARIANTS["eviction"] = dict(
 VARIANTS["chunked"] = dict(
     block_size=4, num_blocks=512, chunked_prefill_size=5, max_num_batched_tokens=8
 )
-WINDOWED = ("mistral-window", "gemma2", "gemma3", "gpt-oss")
-OTHERS = [arch for arch in ARCHITECTURES if arch not in WINDOWED]
-CASES = [(arch, variant) for arch in WINDOWED for variant in VARIANTS]
+EVERY_VARIANT = ("mistral-window", "gemma2", "gemma3", "gpt-oss", "deepseek-v3")
+OTHERS = [arch for arch in ARCHITECTURES if arch not in EVERY_VARIANT]
+CASES = [(arch, variant) for arch in EVERY_VARIANT for variant in VARIANTS]
 CASES += [(arch, list(VARIANTS)[i % len(VARIANTS)]) for i, arch in enumerate(OTHERS)]
 
 
@@ -171,8 +171,9 @@ def test_layout_of_gemma2_and_gpt_oss(arch_model):
         ("mamba", {}, "linear_attention layers"),
         ("llama4_text", {}, "chunked_attention layers"),
         (
-            "deepseek_v3",  # multi-head latent attention: values narrower than keys
+            "deepseek_v32",  # its indexer picks the positions each query attends to
             dict(
+                num_key_value_heads=4,
                 q_lora_rank=16,
                 kv_lora_rank=16,
                 qk_rope_head_dim=8,
@@ -184,7 +185,7 @@ def test_layout_of_gemma2_and_gpt_oss(arch_model):
                 n_group=1,
                 topk_group=1,
             ),
-            "query / key / value heads have sizes",
+            "deepseek_v32: DeepSeek sparse attention",
         ),
         ("gemma3_text", dict(head_dim=16, use_bidirectional_attention=True), "not causal"),
         ("stablelm", {}, "does not pass the forward's keywords on"),

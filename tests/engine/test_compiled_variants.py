@@ -185,3 +185,39 @@ def test_window_softcap_and_sinks_compile_in_the_warm_up(arch, monkeypatch, tmp_
     assert after == at_start, "a variant first compiled after the warm-up"
     # window and full layers, each decode-like and prefill
     assert len(at_start["paged_attention"]) == 4
+
+
+def test_latent_layers_compile_in_the_warm_up(monkeypatch, tmp_path):
+    """DeepSeek V3's latent layers on the Triton kernels: the warm-up compiles the absorbed
+    form's decode and extend variants and the expanded form's first and later chunks (a prefill
+    of two chunks: 16 positions each here, so that it stays small under the interpreter); a
+    workload of prefills, prefix hits (extends over the cache) and decodes adds none, and the
+    greedy tokens are transformers'. Two layers (a dense one, a MoE one) keep it quick."""
+    from tiny_archs import ARCHITECTURES, build_config, greedy_tokens, save_tiny_model
+
+    from radixkv.kernels import latent_reference
+
+    for bound in ("MAX_EXPANDED_CHUNK", "MIN_EXPANDED_CHUNK"):
+        monkeypatch.setattr(latent_reference, bound, 16)
+    model_type, fields = ARCHITECTURES["deepseek-v3"]
+    path = save_tiny_model(build_config(model_type, **{**fields, "num_hidden_layers": 2}), tmp_path)
+    prompts = random_prompts(7, 3, shared_prefix=9, max_len=6)
+    expected = greedy_tokens(path, prompts, [3] * len(prompts))
+    recorder = VariantRecorder(monkeypatch, radixkv_kernels())
+    with use_backend("triton"):
+        llm = LLM(str(path), block_size=BLOCK, num_blocks=64, max_num_seqs=2)
+        at_start = recorder.variants()
+        for _ in range(2):  # cold, then from the cache
+            outs = llm.generate(prompts, SamplingParams(max_tokens=3))
+            assert [list(o.token_ids) for o in outs] == expected
+    assert after_warm_up_adds_none(recorder, at_start)
+    assert len(at_start["latent_attention"]) == 2  # decode-like and extend tiles
+    assert len(at_start["expanded_chunk"]) == 2  # the first chunk and the ones resuming it
+    assert not at_start["paged_attention"]  # no layer attends over K and V
+
+
+def after_warm_up_adds_none(recorder: VariantRecorder, at_start: dict) -> bool:
+    after = recorder.variants()
+    new = {name: after[name] - at_start[name] for name in after if after[name] - at_start[name]}
+    assert not new, f"variants first compiled after the warm-up: {sorted(new)}"
+    return True

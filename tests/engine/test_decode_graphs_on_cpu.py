@@ -195,6 +195,39 @@ def test_graph_replays_of_window_softcap_and_sink_layers(monkeypatch):
                 assert graphs.decode_graphs.num_replays == replays + 1
 
 
+def test_graph_replays_of_latent_layers(monkeypatch):
+    """DeepSeek V3's latent layers (two: a dense one, a MoE one): replayed decode steps of one
+    and two rows equal eager ones, with the latent cache's plan made once at capture (every
+    decode row attends absorbed)."""
+    from tiny_archs import ARCHITECTURES, build_config, tiny_model
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model_type, fields = ARCHITECTURES["deepseek-v3"]
+    model = tiny_model(build_config(model_type, **{**fields, "num_hidden_layers": 2}))
+    config = EngineConfig(block_size=BLOCK, num_blocks=32)
+    a, b = list(range(10, 23)), list(range(30, 36))
+    prefill = SchedulerOutput(rows=(row("a", a, 0, [3, 7, 1, 9]), row("b", b, 0, [5, 2])))
+    with use_backend("triton"):
+        eager = ModelRunner(model, config)
+        graphs = ModelRunner(model, config)
+        assert graphs.kv[0].latent is not None
+        with torch.inference_mode():
+            graphs.decode_graphs = graphs.capture_decode_graphs(2, max_len=40)
+        for runner in (eager, graphs):
+            runner.execute(prefill)
+        steps = [
+            SchedulerOutput(rows=(row("a", [40], 13, [3, 7, 1, 9]),)),
+            SchedulerOutput(rows=(row("a", [41], 14, [3, 7, 1, 9]), row("b", [42], 6, [5, 2]))),
+        ]
+        for step in steps:
+            replays = graphs.decode_graphs.num_replays
+            expected = eager.execute(step)
+            torch.testing.assert_close(graphs.execute(step), expected, rtol=1e-5, atol=1e-5)
+            assert graphs.decode_graphs.num_replays == replays + 1
+    torch.testing.assert_close(graphs.kv[0].k_cache, eager.kv[0].k_cache, rtol=1e-5, atol=1e-5)
+
+
 def test_a_forward_that_cannot_be_captured_runs_eager(monkeypatch, caplog):
     """A model whose decode forward cannot be captured (transformers' grouped MoE experts copy
     host tensors during the capture, which CUDA refuses) runs its decode steps eager, with a

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from tiny_archs import YARN
 from transformers import AutoConfig
 
 from radixkv import kernels
@@ -44,16 +45,6 @@ SIZES = dict(
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
-)
-YARN = dict(
-    rope_type="yarn",
-    rope_theta=10000.0,
-    factor=4.0,
-    original_max_position_embeddings=8,  # positions past 8 are scaled (Mistral 4's query too)
-    beta_fast=32.0,
-    beta_slow=1.0,
-    mscale=1.0,
-    mscale_all_dim=1.0,
 )
 # test id: (model type, config fields over SIZES)
 FAMILIES = {

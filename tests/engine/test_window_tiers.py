@@ -15,7 +15,7 @@ from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockStored
 from radixkv.chat.cli import tier_lines
 from radixkv.engine.tiers.disk_store import block_file_nbytes
-from radixkv.serve.engine_loop import tier_moves
+from radixkv.serve.engine_worker import tier_moves
 
 # every round evicts the prefixes and tails of the one before into the lower tiers
 PROMPTS, DEVICE = WINDOW_TIER_PROMPTS, WINDOW_TIER_DEVICE

@@ -68,9 +68,15 @@ def start_browser(scratch: Path) -> Any:
 
 
 def wait_for(driver: Any, condition: Any, what: str) -> Any:
+    """`condition(driver)` once it holds; a poll that met an element the page re-rendered
+    meanwhile (the tree redraws at every snapshot) is tried again, not a failure."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(condition, what)
+    wait = WebDriverWait(
+        driver, WAIT_S, poll_frequency=0.05, ignored_exceptions=(StaleElementReferenceException,)
+    )
+    return wait.until(condition, what)
 
 
 def text_of(driver: Any, element_id: str) -> str:

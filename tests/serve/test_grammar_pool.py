@@ -237,3 +237,40 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_a_serialized_grammar_loads_in_another_engine_as_the_compiled_one() -> None:
+    """What crosses to an engine process: the pool keeps xgrammar's JSON (`serialized=True`),
+    never a deserialized grammar, and the engine's loader makes of it a grammar whose matcher
+    allows exactly the tokens the directly compiled one allows, once per spec."""
+    import xgrammar as xgr
+
+    from radixkv.engine.sampling.grammar import GrammarCompiler, GrammarLoader, SerializedGrammar
+    from radixkv.serve.grammar_pool import GrammarPool
+
+    tokenizer = build_char_tokenizer()
+    vocab = len(tokenizer)
+    spec = ("regex", "[0-9]{2}-[a-z]{2}")
+    pool = GrammarPool(
+        tokenizer, vocab, num_workers=1, timeout_s=60, cache_bytes=2**24, serialized=True
+    )
+    try:
+        shipped = asyncio.run(pool.compile(spec))
+    finally:
+        pool.close()
+    assert isinstance(shipped, SerializedGrammar) and shipped.vocab_size == vocab
+    assert shipped.memory_size_bytes == len(shipped.json_text) > 0
+    loader = GrammarLoader(tokenizer, vocab)
+    loaded = loader.load(spec, shipped)
+    assert loader.load(spec, shipped) is loaded  # cached by spec
+    direct = GrammarCompiler(tokenizer, vocab).compile(spec)
+    masks = []
+    for grammar in (loaded, direct):
+        matcher, mask = xgr.GrammarMatcher(grammar), xgr.allocate_token_bitmask(1, vocab)
+        allowed = []
+        for text in ("4", "2", "-"):
+            matcher.fill_next_token_bitmask(mask)
+            allowed.append(mask.clone())
+            assert matcher.accept_string(text)
+        masks.append(allowed)
+    assert all(bool((a == b).all()) for a, b in zip(*masks, strict=True))

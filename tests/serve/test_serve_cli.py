@@ -59,7 +59,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def load(args):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("radixkv.serve.cli.build_llm", load)
+    monkeypatch.setattr("radixkv.serve.cli.start_engine", load)
 
 
 def one_error_line(capsys) -> str:

@@ -14,18 +14,27 @@ keyword arguments, the layer's `is_causal`). The result is an `AttentionLayout`:
                      window-W layers only of the last W (one window group, of the largest W);
                      each group owns a pool of blocks (`radixkv.cache.group`). This is the one
                      place above the cache that names the kinds of group.
-    num_kv_heads, head_dim   one KV layout shared by every layer (the paged cache's)
+    num_kv_heads, head_dim   one KV layout shared by every layer that stores K and V
+    latent, latent_layers    multi-head latent attention (MLA): the layers that keep one latent
+                     vector a token instead (`radixkv.engine.step.latent_attention`), its sizes
+
+MLA modules (DeepSeek V2 / V3 and kin) attend in code of their own, not through the attention
+interface: the probe swaps them for radixkv's paged modules first (`swap_latent_modules`, as the
+runner runs them) and they report to the recording cache's `latent_layer`. Their layers are the
+tree's group's, with a latent tensor layout (the engine's business, not the cache's).
 
 A model this engine cannot run exactly is refused here, with one line saying why (ModelLoadError):
 layers that do not attend through transformers' attention interface (recurrent or linear layers,
 architectures with attention code of their own), non-causal or chunked attention, key and value
-heads of different sizes (multi-head latent attention), options the paged kernels do not have.
+heads of different sizes outside latent attention, DeepSeek's sparse attention, full layers
+that mix latent and K/V caches, options the paged kernels do not have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +44,8 @@ from transformers.cache_utils import Cache
 from radixkv.cache.group import GroupSpec
 from radixkv.cache.window import WindowSpec
 from radixkv.engine.model.model_loader import ModelLoadError
-from radixkv.kernels import FULL, AttentionKind
+from radixkv.engine.step.latent_attention import swap_latent_modules
+from radixkv.kernels import FULL, AttentionKind, AttentionMetadata, LatentDims, plan_latent_step
 
 PROBE_ATTENTION_NAME = "radixkv-probe"
 # Layer types (config.layer_types) the paged kernels compute as transformers does.
@@ -52,10 +62,12 @@ _INERT_KWARGS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """Layers whose KV one cache group keeps (`spec` names its kind), in tensor order."""
+    """Layers whose KV one cache group keeps (`spec` names its kind), in tensor order. `latent`:
+    the layers keep one latent vector of these sizes a token (MLA) instead of K and V."""
 
     spec: GroupSpec
     layers: tuple[int, ...]
+    latent: LatentDims | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +76,10 @@ class AttentionLayout:
 
     layers: tuple[AttentionKind, ...]  # indexed by the attention module's layer_idx
     num_q_heads: int
-    num_kv_heads: int
+    num_kv_heads: int  # a model whose layers are all latent: 1 head of the latent's width
     head_dim: int
+    latent: LatentDims | None = None  # the latent layers' sizes (None: no latent layer)
+    latent_layers: tuple[int, ...] = ()
 
     def cache_groups(self) -> tuple[LayerGroup, ...]:
         """The tree's group first (the layers that read every token; it is there, bookkeeping
@@ -74,17 +88,20 @@ class AttentionLayout:
         tokens)."""
         full = tuple(i for i, k in enumerate(self.layers) if k.window is None)
         windowed = tuple(i for i, k in enumerate(self.layers) if k.window is not None)
-        groups = [LayerGroup(GroupSpec(), full)]
+        latent = self.latent if full and full[0] in self.latent_layers else None
+        groups = [LayerGroup(GroupSpec(), full, latent)]
         if windowed:
             window = max(self.layers[i].window for i in windowed)  # type: ignore[type-var]
             groups.append(LayerGroup(WindowSpec(window), windowed))
         return tuple(groups)
 
     def describe(self) -> str:
-        """One line: the layers of each kind, e.g. "2 full + 4 window-512 layers"."""
+        """One line: the layers of each kind, e.g. "2 full + 4 window-512 layers" (latent
+        layers: "4 full (latent 576) layers")."""
         windows = sorted({k.window for k in self.layers}, key=lambda w: (w is not None, w or 0))
         counts = [sum(k.window == w for k in self.layers) for w in windows]
-        kinds = ["full" if w is None else f"window-{w}" for w in windows]
+        full = "full" if self.latent is None else f"full (latent {self.latent.latent_dim})"
+        kinds = [full if w is None else f"window-{w}" for w in windows]
         return " + ".join(f"{n} {kind}" for n, kind in zip(counts, kinds, strict=True)) + " layers"
 
 
@@ -100,11 +117,25 @@ class _Call:
 
 
 class _RecordingCache(Cache):
-    """A cache that writes nothing and notes which layers store K/V through it."""
+    """A cache that writes nothing and notes which layers store K/V through it, and which latent
+    layers (radixkv's MLA modules) ask it for their cache (`latent_layer`: a scratch one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, latent: LatentDims | None, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(layers=[])
         self.updated: list[int] = []
+        self.latent_layers: list[int] = []
+        self._latent_step = None
+        if latent is not None:  # the probe's two tokens in one block
+            cache = torch.zeros((1, 2, latent.latent_dim), dtype=dtype, device=device)
+            metadata = AttentionMetadata(
+                torch.zeros((1, 1), dtype=torch.int32),
+                torch.tensor([2], dtype=torch.int32),
+                torch.tensor([0, 2], dtype=torch.int32),
+                (1, 2, 1, latent.latent_dim),
+                slot_mapping=torch.arange(2, dtype=torch.int32),
+                device=device,
+            )
+            self._latent_step = (cache, plan_latent_step(metadata, latent))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a, **kw
@@ -112,15 +143,25 @@ class _RecordingCache(Cache):
         self.updated.append(layer_idx)
         return key_states, value_states
 
+    def latent_layer(self, layer_idx: int) -> tuple[torch.Tensor, Any]:
+        assert self._latent_step is not None, "a latent layer in a model swap_latent_modules missed"
+        self.latent_layers.append(layer_idx)
+        return self._latent_step
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
 
 def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
-    """Run `model` once over two tokens with recording attention and cache hooks, and describe
+    """Swap `model`'s MLA modules for radixkv's (in place; they stay swapped: the runner runs
+    them), run it once over two tokens with recording attention and cache hooks, and describe
     its layers. Leaves the model's attention implementation as the probe's: the caller sets its
     own next. Raises ModelLoadError (naming `name` and what is unsupported) for a model whose
     attention the paged kernels cannot compute exactly."""
+    try:
+        latent = swap_latent_modules(model)
+    except ModelLoadError as exc:  # sparse attention, or latent layers of different sizes
+        raise _refusal(name, model, str(exc)) from exc
     cfg = model.config.get_text_config()
     unsupported = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
@@ -136,8 +177,9 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
         return out, None
 
     AttentionInterface.register(PROBE_ATTENTION_NAME, record)
-    cache = _RecordingCache()
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
+    cache = _RecordingCache(latent, device, param.dtype)
     try:
         model.set_attn_implementation(PROBE_ATTENTION_NAME)
         with torch.inference_mode():
@@ -155,13 +197,24 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
         ) from exc
     if any(call.kwargs.get("radixkv_cache") is not cache for call in calls):
         raise _refusal(name, model, "its attention does not pass the forward's keywords on")
-    return _layout(calls, cache.updated, cfg, lambda why: _refusal(name, model, why))
+    latent_calls = (latent, cache.latent_layers)
+    return _layout(calls, cache.updated, latent_calls, cfg, partial(_refusal, name, model))
 
 
-def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) -> AttentionLayout:
+def _layout(
+    calls: Sequence[_Call],
+    updated: Sequence[int],
+    latent_calls: tuple[LatentDims | None, Sequence[int]],
+    cfg: Any,
+    refuse: Callable[[str], ModelLoadError],
+) -> AttentionLayout:
+    """The layout from what the probe recorded: the attention interface's `calls`, the layers
+    that stored K/V through the cache (`updated`), the latent layers' sizes and the layers that
+    asked for a latent cache (`latent_calls`)."""
+    latent, latent_layers = latent_calls
     num_layers = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or ())
-    indices = [getattr(c.module, "layer_idx", None) for c in calls]
+    indices = [getattr(c.module, "layer_idx", None) for c in calls] + list(latent_layers)
     missing = set(range(num_layers)) - set(indices)
     if missing:
         raise refuse(
@@ -170,11 +223,11 @@ def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) ->
         )
     if len(indices) != num_layers:  # every layer called, so some module attended twice
         raise refuse("its attention modules do not attend once each per layer (shared modules?)")
-    if sorted(updated) != list(range(num_layers)):
+    if sorted([*updated, *latent_layers]) != list(range(num_layers)):
         raise refuse("its layers do not all store their K/V through the cache interface")
-    kinds: list[AttentionKind] = [FULL] * num_layers
+    kinds: list[AttentionKind] = [FULL] * num_layers  # a latent layer attends to every token
     shapes = set()
-    for call, i in zip(calls, indices, strict=True):
+    for call, i in zip(calls, indices, strict=False):  # the latent layers made no call
         kinds[i] = _kind_of(call, i, layer_types, refuse)
         (_, heads, _, q_dim), (_, kv_heads, _, k_dim), v_dim = (
             call.q_shape,
@@ -189,6 +242,11 @@ def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) ->
         if heads % kv_heads:
             raise refuse(f"layer {i} has {heads} query heads for {kv_heads} KV heads")
         shapes.add((heads, kv_heads, k_dim))
+    if latent_layers and not shapes:
+        # Every layer latent: its absorbed form is multi-query attention over the latents (one
+        # KV head of their width).
+        assert latent is not None, "latent layers without their sizes"
+        shapes.add((latent.num_heads, 1, latent.latent_dim))
     if len(shapes) != 1:
         raise refuse(f"its layers differ in head counts or sizes {sorted(shapes)}")
     if all(k.window is None for k in kinds) and _config_window(cfg) is not None:
@@ -196,8 +254,16 @@ def _layout(calls: Sequence[_Call], updated: Sequence[int], cfg: Any, refuse) ->
             f"its config sets sliding_window={_config_window(cfg)} but no layer passes a window "
             "to the attention hook (a mask radixkv would not see)"
         )
+    full_kv = [i for i in range(num_layers) if kinds[i].window is None and i not in latent_layers]
+    if latent_layers and full_kv:
+        raise refuse(
+            f"its full-attention layers {full_kv} keep keys and values beside latent layers "
+            "(one KV layout per cache group)"
+        )
     ((heads, kv_heads, head_dim),) = shapes
-    return AttentionLayout(tuple(kinds), heads, kv_heads, head_dim)
+    latent_sorted = tuple(sorted(latent_layers))
+    dims = latent if latent_layers else None
+    return AttentionLayout(tuple(kinds), heads, kv_heads, head_dim, dims, latent_sorted)
 
 
 def _kind_of(call: _Call, i: int, layer_types: Sequence[str], refuse) -> AttentionKind:

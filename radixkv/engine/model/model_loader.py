@@ -3,7 +3,9 @@
 * `None` -> the bundled default, SmolLM2-135M-Instruct, converted once from its GGUF into the user
   cache directory by `radixkv.bundled_model`, then loaded from that folder.
 * A local directory or a Hugging Face id -> `AutoModelForCausalLM` / `AutoTokenizer` (with
-  `HF_HUB_OFFLINE=1` only the local HF cache is consulted).
+  `HF_HUB_OFFLINE=1` only the local HF cache is consulted); a config whose type the auto class
+  does not map to a causal LM (Mistral 4) loads as the `...ForCausalLM` class its
+  `architectures` names.
 * An already built `PreTrainedModel` -> used as is (the engine switches its attention
   implementation, so do not share it with code that expects the old one).
 """
@@ -91,7 +93,7 @@ def load_model(
     if tokenizer is not None:
         return LoadedModel(net, tokenizer, source)
     folder = os.path.abspath(source) if os.path.isdir(source) else None
-    return LoadedModel(net, _load_tokenizer(source), source, folder)
+    return LoadedModel(net, load_tokenizer(source), source, folder)
 
 
 def _check_device(device: object) -> torch.device:
@@ -118,13 +120,11 @@ def _default_device() -> torch.device:
 def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None) -> Any:
     """Raises ModelNotFoundError when there is nothing to load, ModelLoadError when what is there
     is broken."""
-    from transformers import AutoModelForCausalLM
-
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else "auto"
     try:
         # Mismatched shapes are loaded (re-initialised) and reported in `info`, checked below.
-        net, info = AutoModelForCausalLM.from_pretrained(
+        net, info = _causal_lm_class(source).from_pretrained(
             source, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
         )
     except (OSError, ValueError) as exc:
@@ -156,6 +156,24 @@ def _load_causal_lm(source: str, device: torch.device, dtype: torch.dtype | None
     return net.to(device).eval()
 
 
+def _causal_lm_class(source: str) -> Any:
+    """AutoModelForCausalLM, or the causal LM class the config's `architectures` names where the
+    auto class maps none to its type (transformers has `Mistral4ForCausalLM` but maps mistral4
+    only to the multimodal model). Raises what loading the config raises for a bad source."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return AutoModelForCausalLM  # let its own load report the source
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    names = [n for n in getattr(config, "architectures", None) or () if n.endswith("ForCausalLM")]
+    found = [getattr(transformers, n) for n in names if hasattr(transformers, n)]
+    return found[0] if found else AutoModelForCausalLM
+
+
 def _some(items: list[str]) -> str:
     more = f" and {len(items) - 2} more" if len(items) > 2 else ""
     return ", ".join(items[:2]) + more
@@ -166,7 +184,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _load_tokenizer(source: str) -> Any | None:
+def load_tokenizer(source: str) -> Any | None:
     from transformers import AutoTokenizer
 
     try:

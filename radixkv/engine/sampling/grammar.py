@@ -23,6 +23,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,7 +95,50 @@ class GrammarCache:
             for spec, (compiled, size) in self._entries.items():
                 assert size == compiled.memory_size_bytes, spec
                 if vocab_size is not None:
-                    assert compiled.tokenizer_info.vocab_size == vocab_size, spec
+                    assert _vocab_size(compiled) == vocab_size, spec
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SerializedGrammar:
+    """A compiled grammar as xgrammar's JSON (`CompiledGrammar.serialize_json`), for a vocabulary
+    of `vocab_size`: what the server's front end keeps and sends to an engine in another
+    process, which loads it once (`GrammarLoader`). Its size is its text's."""
+
+    json_text: str
+    vocab_size: int
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return len(self.json_text)
+
+
+class GrammarLoader:
+    """Serialized grammars loaded for one tokenizer and vocabulary (an engine process's), in a
+    `GrammarCache` by spec: a spec sent again is not loaded again."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    ) -> None:
+        xgr = import_xgrammar()
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.vocab_size = vocab_size
+        self.cache = GrammarCache(cache_bytes)
+
+    def load(self, spec: tuple[str, str], grammar: SerializedGrammar) -> Any:
+        """The CompiledGrammar of `spec`, loaded from `grammar` unless cached."""
+        assert grammar.vocab_size == self.vocab_size, (grammar.vocab_size, self.vocab_size)
+        compiled = self.cache.get(spec)
+        if compiled is None:
+            xgr = import_xgrammar()
+            compiled = xgr.CompiledGrammar.deserialize_json(grammar.json_text, self._info)
+            self.cache.put(spec, compiled)
+        return compiled
+
+
+def _vocab_size(grammar: Any) -> int:
+    if isinstance(grammar, SerializedGrammar):
+        return grammar.vocab_size
+    return grammar.tokenizer_info.vocab_size
 
 
 class GrammarCompiler:

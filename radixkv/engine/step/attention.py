@@ -17,7 +17,9 @@ Llama's attention with one that calls the kernels directly):
 
 Each KV cache group keeps its layers' KV in tensors of its own (a model with window layers: the
 window group's, over its smaller pool, `radixkv.cache.window`): a layer reads and writes its
-group's tensors through its group's metadata (the group's own block tables and slots).
+group's tensors through its group's metadata (the group's own block tables and slots). Latent
+(MLA) layers attend in radixkv's own modules (`latent_attention`), which ask the same object for
+their latent cache and the step's plan (`PagedKVCache.latent_layer`).
 
 transformers does not hand `past_key_values` to the attention function, so the runner passes the
 same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
@@ -34,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from radixkv import kernels
-from radixkv.kernels import AttentionKind, AttentionMetadata
+from radixkv.kernels import AttentionKind, AttentionMetadata, LatentStep
 
 ATTENTION_NAME = "radixkv"
 
@@ -42,17 +44,18 @@ ATTENTION_NAME = "radixkv"
 class PagedKVCache(Cache):
     """A transformers `Cache` whose storage is the engine's paged KV tensors.
 
-    `layer_kv[i]` is layer i's (K, V) cache, each [num_blocks, B, kv_heads, head_dim]: views of
-    the runner's tensors of its KV cache group `layer_groups[i]`, whose step metadata is
-    `metadata[layer_groups[i]]`. One instance per step (it carries the step's kernel metadata,
-    validated once when the runner built it, for every layer); it never grows or allocates.
-    `kinds[i]` is layer i's attention.
+    `layer_kv[i]` is layer i's (K, V) cache, each [num_blocks, B, kv_heads, head_dim] (a latent
+    layer's: its latent cache alone, [num_blocks, B, L + R]): views of the runner's tensors of
+    its KV cache group `layer_groups[i]`, whose step metadata is `metadata[layer_groups[i]]` (a
+    latent group's: its `LatentStep`). One instance per step (it carries the step's kernel
+    metadata, validated once when the runner built it, for every layer); it never grows or
+    allocates. `kinds[i]` is layer i's attention.
     """
 
     def __init__(
         self,
-        layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: Sequence[AttentionMetadata],
+        layer_kv: Sequence[tuple[torch.Tensor, ...]],
+        metadata: Sequence[AttentionMetadata | LatentStep],
         kinds: Sequence[AttentionKind],
         layer_groups: Sequence[int],
     ) -> None:
@@ -68,6 +71,11 @@ class PagedKVCache(Cache):
         """The K cache, V cache and metadata layer `layer_idx` writes and reads."""
         k_cache, v_cache = self.layer_kv[layer_idx]
         return k_cache, v_cache, self.metadata[self.layer_groups[layer_idx]]
+
+    def latent_layer(self, layer_idx: int) -> tuple[torch.Tensor, LatentStep]:
+        """The latent cache and the step's plan latent layer `layer_idx` writes and reads."""
+        (cache,) = self.layer_kv[layer_idx]
+        return cache, self.metadata[self.layer_groups[layer_idx]]
 
     def update(
         self,

@@ -13,7 +13,8 @@ launch. What makes that possible:
   only (the bucket and `max_blocks * block_size`, the longest context a row can have), never from
   per-step values, so the captured launches are right for every step of that bucket;
 * one `AttentionMetadata` per bucket and KV cache group, built at capture over the static
-  buffers.
+  buffers (and a latent group's plan of it: every decode row attends in the absorbed form, so
+  one plan serves every replay).
 
 Prefill and mixed steps stay eager: their token counts vary too much to bucket.
 """
@@ -25,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +40,9 @@ from radixkv.engine.step.step_inputs import (
 )
 from radixkv.kernels import CompileCounter
 from radixkv.scheduler.output import ScheduledRequest
+
+if TYPE_CHECKING:
+    from radixkv.engine.step.kv_tensors import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +104,8 @@ class DecodeGraphs:
     buffer of `graph_max_blocks` block-table columns and one memory pool.
 
     `kv_shapes[g]`: one layer's KV shape of KV cache group g (the first group's pool bounds
-    the block-table columns: every group's table is as wide).
+    the block-table columns: every group's table is as wide); `plans[g]` its step plan, if any
+    (`kv_tensors.GroupKV.step_plan`).
 
     Invariants: `static` holds the inputs of the last replay (or the pad rows of the capture);
     each bucket's graph reads the leading `bucket_layout(bucket, max_blocks).total` entries and
@@ -114,8 +120,10 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         compiles: CompileCounter | None = None,
+        plans: Sequence[StepPlan | None] = (),
     ) -> None:
         self.buckets = decode_buckets(max_num_seqs)
+        self.plans = tuple(plans)
         num_blocks, self.block_size = kv_shapes[0][:2]
         self.max_blocks = graph_max_blocks(max_model_len, self.block_size, num_blocks)
         self.stager = stager
@@ -174,7 +182,7 @@ class DecodeGraphs:
             host = torch.from_numpy(np.empty(layout.total, dtype=np.int32))
             pack_step((), (), self.block_size, layout, host.numpy())  # pad rows only
             self.static[: layout.total].copy_(host)
-            views, metas = split_step(layout, host, self.static, self.kv_shapes)
+            views, metas = split_step(layout, host, self.static, self.kv_shapes, plans=self.plans)
             fn = partial(forward, views, metas, 0)
             graph, logits = capture_graph(fn, device, pool)
             pool = graph.pool()

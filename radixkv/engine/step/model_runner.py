@@ -2,9 +2,10 @@
 
 * `ModelRunner` sizes and owns the KV tensors, one pair (K, V) per KV cache group, stacked over
   the group's layers as `[num_layers, num_blocks, block_size, kv_heads, head_dim]` (`kv_tensors`:
-  each group's pool sized by its kind; a model with window layers has two groups), binds every
-  layer to its group's views, switches the model to the ``"radixkv"`` attention (see
-  `radixkv.engine.step.attention`), and runs `execute(step)`:
+  each group's pool sized by its kind; a model with window layers has two groups; a model with
+  multi-head latent attention keeps one latent tensor in its tree group instead, read by the
+  MLA modules the probe swapped in), binds every layer to its group's views, switches the model
+  to the ``"radixkv"`` attention (see `radixkv.engine.step.attention`), and runs `execute(step)`:
 
       copies (copy-on-write of partial blocks)  ->  metadata  ->  model forward  ->  logits
 
@@ -18,7 +19,8 @@
 * On Triton (CUDA), Llama models get fused RMSNorm and RoPE + K/V store modules (`fused_llama`);
   other models, and every model on the torch backend, keep transformers' modules and the generic
   attention hooks.
-* `warm_up()` (the engine calls it once) runs a prefill, a mixed and a decode step so the Triton
+* `warm_up()` (the engine calls it once) runs a prefill, a mixed and a decode step (for latent
+  layers also an extend over a context and a prefill of two expanded chunks) so the Triton
   kernels compile every variant before the first request; a compile after that is logged as a
   warning with the step's shape (`radixkv.kernels.compile_counter`).
 
@@ -42,11 +44,13 @@ from radixkv import kernels
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model.attention_layout import probe_attention
 from radixkv.engine.step.attention import PagedKVCache, register_attention
+from radixkv.engine.step.cpu_weights import use_column_major_linears
 from radixkv.engine.step.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.step.fused_llama import fuse_llama_modules, unfuse_llama_modules
 from radixkv.engine.step.kv_tensors import allocate_group_kv
 from radixkv.engine.step.step_inputs import InputStager, StepLayout, region, stage_step
 from radixkv.kernels import AttentionMetadata
+from radixkv.kernels.latent_reference import expanded_chunk_size
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -60,12 +64,13 @@ class ModelRunner:
     batch sizes) and max_model_len (their block-table width; None: what the tree group's pool
     holds); a step past either runs eager.
 
-    Invariants: `kv[g]` holds KV cache group g's K and V, [len(kv[g].layers), num_blocks,
-    block_size, kv_heads, head_dim], on the model's device in the model's dtype (`kv[0]` the
-    tree's group: every layer, in a model without window layers); `layer_kv[i]` is layer i's
-    pair of views into its group's tensors, `layer_groups[i]` that group; the model's attention
-    implementation is ``"radixkv"`` for as long as the runner lives; `decode_graphs` is None on
-    the CPU and with `enforce_eager`.
+    Invariants: `kv[g]` holds KV cache group g's K and V (or its latent), [len(kv[g].layers),
+    num_blocks, block_size, heads, width], on the model's device in the model's dtype (`kv[0]`
+    the tree's group: every layer, in a model without window layers); `layer_kv[i]` is layer
+    i's views into its group's tensors (`GroupKV.layer_views`), `layer_groups[i]` that group;
+    `step_plans[g]` what group g's layers read per step beside its metadata (None: nothing);
+    the model's attention implementation is ``"radixkv"`` for as long as the runner lives;
+    `decode_graphs` is None on the CPU and with `enforce_eager`.
     """
 
     def __init__(
@@ -93,10 +98,11 @@ class ModelRunner:
         self.kv_shapes = tuple(kv.layer_shape for kv in self.kv)  # one layer's, per group
         # Each layer's group and its views into the group's tensors, by layer index.
         bound = {
-            layer: (g, (kv.k_cache[i], kv.v_cache[i]))
+            layer: (g, kv.layer_views(i))
             for g, kv in enumerate(self.kv)
             for i, layer in enumerate(kv.layers)
         }
+        self.step_plans = tuple(kv.step_plan() for kv in self.kv)
         layers = range(len(self.layout.layers))
         self.layer_groups = [bound[i][0] for i in layers]
         self.layer_kv = [bound[i][1] for i in layers]
@@ -109,9 +115,11 @@ class ModelRunner:
         # transformers' own modules are the same computation, and cheaper to call.
         on_triton = kernels.backend_for(self.device) == "triton"
         self.fused_modules = on_triton and fuse_llama_modules(model)
+        if self.device.type == "cpu":
+            use_column_major_linears(model)
         pools = " + ".join(
-            f"{kv.num_blocks} {kv.name} blocks ({kv.num_blocks * kv.bytes_per_block / 2**20:.1f} "
-            "MiB)"
+            f"{kv.num_blocks} {kv.label} blocks ({kv.num_blocks * kv.bytes_per_block / 2**20:.1f}"
+            " MiB)"
             for kv in self.kv
         )
         logger.info(
@@ -145,6 +153,7 @@ class ModelRunner:
                     max_num_seqs,
                     max_len,
                     self._compiles,
+                    self.step_plans,
                 )
         except RuntimeError as exc:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -161,7 +170,16 @@ class ModelRunner:
             return
         t0, compiles = time.perf_counter(), self._compiles.count
         num_blocks = min(kv.num_blocks for kv in self.kv)
-        for step in warm_up_steps(num_blocks, self.block_size, num_groups=len(self.kv)):
+        latent = [kv.latent for kv in self.kv if kv.latent is not None]
+        long_prefill = 0
+        if latent:  # a context the expanded form up-projects in two chunks
+            dims = latent[0]
+            width = dims.qk_nope_head_dim + dims.v_head_dim
+            long_prefill = expanded_chunk_size(dims.num_heads, width, None) + 1
+        steps = warm_up_steps(
+            num_blocks, self.block_size, num_groups=len(self.kv), long_prefill=long_prefill
+        )
+        for step in steps:
             self._execute_eager(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -213,6 +231,7 @@ class ModelRunner:
             block_size=self.block_size,
             vocab_size=self.vocab_size,
             validate=self.validate_steps,
+            plans=self.step_plans,
         )
         if feed is not None:
             feed(views["input_ids"])
@@ -242,17 +261,17 @@ class ModelRunner:
 
     def _copy_blocks(self, step: SchedulerOutput, views: dict[str, torch.Tensor]) -> None:
         """Each KV cache group's copy-on-write copies of `step` (in the split step buffer
-        `views`), in every one of its layers' K and V."""
+        `views`), in every one of its layers' K and V (or latent)."""
         for g, kv in enumerate(self.kv):
             if step.plan(g).copies:
                 src, dst, slots = (
                     views[region(n, g)] for n in ("copy_src", "copy_dst", "copy_slots")
                 )
-                kernels.copy_blocks(kv.k_cache, kv.v_cache, src, dst, slots)
+                kernels.copy_blocks(*kv.copy_pair, src, dst, slots)
 
 
 def warm_up_steps(
-    num_blocks: int, block_size: int, *, num_groups: int = 1
+    num_blocks: int, block_size: int, *, num_groups: int = 1, long_prefill: int = 0
 ) -> list[SchedulerOutput]:
     """The warm-up's steps over blocks [0, num_blocks) of every one of `num_groups` KV cache
     groups: a prefill, a mixed step (a decode row, a prefill chunk and a copy-on-write) when the
@@ -261,16 +280,20 @@ def warm_up_steps(
     compiled variant: a step is decode-like (one token per row) or not, everything else a
     kernel specializes on is fixed per model (see `radixkv.kernels.triton_paged_attention`).
     The decode rows' block tables are wide (a context over 256 tokens), so on a GPU they split
-    the context and the merge kernel compiles too."""
+    the context and the merge kernel compiles too. With `long_prefill` (latent layers: a
+    prefill the expanded form up-projects in two chunks) and room for it, a step of that
+    prefill and a step of a short extend over a context, which both forms' rules absorb."""
     B = block_size
 
-    def row(name: str, num_tokens: int, first_block: int, width: int = 0) -> ScheduledRequest:
-        """`num_tokens` tokens from position 0 in consecutive blocks from `first_block`, the
-        table padded with block 0 to `width` columns."""
-        blocks = tuple(range(first_block, first_block + -(-num_tokens // B)))
+    def row(
+        name: str, num_tokens: int, first_block: int, width: int = 0, start: int = 0
+    ) -> ScheduledRequest:
+        """`num_tokens` tokens from position `start` in consecutive blocks from `first_block`,
+        the table padded with block 0 to `width` columns."""
+        blocks = tuple(range(first_block, first_block + -(-(start + num_tokens) // B)))
         table = blocks + (0,) * (width - len(blocks))
         return ScheduledRequest(
-            f"warm-up-{name}", (0,) * num_tokens, 0, (table,) * num_groups, True
+            f"warm-up-{name}", (0,) * num_tokens, start, (table,) * num_groups, True
         )
 
     steps = [SchedulerOutput(rows=(row("prefill", min(16, num_blocks * B), 0),))]
@@ -279,4 +302,7 @@ def warm_up_steps(
         steps.append(SchedulerOutput(rows=mixed, plans=(GroupPlan(copies=(BlockCopy(0, 1, 1),)),)))
     decode = tuple(row(f"decode-{i}", 1, i, width=-(-512 // B)) for i in range(min(2, num_blocks)))
     steps.append(SchedulerOutput(rows=decode))
+    if long_prefill and num_blocks * B >= long_prefill:
+        steps.append(SchedulerOutput(rows=(row("long-prefill", long_prefill, 0),)))
+        steps.append(SchedulerOutput(rows=(row("extend", 2, 0, start=long_prefill - 2),)))
     return steps

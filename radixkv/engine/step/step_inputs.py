@@ -27,13 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 
 from radixkv.kernels import AttentionMetadata
 from radixkv.scheduler.output import BlockCopy, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from radixkv.engine.step.kv_tensors import StepPlan
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -130,15 +133,22 @@ def split_step(
     kv_shapes: Sequence[tuple[int, ...]],
     *,
     validate: bool = True,
-) -> tuple[dict[str, torch.Tensor], tuple[AttentionMetadata, ...]]:
+    plans: Sequence[StepPlan | None] = (),
+) -> tuple[dict[str, torch.Tensor], tuple[Any, ...]]:
     """The device views of a packed step (`layout.split(dev)`) and the attention metadata of
     each KV cache group over them (`kv_shapes[g]`: one layer's KV shape of group g): its own
-    block tables and slots, the same lengths. The metadata's values are read from the host
-    copy `host` of `dev`, so nothing syncs."""
+    block tables and slots, the same lengths; for a group with a plan (`plans[g]`, see
+    `kv_tensors.StepPlan`), what the plan makes of it. The metadata's values are read from the
+    host copy `host` of `dev`, so nothing syncs."""
     views, on_host = layout.split(dev), layout.split(host)
     # NOTE: `map`, not a loop: the step's walk then ends here, without a return to this file.
     metadata = partial(_metadata, views, on_host, validate=validate)
-    return views, tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
+    metas = tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
+    if not any(plans):
+        return views, metas
+    tables = [on_host[region("block_tables", g)] for g in range(len(metas))]
+    planned = (m if p is None else p(m, t) for m, p, t in zip(metas, plans, tables, strict=True))
+    return views, tuple(planned)
 
 
 def stage_step(
@@ -149,9 +159,11 @@ def stage_step(
     block_size: int,
     vocab_size: int,
     validate: bool,
-) -> tuple[dict[str, torch.Tensor], tuple[AttentionMetadata, ...]]:
+    plans: Sequence[StepPlan | None] = (),
+) -> tuple[dict[str, torch.Tensor], tuple[Any, ...]]:
     """An eager step's inputs on the device, packed and copied in one go: `split_step` over
-    its buffer. The KV shapes are one layer's per group, as `split_step` takes them."""
+    its buffer. The KV shapes are one layer's per group, as `split_step` takes them, and so
+    are the groups' plans."""
     copies = [step.plan(g).copies for g in range(len(kv_shapes))]
     layout = layout_for(step.rows, num_copies=tuple(map(len, copies)))
     host, dev = stager.stage(step.rows, copies, block_size, layout)
@@ -159,7 +171,7 @@ def stage_step(
     # On the host: an id past the embedding would be a device-side assert on CUDA, which
     # leaves the whole process unable to run another step.
     assert ids.min() >= 0 and ids.max() < vocab_size, "token id out of range"
-    return split_step(layout, host, dev, kv_shapes, validate=validate)
+    return split_step(layout, host, dev, kv_shapes, validate=validate, plans=plans)
 
 
 def _metadata(

@@ -6,9 +6,11 @@ every layer, in the model's dtype:
     data: [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]
 
 (the device pool is layer-first: K and V each [num_layers, num_blocks, block_size, kv_heads,
-head_dim]). Block-first, so that one block is one buffer: a run of consecutive host blocks moves
-with one DMA, and a block moves to or from the disk tier as one file payload (`block_buffer`, the
-bytes `DiskStore` writes and reads, no other serialisation). On CUDA the pool is pinned
+head_dim]). A group that keeps one tensor (multi-head latent attention's latent) has one part
+where K and V are two: [num_blocks, num_layers, 1, block_size, 1, latent width]. Block-first,
+so that one block is one buffer: a run of consecutive host blocks moves with one DMA, and a
+block moves to or from the disk tier as one file payload (`block_buffer`, the bytes `DiskStore`
+writes and reads, no other serialisation). On CUDA the pool is pinned
 (page-locked): copies from and to it are asynchronous DMA.
 
 `KVCopier` moves lists of blocks across all layers, in one batch per call:
@@ -59,8 +61,8 @@ class HostKVPool:
     when the device pool is on CUDA. Storage only: which host block holds what is the cache's
     business (it hands out host block ids as it does device ones).
 
-    Invariant: `data` has shape [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] on the
-    CPU, contiguous, pinned iff `pinned`."""
+    Invariant: `data` has shape [num_blocks, num_layers, num_parts, block_size, kv_heads,
+    head_dim] on the CPU, contiguous, pinned iff `pinned`."""
 
     def __init__(
         self,
@@ -72,8 +74,9 @@ class HostKVPool:
         head_dim: int,
         dtype: torch.dtype,
         pin_memory: bool,
+        num_parts: int = 2,
     ) -> None:
-        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, num_layers, num_parts, block_size, num_kv_heads, head_dim)
         # Empty, not zeroed: a host block is written before anything reads it, and untouched
         # pages of an unpinned pool cost no memory until then.
         self.data = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
@@ -83,7 +86,7 @@ class HostKVPool:
 
     def block_buffer(self, block_id: int) -> np.ndarray:
         """The bytes of host block `block_id` (uint8, a view: writing it writes the block): K then
-        V of each layer in turn. What the disk tier stores for one block."""
+        V (or the one part) of each layer in turn. What the disk tier stores for one block."""
         assert 0 <= block_id < self.num_blocks, f"host block {block_id} out of range"
         return self.data[block_id].view(torch.uint8).numpy().reshape(-1)
 
@@ -109,13 +112,19 @@ class KVCopy:
 
 class KVCopier:
     """Batched block copies between a device pool (`k_cache`, `v_cache`: [num_layers, num_blocks,
-    block_size, kv_heads, head_dim]) and a `HostKVPool` of the same block shape and dtype; see
-    the module docstring for how they are ordered on CUDA. What the copies move is counted
-    once, by the tier mover (`radixkv.engine.tiers.tier_io.MoveTotals`)."""
+    block_size, kv_heads, head_dim]; `v_cache` None for a pool of one tensor, a latent) and a
+    `HostKVPool` of the same block shape, parts and dtype; see the module docstring for how they
+    are ordered on CUDA. What the copies move is counted once, by the tier mover
+    (`radixkv.engine.tiers.tier_io.MoveTotals`)."""
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, host: HostKVPool) -> None:
-        assert k_cache.shape == v_cache.shape and k_cache.dtype == host.data.dtype
-        assert tuple(host.data.shape[1:]) == (k_cache.shape[0], 2, *k_cache.shape[2:])
+    def __init__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor | None, host: HostKVPool
+    ) -> None:
+        self.caches = (k_cache,) if v_cache is None else (k_cache, v_cache)
+        assert all(c.shape == k_cache.shape for c in self.caches)
+        assert k_cache.dtype == host.data.dtype
+        parts = len(self.caches)
+        assert tuple(host.data.shape[1:]) == (k_cache.shape[0], parts, *k_cache.shape[2:])
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.host = host
@@ -162,12 +171,12 @@ class KVCopier:
     def _offload_cpu(self, h: torch.Tensor, d: torch.Tensor) -> None:
         # Layer by layer: a gather and a scatter of whole [B, H, D] rows run 3-4x faster on the
         # CPU than the same index ops over the 5-d tensors (benchmarks/RESULTS.md, issue 18).
-        for kv, cache in enumerate((self.k_cache, self.v_cache)):
+        for kv, cache in enumerate(self.caches):
             for layer in range(cache.shape[0]):
                 self.host.data[:, layer, kv].index_copy_(0, h, cache[layer].index_select(0, d))
 
     def _load_cpu(self, h: torch.Tensor, d: torch.Tensor) -> None:
-        for kv, cache in enumerate((self.k_cache, self.v_cache)):
+        for kv, cache in enumerate(self.caches):
             for layer in range(cache.shape[0]):
                 cache[layer].index_copy_(0, d, self.host.data[:, layer, kv].index_select(0, h))
 
@@ -189,14 +198,14 @@ class KVCopier:
             )
             runs = _runs(host_ids)
             if copy.direction == OFFLOAD:
-                for kv, cache in enumerate((self.k_cache, self.v_cache)):
+                for kv, cache in enumerate(self.caches):
                     stage[:, :, kv] = cache.index_select(1, d).transpose(0, 1)
                 for lo, hi, first in runs:
                     self.host.data[first : first + hi - lo].copy_(stage[lo:hi], non_blocking=True)
             else:
                 for lo, hi, first in runs:
                     stage[lo:hi].copy_(self.host.data[first : first + hi - lo], non_blocking=True)
-                for kv, cache in enumerate((self.k_cache, self.v_cache)):
+                for kv, cache in enumerate(self.caches):
                     cache.index_copy_(1, d, stage[:, :, kv].transpose(0, 1))
             copy.done.record(stream)
 

@@ -26,6 +26,11 @@ SAMPLES_PER_TENSOR = 256
 # Config keys that say how a model was saved or loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype")
 HOST_BLOCK_LAYOUT = "[layers, K/V, block_size, kv_heads, head_dim]"
+# The host block of each KV layout (`radixkv.engine.step.kv_tensors.GroupKV.layout`).
+HOST_BLOCK_LAYOUTS = {
+    "kv": HOST_BLOCK_LAYOUT,
+    "latent": "[layers, latent | k_pe, block_size, 1, kv_lora_rank + qk_rope_head_dim]",
+}
 
 
 def kv_fingerprint(
@@ -37,8 +42,11 @@ def kv_fingerprint(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_layout: str = "kv",
 ) -> dict[str, Any]:
-    """The fingerprint of the KV `model` produces in blocks of this shape (JSON-serialisable)."""
+    """The fingerprint of the KV `model` produces in blocks of this shape and layout (a key of
+    HOST_BLOCK_LAYOUTS; a latent layout counts as one KV head of the latent's width), as a
+    JSON-serialisable dict."""
     config = json.loads(model.config.to_json_string(use_diff=False))
     config = {
         k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
@@ -52,7 +60,7 @@ def kv_fingerprint(
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "block_layout": HOST_BLOCK_LAYOUT,
+        "block_layout": HOST_BLOCK_LAYOUTS[kv_layout],
         "device": device.type,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -33,8 +33,6 @@ from radixkv.engine.tiers.host_kv import HostKVPool, KVCopier, KVCopy, plan_host
 from radixkv.engine.tiers.kv_fingerprint import kv_fingerprint
 
 if TYPE_CHECKING:
-    import torch
-
     from radixkv.engine.config import EngineConfig
     from radixkv.engine.step.kv_tensors import GroupKV
 
@@ -58,8 +56,7 @@ class MoveTotals:
 
 def make_tier_io(
     model: Any,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: GroupKV,
     config: EngineConfig,
     *,
     num_host_blocks: int | None = None,
@@ -67,20 +64,28 @@ def make_tier_io(
     group: str | None = None,
 ) -> TierIO | None:
     """The host pool, its copier and the disk store that `config` asks for, over the device pool
-    `k_cache` / `v_cache` ([num_layers, num_blocks, block_size, kv_heads, head_dim]); None without
-    a host tier. `num_host_blocks` / `disk_bytes`: this pool's share of the budgets (None: all
-    of them); `group` names a KV cache group other than the full layers' (its files are kept
-    apart). ValueError for a host or disk budget that holds no block."""
+    of `kv` (its K and V, or its latent: [num_layers, num_blocks, block_size, heads, width]);
+    None without a host tier. `num_host_blocks` / `disk_bytes`: this pool's share of the budgets
+    (None: all of them); `group` names a KV cache group other than the full layers' (its files
+    are kept apart). ValueError for a host or disk budget that holds no block."""
     if not config.host_cache_bytes:
         return None
+    k_cache = kv.caches[0]
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
     shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     dtype = k_cache.dtype
-    bytes_per_block = 2 * k_cache[:, 0].nbytes  # K and V of one block over every layer
+    bytes_per_block = kv.bytes_per_block  # every tensor of one block over every layer
     if num_host_blocks is None:
         num_host_blocks = plan_host_blocks(bytes_per_block, config.host_cache_bytes)
     cuda = k_cache.device.type == "cuda"
-    host = HostKVPool(num_host_blocks, block_size=block_size, dtype=dtype, pin_memory=cuda, **shape)
+    host = HostKVPool(
+        num_host_blocks,
+        block_size=block_size,
+        dtype=dtype,
+        pin_memory=cuda,
+        num_parts=len(kv.caches),
+        **shape,
+    )
     disk = None
     if config.kv_cache_dir is not None:
         file_nbytes = block_file_nbytes(block_size, bytes_per_block)
@@ -91,7 +96,12 @@ def make_tier_io(
                 f"({file_nbytes} bytes each)"
             )
         fingerprint = kv_fingerprint(
-            model, block_size=block_size, dtype=dtype, device=k_cache.device, **shape
+            model,
+            block_size=block_size,
+            dtype=dtype,
+            device=k_cache.device,
+            kv_layout=kv.layout,
+            **shape,
         )
         if group is not None:
             fingerprint["kv_cache_group"] = group
@@ -105,7 +115,7 @@ def make_tier_io(
         )
     logger.info(
         "host KV tier%s: %d blocks (%.0f MiB)",
-        "" if group is None else f" ({group} layers)",
+        f" ({kv.label} layers)" if group is not None or kv.latent is not None else "",
         num_host_blocks,
         num_host_blocks * bytes_per_block / 2**20,
     )
@@ -117,6 +127,7 @@ def make_tier_io(
             disk.num_bytes / 2**20,
             disk.budget_bytes / 2**20,
         )
+    v_cache = kv.caches[1] if len(kv.caches) == 2 else None
     return TierIO(KVCopier(k_cache, v_cache, host), disk)
 
 
@@ -132,7 +143,7 @@ def make_tier_ios(
     if not config.host_cache_bytes:
         return (None,) * len(kvs)
     if len(kvs) == 1:
-        return (make_tier_io(model, kvs[0].k_cache, kvs[0].v_cache, config),)
+        return (make_tier_io(model, kvs[0], config),)
     B = config.block_size
     nbytes = [kv.bytes_per_block for kv in kvs]
     files = [block_file_nbytes(B, n) for n in nbytes]
@@ -147,8 +158,7 @@ def make_tier_ios(
     return tuple(
         make_tier_io(
             model,
-            kv.k_cache,
-            kv.v_cache,
+            kv,
             config,
             num_host_blocks=num_host,
             disk_bytes=num_files * file_nbytes,
