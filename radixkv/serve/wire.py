@@ -3,7 +3,8 @@
 Both ends are this program and the sockets live in a folder only this user can open, so the
 messages are pickles (the project's own dataclasses, exceptions and module-level functions go
 as they are). Reading one still never imports or calls anything outside the project: `loads`
-resolves only the project's classes and functions and a short list of harmless builtins, so a
+resolves only the project's classes and functions, torch's dtypes and a short list of harmless
+builtins, so a
 message that names `os.system` (or reaches it through a project module's attribute) is refused
 before anything runs. The tokenizer therefore never travels: the front end loads its own.
 """
@@ -46,7 +47,13 @@ class _ProjectUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
-        if module == "builtins" and "." not in name:
+        if module == "torch" and "." not in name:  # a dtype among the settings
+            import torch
+
+            found = getattr(torch, name, None)
+            if isinstance(found, torch.dtype):
+                return found
+        elif module == "builtins" and "." not in name:
             found = getattr(builtins, name, None)
             if name in SAFE_BUILTINS or _is_exception(found):
                 return found

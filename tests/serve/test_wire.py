@@ -8,6 +8,7 @@ import pickle
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve import engine_process, wire
@@ -24,6 +25,8 @@ def test_the_projects_records_errors_and_functions_travel() -> None:
     error = wire.loads(wire.dumps(ValueError("max_tokens must be positive")))
     assert isinstance(error, ValueError) and str(error) == "max_tokens must be positive"
     assert wire.loads(wire.dumps({1, 2})) == {1, 2}
+    settings = {"dtype": torch.bfloat16, "max_num_seqs": 8}  # what `radixkv serve --dtype` sends
+    assert wire.loads(wire.dumps(settings)) == settings
 
 
 class _RunsCommand:
@@ -64,6 +67,8 @@ def test_a_message_that_names_anything_outside_the_project_is_refused() -> None:
         wire.loads(walk)
     with pytest.raises(wire.WireError, match=r"builtins\.eval"):
         wire.loads(pickle.dumps(eval))
+    with pytest.raises(wire.WireError, match=r"torch\.serialization\.load"):
+        wire.loads(pickle.dumps(torch.load))
 
 
 def test_an_error_from_outside_the_project_is_sent_in_words() -> None:
