@@ -20,6 +20,8 @@ from tiny_llama import random_prompts
 from radixkv import LLM, RequestOutput, SamplingParams
 from radixkv.cache.group import GroupSpec
 from radixkv.cache.state import StateSpec
+from radixkv.engine.step.recurrent import RecurrentStates
+from radixkv.engine.step.recurrent.gated_deltanet import PackedQwen3_5GatedDeltaNet
 from radixkv.serve.cache_view import capture
 
 PREFIX = 28
@@ -156,3 +158,43 @@ def test_tiers_for_recurrent_states_are_refused_in_one_line(hybrid):
     with pytest.raises(ValueError, match="keep no recurrent-state snapshots") as caught:
         LLM(str(path), block_size=4, num_blocks=64, host_cache_bytes=2**20)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("run", range(12))
+def test_a_fault_in_a_hybrid_step_fails_only_its_requests(hybrid, run):
+    """An exception in a slot copy or between the recurrent layers (the second one, after the
+    first wrote the rows' slots) fails the step's requests, leaves no slot in use and no
+    snapshot of a half-written state: the warm round afterwards still equals transformers."""
+    path, work = hybrid("qwen3_5")
+    overlap, point, at = run % 2 == 1, ("copy", "layer")[run // 2 % 2], 1 + run // 4
+    llm = LLM(str(path), block_size=4, num_blocks=256, async_scheduling=overlap, **GAP)
+    _generate(llm, work.first[:1], MAX_NEW[:1]), _generate(llm, work.first[1:], MAX_NEW[1:])
+    passes = iter(range(1, 10**6))
+
+    def trip() -> None:
+        if next(passes) == at:
+            raise RuntimeError(f"injected {run}")
+
+    copy_slot, forward = RecurrentStates.copy_slot, PackedQwen3_5GatedDeltaNet.packed_forward
+
+    def faulty_copy(self, src: int, dst: int) -> None:
+        trip()
+        copy_slot(self, src, dst)
+
+    def faulty_forward(self, *args, **kwargs):
+        if self.layer_idx == 2:
+            trip()
+        return forward(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        if point == "copy":
+            mp.setattr(RecurrentStates, "copy_slot", faulty_copy)
+        else:
+            mp.setattr(PackedQwen3_5GatedDeltaNet, "packed_forward", faulty_forward)
+        with pytest.raises(RuntimeError, match=f"injected {run}"):
+            llm.generate(work.warm, [SamplingParams(max_tokens=n) for n in MAX_NEW])
+    llm.check_integrity()
+    assert not llm.scheduler.has_unfinished()
+    assert llm.cache.stats().num_in_use_blocks == 0
+    assert llm.cache.group_stats()[-1].num_running_slots == 0
+    assert _tokens(_generate(llm, work.warm, MAX_NEW)) == work.warm_replies
