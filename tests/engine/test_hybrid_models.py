@@ -153,6 +153,20 @@ def test_a_hybrid_model_keeps_one_state_slot_a_running_request(hybrid):
     assert capture(llm, None).window is None
 
 
+def test_a_reset_drops_every_snapshot(hybrid):
+    path, work = hybrid("lfm2")
+    llm = LLM(str(path), block_size=4, num_blocks=256, **GAP)
+    _generate(llm, work.first[:1], MAX_NEW[:1]), _generate(llm, work.first[1:], MAX_NEW[1:])
+    state = llm.cache.groups[-1]
+    assert state.num_snapshots > 0
+    assert llm.cache.reset()
+    llm.check_integrity()
+    assert state.num_snapshots == 0 and state.stats().num_free_slots == state.num_blocks
+    warm = _generate(llm, work.warm, MAX_NEW)
+    assert _tokens(warm) == work.warm_replies
+    assert [o.stats.num_cached_tokens for o in warm] == [0, 0, 0]
+
+
 def test_tiers_for_recurrent_states_are_refused_in_one_line(hybrid):
     path, _ = hybrid("qwen3_5")
     with pytest.raises(ValueError, match="keep no recurrent-state snapshots") as caught:
