@@ -116,6 +116,23 @@ def test_greedy_matches_transformers_cold_and_warm(family, variant, hybrid):
     assert not llm.scheduler.has_unfinished()
 
 
+def test_a_preempted_hybrid_request_resumes_from_its_own_snapshot(hybrid):
+    """Three requests growing past a pool of 20 blocks: some are preempted, a preempted one's
+    state is kept as a snapshot where it stopped and its recompute resumes there; the output
+    equals a roomy engine's without the cache."""
+    path, _ = hybrid("qwen3_5")
+    prompts = random_prompts(61, 3, min_len=20, max_len=30)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = LLM(str(path), block_size=4, num_blocks=256, enable_prefix_cache=False)
+    expected = _tokens(roomy.generate(prompts, params))
+    llm = LLM(str(path), block_size=4, num_blocks=20, max_num_seqs=3, **GAP)
+    outs = llm.generate(prompts, params)
+    llm.check_integrity()
+    assert _tokens(outs) == expected
+    assert llm.scheduler.num_preemptions > 0
+    assert llm.cache.group_stats()[-1].num_hits > 0
+
+
 def test_choices_of_a_hybrid_prompt_follow_their_seeds(hybrid):
     """n choices: the second is snapshotted where it leaves the first's path (one token short of
     the prompt), the third resumes there; each equals its seed's stream run alone, cold."""
