@@ -212,9 +212,12 @@ class Scheduler:
 
         # NOTE: the copies the groups planned since the last step (the state group's snapshots
         # of rows already computed) run before this step's admission copies, which may read
-        # or overwrite what they copy.
-        for group_copies, planned in zip(copies, self.cache.take_copies(), strict=True):
-            group_copies[:0] = [BlockCopy(*c) for c in planned]
+        # or overwrite what they copy. A step without rows runs no copies (the engine launches
+        # nothing): they wait for the next step that runs, and nothing writes their sources
+        # meanwhile.
+        if rows:
+            for group_copies, planned in zip(copies, self.cache.take_copies(), strict=True):
+                group_copies[:0] = [BlockCopy(*c) for c in planned]
         plans = tuple(
             GroupPlan(tuple(c), tuple(m)) if c or m else NO_PLAN
             for c, m in zip(copies, self.cache.take_moves(), strict=True)

@@ -181,17 +181,57 @@ def test_a_step_that_fails_before_its_copies_loses_their_snapshots():
             assert not targets & set(group._by_slot), "a snapshot whose copy never ran"
             sched.check_integrity()
             continue
-        sim.step(out)
-        sampled = {
-            r.request_id: fake_token(sched.get_request(r.request_id).all_token_ids)
-            for r in out.rows
-            if r.sample
-        }
-        for req in sched.update_from_output(out, sampled):
-            h.finished[req.request_id] = req
-        sim.check_snapshots()
+        _record(h, sim, out)
         sched.check_integrity()
     assert failed == 1 and not sched.has_unfinished()
     for rid, req in h.finished.items():
         assert req.output_token_ids == h.reference(req), rid
     assert group.stats().num_hits > 0
+
+
+def test_a_step_without_rows_leaves_the_snapshot_copies_for_the_next_that_runs():
+    """A prompt leaves the tree's path at 15: its chunk ends there and the copy of its state is
+    planned. It is aborted before the next step, which has no rows and so runs nothing: the copy
+    waits for the next step that runs (before its forward; nothing wrote its source since), and
+    the prompt after it resumes from a snapshot that holds its prefix's state."""
+    h, sim = make(64, 6, chunked_prefill_size=64)
+    sched, group = h.scheduler, sim.group
+    h.add("a", list(range(10, 30)), max_tokens=2)
+    while sched.has_unfinished():
+        _step(h, sim)
+    h.add("b", [*range(10, 25), 900, 901, 902], max_tokens=2)
+    out = _step(h, sim)
+    assert [len(r.token_ids) for r in out.rows] == [15] and group._copies, "ends at the junction"
+    assert sched.abort("b")
+    empty = sched.schedule()
+    assert empty.is_empty and not empty.plan(1).copies and group._copies
+    h.add("c", [*range(10, 25), 7, 7], max_tokens=2)
+    out = _step(h, sim)
+    assert out.plan(1).copies[0].dst_block in group._by_slot, "the snapshot's copy, first"
+    assert sched.get_request("c").num_cached_tokens == 15
+    while sched.has_unfinished():
+        _step(h, sim)
+    assert h.finished["c"].output_token_ids == h.reference(h.finished["c"])
+    sched.check_integrity()
+
+
+def _step(h: Harness, sim: StateSim) -> SchedulerOutput:
+    """One synchronous step: schedule, then `_record`."""
+    out = h.scheduler.schedule()
+    _record(h, sim, out)
+    return out
+
+
+def _record(h: Harness, sim: StateSim, out: SchedulerOutput) -> None:
+    """Play a scheduled step's slots and record it (the fake model's tokens)."""
+    sched = h.scheduler
+    sim.step(out)
+    sampled = {
+        r.request_id: fake_token(sched.get_request(r.request_id).all_token_ids)
+        for r in out.rows
+        if r.sample
+    }
+    for req in sched.update_from_output(out, sampled):
+        h.finished[req.request_id] = req
+    sim.check_snapshots()
+    sim.group.check_integrity()
