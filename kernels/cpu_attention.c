@@ -90,16 +90,39 @@ static inline float exp_neg1(float x) {
     return exp_neg(v)[0];
 }
 
-static inline float hmax(vf v) {
-    float m = v[0];
-    for (int j = 1; j < CHUNK; j++) m = v[j] > m ? v[j] : m;
-    return m;
-}
+
+/* The sum of a vector's lanes by halving it (a few shuffles, not CHUNK scalar adds). */
+typedef float vf_half __attribute__((vector_size(CHUNK / 2 * sizeof(float))));
+typedef float vf_quarter __attribute__((vector_size(CHUNK / 4 * sizeof(float))));
+typedef int32_t vi_half __attribute__((vector_size(CHUNK / 2 * sizeof(int32_t))));
+typedef int32_t vi_quarter __attribute__((vector_size(CHUNK / 4 * sizeof(int32_t))));
 
 static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int j = 0; j < CHUNK; j++) s += v[j];
-    return s;
+    vf_half lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    lo += hi;
+    vf_quarter a, b;
+    memcpy(&a, &lo, sizeof a);
+    memcpy(&b, (char *)&lo + sizeof a, sizeof b);
+    a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* The largest lane, by halving as hsum does. */
+static inline float hmax(vf v) {
+    vf_half lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    const vi_half lo_wins = lo > hi;
+    lo = (vf_half)(((vi_half)lo & lo_wins) | ((vi_half)hi & ~lo_wins));
+    vf_quarter a, b;
+    memcpy(&a, &lo, sizeof a);
+    memcpy(&b, (char *)&lo + sizeof a, sizeof b);
+    const vi_quarter a_wins = a > b;
+    a = (vf_quarter)(((vi_quarter)a & a_wins) | ((vi_quarter)b & ~a_wins));
+    const float m01 = a[0] > a[1] ? a[0] : a[1], m23 = a[2] > a[3] ? a[2] : a[3];
+    return m01 > m23 ? m01 : m23;
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -124,7 +147,7 @@ static inline void load_row(const Args *a, const void *base, int64_t offset, flo
 /* head_dim rounded up to whole vectors: the row length of the value and accumulator scratch. */
 static inline int padded_dim(int D) { return (D + CHUNK - 1) / CHUNK * CHUNK; }
 
-/* Per-thread scratch of one work item; `rows` is a multiple of ROWS. */
+/* Per-thread scratch of one work item. */
 typedef struct {
     float *q;    /* [rows, D]: the tile's query rows, scaled; padding rows zero */
     float *acc;  /* [rows, DP] */
@@ -134,6 +157,88 @@ typedef struct {
     float *v;    /* [CHUNK, DP]: one chunk's values */
     float *row;  /* [D] */
 } Scratch;
+
+/* One chunk of keys as attend_chunk prepared it. */
+typedef struct {
+    const float *const *kp; /* direct: each key's row in the cache */
+    const float *const *vp; /* each value's row (the cache's, or scratch's) */
+    vi lane;                /* each lane's key position */
+    vi present;             /* lanes with a key */
+    int32_t first_pos;      /* the position of the tile's first query token */
+    int32_t num_keys;
+    int group;
+    int direct;
+} Chunk;
+
+/* Rows [i0, i0 + R) of the tile against one chunk: scores, the online softmax, acc += p @ V. R is
+ * a constant at every call (1 to ROWS), so each count compiles to its own register-blocked copy. */
+static inline __attribute__((always_inline)) void attend_rows(const Args *a, Scratch *w,
+                                                             const Chunk *c, int i0, const int R) {
+    const int D = a->head_dim, DP = padded_dim(D);
+    const vf minus_inf = (vf){0} - INFINITY;
+    vf sc[ROWS] = {{0}};
+    if (c->direct) {
+        for (int j = 0; j < c->num_keys; j++) {
+            vf dot[ROWS] = {{0}};
+            for (int d0 = 0; d0 < D; d0 += CHUNK) {
+                vf kd, qd;
+                memcpy(&kd, c->kp[j] + d0, sizeof kd);
+                for (int r = 0; r < R; r++) {
+                    memcpy(&qd, w->q + (int64_t)(i0 + r) * D + d0, sizeof qd);
+                    dot[r] += qd * kd;
+                }
+            }
+            for (int r = 0; r < R; r++) sc[r][j] = hsum(dot[r]);
+        }
+    } else {
+        for (int d = 0; d < D; d++) {
+            vf kd;
+            memcpy(&kd, w->kt + d * CHUNK, sizeof kd);
+            for (int r = 0; r < R; r++) sc[r] += w->q[(int64_t)(i0 + r) * D + d] * kd;
+        }
+    }
+    vf p[ROWS];
+    float correction[ROWS];
+    for (int r = 0; r < R; r++) {
+        const int i = i0 + r;
+        p[r] = (vf){0};
+        correction[r] = 1.0f;
+        vf x = sc[r];
+        if (a->softcap > 0) {  /* cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e) */
+            vf y = x / a->softcap;
+            vf e = exp_neg(-2.0f * select(y < 0, -y, y));
+            vf t = (1.0f - e) / (1.0f + e);
+            x = a->softcap * select(y < 0, -t, t);
+        }
+        /* The query of row i sits at position first_pos + i / group. */
+        const int32_t pos = c->first_pos + i / c->group;
+        vi visible = c->present & (c->lane <= pos);
+        if (a->window > 0) visible &= (pos - c->lane) < a->window;
+        x = select(visible, x, minus_inf);
+        const float chunk_max = hmax(x);
+        if (chunk_max == -INFINITY) continue;  /* nothing visible to this row here */
+        const float m_old = w->m[i], m_new = chunk_max > m_old ? chunk_max : m_old;
+        correction[r] = m_old == -INFINITY ? 0.0f : exp_neg1(m_old - m_new);
+        p[r] = select(visible, exp_neg(x - m_new), (vf){0});
+        w->l[i] = w->l[i] * correction[r] + hsum(p[r]);
+        w->m[i] = m_new;
+    }
+    /* acc = acc * correction + p @ V, CHUNK columns of head_dim at a time in registers. */
+    for (int d0 = 0; d0 < D; d0 += CHUNK) {
+        vf acc[ROWS];
+        for (int r = 0; r < R; r++) {
+            memcpy(&acc[r], w->acc + (int64_t)(i0 + r) * DP + d0, sizeof acc[r]);
+            acc[r] *= correction[r];
+        }
+        for (int j = 0; j < c->num_keys; j++) {
+            vf vj;
+            memcpy(&vj, c->vp[j] + d0, sizeof vj);
+            for (int r = 0; r < R; r++) acc[r] += p[r][j] * vj;
+        }
+        for (int r = 0; r < R; r++)
+            memcpy(w->acc + (int64_t)(i0 + r) * DP + d0, &acc[r], sizeof acc[r]);
+    }
+}
 
 static void attend_chunk(const Args *a, Scratch *w, int rows, int group, int32_t req,
                          int32_t kv_head, int32_t first_pos, int32_t key0, int32_t num_keys) {
@@ -171,74 +276,17 @@ static void attend_chunk(const Args *a, Scratch *w, int rows, int group, int32_t
     }
     vi lane;
     for (int j = 0; j < CHUNK; j++) lane[j] = key0 + j;  /* each lane's key position */
-    const vi present = lane < key0 + num_keys;
-    const vf minus_inf = (vf){0} - INFINITY;
-    /* Rows go in blocks of ROWS (scratch holds a multiple of ROWS rows; padding rows are zero
-     * queries whose results nobody reads), so each key and value vector loaded serves ROWS. */
-    for (int i0 = 0; i0 < rows; i0 += ROWS) {
-        vf sc[ROWS] = {{0}};
-        if (direct) {
-            for (int j = 0; j < num_keys; j++) {
-                vf dot[ROWS] = {{0}};
-                for (int d0 = 0; d0 < D; d0 += CHUNK) {
-                    vf kd, qd;
-                    memcpy(&kd, kp[j] + d0, sizeof kd);
-                    for (int r = 0; r < ROWS; r++) {
-                        memcpy(&qd, w->q + (int64_t)(i0 + r) * D + d0, sizeof qd);
-                        dot[r] += qd * kd;
-                    }
-                }
-                for (int r = 0; r < ROWS; r++) sc[r][j] = hsum(dot[r]);
-            }
-        } else {
-            for (int d = 0; d < D; d++) {
-                vf kd;
-                memcpy(&kd, w->kt + d * CHUNK, sizeof kd);
-                for (int r = 0; r < ROWS; r++) sc[r] += w->q[(int64_t)(i0 + r) * D + d] * kd;
-            }
-        }
-        vf p[ROWS];
-        float correction[ROWS];
-        for (int r = 0; r < ROWS; r++) {
-            const int i = i0 + r;
-            p[r] = (vf){0};
-            correction[r] = 1.0f;
-            if (i >= rows) continue;
-            vf x = sc[r];
-            if (a->softcap > 0) {  /* cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e) */
-                vf y = x / a->softcap;
-                vf e = exp_neg(-2.0f * select(y < 0, -y, y));
-                vf t = (1.0f - e) / (1.0f + e);
-                x = a->softcap * select(y < 0, -t, t);
-            }
-            /* The query of row i sits at position first_pos + i / group. */
-            const int32_t pos = first_pos + i / group;
-            vi visible = present & (lane <= pos);
-            if (a->window > 0) visible &= (pos - lane) < a->window;
-            x = select(visible, x, minus_inf);
-            const float chunk_max = hmax(x);
-            if (chunk_max == -INFINITY) continue;  /* nothing visible to this row here */
-            const float m_old = w->m[i], m_new = chunk_max > m_old ? chunk_max : m_old;
-            correction[r] = m_old == -INFINITY ? 0.0f : exp_neg1(m_old - m_new);
-            p[r] = select(visible, exp_neg(x - m_new), (vf){0});
-            w->l[i] = w->l[i] * correction[r] + hsum(p[r]);
-            w->m[i] = m_new;
-        }
-        /* acc = acc * correction + p @ V, CHUNK columns of head_dim at a time in registers. */
-        for (int d0 = 0; d0 < D; d0 += CHUNK) {
-            vf acc[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                memcpy(&acc[r], w->acc + (int64_t)(i0 + r) * DP + d0, sizeof acc[r]);
-                acc[r] *= correction[r];
-            }
-            for (int j = 0; j < num_keys; j++) {
-                vf vj;
-                memcpy(&vj, vp[j] + d0, sizeof vj);
-                for (int r = 0; r < ROWS; r++) acc[r] += p[r][j] * vj;
-            }
-            for (int r = 0; r < ROWS; r++)
-                memcpy(w->acc + (int64_t)(i0 + r) * DP + d0, &acc[r], sizeof acc[r]);
-        }
+    const Chunk c = {kp, vp, lane, lane < key0 + num_keys, first_pos, num_keys, group, direct};
+    /* Rows go in blocks of ROWS, the last block as many as are left (each count its own
+     * specialised copy of attend_rows), so each key and value vector loaded serves every row of
+     * a block and no arithmetic goes to padding rows. */
+    int i0 = 0;
+    for (; i0 + ROWS <= rows; i0 += ROWS) attend_rows(a, w, &c, i0, ROWS);
+    switch (rows - i0) {
+    case 1: attend_rows(a, w, &c, i0, 1); break;
+    case 2: attend_rows(a, w, &c, i0, 2); break;
+    case 3: attend_rows(a, w, &c, i0, 3); break;
+    default: break;
     }
 }
 
@@ -256,9 +304,7 @@ static void run_item(const Args *a, Scratch *w, int32_t req, int32_t kv_head, in
         w->m[i] = -INFINITY;
         w->l[i] = 0.0f;
     }
-    const int padded_rows = (rows + ROWS - 1) / ROWS * ROWS;
-    memset(w->q + (int64_t)rows * D, 0, sizeof(float) * (size_t)(padded_rows - rows) * D);
-    memset(w->acc, 0, sizeof(float) * (size_t)padded_rows * DP);
+    memset(w->acc, 0, sizeof(float) * (size_t)rows * DP);
     const int32_t first_pos = ctx + t0, last_pos = first_pos + tokens - 1;
     int32_t lo = 0;
     if (a->window > 0 && first_pos - a->window + 1 > 0) lo = first_pos - a->window + 1;
@@ -309,7 +355,7 @@ int radixkv_paged_attention(const Args *a) {
     threads = 1;
 #endif
     const int D = a->head_dim, group = a->num_q_heads / a->num_kv_heads;
-    const int rows = (TILE_Q * group + ROWS - 1) / ROWS * ROWS;
+    const int rows = TILE_Q * group;
     const size_t floats = (size_t)rows * (D + padded_dim(D) + 2) + (size_t)D * CHUNK
                           + (size_t)CHUNK * padded_dim(D) + (size_t)D;
     int32_t *items = malloc(sizeof(int32_t) * 3 * (size_t)num_items);

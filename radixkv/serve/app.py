@@ -131,7 +131,7 @@ class OpenAIServer:
         settings = model.config
         cache_info = CacheInfo(config.model_name, settings.block_size, settings.enable_prefix_cache)
         self.metrics = ServerMetrics(
-            lambda: self.engine.snapshot, lambda: self.engine.num_queued, cache_info
+            lambda: self.engine.snapshot, lambda: self.engine.num_queued, cache_info, model.kv_pools
         )
         self.limits = BodyLimits(
             vocab_size=model.vocab_size,

@@ -6,7 +6,7 @@ block, queue and preemption figures come from the engine thread's latest `Engine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,6 +15,7 @@ from radixkv.cache import hit_rate
 from radixkv.engine.outputs import RequestOutput
 from radixkv.serve.engine_snapshot import EngineSnapshot
 from radixkv.serve.protocol import APIError
+from radixkv.serve.served_model import KVPool
 from radixkv.serve.vllm_metrics import CacheInfo, vllm_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +36,7 @@ class ServerMetrics:
         snapshot: Callable[[], EngineSnapshot],
         queue_depth: Callable[[], int],
         cache_info: CacheInfo,
+        kv_pools: Sequence[KVPool] = (),
     ):
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -99,7 +101,9 @@ class ServerMetrics:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_generated_tokens = 0
-        self.registry.register(_EngineCollector(snapshot, queue_depth, self, cache_info))
+        self.registry.register(
+            _EngineCollector(snapshot, queue_depth, self, cache_info, tuple(kv_pools))
+        )
 
     def record_finished(self, output: RequestOutput, outcome: str) -> None:
         stats = output.stats
@@ -166,19 +170,24 @@ class _EngineCollector:
         queue_depth: Callable[[], int],
         metrics: ServerMetrics,
         cache_info: CacheInfo,
+        kv_pools: tuple[KVPool, ...],
     ) -> None:
         self._snapshot = snapshot
         self._queue_depth = queue_depth
         self._metrics = metrics
         self._cache_info = cache_info
+        self._kv_pools = kv_pools
 
     def collect(self) -> Iterator[Metric]:
         snap, queue_depth = self._snapshot(), self._queue_depth()
-        blocks = GaugeMetricFamily("radixkv_blocks", "KV blocks by state", labels=["state"])
+        blocks = GaugeMetricFamily(
+            "radixkv_blocks", "KV blocks of the tree's cache group by state", labels=["state"]
+        )
         blocks.add_metric(["free"], snap.num_free_blocks)
         blocks.add_metric(["evictable"], snap.num_evictable_blocks)
         blocks.add_metric(["in_use"], snap.num_in_use_blocks)
         yield blocks
+        yield from _pool_families(self._kv_pools)
         yield GaugeMetricFamily(
             "radixkv_queue_depth", "Requests waiting for admission", value=queue_depth
         )
@@ -215,3 +224,23 @@ class _EngineCollector:
         )
         yield from _snapshot_families(snap)
         yield from vllm_families(self._cache_info, snap, queue_depth, self._metrics)
+
+
+def _pool_families(pools: tuple[KVPool, ...]) -> Iterator[Metric]:
+    """Each KV cache group's pool: its blocks and what one holds (a latent model's blocks are
+    one MLA vector a token and layer, several times smaller than keys and values)."""
+    labels = ["group", "layout"]
+    size = GaugeMetricFamily(
+        "radixkv_kv_pool_blocks", "Device KV blocks of each cache group's pool", labels=labels
+    )
+    nbytes = GaugeMetricFamily(
+        "radixkv_kv_block_bytes",
+        "Bytes of one KV block over its group's layers (layout: kv, keys and values; latent, "
+        "one multi-head latent attention vector a token)",
+        labels=labels,
+    )
+    for pool in pools:
+        size.add_metric([pool.group, pool.layout], pool.num_blocks)
+        nbytes.add_metric([pool.group, pool.layout], pool.bytes_per_block)
+    yield size
+    yield nbytes

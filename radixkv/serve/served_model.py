@@ -29,11 +29,23 @@ class CacheSize:
 
 
 @dataclass(frozen=True, slots=True)
+class KVPool:
+    """One KV cache group's pool of device blocks, as `/stats` and `/metrics` describe it."""
+
+    group: str  # the group's kind: "full" (the tree's), "window"
+    layout: str  # what a block holds: "kv" (keys and values) or "latent" (one MLA vector a token)
+    num_layers: int
+    num_blocks: int
+    bytes_per_block: int  # over the group's layers
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     text: ModelText  # the tokenizer and its text functions
     config: EngineConfig  # as the engine runs it (max_model_len filled in from the model)
     vocab_size: int
     cache: CacheSize
+    kv_pools: tuple[KVPool, ...]  # every KV cache group's, the tree's first
     tokenizer_path: str  # a local folder where known, else the model's name
     model_type: str | None  # the model's config's, for /model_info
     architectures: tuple[str, ...]
@@ -46,6 +58,10 @@ class ServedModel:
             config=llm.config,
             vocab_size=llm.vocab_size,
             cache=CacheSize(llm.cache.num_blocks, llm.cache.block_size),
+            kv_pools=tuple(
+                KVPool(kv.name, kv.layout, len(kv.layers), kv.num_blocks, kv.bytes_per_block)
+                for kv in llm.runner.kv
+            ),
             tokenizer_path=llm.tokenizer_path,
             model_type=getattr(model_config, "model_type", None),
             architectures=tuple(getattr(model_config, "architectures", None) or ()),

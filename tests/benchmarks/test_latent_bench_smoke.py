@@ -47,3 +47,23 @@ def test_the_latent_kernels_compile_for_sm90_without_spills() -> None:
     for row in rows:
         registers, spills = int(row[-4]), int(row[-3])
         assert registers <= 255 and spills == 0, " ".join(row)
+
+
+def test_the_decode_bytes_bench_runs_the_kernel_to_the_reference() -> None:
+    """At tiny sizes, in a process of its own (the interpreter on a CPU, the GPU where there is
+    one): the kernel's output matches the torch reference and the cache's bytes are the batch's
+    latents once."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/latent_decode_bytes.py", "--batch", "2", "--context", "40"]
+        + ["--heads", "16", "--block-size", "16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = result.stdout.splitlines()
+    elem = 4 if "float32" in lines[0] else 2  # the interpreter runs fp32, a GPU bf16
+    assert lines[1].startswith(f"latent cache bytes {2 * 40 * 576 * elem:,};")
+    diff = next(line for line in lines if line.startswith("max |kernel - torch reference|"))
+    assert float(diff.split()[-1]) < 2e-2  # bf16 on a GPU, fp32 under the interpreter

@@ -110,6 +110,7 @@ def test_the_engine_runs_in_a_process_of_its_own(served: Server) -> None:
     samples = read_metrics(served.base_url)
     # the pool of the engine's process, read before any request: its real size
     assert metric(samples, "radixkv_blocks", state="free") == 256
+    assert metric(samples, "radixkv_kv_pool_blocks", group="full", layout="kv") == 256
 
 
 def test_replies_equal_the_engine_in_this_process(served: Server, tiny_model_dir) -> None:

@@ -10,7 +10,15 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-from serve_helpers import metric, read_metrics, render_chat, run_alone, user_message, wait_until
+from serve_helpers import (
+    metric,
+    post_json,
+    read_metrics,
+    render_chat,
+    run_alone,
+    user_message,
+    wait_until,
+)
 
 openai = pytest.importorskip("openai")  # a test extra: absent on the GPU machine
 
@@ -406,3 +414,32 @@ def test_metrics_show_hits_and_moves_by_tier(make_server) -> None:
     for move in ("offload", "load"):
         assert metric(samples, "radixkv_tier_moved_bytes_total", move=move) > 0
         assert metric(samples, "radixkv_tier_move_seconds_total", move=move) > 0
+
+
+def test_a_latent_model_serves_and_its_metrics_count_latent_blocks(make_server, tmp_path) -> None:
+    """A tiny DeepSeek V3 (multi-head latent attention) behind the server: its pool is one of
+    latent blocks (4 tokens x (L + R) values x 4 layers, fp32), the block gauges count them as a
+    request fills and leaves them, and the reply is the engine's run alone."""
+    from tiny_archs import build_arch
+
+    from radixkv import LLM, SamplingParams
+
+    path = build_arch("deepseek-v3", tmp_path)
+    block_bytes = 4 * (96 + 8) * 4 * 4
+    prompt = user_message(21, n=12)
+    alone = LLM(str(path), block_size=4, num_blocks=64, enable_prefix_cache=False)
+    expected = alone.generate([prompt], SamplingParams(max_tokens=6))[0].text
+    server = make_server(engine=dict(block_size=4, num_blocks=64), model=path)
+    before = read_metrics(server.base_url)
+    assert metric(before, "radixkv_kv_pool_blocks", group="full", layout="latent") == 64
+    assert metric(before, "radixkv_kv_block_bytes", group="full", layout="latent") == block_bytes
+    assert metric(before, "radixkv_blocks", state="free") == 64
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+    status, out = post_json(server.port, body, "/v1/completions")
+    assert status == 200 and out["choices"][0]["text"] == expected
+    after = read_metrics(server.base_url)
+    states = {s: metric(after, "radixkv_blocks", state=s) for s in ("free", "evictable")}
+    assert states["evictable"] > 0 and sum(states.values()) == 64  # nothing still in use
+    info = dict(block_size="4", num_gpu_blocks="64", enable_prefix_caching="True", engine="0")
+    assert metric(after, "vllm:cache_config_info", **info) == 1
+    server.close()

@@ -7,40 +7,31 @@ prefill (`benchmarks/RESULTS.md`, CPU forward: a SmolLM2 decode step at batch 8 
 The values are the same; only their order in memory changes, in place, so the weights take no
 more memory, with one exception: an output head that shares the input embedding's weight (tied
 embeddings) gets a column-major copy of its own, since the embedding's row lookups want rows.
-A linear layer whose weight a kernel reads directly instead of calling it (a latent attention's
-`kv_b_proj`) is marked with `keep_row_major` and keeps its layout.
+Linears whose weight other code reads as a row-major matrix instead of calling them (MLA's
+kv_b_proj: its W_UK / W_UV views and the expanded latent kernel) keep their layout.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_KEEP = "radixkv_keeps_row_major"
 
-
-def keep_row_major(linear: torch.nn.Module) -> None:
-    """Leave `linear`'s weight as it is (its readers want its rows)."""
-    setattr(linear, _KEEP, True)
-
-
-def forget_row_major(linear: torch.nn.Module) -> None:
-    linear.__dict__.pop(_KEEP, None)
-
-
-def use_column_major_linears(model: Any) -> int:
-    """Store every `nn.Linear` weight of `model` column-major (in place; idempotent); returns
-    how many changed."""
+def use_column_major_linears(model: Any, keep: Iterable[torch.nn.Module] = ()) -> int:
+    """Store every `nn.Linear` weight of `model` column-major (in place; idempotent), but those
+    of the modules in `keep`; returns how many changed."""
     tied = model.get_input_embeddings().weight
+    kept = {id(m) for m in keep}
     changed = 0
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or module.weight.dim() != 2:
             continue
-        if getattr(module, _KEEP, False):
+        if id(module) in kept:
             continue
         weight = module.weight
         if _is_column_major(weight):

@@ -40,7 +40,6 @@ from torch import nn
 
 from radixkv import kernels
 from radixkv.engine.model.model_loader import ModelLoadError
-from radixkv.engine.step.cpu_weights import forget_row_major, keep_row_major
 from radixkv.kernels import LatentDims, LatentStep
 
 logger = logging.getLogger(__name__)
@@ -320,12 +319,18 @@ def swap_latent_modules(model: nn.Module) -> LatentDims | None:
         m.__class__ = _paged_class(cls)
         m.latent_family = families[cls][1]
         m.latent_dims = model_dims
-        keep_row_major(m.kv_b_proj)  # the kernels read its weight, and the views below
         heads = m.kv_b_proj.weight.view(model_dims.num_heads, -1, model_dims.kv_lora_rank)
         m.w_uk = heads[:, : model_dims.qk_nope_head_dim]
         m.w_uv = heads[:, model_dims.qk_nope_head_dim :]
     logger.debug("latent attention swapped into %d layers of %s", len(latent), type(model).__name__)
     return model_dims
+
+
+def row_major_linears(model: nn.Module) -> list[nn.Module]:
+    """The linears of `model`'s swapped MLA modules whose weight is read as a row-major matrix,
+    not called (kv_b_proj: the W_UK / W_UV views, the expanded kernel): a layout change of their
+    weight would leave the views on the old storage and the kernel refusing the new one."""
+    return [m.kv_b_proj for m in model.modules() if isinstance(m, PagedLatentAttention)]
 
 
 def unswap_latent_modules(model: nn.Module) -> None:
@@ -337,7 +342,6 @@ def _restore(modules: Iterable[nn.Module]) -> None:
     for m in modules:
         if isinstance(m, PagedLatentAttention):
             m.__class__ = type(m).__mro__[2]
-            forget_row_major(m.kv_b_proj)
             for name in ("latent_family", "latent_dims", "w_uk", "w_uv"):
                 m.__dict__.pop(name, None)
 

@@ -143,9 +143,9 @@ def split_step(
     views, on_host = layout.split(dev), layout.split(host)
     # NOTE: `map`, not a loop: the step's walk then ends here, without a return to this file.
     metadata = partial(_metadata, views, on_host, validate=validate)
-    metas = tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
     if not any(plans):
-        return views, metas
+        return views, tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
+    metas = tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
     tables = [on_host[region("block_tables", g)] for g in range(len(metas))]
     planned = (m if p is None else p(m, t) for m, p, t in zip(metas, plans, tables, strict=True))
     return views, tuple(planned)
