@@ -69,6 +69,18 @@ OPTIONS = (
     Option("--num-blocks", "num_blocks", "KV cache size in blocks"),
     Option("--cache-mb", "kv_cache_bytes", "KV cache size in MiB", to_field=lambda mb: mb * 2**20),
     Option("--num-window-blocks", "num_window_blocks", "window layers' KV blocks"),
+    Option("--num-snapshots", "num_snapshots", "recurrent-state snapshots kept (hybrid models)"),
+    Option(
+        "--snapshot-share",
+        "snapshot_share",
+        "share of the KV cache bytes for recurrent-state snapshots (hybrid models)",
+        type=float,
+    ),
+    Option(
+        "--snapshot-min-gap-tokens",
+        "snapshot_min_gap_tokens",
+        "fewest tokens between a request's recurrent-state snapshots (hybrid models)",
+    ),
     Option("--prefix-cache", "enable_prefix_cache", "reuse cached prompt prefixes", type=None),
     Option("--max-num-seqs", "max_num_seqs", "requests running at once"),
     Option("--max-num-batched-tokens", "max_num_batched_tokens", "tokens per step"),

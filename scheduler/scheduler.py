@@ -198,7 +198,7 @@ class Scheduler:
             if req.num_pending and (req.held or last):
                 continue  # held, or its placeholder is its last token: wait until it is read
             if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
-                n = min(req.num_tokens_to_compute, self.config.chunked_prefill_size, budget)
+                n = self._chunk(req, min(req.num_tokens_to_compute, budget))
                 row = self._schedule_running(req, n, rows, preempted)
                 if row is not None:
                     rows.append(row)
@@ -210,6 +210,14 @@ class Scheduler:
         if (not rows) if preempted else (not admit_first):
             budget = self._admit(budget, rows, copies)
 
+        # NOTE: the copies the groups planned since the last step (the state group's snapshots
+        # of rows already computed) run before this step's admission copies, which may read
+        # or overwrite what they copy. A step without rows runs no copies (the engine launches
+        # nothing): they wait for the next step that runs, and nothing writes their sources
+        # meanwhile.
+        if rows:
+            for group_copies, planned in zip(copies, self.cache.take_copies(), strict=True):
+                group_copies[:0] = [BlockCopy(*c) for c in planned]
         plans = tuple(
             GroupPlan(tuple(c), tuple(m)) if c or m else NO_PLAN
             for c, m in zip(copies, self.cache.take_moves(), strict=True)
@@ -382,7 +390,8 @@ class Scheduler:
         n, table = req.num_computed_tokens, req.table
         assert table is not None and n > 0, f"{req}: a running request has a table and wrote KV"
         last = _cdiv(n, self._block_size) - 1
-        old_tails = [t.blocks[last] for t in table.tables]
+        # (slices: the state group's table lists one slot, not a block per index)
+        old_tails = [t.blocks[last : last + 1] for t in table.tables]
         # NOTE: a hit stops one token short of a prompt (its last token is computed): groups
         # that resume only where they kept something keep the point before it too.
         prompt_end = writes_on and n == req.num_prefill_tokens
@@ -392,7 +401,8 @@ class Scheduler:
         # another owner's block has later slots of its own), so the cache must hand it back: it
         # keeps a caller's private partial last block, and its own earlier tail, even where the
         # tree already holds those tokens in another block.
-        tail_kept = n % self._block_size == 0 or [t.blocks[last] for t in table.tables] == old_tails
+        tails = [t.blocks[last : last + 1] for t in table.tables]
+        tail_kept = n % self._block_size == 0 or tails == old_tails
         assert tail_kept or not writes_on, f"{req}: insert replaced the tail blocks {old_tails}"
 
     def _release(self, req: Request) -> None:
@@ -534,7 +544,16 @@ class Scheduler:
         req.num_prefill_tokens = n
         req.status = RequestStatus.RUNNING
         self._running[req.request_id] = req
-        return self._row(req, min(n - num_hit, self.config.chunked_prefill_size, budget))
+        return self._row(req, self._chunk(req, min(n - num_hit, budget)))
+
+    def _chunk(self, req: Request, num_tokens: int) -> int:
+        """The tokens of a running request's next row: at most `num_tokens` and a prefill
+        chunk, ending where a group needs the chunk to end (the state group's snapshot
+        points)."""
+        assert req.table is not None
+        start = req.num_computed_tokens
+        end = start + min(num_tokens, self.config.chunked_prefill_size)
+        return self.cache.chunk_end(req.table, start, end) - start
 
     def _row(self, req: Request, num_tokens: int) -> ScheduledRequest:
         """The row computing the request's next `num_tokens` (its table covers them)."""
@@ -585,6 +604,7 @@ class Scheduler:
         came after `record_launched()`), and every live request after a fault inside
         `schedule()`, whose partial work no output records."""
         output, self._unrecorded = self._unrecorded, None
+        unlaunched = self._scheduling or output is not None  # its copies may not have run
         if self._scheduling:
             self._scheduling = False
             ids = list({**self._running, **self._waiting})
@@ -594,4 +614,6 @@ class Scheduler:
         for req in failed:
             self.abort(req.request_id)
             req.set_finished(RequestStatus.FINISHED_ERROR)
+        if unlaunched:  # after the aborts: none of its requests pins what is dropped
+            self.cache.step_failed()
         return failed

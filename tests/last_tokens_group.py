@@ -71,6 +71,9 @@ class LastTokensGroup:
             return None
         return table
 
+    def chunk_end(self, table: LastTokensTable, start: int, end: int) -> int:
+        return end
+
     def extend(self, table: LastTokensTable, num_tokens: int) -> bool:
         need = -(-num_tokens // self.block_size) - len(table.blocks)
         if need <= 0:
@@ -101,6 +104,12 @@ class LastTokensGroup:
 
     def take_moves(self) -> list[Move]:
         return []
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        return []
+
+    def step_failed(self) -> None:
+        """No copies: nothing to drop."""
 
     def forget(self, host_blocks: Sequence[int]) -> None:
         raise AssertionError("no lower tiers: no move of this group can fail")

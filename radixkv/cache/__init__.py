@@ -15,6 +15,10 @@ grouped.py       GroupedCache: a model's groups as one list, the tree's first; a
                  deepest point every group can resume from
 window.py        WindowGroup: sliding-window layers' blocks, released as they leave the window,
                  kept as tails where a later request can resume
+state.py         StateGroup: a hybrid model's recurrent-state slots, one a running request, and
+                 snapshots of them where later requests resume
+snapshots.py     where snapshots are taken (SnapshotPolicy) and which go first (SnapshotLedger)
+points.py        the keys of points on token prefixes, and the lookup of a prompt's deepest one
 kinds.py         the registry of group kinds, and the grouped cache built from a model's specs
 """
 

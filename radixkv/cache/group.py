@@ -16,6 +16,8 @@ A request's life in one group (the grouped cache calls these for every group, in
                                   the prompt from (the tree's group found the probe)
     fits / admit(probe, hit, n)   a table resuming at the hit, blocks up to n tokens; `fits`
                                   says beforehand, read-only, whether `admit` succeeds
+    chunk_end(table, start, end)  read-only: where a row from `start` must stop, at most `end`
+                                  (the state group ends a prompt's chunk where it snapshots)
     extend(table, n)              blocks for every position up to n (False: not there now)
     slide(table, num_written)     let go of what no later query reads
     commit(table, tokens)         tokens [0, n) are written: keep what a later request resumes
@@ -23,6 +25,10 @@ A request's life in one group (the grouped cache calls these for every group, in
     close(table)                  give everything back
     row_blocks(table, k)          the block ids of entries [0, k) a step's row hands the kernels
     table.copy                    a copy-on-write the admission planned (before the forward)
+    take_copies()                 copies planned since the last call, besides admissions' (the
+                                  state group's snapshots): before the admissions' copies
+    step_failed()                 the step that carried the copies last taken failed before its
+                                  forward, maybe before they ran
     take_moves()                  tier moves planned since the last call (before the forward)
     forget(host_blocks)           a move failed: those host blocks hold garbage
     persist()                     plan copies of everything kept down to the disk tier
@@ -32,8 +38,8 @@ A request's life in one group (the grouped cache calls these for every group, in
 The tree's group (`PrefixCache`) is the first of every grouped cache: it finds the prompt on its
 paths (the probe) and serves every point up to its match, token-granular; the others resume at
 points on those paths. What a group keeps is its business: the window group keeps tails of W
-tokens at commit points, a state group would keep snapshots on the tree's nodes (the probe can
-carry the path's node), a latent group is the tree's kind with another tensor layout (the
+tokens at commit points, the state group snapshots of its slots at points of the tree's paths
+(`radixkv.cache.state`), a latent group is the tree's kind with another tensor layout (the
 engine's; the cache sees blocks).
 """
 
@@ -107,6 +113,8 @@ class CacheGroup(Protocol):
 
     def admit(self, probe: Probe, hit: GroupHit, num_tokens: int) -> GroupTable | None: ...
 
+    def chunk_end(self, table: Any, start: int, end: int) -> int: ...
+
     def extend(self, table: Any, num_tokens: int) -> bool: ...
 
     def slide(self, table: Any, num_written: int) -> None: ...
@@ -116,6 +124,10 @@ class CacheGroup(Protocol):
     def close(self, table: Any) -> None: ...
 
     def row_blocks(self, table: Any, num_blocks: int) -> tuple[int, ...]: ...
+
+    def take_copies(self) -> list[tuple[int, int, int]]: ...
+
+    def step_failed(self) -> None: ...
 
     def take_moves(self) -> list[Move]: ...
 
@@ -134,9 +146,11 @@ class CacheGroup(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GroupSetup:
-    """What a kind's `build` is given besides its spec: its place, its pool and its tiers, and
-    the tree group's event queue and key chain (None for the tree's group itself, which makes
-    them), which every group's events and tiers name blocks by."""
+    """What a kind's `build` is given besides its spec: its place, its pool and its tiers, the
+    tree group's event queue and key chain (None for the tree's group itself, which makes
+    them), which every group's events and tiers name blocks by, the tree's group itself (for a
+    group that asks it what it holds) and the engine's settings (a kind with settings of its
+    own reads them there; None: its defaults)."""
 
     index: int  # its place in the grouped cache (KV events' group_idx)
     num_blocks: int
@@ -148,6 +162,8 @@ class GroupSetup:
     write_through: bool = False
     events: EventRecorder | None = None
     keys: KeyChain | None = None
+    tree: Any = None  # the tree's group (a `PrefixCache`); None for the tree's group itself
+    config: Any = None  # a `PoolConfig`, or None
 
 
 class PoolConfig(Protocol):

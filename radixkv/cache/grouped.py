@@ -16,12 +16,16 @@ table per group, in group order, and the hit they share. Its life:
                                      group resuming at that point: the tree's covers every token
                                      (admission is a reservation), the others at least the hit
                                      and `first_chunk` tokens past it
+    chunk_end(t, start, end)         where the row from `start` must stop (at most `end`): the
+                                     nearest point some group needs a chunk to end at
     extend(t, n)                     every group's blocks up to n tokens (the next chunk)
     slide(t, num_written)            every group lets go of what no later query reads
     commit(t, tokens, prompt_end=)   tokens [0, n) are written: the tree inserts them, the
                                      others keep what a later request resumes from
     close(t)
     row_tables(t, k)                 one block table per group for a step's row
+    take_copies()                    one list of planned copies per group (besides admissions')
+    step_failed()                    the step that carried the copies last taken failed
     take_moves()                     one list of planned tier moves per group
     reset(), persist(), stats(), group_stats(), check_integrity()
 
@@ -142,6 +146,14 @@ class GroupedCache:
         return self._opened(tuple(tables), hit, locked, probe.num_matched)
 
     # ------------------------------------------------------------- block tables
+    def chunk_end(self, table: GroupedTable, start: int, end: int) -> int:
+        """Where a row of the table's request computing from `start` must stop, at most `end`:
+        the nearest point past `start` some group needs a chunk to end at (the state group's
+        snapshot points), else `end`. Read-only."""
+        for group, t in zip(self._others, table.tables[1:], strict=True):
+            end = group.chunk_end(t, start, end)
+        return end
+
     def extend(self, table: GroupedTable, num_tokens: int) -> bool:
         """Every group's blocks for every position up to `num_tokens`; False if some group's
         are not there (what the groups before it got stays with the table)."""
@@ -191,6 +203,18 @@ class GroupedCache:
         return frozenset(self._open)
 
     # ------------------------------------------------------------------ plans
+    def take_copies(self) -> tuple[list[tuple[int, int, int]], ...]:
+        """Each group's copies planned since the last call besides its admissions' (the state
+        group's snapshots: (source, target, slots) as a copy-on-write names them), in order;
+        they run before the step's admission copies."""
+        return tuple(group.take_copies() for group in self.groups)
+
+    def step_failed(self) -> None:
+        """The step whose plan carried the copies last taken failed before its forward, maybe
+        before they ran: what they were to fill is dropped."""
+        for group in self.groups:
+            group.step_failed()
+
     def take_moves(self) -> tuple[list[Move], ...]:
         """Each group's tier moves planned since the last call, in order (`radixkv.cache.moves`):
         each runs over its own group's blocks."""

@@ -370,6 +370,10 @@ class PrefixCache:
     def slide(self, table: BlockTable, num_written: int) -> None:
         """Nothing to let go: every later query reads every earlier token."""
 
+    def chunk_end(self, table: BlockTable, start: int, end: int) -> int:
+        """Every point of a path is one a hit resumes from: no chunk must end early."""
+        return end
+
     def row_blocks(self, table: BlockTable, num_blocks: int) -> tuple[int, ...]:
         """The table's first `num_blocks` entries (its own tuple when that is all of it)."""
         return table.blocks[:num_blocks]
@@ -483,6 +487,20 @@ class PrefixCache:
         """The tier moves planned since the last call, in the order they must run: before the
         forward of the step that reads their blocks ([] without lower tiers)."""
         return [] if self._tiers is None else self._tiers.take_moves()
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The tree's only copies are its admissions' (`BlockTable.copy`)."""
+        return []
+
+    def step_failed(self) -> None:
+        """A copy-on-write writes a private block of the failed step's own request: nothing
+        the tree holds is at stake."""
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: the last tick an admission or commit took (what a group beside
+        the tree stamps its own recency with)."""
+        return self._clock
 
     def forget(self, host_blocks: Sequence[int]) -> None:
         """A move failed and left these host blocks holding garbage: their entries go."""

@@ -205,17 +205,27 @@ class SnapshotLedger:
         assert key not in self._entries, f"snapshot {key} taken twice"
         need = 1 - self.num_free()
         if need > 0 and (not required or need > len(self._order)):
-            self._refused += 1
+            self.refused()
             return None
-        evicted = [self._order[i][-1] for i in range(max(need, 0))]
-        for victim in evicted:
-            self._inflation = max(self._inflation, self._entries[victim].priority)
-            self.drop(victim)
-        self._evicted += len(evicted)
+        evicted = self.evict(max(need, 0))
         self._entries[key] = _Entry(tick, self._inflation + 1)
         self._order.add(self._order_key(key))
         self._taken += 1
         return evicted
+
+    def evict(self, num: int) -> list[int]:
+        """Drop up to `num` unpinned snapshots in the eviction order, GDSF's inflation rising to
+        each one's priority; returns their keys (the caller frees their states)."""
+        evicted = [order[-1] for order in self._order[:num]]
+        for victim in evicted:
+            self._inflation = max(self._inflation, self._entries[victim].priority)
+            self.drop(victim)
+        self._evicted += len(evicted)
+        return evicted
+
+    def refused(self) -> None:
+        """Count a snapshot its caller did not take for want of room."""
+        self._refused += 1
 
     def touch(self, key: int, tick: int, *, hit: bool = False) -> None:
         """A request used the snapshot at `tick` (`hit`: it resumed from it)."""

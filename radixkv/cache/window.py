@@ -58,24 +58,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-import xxhash
-from sortedcontainers import SortedList
-
 from radixkv.cache.events import EventRecorder
 from radixkv.cache.group import GroupSetup, GroupSpec, PoolConfig, Probe
 from radixkv.cache.keys import BlockKey, KeyChain, PromptKeys, token_bytes_le
 from radixkv.cache.moves import Move
+from radixkv.cache.points import PointEnds, PointKey, point_key
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.tiers import LowerHit, LowerTiers
 from radixkv.cache.tokens import TOKEN_BYTES, PackedTokens, check_size
 
-# (namespace, tokens, xxh3-128 of their packed bytes): a lookup hashes a prompt once, however
-# many tails end inside it; the tail keeps the tokens, compared before a hit is served
-TailKey = tuple[str | None, int, int]
-
-
-def tail_key(namespace: str | None, qb: bytes, num_tokens: int) -> TailKey:
-    return (namespace, num_tokens, xxhash.xxh3_128_intdigest(qb[: TOKEN_BYTES * num_tokens]))
+# A tail's key: the exact prefix it ends (`radixkv.cache.points`); the tail keeps the tokens,
+# compared before a hit is served
+TailKey = PointKey
+tail_key = point_key
 
 
 def tier_margin(with_tiers: bool) -> int:
@@ -285,7 +280,7 @@ class WindowGroup:
         # the eviction order: speculative tails, then proven ones, least recently used first
         self._speculative: OrderedDict[TailKey, None] = OrderedDict()
         self._proven: OrderedDict[TailKey, None] = OrderedDict()
-        self._ends: dict[str | None, SortedList] = {}
+        self._ends = PointEnds()
         self._tail_refs: Counter[int] = Counter()
         self._open: set[WindowTable] = set()
         self.num_evicted_tails = 0
@@ -320,17 +315,7 @@ class WindowGroup:
         none), where `num_matched` is what the full layers' cache matched. Mutates nothing.
         O(num_matched + tails ending up to it): one hash over the prompt, digests taken at each
         end on the way."""
-        ends = self._ends.get(namespace)
-        if not ends:
-            return 0
-        hasher, done = xxhash.xxh3_128(), 0
-        keys = []
-        for end in ends.irange(maximum=num_matched):
-            if end != done:
-                hasher.update(qb[TOKEN_BYTES * done : TOKEN_BYTES * end])
-                done = end
-                keys.append((namespace, end, hasher.intdigest()))
-        for key in reversed(keys):
+        for key in self._ends.keys_upto(qb, num_matched, namespace):
             tail = self._tails.get(key)
             if tail is not None and qb.startswith(tail.prefix):
                 return key[1]
@@ -451,6 +436,14 @@ class WindowGroup:
         if self.tiers is not None:
             self.tiers.forget(host_blocks)
 
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """A window group's only copies are its admissions' (`WindowTable.copy`)."""
+        return []
+
+    def step_failed(self) -> None:
+        """Its copies write private blocks of the failed step's own requests: nothing kept is
+        at stake."""
+
     def row_blocks(self, table: WindowTable, num_blocks: int) -> tuple[int, ...]:
         """Entries [0, num_blocks), 0 where released: no query of a row reads those (a window
         layer reads from its window's start on)."""
@@ -487,6 +480,10 @@ class WindowGroup:
             table.pinned = tail.blocks[-1]
         self._open.add(table)
         return table
+
+    def chunk_end(self, table: WindowTable, start: int, end: int) -> int:
+        """A tail is kept at any commit point: no chunk must end early."""
+        return end
 
     def extend(self, table: WindowTable, num_tokens: int) -> bool:
         """Blocks for every index up to `num_tokens` tokens (allocated, evicting tails on
@@ -563,7 +560,7 @@ class WindowGroup:
             self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])  # type: ignore[union-attr]
         self._tails[key] = tail
         (self._proven if branch else self._speculative)[key] = None
-        self._ends.setdefault(table.namespace, SortedList()).add(num_tokens)
+        self._ends.add(table.namespace, num_tokens)
         if not branch:
             old = self._tails.get(table.last_tail) if table.last_tail is not None else None
             if old is not None and not old.branch:
@@ -649,9 +646,7 @@ class WindowGroup:
             tail = self._tails.pop(key)
             if self.tiers is not None and tail.keys:  # before its blocks can be reused
                 self.tiers.demote(tail.keys, tail.blocks[: len(tail.keys)])
-            self._ends[key[0]].remove(tail.end)
-            if not self._ends[key[0]]:
-                del self._ends[key[0]]
+            self._ends.remove(key[0], tail.end)
             self._tail_refs.subtract(tail.blocks)
             for b in tail.blocks:
                 if not self._tail_refs[b]:
@@ -727,10 +722,8 @@ class WindowGroup:
         self._check_announced()
         if owners != self._tail_refs:
             raise AssertionError(f"tail references {self._tail_refs} != tails' blocks {owners}")
-        if {ns: sorted(e) for ns, e in ends.items()} != {
-            ns: list(e) for ns, e in self._ends.items()
-        }:
-            raise AssertionError(f"tail ends {self._ends} != tails' ends {ends}")
+        if {ns: sorted(e) for ns, e in ends.items()} != self._ends.as_dict():
+            raise AssertionError(f"tail ends {self._ends.as_dict()} != tails' ends {ends}")
         for table in self._open:
             listed = [b for b in table.blocks if b is not None]
             run = table.blocks[len(table.blocks) - len(listed) :]

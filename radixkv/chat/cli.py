@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -294,6 +294,7 @@ def stats_text(llm: object) -> str:
             f"blocks        {s.num_blocks} x {s.block_size} tokens: {s.num_free_blocks} free,"
             f" {s.num_evictable_blocks} cached, {s.num_in_use_blocks} in use",
             *kv_lines(llm.runner.kv),  # type: ignore[attr-defined]
+            *state_lines(llm.cache.group_stats()),  # type: ignore[attr-defined]
             f"tree          {s.num_nodes} nodes",
             f"evictions     {s.num_evicted_blocks} blocks, {s.num_evicted_tokens} tokens",
             *cut_lines(llm.cache.num_cut_hit_tokens),  # type: ignore[attr-defined]
@@ -311,14 +312,28 @@ def kv_lines(kvs: Any) -> list[str]:
     ]
 
 
+def state_lines(group_stats: Sequence[Any]) -> list[str]:
+    """/stats' line on a hybrid model's recurrent-state slots (none without recurrent layers)."""
+    from radixkv.cache.state import StateStats
+
+    return [
+        f"state slots   {s.num_slots} of {s.slot_bytes / 1024:.1f} KiB: {s.num_running_slots}"
+        f" running, {s.num_snapshots} snapshots ({s.num_snapshot_bytes / 2**20:.2f} MiB),"
+        f" {s.num_hits} hits resumed {s.num_hit_tokens} tokens from one"
+        for s in group_stats
+        if isinstance(s, StateStats)
+    ]
+
+
 def cut_lines(num_cut_hit_tokens: int) -> list[str]:
     """/stats' line on hits cut back (none when no hit was: a model whose layers all keep every
     token's KV never cuts one)."""
     if not num_cut_hit_tokens:
         return []
     return [
-        f"cut hits      {num_cut_hit_tokens} matched tokens not served: the sliding-window"
-        " layers' KV ends earlier, and a hit resumes only where it is kept"
+        f"cut hits      {num_cut_hit_tokens} matched tokens not served: the sliding-window or"
+        " recurrent layers keep what a hit resumes from only at some points, and a hit resumes"
+        " only where they did"
     ]
 
 

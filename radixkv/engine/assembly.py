@@ -4,8 +4,9 @@
                              KV cache groups, one pair of KV tensors per group, each group's
                              pool sized by its kind (`kv_tensors`)
           ─► tier movers     one per group, the host and disk budgets split between them
-          ─► GroupedCache    one group per tensor pair, of the kind its spec names, each with
-                             its host tier's blocks and disk store (`radixkv.cache.kinds`)
+          ─► GroupedCache    one group per tensor pair (and the recurrent layers' state slots),
+                             of the kind its spec names, each with its host tier's blocks and
+                             disk store (`radixkv.cache.kinds`)
           ─► Scheduler       over the grouped cache
           ─► KVEventFeed     where the cache's events go (None: nowhere)
 
@@ -44,16 +45,24 @@ def assemble(model: Any, config: EngineConfig) -> EngineParts:
     runner.warm_up()
     kvs = runner.kv
     tier_ios = make_tier_ios(model, kvs, config)
+    if len(runner.group_specs) > len(kvs):  # the recurrent states' group: no tiers (yet)
+        if any(t is not None for t in tier_ios):
+            raise ValueError(
+                "host_cache_bytes: the host and disk tiers keep no recurrent-state snapshots "
+                "yet (a model with recurrent layers runs without them)"
+            )
+        tier_ios += (None,)
     events = config.kv_events
     hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
     cache = build_cache(
-        [kv.spec for kv in kvs],
-        [kv.num_blocks for kv in kvs],
+        runner.group_specs,
+        runner.group_sizes,
         config.block_size,
         kv_events=hasher,
         host_blocks=[0 if t is None else t.host.num_blocks for t in tier_ios],
         disks=[None if t is None else t.disk for t in tier_ios],
         write_through=config.host_cache_write_through,
+        config=config,
     )
     feed = None if events is None else _event_feed(config)
     return EngineParts(runner, tier_ios, cache, Scheduler(cache, config), feed)

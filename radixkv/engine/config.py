@@ -32,6 +32,8 @@ _SIZES = {
     "block_size": 1,
     "num_blocks": 1,
     "num_window_blocks": 1,
+    "num_snapshots": 0,
+    "snapshot_min_gap_tokens": 1,
     "kv_cache_bytes": 0,
     "max_num_seqs": 1,
     "max_num_batched_tokens": 1,
@@ -80,6 +82,17 @@ class EngineConfig:
     # request's. Its bytes come out of the byte budget where that sizes the cache (`kv_cache_bytes`
     # or the device's default), the default's at most half of it.
     num_window_blocks: int | None = None
+    # A model with recurrent layers (Gated DeltaNet, Mamba, short convolutions) keeps one state of
+    # them per running request and snapshots of it where later requests resume
+    # (`radixkv.cache.state`), in one pool of slots: `max_num_seqs` for running requests and
+    # `num_snapshots` more (snapshots may also fill the running requests' slots while they are
+    # free). None: `snapshot_share` of the byte budget where that sizes the cache (0.28: where
+    # the model-free simulation met its goals, benchmarks/RESULTS.md), else 2 per running
+    # request. A snapshot closer than `snapshot_min_gap_tokens` to the point its request resumed
+    # from or its previous snapshot is not taken.
+    num_snapshots: int | None = None
+    snapshot_share: float = 0.28
+    snapshot_min_gap_tokens: int = 64
     # False: no match and no insert; every block is private and freed at finish. Used to check that
     # output with the cache off equals output with it on.
     enable_prefix_cache: bool = True
@@ -176,6 +189,11 @@ class EngineConfig:
             if value is not None:
                 object.__setattr__(self, name, check_size(value, name, low=low))
         object.__setattr__(self, "seed", check_seed(self.seed))
+        share = self.snapshot_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)):
+            raise TypeError(f"snapshot_share must be a number, got {type(share).__name__}")
+        if not 0 <= share < 1:
+            raise ValueError(f"snapshot_share must be in [0, 1), got {share}")
         for name in _SWITCHES:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name in _AUTO_SWITCHES and value is None):

@@ -35,8 +35,9 @@ def hit_cut_reason(num_cached_tokens: int, num_matched_tokens: int) -> str | Non
     if num_matched_tokens <= num_cached_tokens:
         return None
     return (
-        f"the tree matched {num_matched_tokens} tokens, but this model's sliding-window layers "
-        f"kept their KV only up to {num_cached_tokens}: a hit resumes only where they did"
+        f"the tree matched {num_matched_tokens} tokens, but this model's sliding-window or "
+        f"recurrent layers kept what a hit resumes from only up to {num_cached_tokens}: a hit "
+        "resumes only where they did"
     )
 
 

@@ -117,7 +117,9 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
 
 def _window_capture(llm: LLM) -> WindowCapture | None:
     groups = llm.cache.group_stats()
-    if len(groups) < 2:  # the tree's group alone
+    # the window group, if any, is the first after the tree's (a hybrid model's state group,
+    # last, shows no window)
+    if len(groups) < 2 or not isinstance(groups[1], WindowStats):
         return None
     stats, tiers = groups[1], llm.tier_ios[1]
     disk = None if tiers is None or tiers.disk is None else tiers.disk.stats()

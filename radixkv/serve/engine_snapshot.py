@@ -19,3 +19,9 @@ class EngineSnapshot:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / disk
     # per tier move (load, offload, disk_read, disk_write): (bytes, seconds)
     tier_moves: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # a hybrid model's recurrent-state snapshots (`radixkv.cache.state`; 0 without any): held,
+    # their bytes, and since start the requests that resumed from one and the tokens they skipped
+    num_snapshots: int = 0
+    num_snapshot_bytes: int = 0
+    num_snapshot_hits: int = 0
+    num_snapshot_hit_tokens: int = 0

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixkv.cache import CacheStats
+from radixkv.cache.state import StateStats
 from radixkv.engine.llm import LLM, RequestUpdate
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.engine_snapshot import EngineSnapshot
@@ -83,6 +84,7 @@ class EngineWorker:
         """The engine's current counters."""
         llm, scheduler = self.llm, self.llm.scheduler
         stats = llm.cache.stats()
+        state = next((s for s in llm.cache.group_stats() if isinstance(s, StateStats)), None)
         return EngineSnapshot(
             num_waiting=llm.num_waiting_requests,
             num_running=scheduler.num_running,
@@ -93,6 +95,7 @@ class EngineWorker:
             num_preemptions=scheduler.num_preemptions,
             hit_tokens_by_tier=_hit_tokens_by_tier(stats),
             tier_moves=tier_moves(*llm.tier_ios),
+            **({} if state is None else _snapshot_figures(state)),
         )
 
     def run(self) -> None:
@@ -148,6 +151,16 @@ def tier_moves(*tier_ios: Any) -> dict[str, tuple[int, float]]:
             nbytes, seconds = moves.get(kind, (0, 0.0))
             moves[kind] = (nbytes + t.nbytes, seconds + t.seconds)
     return moves
+
+
+def _snapshot_figures(state: StateStats) -> dict[str, int]:
+    """The state group's figures as `EngineSnapshot` names them."""
+    return {
+        "num_snapshots": state.num_snapshots,
+        "num_snapshot_bytes": state.num_snapshot_bytes,
+        "num_snapshot_hits": state.num_hits,
+        "num_snapshot_hit_tokens": state.num_hit_tokens,
+    }
 
 
 def _hit_tokens_by_tier(stats: CacheStats) -> dict[str, int]:

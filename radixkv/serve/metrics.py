@@ -138,6 +138,28 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _snapshot_families(snap: EngineSnapshot) -> Iterator[Metric]:
+    """A hybrid model's recurrent-state snapshots (zeros for a model without recurrent layers)."""
+    yield GaugeMetricFamily(
+        "radixkv_state_snapshots", "Recurrent-state snapshots held", value=snap.num_snapshots
+    )
+    yield GaugeMetricFamily(
+        "radixkv_state_snapshot_bytes",
+        "Bytes of the recurrent-state snapshots held",
+        value=snap.num_snapshot_bytes,
+    )
+    yield CounterMetricFamily(
+        "radixkv_state_snapshot_hits",
+        "Requests that resumed from a recurrent-state snapshot",
+        value=snap.num_snapshot_hits,
+    )
+    yield CounterMetricFamily(
+        "radixkv_state_snapshot_hit_tokens",
+        "Prompt tokens those requests resumed past",
+        value=snap.num_snapshot_hit_tokens,
+    )
+
+
 class _EngineCollector:
     """Exports the engine thread's latest snapshot at scrape time, under radixkv's names and
     vLLM's (`vllm_metrics`), from one read of each figure."""
@@ -200,6 +222,7 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "radixkv_preemptions", "Requests preempted (by recompute)", value=snap.num_preemptions
         )
+        yield from _snapshot_families(snap)
         yield from vllm_families(self._cache_info, snap, queue_depth, self._metrics)
 
 

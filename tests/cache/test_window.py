@@ -309,7 +309,7 @@ def _group_with_a_tail_and_a_table() -> tuple[WindowGroup, object]:
         lambda g, t: g.pool.add_owner(t.blocks[1]),  # an owner nobody records
         lambda g, t: g._tail_refs.update([t.blocks[0]]),  # a tail reference without a tail
         lambda g, t: g._proven.update(g._speculative),  # a tail in both segments
-        lambda g, t: g._ends[None].add(7),  # an end without a tail
+        lambda g, t: g._ends.add(None, 7),  # an end without a tail
         lambda g, t: setattr(t, "blocks", (t.blocks[0], None, *t.blocks[2:])),  # a hole
     ],
 )

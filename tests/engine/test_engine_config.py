@@ -52,6 +52,11 @@ from radixkv.options import (
         ("block_hash_seed", 0, TypeError),
         ("kv_cache_secret", 1234, TypeError),
         ("kv_cache_secret", "", ValueError),
+        ("num_snapshots", -1, ValueError),
+        ("snapshot_min_gap_tokens", 0, ValueError),
+        ("snapshot_share", 1.0, ValueError),
+        ("snapshot_share", -0.1, ValueError),
+        ("snapshot_share", "0.3", TypeError),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
@@ -135,6 +140,7 @@ def test_each_option_reaches_its_field() -> None:
     argv += ["--kv-events-layout", "array", "--kv-events-topic", "pod-1", "--kv-events-connect"]
     argv += ["--kv-events-replay", "tcp://*:5558", "--block-hash", "sha256_cbor"]
     argv += ["--block-hash-seed", "42", "--num-window-blocks", "40"]
+    argv += ["--num-snapshots", "6", "--snapshot-share", "0.4", "--snapshot-min-gap-tokens", "32"]
     settings = _parse(argv)
     assert settings == {
         "block_size": 8,
@@ -164,6 +170,9 @@ def test_each_option_reaches_its_field() -> None:
         "block_hash": "sha256_cbor",
         "block_hash_seed": "42",
         "num_window_blocks": 40,
+        "num_snapshots": 6,
+        "snapshot_share": 0.4,
+        "snapshot_min_gap_tokens": 32,
     }
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}

@@ -54,3 +54,23 @@ def test_a_full_attention_models_hits_are_never_cut() -> None:
     assert second.num_matched_tokens == second.num_cached_tokens == 30
     assert second.hit_cut_reason is None and "\n" not in status_line(second)
     assert "cut hits" not in stats_text(llm)
+
+
+def test_a_hybrid_models_cut_hit_and_its_state_slots_are_reported(tmp_path) -> None:
+    """A recurrent model resumes only where a snapshot of its state is kept: SECOND leaves
+    FIRST's path at 30, where none was taken, so its hit is cut to 0 (and a snapshot is taken
+    there for the next prompt through it)."""
+    path = build_arch("qwen3_5", tmp_path)
+    llm = LLM(str(path), block_size=4, num_blocks=64, max_num_seqs=2, snapshot_min_gap_tokens=8)
+    _run(llm, FIRST)
+    second = _run(llm, SECOND)
+    assert second.num_matched_tokens == 30 and second.num_cached_tokens == 0
+    assert "recurrent layers kept what a hit resumes from only up to 0" in second.hit_cut_reason
+    third = _run(llm, SECOND[:30] + [7, 8, 9])
+    assert third.num_matched_tokens == third.num_cached_tokens == 30
+    text = stats_text(llm)
+    assert "cut hits      30 matched tokens not served" in text
+    state = llm.cache.groups[-1]
+    slot_kib = f"{state.slot_bytes / 1024:.1f}"
+    assert f"state slots   {state.num_blocks} of {slot_kib} KiB: 0 running, " in text
+    assert " 1 hits resumed 30 tokens from one" in text

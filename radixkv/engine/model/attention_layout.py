@@ -17,17 +17,24 @@ keyword arguments, the layer's `is_causal`). The result is an `AttentionLayout`:
     num_kv_heads, head_dim   one KV layout shared by every layer that stores K and V
     latent, latent_layers    multi-head latent attention (MLA): the layers that keep one latent
                      vector a token instead (`radixkv.engine.step.latent_attention`), its sizes
+    recurrent        the recurrent layers (Gated DeltaNet, Mamba, short convolutions): one
+                     fixed-size state a request instead of KV (`radixkv.engine.step.recurrent`),
+                     their state's shapes; `state_group` is their cache group, the state kind's
+                     (`radixkv.cache.state`), kept apart from the KV groups' tensors
 
 MLA modules (DeepSeek V2 / V3 and kin) attend in code of their own, not through the attention
 interface: the probe swaps them for radixkv's paged modules first (`swap_latent_modules`, as the
 runner runs them) and they report to the recording cache's `latent_layer`. Their layers are the
-tree's group's, with a latent tensor layout (the engine's business, not the cache's).
+tree's group's, with a latent tensor layout (the engine's business, not the cache's). Recurrent
+modules likewise: the probe swaps in the packed ones (`pack_recurrent_layers`), which read their
+state through the recording cache's `recurrent_layer`.
 
 A model this engine cannot run exactly is refused here, with one line saying why (ModelLoadError):
-layers that do not attend through transformers' attention interface (recurrent or linear layers,
-architectures with attention code of their own), non-causal or chunked attention, key and value
-heads of different sizes outside latent attention, DeepSeek's sparse attention, full layers
-that mix latent and K/V caches, options the paged kernels do not have.
+layers that do not attend through transformers' attention interface (architectures with
+attention code of their own, recurrent layers radixkv has no packed module for, models of
+recurrent layers alone), non-causal or chunked attention, key and value heads of different sizes
+outside latent attention, DeepSeek's sparse attention, full layers that mix latent and K/V
+caches, options the paged kernels do not have.
 """
 
 from __future__ import annotations
@@ -42,14 +49,32 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from radixkv.cache.group import GroupSpec
+from radixkv.cache.state import StateSpec
 from radixkv.cache.window import WindowSpec
 from radixkv.engine.model.model_loader import ModelLoadError
 from radixkv.engine.step.latent_attention import swap_latent_modules
-from radixkv.kernels import FULL, AttentionKind, AttentionMetadata, LatentDims, plan_latent_step
+from radixkv.engine.step.recurrent import (
+    RecurrentLayerSpec,
+    RecurrentStates,
+    RecurrentStep,
+    pack_recurrent_layers,
+)
+from radixkv.kernels import (
+    FULL,
+    AttentionKind,
+    AttentionMetadata,
+    LatentDims,
+    RecurrentMetadata,
+    plan_latent_step,
+)
 
 PROBE_ATTENTION_NAME = "radixkv-probe"
-# Layer types (config.layer_types) the paged kernels compute as transformers does.
+# Layer types (config.layer_types) the paged kernels compute as transformers does, and the ones
+# the packed recurrent modules do where the probe swapped them in.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
+# Layer types of a hybrid model with no token mixer at all (Nemotron-H's MLP and MoE layers).
+MIXERLESS_LAYER_TYPES = ("mlp", "moe")
 # Keyword arguments the paged attention reads, and the ones models pass that do not change what
 # attention computes (bookkeeping of the forward). Any other one with a value is refused.
 _READ_KWARGS = frozenset(
@@ -80,13 +105,19 @@ class AttentionLayout:
     head_dim: int
     latent: LatentDims | None = None  # the latent layers' sizes (None: no latent layer)
     latent_layers: tuple[int, ...] = ()
+    recurrent: tuple[RecurrentLayerSpec, ...] = ()  # in layer order
+    # The layers that keep no KV: a recurrent mixer alone (Falcon-H1's run attention beside it)
+    # or no mixer at all (Nemotron-H's MLP layers); their `layers[i]` (FULL) is never read.
+    no_kv_layers: tuple[int, ...] = ()
 
     def cache_groups(self) -> tuple[LayerGroup, ...]:
         """The tree's group first (the layers that read every token; it is there, bookkeeping
         only, even when every layer is windowed: it holds the tree), then one window group for
         every windowed layer, of the largest window (a smaller window reads fewer of its
         tokens)."""
-        full = tuple(i for i, k in enumerate(self.layers) if k.window is None)
+        full = tuple(
+            i for i, k in enumerate(self.layers) if k.window is None and i not in self.no_kv_layers
+        )
         windowed = tuple(i for i, k in enumerate(self.layers) if k.window is not None)
         latent = self.latent if full and full[0] in self.latent_layers else None
         groups = [LayerGroup(GroupSpec(), full, latent)]
@@ -95,13 +126,25 @@ class AttentionLayout:
             groups.append(LayerGroup(WindowSpec(window), windowed))
         return tuple(groups)
 
+    def state_group(self, dtype: torch.dtype) -> LayerGroup | None:
+        """The recurrent layers' cache group, its slots of one state of every one of them at
+        `dtype` (None: no recurrent layer). It comes after the KV groups: the cache's group
+        order is theirs, then it."""
+        if not self.recurrent:
+            return None
+        slot_bytes = sum(s.nbytes(dtype) for s in self.recurrent)
+        return LayerGroup(StateSpec(slot_bytes), tuple(s.layer_idx for s in self.recurrent))
+
     def describe(self) -> str:
         """One line: the layers of each kind, e.g. "2 full + 4 window-512 layers" (latent
         layers: "4 full (latent 576) layers")."""
-        windows = sorted({k.window for k in self.layers}, key=lambda w: (w is not None, w or 0))
-        counts = [sum(k.window == w for k in self.layers) for w in windows]
+        attending = [k for i, k in enumerate(self.layers) if i not in self.no_kv_layers]
+        windows = sorted({k.window for k in attending}, key=lambda w: (w is not None, w or 0))
+        counts = [sum(k.window == w for k in attending) for w in windows]
         full = "full" if self.latent is None else f"full (latent {self.latent.latent_dim})"
         kinds = [full if w is None else f"window-{w}" for w in windows]
+        if self.recurrent:
+            counts, kinds = [*counts, len(self.recurrent)], [*kinds, "recurrent"]
         return " + ".join(f"{n} {kind}" for n, kind in zip(counts, kinds, strict=True)) + " layers"
 
 
@@ -117,14 +160,27 @@ class _Call:
 
 
 class _RecordingCache(Cache):
-    """A cache that writes nothing and notes which layers store K/V through it, and which latent
-    layers (radixkv's MLA modules) ask it for their cache (`latent_layer`: a scratch one)."""
+    """A cache that writes nothing and notes which layers store K/V through it, which latent
+    layers (radixkv's MLA modules) ask it for their cache (`latent_layer`: a scratch one) and
+    which recurrent layers for their state (`recurrent_layer`: scratch slots)."""
 
-    def __init__(self, latent: LatentDims | None, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        latent: LatentDims | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        recurrent: Sequence[RecurrentLayerSpec] = (),
+    ) -> None:
         super().__init__(layers=[])
         self.updated: list[int] = []
         self.latent_layers: list[int] = []
+        self.recurrent_layers: list[int] = []
         self._latent_step = None
+        self._recurrent_step = None
+        if recurrent:  # the probe's two tokens, one request from a zero state in slot 0
+            states = RecurrentStates(recurrent, 1, dtype, device)
+            metadata = RecurrentMetadata.build([2], [0], [False], device, num_slots=1)
+            self._recurrent_step = RecurrentStep(states, metadata)
         if latent is not None:  # the probe's two tokens in one block
             cache = torch.zeros((1, 2, latent.latent_dim), dtype=dtype, device=device)
             metadata = AttentionMetadata(
@@ -148,6 +204,13 @@ class _RecordingCache(Cache):
         self.latent_layers.append(layer_idx)
         return self._latent_step
 
+    def recurrent_layer(
+        self, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RecurrentMetadata]:
+        assert self._recurrent_step is not None, "a recurrent layer pack_recurrent_layers missed"
+        self.recurrent_layers.append(layer_idx)
+        return self._recurrent_step.recurrent_layer(layer_idx)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
@@ -162,8 +225,15 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
         latent = swap_latent_modules(model)
     except ModelLoadError as exc:  # sparse attention, or latent layers of different sizes
         raise _refusal(name, model, str(exc)) from exc
+    try:
+        recurrent = pack_recurrent_layers(model)
+    except ValueError as exc:  # a convolution's activation the kernel lacks
+        raise _refusal(name, model, str(exc)) from exc
     cfg = model.config.get_text_config()
-    unsupported = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    supported = SUPPORTED_LAYER_TYPES
+    if recurrent:
+        supported += RECURRENT_LAYER_TYPES + MIXERLESS_LAYER_TYPES
+    unsupported = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(supported))
     if unsupported:
         why = f"it has {'/'.join(unsupported)} layers (supported: full and sliding window)"
         raise _refusal(name, model, why)
@@ -179,7 +249,7 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
     AttentionInterface.register(PROBE_ATTENTION_NAME, record)
     param = next(model.parameters())
     device = param.device
-    cache = _RecordingCache(latent, device, param.dtype)
+    cache = _RecordingCache(latent, device, param.dtype, recurrent)
     try:
         model.set_attn_implementation(PROBE_ATTENTION_NAME)
         with torch.inference_mode():
@@ -197,8 +267,11 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
         ) from exc
     if any(call.kwargs.get("radixkv_cache") is not cache for call in calls):
         raise _refusal(name, model, "its attention does not pass the forward's keywords on")
+    refuse = partial(_refusal, name, model)
+    if sorted(cache.recurrent_layers) != [s.layer_idx for s in recurrent]:
+        raise refuse("its recurrent layers do not each run once per forward")
     latent_calls = (latent, cache.latent_layers)
-    return _layout(calls, cache.updated, latent_calls, cfg, partial(_refusal, name, model))
+    return _layout(calls, cache.updated, latent_calls, cfg, refuse, recurrent)
 
 
 def _layout(
@@ -207,14 +280,20 @@ def _layout(
     latent_calls: tuple[LatentDims | None, Sequence[int]],
     cfg: Any,
     refuse: Callable[[str], ModelLoadError],
+    recurrent: Sequence[RecurrentLayerSpec] = (),
 ) -> AttentionLayout:
     """The layout from what the probe recorded: the attention interface's `calls`, the layers
     that stored K/V through the cache (`updated`), the latent layers' sizes and the layers that
-    asked for a latent cache (`latent_calls`)."""
+    asked for a latent cache (`latent_calls`), and the recurrent layers (a layer whose mixer is
+    recurrent alone counts as attending)."""
     latent, latent_layers = latent_calls
     num_layers = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or ())
     indices = [getattr(c.module, "layer_idx", None) for c in calls] + list(latent_layers)
+    mixerless = [i for i, t in enumerate(layer_types) if recurrent and t in MIXERLESS_LAYER_TYPES]
+    stateful = sorted({s.layer_idx for s in recurrent} - set(indices))  # recurrent only
+    stateful = sorted([*stateful, *mixerless])  # the layers that keep no KV
+    indices += stateful
     missing = set(range(num_layers)) - set(indices)
     if missing:
         raise refuse(
@@ -223,7 +302,7 @@ def _layout(
         )
     if len(indices) != num_layers:  # every layer called, so some module attended twice
         raise refuse("its attention modules do not attend once each per layer (shared modules?)")
-    if sorted([*updated, *latent_layers]) != list(range(num_layers)):
+    if sorted([*updated, *latent_layers, *stateful]) != list(range(num_layers)):
         raise refuse("its layers do not all store their K/V through the cache interface")
     kinds: list[AttentionKind] = [FULL] * num_layers  # a latent layer attends to every token
     shapes = set()
@@ -242,6 +321,8 @@ def _layout(
         if heads % kv_heads:
             raise refuse(f"layer {i} has {heads} query heads for {kv_heads} KV heads")
         shapes.add((heads, kv_heads, k_dim))
+    if not shapes and not latent_layers:
+        raise refuse("none of its layers attends (a model of recurrent layers only)")
     if latent_layers and not shapes:
         # Every layer latent: its absorbed form is multi-query attention over the latents (one
         # KV head of their width).
@@ -254,7 +335,11 @@ def _layout(
             f"its config sets sliding_window={_config_window(cfg)} but no layer passes a window "
             "to the attention hook (a mask radixkv would not see)"
         )
-    full_kv = [i for i in range(num_layers) if kinds[i].window is None and i not in latent_layers]
+    full_kv = [
+        i
+        for i in range(num_layers)
+        if kinds[i].window is None and i not in latent_layers and i not in stateful
+    ]
     if latent_layers and full_kv:
         raise refuse(
             f"its full-attention layers {full_kv} keep keys and values beside latent layers "
@@ -263,7 +348,16 @@ def _layout(
     ((heads, kv_heads, head_dim),) = shapes
     latent_sorted = tuple(sorted(latent_layers))
     dims = latent if latent_layers else None
-    return AttentionLayout(tuple(kinds), heads, kv_heads, head_dim, dims, latent_sorted)
+    return AttentionLayout(
+        tuple(kinds),
+        heads,
+        kv_heads,
+        head_dim,
+        dims,
+        latent_sorted,
+        tuple(recurrent),
+        tuple(stateful),
+    )
 
 
 def _kind_of(call: _Call, i: int, layer_types: Sequence[str], refuse) -> AttentionKind:

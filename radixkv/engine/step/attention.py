@@ -19,7 +19,9 @@ Each KV cache group keeps its layers' KV in tensors of its own (a model with win
 window group's, over its smaller pool, `radixkv.cache.window`): a layer reads and writes its
 group's tensors through its group's metadata (the group's own block tables and slots). Latent
 (MLA) layers attend in radixkv's own modules (`latent_attention`), which ask the same object for
-their latent cache and the step's plan (`PagedKVCache.latent_layer`).
+their latent cache and the step's plan (`PagedKVCache.latent_layer`), and a hybrid model's
+packed recurrent layers (`radixkv.engine.step.recurrent`) for their state slots
+(`PagedKVCache.recurrent_layer`).
 
 transformers does not hand `past_key_values` to the attention function, so the runner passes the
 same per-step cache object a second time as the `radixkv_cache` keyword of `model(...)`, which
@@ -36,7 +38,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from radixkv import kernels
-from radixkv.kernels import AttentionKind, AttentionMetadata, LatentStep
+from radixkv.engine.step.recurrent import RecurrentStep
+from radixkv.kernels import AttentionKind, AttentionMetadata, LatentStep, RecurrentMetadata
 
 ATTENTION_NAME = "radixkv"
 
@@ -49,7 +52,8 @@ class PagedKVCache(Cache):
     its KV cache group `layer_groups[i]`, whose step metadata is `metadata[layer_groups[i]]` (a
     latent group's: its `LatentStep`). One instance per step (it carries the step's kernel
     metadata, validated once when the runner built it, for every layer); it never grows or
-    allocates. `kinds[i]` is layer i's attention.
+    allocates. `kinds[i]` is layer i's attention; `recurrent` the step's recurrent-state slots
+    (None: a model without recurrent layers).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class PagedKVCache(Cache):
         metadata: Sequence[AttentionMetadata | LatentStep],
         kinds: Sequence[AttentionKind],
         layer_groups: Sequence[int],
+        recurrent: RecurrentStep | None = None,
     ) -> None:
         # No per-layer objects: transformers' layer bookkeeping (lazy growth, offloading, cropping)
         # has no meaning for a cache whose blocks the scheduler manages.
@@ -66,6 +71,7 @@ class PagedKVCache(Cache):
         self.metadata = metadata
         self.kinds = kinds
         self.layer_groups = layer_groups
+        self.recurrent = recurrent
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The K cache, V cache and metadata layer `layer_idx` writes and reads."""
@@ -76,6 +82,14 @@ class PagedKVCache(Cache):
         """The latent cache and the step's plan latent layer `layer_idx` writes and reads."""
         (cache,) = self.layer_kv[layer_idx]
         return cache, self.metadata[self.layer_groups[layer_idx]]
+
+    def recurrent_layer(
+        self, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RecurrentMetadata]:
+        """The conv and SSM state tensors and the step's slots recurrent layer `layer_idx`
+        reads and writes."""
+        assert self.recurrent is not None, "a recurrent layer in a step without state slots"
+        return self.recurrent.recurrent_layer(layer_idx)
 
     def update(
         self,

@@ -208,10 +208,12 @@ def allocate_group_kv(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    reserved_bytes: int = 0,
 ) -> tuple[GroupKV, ...]:
     """Each group's tensors (K and V of `num_kv_heads` x `head_dim`, or a latent group's one),
     its pool sized by its kind (the group whose kind leaves it to the budget takes what the
-    others leave). ValueError for settings that hold not one request's blocks."""
+    others leave, and `reserved_bytes` less: the recurrent states' slots). ValueError for
+    settings that hold not one request's blocks."""
     specs = [KVCacheSpec.of(g, config, (num_kv_heads, head_dim), dtype) for g in groups]
     # A budget in bytes, read once, when blocks are not counted out.
     budget = None if config.num_blocks is not None else kv_budget(device, config.kv_cache_bytes)
@@ -219,7 +221,7 @@ def allocate_group_kv(
         GROUP_KINDS[g.spec.kind].plan_blocks(g.spec, config, s.bytes_per_block, budget)
         for g, s in zip(groups, specs, strict=True)
     ]
-    reserved = sum(
+    reserved = reserved_bytes + sum(
         n * s.bytes_per_block for n, s in zip(sizes, specs, strict=True) if n is not None
     )
     kv = []
@@ -233,3 +235,13 @@ def allocate_group_kv(
         caches = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.parts))
         kv.append(GroupKV(group.spec, group.layers, caches, group.latent))
     return tuple(kv)
+
+
+def plan_state_slots(group: LayerGroup, config: EngineConfig, device: torch.device) -> int:
+    """The state slots of the recurrent layers' group (its kind's rule, over the budget in bytes
+    the KV pools share when blocks are not counted out)."""
+    budget = None if config.num_blocks is not None else kv_budget(device, config.kv_cache_bytes)
+    spec = group.spec
+    n = GROUP_KINDS[spec.kind].plan_blocks(spec, config, spec.slot_bytes, budget)  # type: ignore[attr-defined]
+    assert n is not None, "the state kind sizes its own pool"
+    return n

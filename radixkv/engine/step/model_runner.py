@@ -9,6 +9,13 @@
 
       copies (copy-on-write of partial blocks)  ->  metadata  ->  model forward  ->  logits
 
+  A hybrid model's recurrent layers keep no KV: their state group (the cache's last) is slots
+  of one state of every recurrent layer (`recurrent.RecurrentStates`), a row's table its
+  request's slot. A step first runs the group's slot copies in plan order (snapshots of earlier
+  rows' states, then resumes from snapshots), then hands the packed layers the rows' slots
+  (`RecurrentMetadata`: a row from position 0 starts from a zero state, any other from its
+  slot). Its decode steps run eager (no CUDA graphs yet).
+
   Every row of the step is packed into one batch row of `num_tokens` tokens with explicit
   position ids, so prefill chunks and decode tokens of different requests share one forward.
   The step's integer inputs travel in one buffer, one host->device copy (`step_inputs`), with
@@ -48,10 +55,11 @@ from radixkv.engine.step.cpu_memory import keep_freed_memory
 from radixkv.engine.step.cpu_weights import use_column_major_linears
 from radixkv.engine.step.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.step.fused_llama import fuse_llama_modules, unfuse_llama_modules
-from radixkv.engine.step.kv_tensors import allocate_group_kv
+from radixkv.engine.step.kv_tensors import allocate_group_kv, plan_state_slots
 from radixkv.engine.step.latent_attention import row_major_linears
+from radixkv.engine.step.recurrent import RecurrentStates, RecurrentStep
 from radixkv.engine.step.step_inputs import InputStager, StepLayout, region, stage_step
-from radixkv.kernels import AttentionMetadata
+from radixkv.kernels import AttentionMetadata, RecurrentMetadata
 from radixkv.kernels.latent_reference import expanded_chunk_size
 from radixkv.scheduler.output import BlockCopy, GroupPlan, ScheduledRequest, SchedulerOutput
 
@@ -72,7 +80,9 @@ class ModelRunner:
     i's views into its group's tensors (`GroupKV.layer_views`), `layer_groups[i]` that group;
     `step_plans[g]` what group g's layers read per step beside its metadata (None: nothing);
     the model's attention implementation is ``"radixkv"`` for as long as the runner lives;
-    `decode_graphs` is None on the CPU and with `enforce_eager`.
+    `decode_graphs` is None on the CPU, with `enforce_eager` and for a model with recurrent
+    layers; `states` holds those layers' slots (None without any), cache group `state_group`
+    (after the KV groups), whose spec and size close `group_specs` and `group_sizes`.
     """
 
     def __init__(
@@ -89,6 +99,11 @@ class ModelRunner:
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         unfuse_llama_modules(model)  # fused by an earlier runner: the probe needs the originals
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
+        state = self.layout.state_group(param.dtype)
+        self.states: RecurrentStates | None = None
+        if state is not None:
+            slots = plan_state_slots(state, config, self.device)
+            self.states = RecurrentStates(self.layout.recurrent, slots, param.dtype, self.device)
         self.kv = allocate_group_kv(
             self.layout.cache_groups(),
             config,
@@ -96,7 +111,13 @@ class ModelRunner:
             head_dim=self.layout.head_dim,
             dtype=param.dtype,
             device=self.device,
+            reserved_bytes=0 if self.states is None else slots * self.states.slot_nbytes(),
         )
+        self.state_group = len(self.kv)  # its index in the cache's groups, when there is one
+        kv_specs = tuple(kv.spec for kv in self.kv)
+        self.group_specs = kv_specs if state is None else (*kv_specs, state.spec)
+        kv_sizes = tuple(kv.num_blocks for kv in self.kv)
+        self.group_sizes = kv_sizes if self.states is None else (*kv_sizes, slots)
         self.kv_shapes = tuple(kv.layer_shape for kv in self.kv)  # one layer's, per group
         # Each layer's group and its views into the group's tensors, by layer index.
         bound = {
@@ -106,8 +127,9 @@ class ModelRunner:
         }
         self.step_plans = tuple(kv.step_plan() for kv in self.kv)
         layers = range(len(self.layout.layers))
-        self.layer_groups = [bound[i][0] for i in layers]
-        self.layer_kv = [bound[i][1] for i in layers]
+        # a recurrent layer reads its state through the step's `RecurrentStep`, no KV views
+        self.layer_groups = [bound.get(i, (self.state_group,))[0] for i in layers]
+        self.layer_kv = [bound.get(i, (None, ()))[1] for i in layers]
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         if validate_steps is None:
             validate_steps = os.environ.get("RADIXKV_VALIDATE_STEPS", "0") not in ("", "0")
@@ -125,6 +147,11 @@ class ModelRunner:
             " MiB)"
             for kv in self.kv
         )
+        if self.states is not None:
+            pools += (
+                f" + {self.states.num_slots} recurrent-state slots "
+                f"({self.states.num_slots * self.states.slot_nbytes() / 2**20:.1f} MiB)"
+            )
         logger.info(
             "KV cache: %s of %d tokens on %s; %s",
             pools,
@@ -137,7 +164,7 @@ class ModelRunner:
         # and triton need not be imported at all).
         self._compiles = kernels.compile_counter() if on_triton else None
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.states is None:
             # Without a max_model_len no sequence can outgrow the pool.
             max_len = config.max_model_len or self.kv[0].num_blocks * block_size
             self.decode_graphs = self.capture_decode_graphs(config.max_num_seqs, max_len)
@@ -168,8 +195,10 @@ class ModelRunner:
         """Run a prefill, a mixed (decode + prefill chunk + copy-on-write) and an eager decode
         step over scratch blocks, so every Triton kernel variant the engine's steps use is
         compiled now rather than inside the first requests. Writes garbage K/V into the pool's
-        first blocks: call it before any request runs. Nothing to do on the torch backend."""
-        if self._compiles is None:
+        first blocks: call it before any request runs. Nothing to do on the torch backend, nor
+        (yet) for a model with recurrent layers: their steps' rows need state slots, and their
+        first steps compile what a warm-up would."""
+        if self._compiles is None or self.states is not None:
             return
         t0, compiles = time.perf_counter(), self._compiles.count
         num_blocks = min(kv.num_blocks for kv in self.kv)
@@ -239,19 +268,39 @@ class ModelRunner:
         if feed is not None:
             feed(views["input_ids"])
         self._copy_blocks(step, views)
+        recurrent = self._recurrent_step(step)
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
-        return self._forward(views, metas, views["sample_idx"])[0].float()
+        return self._forward(views, metas, views["sample_idx"], recurrent)[0].float()
+
+    def _recurrent_step(self, step: SchedulerOutput) -> RecurrentStep | None:
+        """The state group's slot copies of `step`, run now in plan order, and the step's view
+        of the slots for the recurrent layers (None without recurrent layers)."""
+        states = self.states
+        if states is None:
+            return None
+        for c in step.plan(self.state_group).copies:
+            states.copy_slot(c.src_block, c.dst_block)
+        g = self.state_group
+        metadata = RecurrentMetadata.build(
+            [len(r.token_ids) for r in step.rows],
+            [r.block_tables[g][0] for r in step.rows],
+            [r.start_position > 0 for r in step.rows],
+            self.device,
+            num_slots=states.num_slots,
+        )
+        return RecurrentStep(states, metadata)
 
     def _forward(
         self,
         views: dict[str, torch.Tensor],
         metas: Sequence[AttentionMetadata],
         keep: torch.Tensor | int = 0,
+        recurrent: RecurrentStep | None = None,
     ) -> torch.Tensor:
         """The model over one packed step (`views`: its split buffer; `metas`: each KV cache
-        group's metadata): logits [1, num_kept, vocab] of the tokens `keep` indexes (0: every
-        token's)."""
-        cache = PagedKVCache(self.layer_kv, metas, self.layout.layers, self.layer_groups)
+        group's metadata; `recurrent`: the recurrent layers' slots, if any): logits
+        [1, num_kept, vocab] of the tokens `keep` indexes (0: every token's)."""
+        cache = PagedKVCache(self.layer_kv, metas, self.layout.layers, self.layer_groups, recurrent)
         out = self.model(
             input_ids=views["input_ids"][None],
             position_ids=views["positions"][None],

@@ -1,0 +1,551 @@
+"""The state group: recurrent layers' state in slots, one per running request, and snapshots of it
+at points of the tree's paths where later requests resume.
+
+A recurrent layer (Gated DeltaNet, Mamba, a short convolution) keeps one fixed-size state per
+request instead of KV per token. The group's pool is a set of *slots*, each of which holds one
+whole state of every recurrent layer (the engine's tensors; the cache sees slot ids):
+
+    a running request   holds one slot, whatever its length (`StateTable.slot`); the step's
+                        recurrent layers read it at the request's first token and write it
+                        after its last
+    a snapshot          holds one slot: the state after exactly `end` tokens of one prefix,
+                        kept where the policy says a later request will resume
+                        (`radixkv.cache.snapshots.SnapshotPolicy`)
+
+A hit resumes at the deepest snapshot on the prompt whose prefix KV the tree holds (`find`: the
+deepest point <= the tree's match); the admission plans a copy of the snapshot's slot into the
+request's new slot (`StateTable.copy`, run before the forward; the snapshot pinned until it
+ran). A miss past it recomputes from there; with no snapshot the request starts from a zero
+state (no copy: the step's metadata says it has no initial state).
+
+Where snapshots are taken (`SnapshotPolicy`), each copied in the same step that computed it:
+
+    divergence   where the prompt leaves the tree (the tree's match at admission): required, so
+                 the prompt's chunk ends there (`chunk_end`) and the copy of the running slot
+                 into a new snapshot slot runs before the next step's forward (`take_copies`)
+    chunk ends   at other prefill chunk ends, only into a free slot
+    the end      when the request leaves (finished, or preempted: its recompute resumes there),
+                 its state after its last committed tokens: the running slot itself becomes the
+                 snapshot, no copy at all
+
+none closer than the policy's gap after the point its state came from or its previous snapshot.
+The state in a slot is the state after the tokens the request's rows computed: the scheduler
+commits what a row computed before it slides (`Scheduler._record_row`) and slides one token
+short of it, so a commit past the last slide is a row's end, and a final commit short of it
+(an overlapped step's stop: a later row computed the stop token) has no state to keep.
+
+Eviction (`SnapshotLedger`, under the tree's logical clock): a slot a running request needs
+comes first; a required snapshot evicts others; the order is orphans (a snapshot whose prefix KV
+is gone from every tier of the tree: checked when a victim is chosen), then superseded ones (the
+request that resumed from or took a snapshot took a deeper one on the same path, as a chat's next
+turn does; a divergence snapshot, where paths branch, is never superseded), then GDSF (or LRU).
+A snapshot resumed from is no longer superseded.
+
+Where this differs from the anchors: vLLM keeps states on its block grid (528 tokens for
+Qwen3.5, no hit below it); SGLang one per inserted node (prompt and request ends). Here they sit
+where the tree says prompts diverge and where a conversation's next turn resumes, token-granular.
+
+A step whose copies may not have run (it failed before its forward) loses the snapshots those
+copies were to fill (`step_failed`). Pure Python; the slots' contents are the engine's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from radixkv.cache.group import GroupSetup, GroupSpec, PoolConfig, Probe
+from radixkv.cache.moves import Move
+from radixkv.cache.points import PointEnds, PointKey, point_key
+from radixkv.cache.pool import BlockPool
+from radixkv.cache.snapshots import SnapshotLedger, SnapshotPolicy
+from radixkv.cache.tokens import TOKEN_BYTES, PackedTokens, check_size
+
+# A snapshot copy: (running slot, snapshot slot, 1), as a copy-on-write names (source, target,
+# slots): the whole state of every recurrent layer.
+SlotCopy = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec(GroupSpec):
+    """The recurrent layers of a model: `slot_bytes` is one request's state over all of them."""
+
+    kind: ClassVar[str] = "state"
+    slot_bytes: int
+
+
+class StatePoolConfig(PoolConfig, Protocol):
+    @property
+    def num_snapshots(self) -> int | None: ...  # None: `snapshot_share` of a byte budget
+    @property
+    def snapshot_share(self) -> float: ...
+    @property
+    def snapshot_min_gap_tokens(self) -> int: ...
+
+
+DEFAULT_SNAPSHOTS_PER_SEQ = 2  # snapshots per running request when the pools are counted out
+
+
+class StateKind:
+    """The state group's entry in the registry (`radixkv.cache.kinds`)."""
+
+    name = "state"
+
+    def plan_blocks(
+        self, spec: StateSpec, config: StatePoolConfig, bytes_per_block: int, budget: int | None
+    ) -> int:
+        """Slots: one per running request (`max_num_seqs`) and `num_snapshots` more, or
+        `snapshot_share` of a `budget` in bytes, or (the pools counted out in blocks)
+        DEFAULT_SNAPSHOTS_PER_SEQ per running request. ValueError for a budget that holds not
+        the running requests' slots."""
+        running = config.max_num_seqs
+        if config.num_snapshots is not None:
+            return running + config.num_snapshots
+        if budget is None:
+            return running * (1 + DEFAULT_SNAPSHOTS_PER_SEQ)
+        if running * bytes_per_block > budget:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds not the recurrent states of "
+                f"max_num_seqs={running} requests ({bytes_per_block} bytes each)"
+            )
+        return running + int(config.snapshot_share * budget) // bytes_per_block
+
+    def build(self, spec: StateSpec, setup: GroupSetup) -> StateGroup:
+        config = setup.config
+        policy = SnapshotPolicy() if config is None else _policy_of(config)
+        eviction = setup.eviction if setup.eviction in ("gdsf", "lru") else "gdsf"
+        return StateGroup(
+            setup.num_blocks,
+            setup.block_size,
+            spec.slot_bytes,
+            policy=policy,
+            tree=setup.tree,
+            eviction=eviction,
+            index=setup.index,
+        )
+
+
+def _policy_of(config: Any) -> SnapshotPolicy:
+    return SnapshotPolicy(min_gap_tokens=config.snapshot_min_gap_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class StateHit:
+    """Where the state group resumes a prompt: after `end` tokens, from the snapshot in slot
+    `slot` (None: from a zero state at 0)."""
+
+    end: int
+    slot: int | None = None
+
+
+@dataclass(slots=True, eq=False)
+class StateTable:
+    """A running request's state: issued by `StateGroup.admit`, changed by the group's methods
+    only, given back by `close`."""
+
+    slot: int  # the running slot
+    namespace: str | None
+    prompt: bytes = field(repr=False)  # packed, as admitted
+    copy: SlotCopy | None = None  # (snapshot slot, running slot, 1): the resume, before writing
+    pinned: int | None = field(default=None, repr=False)  # the copy's source, until it ran
+    state_end: int = 0  # the state in the slot is after this many tokens
+    last_point: int = 0  # the deepest point its state came from or was snapshotted at
+    last_snapshot: int | None = field(default=None, repr=False)  # that snapshot's slot
+    required: tuple[int, ...] = ()  # required points still ahead (where a chunk must end)
+    leaving: int | None = None  # a commit's end whose state the slot holds, until a new row
+    committed: bytes = field(default=b"", repr=False)  # packed: the tokens of that commit
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return (self.slot,)
+
+
+@dataclass(slots=True, eq=False)
+class _Snapshot:
+    key: PointKey
+    prefix: bytes = field(repr=False)  # the packed tokens [0, end)
+    slot: int
+    divergence: bool  # taken where a prompt left the tree: never superseded
+
+    @property
+    def end(self) -> int:
+        return self.key[1]
+
+
+@dataclass(frozen=True, slots=True)
+class StateStats:
+    """The state group's figures (`StateGroup.stats`). Its pool:
+    `num_running_slots + num_snapshots + num_free_slots == num_slots`."""
+
+    num_slots: int
+    slot_bytes: int  # one state of every recurrent layer (a snapshot's size)
+    num_free_slots: int
+    num_running_slots: int  # held by running requests
+    num_snapshots: int
+    num_snapshot_bytes: int
+    num_taken: int  # snapshots taken since start
+    num_evicted: int  # dropped for room
+    num_refused: int  # not taken: no room (an optional one without a free slot)
+    num_hits: int  # admissions that resumed from a snapshot
+    num_hit_tokens: int  # the tokens those resumed past
+    num_copies: int  # slot copies planned (snapshots taken mid-prompt, resumes)
+    num_host_cached_blocks: int = 0  # no lower tiers (the grouped reports read it)
+
+
+class StateGroup:
+    """`num_slots` slots of `slot_bytes` each (see the module docstring).
+
+    Invariants (recomputed by `check_integrity`):
+    * every slot has at most one owner, an open table (its running slot) or a snapshot, and
+      the pool's counts say so;
+    * each snapshot is listed under its key, its end in `PointEnds`, its slot in the ledger;
+      the ledger holds exactly the snapshots' slots, pinned once per open table whose resume
+      copy reads it;
+    * a table's required points lie past its state and after its last point.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        block_size: int,
+        slot_bytes: int,
+        *,
+        policy: SnapshotPolicy | None = None,
+        tree: Any = None,
+        eviction: str = "gdsf",
+        index: int = 1,
+    ) -> None:
+        """`tree`: the tree's group (a `PrefixCache`), whose clock stamps the snapshots and
+        whose match says which have lost their prefix KV (None: none ever does)."""
+        self.name = StateKind.name
+        self.index = index
+        self.pool = BlockPool(num_slots, 1)
+        self.num_blocks = self.pool.num_blocks
+        self.block_size = check_size(block_size, "block_size", low=1)
+        self.slot_bytes = check_size(slot_bytes, "slot_bytes", low=1)
+        self.policy = policy or SnapshotPolicy()
+        self.tiers = None
+        self._tree = tree
+        self.ledger = SnapshotLedger(num_slots * slot_bytes, slot_bytes, eviction)  # type: ignore[arg-type]
+        self._snapshots: dict[PointKey, _Snapshot] = {}
+        self._by_slot: dict[int, _Snapshot] = {}
+        self._ends = PointEnds()
+        self._open: set[StateTable] = set()
+        # snapshot copies planned since `take_copies`, each with the snapshot it fills
+        self._copies: list[tuple[SlotCopy, _Snapshot]] = []
+        self._in_flight: list[_Snapshot] = []  # the snapshots of the copies last handed out
+        self._ticks = 0  # without a tree: a clock of its own
+        self.num_hit_tokens = self.num_copies = 0
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def snapshot_ends(self) -> list[tuple[str | None, int]]:
+        """(namespace, end) of every snapshot, by slot."""
+        return [(s.key[0], s.end) for _, s in sorted(self._by_slot.items())]
+
+    def stats(self) -> StateStats:
+        ledger = self.ledger.stats()
+        running = len(self._open)
+        return StateStats(
+            num_slots=self.num_blocks,
+            slot_bytes=self.slot_bytes,
+            num_free_slots=self.pool.num_free,
+            num_running_slots=running,
+            num_snapshots=len(self._snapshots),
+            num_snapshot_bytes=ledger.num_bytes,
+            num_taken=ledger.num_taken,
+            num_evicted=ledger.num_evicted,
+            num_refused=ledger.num_refused,
+            num_hits=ledger.num_hits,
+            num_hit_tokens=self.num_hit_tokens,
+            num_copies=self.num_copies,
+        )
+
+    # ---------------------------------------------------- the group protocol's admission
+    def find(self, probe: Probe, upto: int) -> StateHit:
+        """The deepest snapshot on the probed prompt at or below `upto` (the tree's match).
+        Read-only."""
+        for key in self._ends.keys_upto(probe.tokens, upto, probe.namespace):
+            snap = self._snapshots.get(key)
+            if snap is not None and probe.tokens.startswith(snap.prefix):
+                return StateHit(snap.end, snap.slot)
+        return StateHit(0)
+
+    def fits(self, probe: Probe, hit: StateHit, num_tokens: int) -> bool:
+        """Whether `admit` would find a running slot: a free one, or a snapshot it may evict
+        (unpinned, not the one it resumes from). Read-only."""
+        if self.pool.num_free:
+            return True
+        movable = len(self.ledger.victims())
+        return movable - (hit.slot is not None and hit.slot in self.ledger.victims()) > 0
+
+    def admit(self, probe: Probe, hit: StateHit, num_tokens: int) -> StateTable | None:
+        """A table resuming at `hit`: a running slot (evicting a snapshot if none is free) and,
+        past 0, the copy of the hit's snapshot into it. Required points: where the prompt
+        leaves the tree, when the policy wants one there. None, nothing changed, if no slot can
+        be had (`fits` says so beforehand)."""
+        if hit.slot is not None:
+            self.ledger.pin(hit.slot)  # before the slot's allocation evicts
+        slot = self._allocate(required=True)
+        if slot is None:
+            if hit.slot is not None:
+                self.ledger.unpin(hit.slot)
+            return None
+        table = StateTable(slot, probe.namespace, probe.tokens, state_end=hit.end)
+        table.last_point = hit.end
+        if hit.slot is not None:
+            table.copy, table.pinned = (hit.slot, slot, 1), hit.slot
+            table.last_snapshot = hit.slot
+            self.ledger.touch(hit.slot, self._tick(), hit=True)
+            self.ledger.set_superseded(hit.slot, False)  # resumed from: it serves a path
+            self.num_hit_tokens += hit.end
+            self.num_copies += 1
+        num_prompt = len(probe.tokens) // TOKEN_BYTES
+        divergence = max(hit.end, min(probe.num_matched, num_prompt))
+        points = self.policy.prefill_points(
+            resume=hit.end, divergence=divergence, num_prompt_tokens=num_prompt
+        )
+        table.required = tuple(p.position for p in points if p.required)
+        self._open.add(table)
+        return table
+
+    # ------------------------------------------------------------------ a request's rows
+    def chunk_end(self, table: StateTable, start: int, end: int) -> int:
+        """Where a row computing from `start` to at most `end` must stop: at the first required
+        point past `start` (its state is copied there), else `end`. Read-only."""
+        for point in table.required:
+            if start < point < end:
+                return point
+        return end
+
+    def extend(self, table: StateTable, num_tokens: int) -> bool:
+        """A new row is scheduled: the slot's state will move past its last commit."""
+        assert table in self._open, "extend an open table"
+        table.leaving = None
+        return True
+
+    def slide(self, table: StateTable, num_written: int) -> None:
+        """A row was recorded: the scheduler slides one token short of what its rows computed,
+        so the state is after `num_written + 1` tokens; the resume copy has run."""
+        assert table in self._open, "slide an open table"
+        table.state_end = max(table.state_end, num_written + 1)
+        self._unpin(table)
+
+    def commit(self, table: StateTable, tokens: PackedTokens, *, prompt_end: bool = False) -> None:
+        """Tokens [0, n) are in the tree. A commit past the state's last known end is the end of
+        the row just computed: the state is after n tokens; one short of it has no state to
+        keep (a later row moved it on). At a prompt's chunk end, a required point or a chunk
+        end the policy's gap allows takes a snapshot (a copy, next step)."""
+        assert table in self._open, "commit an open table"
+        n = len(tokens)
+        table.state_end = max(table.state_end, n)
+        table.leaving = n if n == table.state_end else None
+        if table.leaving is None:
+            return
+        table.committed = qb = tokens.tobytes()
+        if n >= len(table.prompt) // TOKEN_BYTES:
+            return
+        required = n in table.required
+        table.required = tuple(p for p in table.required if p > n)
+        gap = n - table.last_point >= self.policy.min_gap_tokens
+        if required or (gap and self.policy.chunk_snapshots):
+            self._take_copy(table, qb, n, required=required)
+
+    def close(self, table: StateTable) -> None:
+        """The request leaves: its slot becomes the snapshot of its state after its last commit
+        when the policy wants one there (a finished request's end, a preempted one's point),
+        else it is freed; a pinned resume source is let go."""
+        assert table in self._open, "a table is closed once, by the group that issued it"
+        self._open.remove(table)
+        self._unpin(table)
+        point = None
+        if table.leaving is not None:
+            point = self.policy.finish_point(last_point=table.last_point, num_written=table.leaving)
+        if point is None or not self._keep(table, point.position):
+            self.pool.release([table.slot])
+        table.copy = None
+
+    def row_blocks(self, table: StateTable, num_blocks: int) -> tuple[int, ...]:
+        """The running slot (one entry, whatever the row's length)."""
+        return (table.slot,)
+
+    # ------------------------------------------------------------------ plans
+    def take_copies(self) -> list[SlotCopy]:
+        """The snapshot copies planned since the last call, in order: run them before the
+        step's resume copies and forward. The copies handed out before these have run."""
+        planned, self._copies = self._copies, []
+        live = [(c, snap) for c, snap in planned if self._by_slot.get(snap.slot) is snap]
+        self._in_flight = [snap for _, snap in live]
+        return [c for c, _ in live]  # a snapshot evicted before its copy ran needs none
+
+    def step_failed(self) -> None:
+        """The step that carried the copies last handed out failed, maybe before they ran: the
+        snapshots they were to fill are dropped."""
+        for snap in self._in_flight:
+            if self._by_slot.get(snap.slot) is snap:
+                self._drop(snap)
+                self.pool.release([snap.slot])
+        self._in_flight = []
+
+    def take_moves(self) -> list[Move]:
+        return []  # no lower tiers
+
+    def forget(self, host_blocks: Sequence[int]) -> None:
+        """No lower tiers: no move of this group fails."""
+
+    def persist(self) -> None:
+        """No lower tiers: nothing to write."""
+
+    def clear(self) -> None:
+        """Drop every snapshot not pinned by an open table's resume."""
+        for snap in list(self._by_slot.values()):
+            if snap.slot not in self._pinned_slots():
+                self._drop(snap)
+                self.pool.release([snap.slot])
+
+    @property
+    def num_open_tables(self) -> int:
+        return len(self._open)
+
+    def is_open(self, table: StateTable) -> bool:
+        return table in self._open
+
+    # ---------------------------------------------------------------- internals
+    def _tick(self) -> int:
+        if self._tree is not None:
+            return self._tree.clock
+        self._ticks += 1
+        return self._ticks
+
+    def _take_copy(self, table: StateTable, qb: bytes, n: int, *, required: bool) -> None:
+        """A snapshot at n of the table's running state, by a copy into a new slot."""
+        key = point_key(table.namespace, qb, n)
+        if key in self._snapshots:
+            self._refresh(table, self._snapshots[key])
+            return
+        slot = self._allocate(required=required)
+        if slot is None:
+            self.ledger.refused()
+            return
+        snap = self._add(key, qb[: TOKEN_BYTES * n], slot, divergence=required, table=table)
+        self._copies.append(((table.slot, snap.slot, 1), snap))
+        self.num_copies += 1
+
+    def _keep(self, table: StateTable, n: int) -> bool:
+        """The leaving table's running slot becomes the snapshot at n (no copy); False if one
+        is there already (then only refreshed)."""
+        qb = table.committed
+        key = point_key(table.namespace, qb, n)
+        if key in self._snapshots:
+            self._refresh(table, self._snapshots[key])
+            return False
+        self._add(key, qb[: TOKEN_BYTES * n], table.slot, divergence=False, table=table)
+        return True
+
+    def _add(
+        self, key: PointKey, prefix: bytes, slot: int, *, divergence: bool, table: StateTable
+    ) -> _Snapshot:
+        snap = _Snapshot(key, prefix, slot, divergence)
+        taken = self.ledger.take(slot, self._tick(), required=True)
+        assert taken == [], "the slot was made free first"
+        self._snapshots[key] = snap
+        self._by_slot[slot] = snap
+        self._ends.add(key[0], key[1])
+        self._supersede(table)
+        table.last_point, table.last_snapshot = key[1], slot
+        return snap
+
+    def _refresh(self, table: StateTable, snap: _Snapshot) -> None:
+        self.ledger.touch(snap.slot, self._tick())
+        self._supersede(table)
+        table.last_point, table.last_snapshot = snap.end, snap.slot
+
+    def _supersede(self, table: StateTable) -> None:
+        """The table's previous snapshot (resumed from or taken) is superseded by a deeper one
+        on its path, unless it is a divergence point."""
+        old = self._by_slot.get(table.last_snapshot) if table.last_snapshot is not None else None
+        if old is not None and not old.divergence:
+            self.ledger.set_superseded(old.slot, True)
+
+    def _allocate(self, *, required: bool) -> int | None:
+        """A free slot; a required one evicts a snapshot when none is free (orphans first)."""
+        if not self.pool.num_free:
+            if not required or not self.ledger.victims():
+                return None
+            self._mark_orphans()
+            for slot in self.ledger.evict(1):
+                self._drop(self._by_slot[slot], ledger=False)
+                self.pool.release([slot])
+        got = self.pool.allocate(1)
+        return None if got is None else got[0]
+
+    def _mark_orphans(self) -> None:
+        """Mark each unpinned snapshot orphaned or not by whether the tree (any tier) still
+        holds its prefix's KV. O(snapshots x their prefixes' walks): done only when a victim is
+        chosen."""
+        if self._tree is None:
+            return
+        pinned = self._pinned_slots()
+        for snap in self._by_slot.values():
+            if snap.slot in pinned:
+                continue
+            held = self._tree.match(PackedTokens.frombytes(snap.prefix), namespace=snap.key[0])
+            self.ledger.set_orphan(snap.slot, held.num_cached_tokens < snap.end)
+
+    def _pinned_slots(self) -> set[int]:
+        return {t.pinned for t in self._open if t.pinned is not None}
+
+    def _drop(self, snap: _Snapshot, *, ledger: bool = True) -> None:
+        del self._snapshots[snap.key]
+        del self._by_slot[snap.slot]
+        self._ends.remove(snap.key[0], snap.end)
+        if ledger:
+            self.ledger.drop(snap.slot)
+
+    def _unpin(self, table: StateTable) -> None:
+        if table.pinned is not None:
+            self.ledger.unpin(table.pinned)
+            table.pinned = None
+
+    # ----------------------------------------------------------------- checks
+    def check_table(self, table: StateTable, num_written: int, num_tokens: int, chunk: int) -> None:
+        """A running request holds one slot, its state at or past what it wrote."""
+        assert table in self._open and self.pool.ref_count(table.slot) == 1, table
+        assert table.state_end >= num_written, (table, num_written)
+
+    def check_integrity(self) -> None:
+        """Recompute the invariants in the class docstring; raise AssertionError on a violation."""
+        owners: Counter[int] = Counter(t.slot for t in self._open)
+        owners.update(list(self._by_slot))
+        if any(n > 1 for n in owners.values()):
+            raise AssertionError(f"a slot has two owners: {owners}")
+        self.pool.check_integrity(dict(owners))
+        ends: dict[str | None, list[int]] = {}
+        for key, snap in self._snapshots.items():
+            if self._by_slot.get(snap.slot) is not snap or snap.key != key:
+                raise AssertionError(f"snapshot {key} is not listed by its slot")
+            if key != point_key(key[0], snap.prefix, len(snap.prefix) // TOKEN_BYTES):
+                raise AssertionError(f"snapshot {key} holds another prefix")
+            ends.setdefault(key[0], []).append(key[1])
+        if {ns: sorted(e) for ns, e in ends.items()} != self._ends.as_dict():
+            raise AssertionError(f"snapshot ends {self._ends.as_dict()} != {ends}")
+        if len(self._by_slot) != len(self._snapshots):
+            raise AssertionError("a slot lists a snapshot its key does not")
+        if set(self.ledger.keys()) != set(self._by_slot):
+            raise AssertionError(
+                f"ledger {self.ledger.keys()} != snapshots {sorted(self._by_slot)}"
+            )
+        pins = Counter(t.pinned for t in self._open if t.pinned is not None)
+        unpinned = set(self.ledger.victims())
+        for slot in self._by_slot:
+            if (slot in pins) == (slot in unpinned):
+                raise AssertionError(f"snapshot slot {slot}: pinned {pins[slot]} times")
+        self.ledger.check_integrity()
+        for table in self._open:
+            if any(p <= max(table.state_end, table.last_point) for p in table.required):
+                raise AssertionError(f"a required point of {table} lies behind its state")
