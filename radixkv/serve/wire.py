@@ -4,9 +4,9 @@ Both ends are this program and the sockets live in a folder only this user can o
 messages are pickles (the project's own dataclasses, exceptions and module-level functions go
 as they are). Reading one still never imports or calls anything outside the project: `loads`
 resolves only the project's classes and functions, torch's dtypes and a short list of harmless
-builtins, so a
-message that names `os.system` (or reaches it through a project module's attribute) is refused
-before anything runs. The tokenizer therefore never travels: the front end loads its own.
+builtins, so a message that names `os.system` (or reaches it through a project module's
+attribute) is refused before anything runs. The tokenizer therefore never travels: the front
+end loads its own.
 """
 
 from __future__ import annotations
