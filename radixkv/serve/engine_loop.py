@@ -69,7 +69,7 @@ class EngineLoop(EngineHandle):
             if not done.set_running_or_notify_cancel():
                 return
             try:
-                done.set_result(fn(self.llm, *args))
+                done.set_result(self._worker.call(fn, *args))
             except Exception as exc:
                 done.set_exception(exc)
 

@@ -161,13 +161,10 @@ def _call(
 ) -> Callable[[], None]:
     def call() -> None:  # the worker's thread
         try:
-            value = fn(worker.llm, *args)
+            value = worker.call(fn, *args)
         except Exception as exc:
             out.send(("result", call_id, None, _sendable_error(exc)))
             return
-        # What the call changed (a flush's freed blocks) is in /metrics once the caller has
-        # its answer: the snapshot goes first on the same socket.
-        out.send(("snapshot", worker.snapshot()))
         out.send(("result", call_id, value, None))
 
     return call

@@ -3,7 +3,8 @@
     commands (closures) ──► inbox ──► EngineWorker.run: run them between steps, then llm.step()
                                           │
                                           ├─► deliver(updates)  one batch per step
-                                          └─► publish(snapshot) after commands and after steps
+                                          └─► publish(snapshot) after commands (a call: before its
+                                              answer) and after steps
 
 The same loop runs on a thread of the server's process (`engine_loop.EngineLoop`) and in an
 engine process of its own (`engine_process`); only how commands arrive and results leave differs,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from radixkv.cache import CacheStats
 from radixkv.cache.state import StateStats
@@ -25,6 +26,8 @@ from radixkv.engine.sampling_params import SamplingParams
 from radixkv.serve.engine_snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineWorker:
@@ -79,6 +82,14 @@ class EngineWorker:
     def abort(self, request_id: str) -> None:
         if self.llm.abort_request(request_id):
             self._must_step = True
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(llm, *args)`; what it changed (a flush's freed blocks) is published before its
+        caller hears back, so a `/metrics` read after the answer shows it."""
+        try:
+            return fn(self.llm, *args)
+        finally:
+            self._publish(self.snapshot())
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's current counters."""

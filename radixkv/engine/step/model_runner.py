@@ -278,9 +278,9 @@ class ModelRunner:
         states = self.states
         if states is None:
             return None
-        for c in step.plan(self.state_group).copies:
-            states.copy_slot(c.src_block, c.dst_block)
         g = self.state_group
+        for c in step.plan(g).copies:
+            states.copy_slot(c.src_block, c.dst_block)
         metadata = RecurrentMetadata.build(
             [len(r.token_ids) for r in step.rows],
             [r.block_tables[g][0] for r in step.rows],

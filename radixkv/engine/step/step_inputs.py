@@ -143,10 +143,10 @@ def split_step(
     views, on_host = layout.split(dev), layout.split(host)
     # NOTE: `map`, not a loop: the step's walk then ends here, without a return to this file.
     metadata = partial(_metadata, views, on_host, validate=validate)
+    metas = map(metadata, range(len(kv_shapes)), kv_shapes)  # lazy: built where it is consumed
     if not any(plans):
-        return views, tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
-    metas = tuple(map(metadata, range(len(kv_shapes)), kv_shapes))
-    tables = [on_host[region("block_tables", g)] for g in range(len(metas))]
+        return views, tuple(metas)
+    tables = [on_host[region("block_tables", g)] for g in range(len(kv_shapes))]
     planned = (m if p is None else p(m, t) for m, p, t in zip(metas, plans, tables, strict=True))
     return views, tuple(planned)
 
