@@ -149,7 +149,7 @@ static inline int padded_dim(int D) { return (D + CHUNK - 1) / CHUNK * CHUNK; }
 
 /* Per-thread scratch of one work item. */
 typedef struct {
-    float *q;    /* [rows, D]: the tile's query rows, scaled; padding rows zero */
+    float *q;    /* [rows, D]: the tile's query rows, scaled */
     float *acc;  /* [rows, DP] */
     float *m;    /* [rows]: running max */
     float *l;    /* [rows]: running denominator */
