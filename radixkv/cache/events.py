@@ -73,6 +73,9 @@ class BlockStored:
     medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
     group_idx: int = 0  # the KV cache group: 0 full-attention layers, 1 window layers
     sliding_window: int | None = None  # the group's window (None: full attention)
+    # vLLM's kv_cache_spec_kind where the group says more than its window: "mamba" for the
+    # recurrent-state group's snapshots (`radixkv.cache.state_tiers`); None: attention
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +121,19 @@ class EventRecorder:
         *,
         group: int = 0,
         window: int | None = None,
+        kind: str | None = None,
     ) -> None:
         """Consecutive full blocks of one path entered a tier; `namespace` is published only
         with a path's block 0. `group`: the KV cache group whose blocks they are, `window` its
-        sliding window (None: it reads every token)."""
+        sliding window (None: it reads every token), `kind` its kind when not attention's (a
+        snapshot: one key, whose tokens are its tail)."""
         if keys:
             parent = keys[0].parent_hash
             tokens = tuple(np.frombuffer(b"".join(k.tokens for k in keys), "<u4").tolist())
             hashes = tuple(k.block_hash for k in keys)
             namespace = namespace if parent is None else None
             B = self.block_size
-            event = BlockStored(hashes, parent, tokens, B, namespace, medium, group, window)
+            event = BlockStored(hashes, parent, tokens, B, namespace, medium, group, window, kind)
             self.queue.append(event)
 
     def removed(self, hashes: Sequence[int], medium: str | None = None, *, group: int = 0) -> None:
