@@ -45,6 +45,18 @@ Where this differs from the anchors: vLLM keeps states on its block grid (528 to
 Qwen3.5, no hit below it); SGLang one per inserted node (prompt and request ends). Here they sit
 where the tree says prompts diverge and where a conversation's next turn resumes, token-granular.
 
+Lower tiers (`tiers`, `radixkv.cache.state_tiers.SnapshotTiers`): a snapshot evicted for room
+is demoted to the host tier (one host slot: an `Offload` of its slot, planned before the slot is
+reused, so it runs before that step's copies and forward), under the chained key of its prefix
+(the KV blocks' chain, its tail after the last full block hashed on); the host tier evicts to the
+disk tier, and `persist` writes every snapshot down. `find` goes on past the device's deepest
+snapshot to the lower tiers' (up to the tree's match, which counts the tree's own lower tiers),
+and `admit` plans the load of such a hit straight into the request's running slot. A snapshot
+whose copy has not run yet (planned, or in a step that may still fail) is never demoted.
+
+KV events (with a recorder): a snapshot is announced as the state group's (its index, vLLM's
+kind "mamba") when taken and when dropped, one key each; its tiers announce theirs likewise.
+
 A step whose copies may not have run (it failed before its forward) loses the snapshots those
 copies were to fill (`step_failed`). Pure Python; the slots' contents are the engine's.
 """
@@ -520,7 +532,9 @@ class StateGroup:
         self._by_slot[slot] = snap
         self._ends.add(key[0], key[1])
         if self._events is not None:
-            self._events.stored([self._lower_key(snap)], group=self.index, kind=SNAPSHOT_KIND)
+            self._events.stored(
+                [self._lower_key(snap)], snap.key[0], group=self.index, kind=SNAPSHOT_KIND
+            )
         self._supersede(table)
         table.last_point, table.last_snapshot = key[1], slot
         return snap
