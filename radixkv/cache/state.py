@@ -287,6 +287,10 @@ class StateGroup:
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
+    def snapshot_prefixes(self, namespace: str | None = None) -> list[bytes]:
+        """The packed prefix of every snapshot of `namespace` on the device, by slot."""
+        return [s.prefix for _, s in sorted(self._by_slot.items()) if s.key[0] == namespace]
+
     def snapshot_ends(self) -> list[tuple[str | None, int]]:
         """(namespace, end) of every snapshot, by slot."""
         return [(s.key[0], s.end) for _, s in sorted(self._by_slot.items())]

@@ -23,6 +23,8 @@ from tiny_llama import random_prompts
 from radixkv import LLM, SamplingParams
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.state_tiers import SNAPSHOT_KIND
+from radixkv.chat.cli import stats_text
+from radixkv.chat.tree_view import render_tree
 
 MAX_NEW = [6, 7, 5]
 HOST = dict(
@@ -224,3 +226,29 @@ def test_a_host_budget_whose_snapshot_share_holds_no_snapshot_is_refused_in_one_
     with pytest.raises(ValueError, match="holds no snapshot") as caught:
         LLM(c.path, **{**HOST, "host_cache_bytes": 2**14, "snapshot_share": 0.01})
     assert "\n" not in str(caught.value) and "host_cache_bytes=16384" in str(caught.value)
+
+
+def test_the_chats_stats_and_tree_show_snapshots_and_their_tiers(chat, tmp_path):
+    """/stats: the state slots' line counts the hits from the lower tiers, and the snapshots'
+    host and disk tiers have lines of their own; /tree marks each node a snapshot ends in."""
+    c = chat("qwen3_5")
+    llm = LLM(c.path, **HOST, kv_cache_dir=tmp_path)
+    one_by_one(llm, c.first)
+    one_by_one(llm, c.turns)
+    state = llm.cache.group_stats()[-1]
+    lines = stats_text(llm).splitlines()
+    slots = next(line for line in lines if line.startswith("state slots"))
+    assert f"{state.num_hits} hits resumed {state.num_hit_tokens} tokens from one" in slots
+    assert f"({state.num_lower_hits} from the host or disk tier)" in slots
+    host = next(line for line in lines if line.startswith("state host tier"))
+    assert f" {state.num_host_cached_blocks} of {state.num_host_blocks} snapshots used" in host
+    assert any(line.startswith("state disk tier") for line in lines)
+    marks = llm.cache.snapshot_nodes()
+    assert sum(marks.values()) == state.num_snapshots  # each device snapshot ends in one node
+    picture = render_tree(llm.cache.nodes(), snapshots=marks)
+    marked = [line for line in picture.splitlines() if "snapshot" in line]
+    assert len(marked) == len(marks)
+    for node_id, n in marks.items():
+        (line,) = [m for m in marked if f"#{node_id} [" in m]
+        assert line.endswith(f"[{n} snapshot{'s' if n > 1 else ''}]")
+    assert "snapshot" not in render_tree(llm.cache.nodes())
