@@ -158,9 +158,12 @@ def test_damaged_snapshot_files_are_misses_and_the_output_is_unchanged(chat, tmp
     restarted.check_integrity()
 
 
-@pytest.mark.parametrize("point", ["load", "offload", "disk-read"])
+@pytest.mark.parametrize(
+    ("point", "overlap"),
+    [("load", False), ("load", True), ("offload", False), ("disk-read", False)],
+)
 def test_a_failed_snapshot_move_fails_only_the_request_that_read_it(
-    point, chat, tmp_path, monkeypatch
+    point, overlap, chat, tmp_path, monkeypatch
 ):
     """Two snapshot copies fail: a request whose load failed is admitted again (and fails only
     if that fails too); an offload that failed costs only that copy; every other request's
@@ -173,10 +176,10 @@ def test_a_failed_snapshot_move_fails_only_the_request_that_read_it(
         one_by_one(first, c.first)
         first.save_kv_cache()
         del first
-        llm = LLM(c.path, **settings)
+        llm = LLM(c.path, **settings, async_scheduling=overlap)
         target, name = llm.tier_ios[-1].disk, "get"
     else:
-        llm = LLM(c.path, **HOST)
+        llm = LLM(c.path, **HOST, async_scheduling=overlap)
         one_by_one(llm, c.first)
         target, name = llm.tier_ios[-1].copier, point
     real, calls = getattr(target, name), [0]
