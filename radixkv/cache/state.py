@@ -636,6 +636,9 @@ class StateGroup:
                 raise AssertionError(f"snapshot {key} is not listed by its slot")
             if key != point_key(key[0], snap.prefix, len(snap.prefix) // TOKEN_BYTES):
                 raise AssertionError(f"snapshot {key} holds another prefix")
+            kept = snap.lower_key
+            if kept is not None and kept != self._lower_key(_Snapshot(key, snap.prefix, 0, False)):
+                raise AssertionError(f"snapshot {key} keeps a stale lower-tier key")
             ends.setdefault(key[0], []).append(key[1])
         if {ns: sorted(e) for ns, e in ends.items()} != self._ends.as_dict():
             raise AssertionError(f"snapshot ends {self._ends.as_dict()} != {ends}")

@@ -5,6 +5,10 @@ group's (vLLM's kind "mamba"). The engine runs the moves: `tests/engine/test_hyb
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.group import GroupSpec
 from radixkv.cache.grouped import GroupedCache
@@ -146,4 +150,25 @@ def test_snapshot_events_name_the_state_group_and_its_kind_on_every_tier():
     assert [(e.block_hashes, e.medium) for e in removed] == [((first.block_hash,), None)]
     held = {e.block_hashes[0] for e in stored if e.medium == "CPU"}
     assert held == set(group.tiers.entries) == {first.block_hash}
+    cache.check_integrity()
+
+
+def test_integrity_catches_an_unindexed_host_snapshot_and_a_stale_key():
+    cache, group = _cache()
+    for k in (1, 2, 3):
+        _serve(cache, list(range(100 * k, 100 * k + 14)), 10)
+    cache.check_integrity()
+    tiers = group.tiers
+    saved = {p: dict(t) for p, t in tiers._tails.items()}
+    tiers._tails.clear()
+    with pytest.raises(AssertionError, match="not indexed"):
+        cache.check_integrity()
+    tiers._tails.update(saved)
+    cache.check_integrity()
+    snap = next(iter(group._by_slot.values()))
+    good = group._lower_key(snap)
+    snap.lower_key = dataclasses.replace(good, block_hash=good.block_hash ^ 1)
+    with pytest.raises(AssertionError, match="stale lower-tier key"):
+        cache.check_integrity()
+    snap.lower_key = good
     cache.check_integrity()
