@@ -45,6 +45,18 @@ Where this differs from the anchors: vLLM keeps states on its block grid (528 to
 Qwen3.5, no hit below it); SGLang one per inserted node (prompt and request ends). Here they sit
 where the tree says prompts diverge and where a conversation's next turn resumes, token-granular.
 
+Lower tiers (`tiers`, `radixkv.cache.state_tiers.SnapshotTiers`): a snapshot evicted for room
+is demoted to the host tier (one host slot: an `Offload` of its slot, planned before the slot is
+reused, so it runs before that step's copies and forward), under the chained key of its prefix
+(the KV blocks' chain, its tail after the last full block hashed on); the host tier evicts to the
+disk tier, and `persist` writes every snapshot down. `find` goes on past the device's deepest
+snapshot to the lower tiers' (up to the tree's match, which counts the tree's own lower tiers),
+and `admit` plans the load of such a hit straight into the request's running slot. A snapshot
+whose copy has not run yet (planned, or in a step that may still fail) is never demoted.
+
+KV events (with a recorder): a snapshot is announced as the state group's (its index, vLLM's
+kind "mamba") when taken and when dropped, one key each; its tiers announce theirs likewise.
+
 A step whose copies may not have run (it failed before its forward) loses the snapshots those
 copies were to fill (`step_failed`). Pure Python; the slots' contents are the engine's.
 """
@@ -56,11 +68,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from radixkv.cache.events import EventRecorder
 from radixkv.cache.group import GroupSetup, GroupSpec, PoolConfig, Probe
+from radixkv.cache.keys import BlockKey, KeyChain
 from radixkv.cache.moves import Move
 from radixkv.cache.points import PointEnds, PointKey, point_key
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.snapshots import SnapshotLedger, SnapshotPolicy
+from radixkv.cache.state_tiers import SNAPSHOT_KIND, SnapshotTiers, prefix_snapshot_key
+from radixkv.cache.tiers import LowerHit
 from radixkv.cache.tokens import TOKEN_BYTES, PackedTokens, check_size
 
 # A snapshot copy: (running slot, snapshot slot, 1), as a copy-on-write names (source, target,
@@ -116,6 +132,12 @@ class StateKind:
         config = setup.config
         policy = SnapshotPolicy() if config is None else _policy_of(config)
         eviction = setup.eviction if setup.eviction in ("gdsf", "lru") else "gdsf"
+        tiers = None
+        if setup.host_blocks:
+            assert setup.keys is not None, "the lower tiers name snapshots by the tree's chain"
+            tiers = SnapshotTiers(
+                setup.host_blocks, setup.keys, setup.disk, setup.events, group=setup.index
+            )
         return StateGroup(
             setup.num_blocks,
             setup.block_size,
@@ -124,6 +146,9 @@ class StateKind:
             tree=setup.tree,
             eviction=eviction,
             index=setup.index,
+            events=setup.events,
+            keys=setup.keys,
+            tiers=tiers,
         )
 
 
@@ -134,10 +159,12 @@ def _policy_of(config: Any) -> SnapshotPolicy:
 @dataclass(frozen=True, slots=True)
 class StateHit:
     """Where the state group resumes a prompt: after `end` tokens, from the snapshot in slot
-    `slot` (None: from a zero state at 0)."""
+    `slot`, or (`lower`) from the host or disk tier's snapshot there (neither: from a zero
+    state at 0)."""
 
     end: int
     slot: int | None = None
+    lower: LowerHit | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -168,6 +195,7 @@ class _Snapshot:
     prefix: bytes = field(repr=False)  # the packed tokens [0, end)
     slot: int
     divergence: bool  # taken where a prompt left the tree: never superseded
+    lower_key: BlockKey | None = field(default=None, repr=False)  # with events or tiers
 
     @property
     def end(self) -> int:
@@ -191,7 +219,14 @@ class StateStats:
     num_hits: int  # admissions that resumed from a snapshot
     num_hit_tokens: int  # the tokens those resumed past
     num_copies: int  # slot copies planned (snapshots taken mid-prompt, resumes)
-    num_host_cached_blocks: int = 0  # no lower tiers (the grouped reports read it)
+    num_lower_hits: int = 0  # of `num_hits`: resumed from the host or disk tier's snapshot
+    # The lower tiers (`LowerTiers.stats`, a block is a snapshot); zeros without them.
+    num_host_blocks: int = 0  # the host tier's snapshots at most
+    num_host_cached_blocks: int = 0  # snapshots the host tier holds
+    num_offloaded_blocks: int = 0  # snapshots copied device -> host (evicted, or persisted)
+    num_loaded_blocks: int = 0  # host -> running slot copies planned (disk reads included)
+    num_disk_reads: int = 0
+    num_disk_writes: int = 0
 
 
 class StateGroup:
@@ -216,9 +251,16 @@ class StateGroup:
         tree: Any = None,
         eviction: str = "gdsf",
         index: int = 1,
+        events: EventRecorder | None = None,
+        keys: KeyChain | None = None,
+        tiers: SnapshotTiers | None = None,
     ) -> None:
         """`tree`: the tree's group (a `PrefixCache`), whose clock stamps the snapshots and
-        whose match says which have lost their prefix KV (None: none ever does)."""
+        whose match says which have lost their prefix KV (None: none ever does). `events`: the
+        recorder snapshots are announced to (group `index`, kind "mamba"); `tiers`: where a
+        snapshot evicted for room goes and a hit past the device's snapshots comes from; both
+        name snapshots by `keys` (the tree's chain, `radixkv.cache.state_tiers`)."""
+        assert (events is None and tiers is None) or keys is not None, "snapshots need keys"
         self.name = StateKind.name
         self.index = index
         self.pool = BlockPool(num_slots, 1)
@@ -226,7 +268,8 @@ class StateGroup:
         self.block_size = check_size(block_size, "block_size", low=1)
         self.slot_bytes = check_size(slot_bytes, "slot_bytes", low=1)
         self.policy = policy or SnapshotPolicy()
-        self.tiers = None
+        self.tiers = tiers
+        self._events, self._keys = events, keys
         self._tree = tree
         self.ledger = SnapshotLedger(num_slots * slot_bytes, slot_bytes, eviction)  # type: ignore[arg-type]
         self._snapshots: dict[PointKey, _Snapshot] = {}
@@ -237,12 +280,16 @@ class StateGroup:
         self._copies: list[tuple[SlotCopy, _Snapshot]] = []
         self._in_flight: list[_Snapshot] = []  # the snapshots of the copies last handed out
         self._ticks = 0  # without a tree: a clock of its own
-        self.num_hit_tokens = self.num_copies = 0
+        self.num_hit_tokens = self.num_copies = self.num_lower_hits = 0
 
     # ------------------------------------------------------------------ reading
     @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
+
+    def snapshot_prefixes(self, namespace: str | None = None) -> list[bytes]:
+        """The packed prefix of every snapshot of `namespace` on the device, by slot."""
+        return [s.prefix for _, s in sorted(self._by_slot.items()) if s.key[0] == namespace]
 
     def snapshot_ends(self) -> list[tuple[str | None, int]]:
         """(namespace, end) of every snapshot, by slot."""
@@ -261,20 +308,28 @@ class StateGroup:
             num_taken=ledger.num_taken,
             num_evicted=ledger.num_evicted,
             num_refused=ledger.num_refused,
-            num_hits=ledger.num_hits,
+            num_hits=ledger.num_hits + self.num_lower_hits,
             num_hit_tokens=self.num_hit_tokens,
             num_copies=self.num_copies,
+            num_lower_hits=self.num_lower_hits,
+            **({} if self.tiers is None else self.tiers.stats()),
         )
 
     # ---------------------------------------------------- the group protocol's admission
     def find(self, probe: Probe, upto: int) -> StateHit:
-        """The deepest snapshot on the probed prompt at or below `upto` (the tree's match).
-        Read-only."""
+        """The deepest snapshot on the probed prompt at or below `upto` (the tree's match): on
+        the device, or deeper in the lower tiers. Read-only (the disk is probed, not read)."""
+        hit = StateHit(0)
         for key in self._ends.keys_upto(probe.tokens, upto, probe.namespace):
             snap = self._snapshots.get(key)
             if snap is not None and probe.tokens.startswith(snap.prefix):
-                return StateHit(snap.end, snap.slot)
-        return StateHit(0)
+                hit = StateHit(snap.end, snap.slot)
+                break
+        if self.tiers is not None and probe.keys is not None:
+            found = self.tiers.find(probe.keys, probe.tokens, probe.namespace, hit.end, upto)
+            if found is not None:
+                return StateHit(found[0], lower=found[1])
+        return hit
 
     def fits(self, probe: Probe, hit: StateHit, num_tokens: int) -> bool:
         """Whether `admit` would find a running slot: a free one, or a snapshot it may evict
@@ -291,13 +346,21 @@ class StateGroup:
         be had (`fits` says so beforehand)."""
         if hit.slot is not None:
             self.ledger.pin(hit.slot)  # before the slot's allocation evicts
+        if hit.lower is not None:
+            hit.lower.pin()  # before an eviction demotes snapshots into the host tier
         slot = self._allocate(required=True)
         if slot is None:
             if hit.slot is not None:
                 self.ledger.unpin(hit.slot)
+            if hit.lower is not None:
+                hit.lower.unpin()
             return None
         table = StateTable(slot, probe.namespace, probe.tokens, state_end=hit.end)
         table.last_point = hit.end
+        if hit.lower is not None:  # loaded straight into the running slot, before the forward
+            hit.lower.load([slot])
+            self.num_lower_hits += 1
+            self.num_hit_tokens += hit.end
         if hit.slot is not None:
             table.copy, table.pinned = (hit.slot, slot, 1), hit.slot
             table.last_snapshot = hit.slot
@@ -393,20 +456,36 @@ class StateGroup:
         self._in_flight = []
 
     def take_moves(self) -> list[Move]:
-        return []  # no lower tiers
+        """The tier moves planned since the last call, in order, over the state slots ([]
+        without lower tiers)."""
+        return [] if self.tiers is None else self.tiers.take_moves()
 
     def forget(self, host_blocks: Sequence[int]) -> None:
-        """No lower tiers: no move of this group fails."""
+        """A move failed and left these host blocks holding garbage: their entries go."""
+        if self.tiers is not None:
+            self.tiers.forget(host_blocks)
 
     def persist(self) -> None:
-        """No lower tiers: nothing to write."""
+        """Copy every snapshot whose slot holds its state down to the host tier (they stay on
+        the device too), then the host tier to disk. Nothing to do without a disk tier."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        unsettled = self._unsettled_slots()
+        for snap in self._by_slot.values():
+            if snap.slot not in unsettled:
+                tiers.demote([self._lower_key(snap)], [snap.slot])
+        tiers.write_to_disk()
 
     def clear(self) -> None:
-        """Drop every snapshot not pinned by an open table's resume."""
+        """Drop every snapshot not pinned by an open table's resume, and every lower-tier entry
+        (the disk keeps its files)."""
         for snap in list(self._by_slot.values()):
             if snap.slot not in self._pinned_slots():
                 self._drop(snap)
                 self.pool.release([snap.slot])
+        if self.tiers is not None:
+            self.tiers.clear()
 
     @property
     def num_open_tables(self) -> int:
@@ -456,6 +535,10 @@ class StateGroup:
         self._snapshots[key] = snap
         self._by_slot[slot] = snap
         self._ends.add(key[0], key[1])
+        if self._events is not None:
+            self._events.stored(
+                [self._lower_key(snap)], snap.key[0], group=self.index, kind=SNAPSHOT_KIND
+            )
         self._supersede(table)
         table.last_point, table.last_snapshot = key[1], slot
         return snap
@@ -479,7 +562,9 @@ class StateGroup:
                 return None
             self._mark_orphans()
             for slot in self.ledger.evict(1):
-                self._drop(self._by_slot[slot], ledger=False)
+                snap = self._by_slot[slot]
+                self._demote(snap)
+                self._drop(snap, ledger=False)
                 self.pool.release([slot])
         got = self.pool.allocate(1)
         return None if got is None else got[0]
@@ -500,12 +585,32 @@ class StateGroup:
     def _pinned_slots(self) -> set[int]:
         return {t.pinned for t in self._open if t.pinned is not None}
 
+    def _unsettled_slots(self) -> set[int]:
+        """Slots of snapshots whose copy is planned or in flight (the step carrying it may
+        fail): what they hold is not their state yet, so they never go to a lower tier."""
+        return {snap.slot for _, snap in self._copies} | {s.slot for s in self._in_flight}
+
+    def _lower_key(self, snap: _Snapshot) -> BlockKey:
+        """The snapshot's key in the events and the lower tiers (hashed once, O(its prefix))."""
+        if snap.lower_key is None:
+            assert self._keys is not None
+            snap.lower_key = prefix_snapshot_key(self._keys, snap.key[0], snap.prefix, snap.end)
+        return snap.lower_key
+
+    def _demote(self, snap: _Snapshot) -> None:
+        """A snapshot evicted for room goes down to the host tier (planned before the slot's
+        next use: the move runs before that step's copies and forward)."""
+        if self.tiers is not None and snap.slot not in self._unsettled_slots():
+            self.tiers.demote([self._lower_key(snap)], [snap.slot])
+
     def _drop(self, snap: _Snapshot, *, ledger: bool = True) -> None:
         del self._snapshots[snap.key]
         del self._by_slot[snap.slot]
         self._ends.remove(snap.key[0], snap.end)
         if ledger:
             self.ledger.drop(snap.slot)
+        if self._events is not None:
+            self._events.removed([self._lower_key(snap).block_hash], group=self.index)
 
     def _unpin(self, table: StateTable) -> None:
         if table.pinned is not None:
@@ -531,6 +636,9 @@ class StateGroup:
                 raise AssertionError(f"snapshot {key} is not listed by its slot")
             if key != point_key(key[0], snap.prefix, len(snap.prefix) // TOKEN_BYTES):
                 raise AssertionError(f"snapshot {key} holds another prefix")
+            kept = snap.lower_key
+            if kept is not None and kept != self._lower_key(_Snapshot(key, snap.prefix, 0, False)):
+                raise AssertionError(f"snapshot {key} keeps a stale lower-tier key")
             ends.setdefault(key[0], []).append(key[1])
         if {ns: sorted(e) for ns, e in ends.items()} != self._ends.as_dict():
             raise AssertionError(f"snapshot ends {self._ends.as_dict()} != {ends}")
@@ -546,6 +654,8 @@ class StateGroup:
             if (slot in pins) == (slot in unpinned):
                 raise AssertionError(f"snapshot slot {slot}: pinned {pins[slot]} times")
         self.ledger.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         for table in self._open:
             if any(p <= max(table.state_end, table.last_point) for p in table.required):
                 raise AssertionError(f"a required point of {table} lies behind its state")

@@ -184,13 +184,6 @@ def test_a_reset_drops_every_snapshot(hybrid):
     assert [o.stats.num_cached_tokens for o in warm] == [0, 0, 0]
 
 
-def test_tiers_for_recurrent_states_are_refused_in_one_line(hybrid):
-    path, _ = hybrid("qwen3_5")
-    with pytest.raises(ValueError, match="keep no recurrent-state snapshots") as caught:
-        LLM(str(path), block_size=4, num_blocks=64, host_cache_bytes=2**20)
-    assert "\n" not in str(caught.value)
-
-
 @pytest.mark.parametrize("run", range(12))
 def test_a_fault_in_a_hybrid_step_fails_only_its_requests(hybrid, run):
     """An exception in a slot copy or between the recurrent layers (the second one, after the
