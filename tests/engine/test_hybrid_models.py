@@ -1,5 +1,6 @@
-"""Hybrid models through `LLM`: recurrent layers (Gated DeltaNet, Mamba-2, short convolutions)
-beside full attention, greedy output equal to transformers' token for token, cold and warm.
+"""Hybrid models through `LLM`: recurrent layers (Gated DeltaNet, Kimi Delta Attention, Mamba-2,
+short convolutions) beside full or latent attention, greedy output equal to transformers' token
+for token, cold and warm.
 
 Tiny random models of each family (`tiny_archs.HYBRIDS`). The workload is a chat's shape: three
 prompts sharing a 28-token prefix, the first alone (the tree then holds the prefix, so the other
@@ -168,6 +169,27 @@ def test_a_hybrid_model_keeps_one_state_slot_a_running_request(hybrid):
     # the live page's capture reads the tree and shows no window group for the state group
     _generate(llm, [[7, 8, 9, 10]], [2])
     assert capture(llm, None).window is None
+
+
+def test_kimi_linear_keeps_latents_in_the_tree_group_and_kda_states_in_slots(hybrid):
+    """Kimi Linear: its latent-attention layers keep one latent vector a token (kv_lora_rank 96
+    + the shared key part 8) in the tree's group, its KDA layers a state a request (4 heads of
+    8 x 8, the conv window over q|k|v) in the state group's slots."""
+    path, _ = hybrid("kimi_linear")
+    llm = LLM(str(path), block_size=4, num_blocks=64, max_num_seqs=3, num_snapshots=5)
+    layout = llm.runner.layout
+    assert layout.describe() == "2 full (latent 104) + 2 recurrent layers"
+    assert layout.latent_layers == (1, 3) and layout.no_kv_layers == (0, 2)
+    (group,) = layout.cache_groups()
+    assert group.layers == (1, 3) and group.latent == layout.latent
+    (kv,) = llm.runner.kv
+    assert kv.layout == "latent" and tuple(kv.k_cache.shape) == (2, 64, 4, 1, 104)
+    states = llm.runner.states
+    assert states is not None and sorted(states.specs) == [0, 2]
+    assert states.ssm[0].shape == (8, 4, 8, 8) and states.conv[0].shape == (8, 3, 3 * 32)
+    assert llm.runner.group_specs[-1] == StateSpec(states.slot_nbytes())
+    mixers = [type(layer.self_attn).__name__ for layer in llm.model.model.layers]
+    assert mixers == ["PackedKimiLinearDeltaAttention", "PagedKimiLinearAttention"] * 2
 
 
 def test_a_reset_drops_every_snapshot(hybrid):
