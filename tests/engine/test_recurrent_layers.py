@@ -308,6 +308,14 @@ def test_requests_packed_in_one_call_keep_their_own_state(family: str) -> None:
     _check_against_transformers(family, lens, steps, [3, 0, 2, 1])
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_requests_longer_than_a_chunk_of_the_chunked_forms(family: str) -> None:
+    # past 64 tokens both sides run several chunks of their chunked forms, over other borders:
+    # request 0 in pieces of 70, 1 and 79 tokens beside request 1's 130 in one piece
+    steps = [[(0, 70), (1, 130)], [(0, 1)], [(0, 79)], [(0, 1), (1, 1)]]
+    _check_against_transformers(family, [151, 131], steps, [2, 0])
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "mamba", "lfm2", "kimi_linear"])
 def test_the_triton_kernels_run_the_packed_layers(family: str) -> None:
