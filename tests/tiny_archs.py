@@ -207,7 +207,7 @@ _MAMBA2 |= dict(mamba_d_state=8, mamba_chunk_size=16)
 HYBRIDS: dict[str, tuple[str, dict]] = {
     "qwen3_5": ("qwen3_5_text", _GDN),
     "qwen3_5_moe": ("qwen3_5_moe_text", _GDN_MOE),
-    "qwen3_next": ("qwen3_next", _GDN_MOE),
+    "qwen3_next": ("qwen3_next", dict(_GDN_MOE, shared_expert_intermediate_size=48)),
     "olmo_hybrid": ("olmo_hybrid", dict(_GDN, linear_allow_neg_eigval=True)),
     "lfm2": ("lfm2", dict(conv_L_cache=3, layer_types=["conv", "full_attention"] * 2)),
     "bamba": ("bamba", dict(_MAMBA2, attn_layer_indices=[1, 3])),
