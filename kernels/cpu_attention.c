@@ -7,15 +7,23 @@
  * materialises a padded score matrix, and keeps an online softmax per query row (flash
  * attention's recurrence).
  *
- * Work item = (request, kv head, tile of up to TILE_Q query tokens). A tile's rows are its tokens
- * times the GQA group's query heads, so each K/V row read serves every query head that shares it.
- * Keys go by chunks of CHUNK consecutive positions (any block size: each position finds its own
- * block), transposed into a small buffer so the scores of a chunk are CHUNK-wide vector FMAs with
- * no horizontal sums.
+ * Work item = (kv head, a few requests' query tokens, at most TILE_Q of them). A request's rows
+ * are its tokens times the GQA group's query heads, so each K/V row read serves every query head
+ * that shares it. Requests whose block tables begin with the same blocks (a prefix the radix tree
+ * serves to all of them) come as one group with the length of that shared part: an item of the
+ * group attends the shared keys once with all its requests' rows, then each request's own keys
+ * with its rows, the online softmax carried from one to the other. The shared blocks are read
+ * once per item instead of once per request.
  *
- * Plain C99 + OpenMP, built at first use by cpu_attention.py with the host's compiler for the host
- * (-O3 -march=native); loops are written so that the compiler vectorizes them without
- * -ffast-math (independent lanes, a branch-free exp).
+ * Keys go by tiles of LANES positions (any block size: each position finds its own block), the
+ * next tiles' rows prefetched: a decode step is bound by reading K and V, and without the
+ * prefetch it waited on every block's first lines. Each query row takes a tile's LANES dot
+ * products as LANES vector accumulators over head_dim, summed into one vector of scores by a
+ * transposing reduction.
+ *
+ * Plain C99 + OpenMP with GCC / Clang vector extensions, built at first use by cpu_attention.py
+ * with the host's compiler for the host (-O3 -march=native, FMA contraction on); no -ffast-math
+ * (a branch-free polynomial exp, explicit masks).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,14 +33,15 @@
 #include <omp.h>
 #endif
 
-#define CHUNK 16
-#define TILE_Q 16
-#define ROWS 4 /* query rows per register block */
+#define LANES 8   /* keys per tile: one vector of scores (an AVX2 register of fp32) */
+#define TILE_Q 16 /* query tokens per work item */
+#define AHEAD 4   /* tiles whose K / V rows are prefetched ahead of the one being read */
+#define INLINE static inline __attribute__((always_inline))
 
-/* One chunk's lanes as a vector (GCC / Clang vector extensions: lowered to the host's SIMD, two
- * AVX2 halves where there is no AVX-512). */
-typedef float vf __attribute__((vector_size(CHUNK * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(CHUNK * sizeof(int32_t))));
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 /* Mirrors `_Args` in cpu_attention.py field for field. Strides are in elements. */
 typedef struct {
@@ -44,11 +53,15 @@ typedef struct {
     const int32_t *seq_lens;  /* [num_reqs] */
     const int32_t *cu_seqlens_q; /* [num_reqs + 1] */
     const float *sinks;       /* [num_q_heads] or NULL */
-    const int32_t *requests;  /* the requests to attend for, ascending; NULL: every request */
+    const int32_t *members;   /* the requests to attend for, group by group */
+    const int32_t *group_starts; /* [num_groups + 1]: each group's first index into members */
+    const int32_t *group_shared; /* [num_groups]: leading keys held in the same blocks by every
+                                  * member's table, visible to every member's queries; 0 for a
+                                  * group of one */
     int64_t q_token_stride, q_head_stride;
     int64_t k_block_stride, k_token_stride, k_head_stride;
     int64_t v_block_stride, v_token_stride, v_head_stride;
-    int32_t num_reqs;         /* rows of block_tables; with `requests`, its length */
+    int32_t num_groups;
     int32_t max_blocks, block_size, num_q_heads, num_kv_heads, head_dim;
     int32_t window;           /* 0: none */
     int32_t cache_is_bf16;    /* 0: fp32 cache; 1: bf16 */
@@ -57,20 +70,26 @@ typedef struct {
     float softcap;            /* 0: none */
 } Args;
 
-/* mask ? a : b, lane by lane (a vector ?: is C++ only): mask lanes are all ones or all zeros. */
-static inline vf select(vi mask, vf a, vf b) {
-    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+INLINE vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
+
+INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* mask ? a : b, lane by lane (a vector ?: is C++ only): mask lanes are all ones or all zeros. */
+INLINE vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* exp(x) lane by lane for x <= 0 (scores minus their running max): Cephes' single-precision
  * polynomial after a range reduction by ln 2; under 2 ulp. Lanes below -87 give a tiny positive
  * value, never NaN; the caller zeroes masked lanes itself. */
-static inline vf exp_neg(vf x) {
+INLINE vf exp_neg(vf x) {
     const vf lowest = x - x - 87.0f;
     x = select(x < lowest, lowest, x);
     vf y = x * 1.44269504088896341f + 0.5f;
-    vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);  /* trunc(y) */
-    n += __builtin_convertvector(y < n, vf);  /* floor(y): -1 where trunc rounded up */
+    vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf); /* trunc(y) */
+    n += __builtin_convertvector(y < n, vf); /* floor(y): -1 where trunc rounded up */
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -84,246 +103,324 @@ static inline vf exp_neg(vf x) {
     return p * scale;
 }
 
-static inline float exp_neg1(float x) {
+INLINE float exp_neg1(float x) {
     vf v = {0};
     v[0] = x;
     return exp_neg(v)[0];
 }
 
-
-/* The sum of a vector's lanes by halving it (a few shuffles, not CHUNK scalar adds). */
-typedef float vf_half __attribute__((vector_size(CHUNK / 2 * sizeof(float))));
-typedef float vf_quarter __attribute__((vector_size(CHUNK / 4 * sizeof(float))));
-typedef int32_t vi_half __attribute__((vector_size(CHUNK / 2 * sizeof(int32_t))));
-typedef int32_t vi_quarter __attribute__((vector_size(CHUNK / 4 * sizeof(int32_t))));
-
-static inline float hsum(vf v) {
-    vf_half lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
-    lo += hi;
-    vf_quarter a, b;
-    memcpy(&a, &lo, sizeof a);
-    memcpy(&b, (char *)&lo + sizeof a, sizeof b);
-    a += b;
-    return (a[0] + a[2]) + (a[1] + a[3]);
+/* The sum and the largest of a vector's lanes, by halving (three shuffles, not LANES scalars). */
+INLINE float hsum(vf v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
 }
 
-/* The largest lane, by halving as hsum does. */
-static inline float hmax(vf v) {
-    vf_half lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
-    const vi_half lo_wins = lo > hi;
-    lo = (vf_half)(((vi_half)lo & lo_wins) | ((vi_half)hi & ~lo_wins));
-    vf_quarter a, b;
-    memcpy(&a, &lo, sizeof a);
-    memcpy(&b, (char *)&lo + sizeof a, sizeof b);
-    const vi_quarter a_wins = a > b;
-    a = (vf_quarter)(((vi_quarter)a & a_wins) | ((vi_quarter)b & ~a_wins));
-    const float m01 = a[0] > a[1] ? a[0] : a[1], m23 = a[2] > a[3] ? a[2] : a[3];
-    return m01 > m23 ? m01 : m23;
+INLINE vf vmax(vf a, vf b) { return select(a > b, a, b); }
+
+INLINE float hmax(vf v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+    return v[0];
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* { hsum(s[0]), ..., hsum(s[7]) } as one vector: pairs, then quads, then halves added across
+ * vectors (14 shuffles and 7 adds for 8 sums). */
+INLINE vf sum_lanes8(const vf s[LANES]) {
+#define PAIRS(a, b) (__builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) \
+                     + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
+#define QUADS(a, b) (__builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) \
+                     + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+    const vf t0 = PAIRS(s[0], s[1]), t1 = PAIRS(s[2], s[3]);
+    const vf t2 = PAIRS(s[4], s[5]), t3 = PAIRS(s[6], s[7]);
+    const vf u0 = QUADS(t0, t1), u1 = QUADS(t2, t3);
+#undef PAIRS
+#undef QUADS
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11)
+           + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
-
-/* Load `n` values of one cache row into fp32 `dst` (a loop, not memcpy: rows are short and a
- * libc call per row cost more than the copy). */
-static inline void load_row(const Args *a, const void *base, int64_t offset, float *dst, int n) {
-    if (a->cache_is_bf16) {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int d = 0; d < n; d++) dst[d] = bf16_to_float(src[d]);
-    } else {
-        const float *src = (const float *)base + offset;
-        for (int d = 0; d < n; d++) dst[d] = src[d];
-    }
-}
-
-/* head_dim rounded up to whole vectors: the row length of the value and accumulator scratch. */
-static inline int padded_dim(int D) { return (D + CHUNK - 1) / CHUNK * CHUNK; }
 
 /* Per-thread scratch of one work item. */
 typedef struct {
-    float *q;    /* [rows, D]: the tile's query rows, scaled */
-    float *acc;  /* [rows, DP] */
-    float *m;    /* [rows]: running max */
-    float *l;    /* [rows]: running denominator */
-    float *kt;   /* [D, CHUNK]: one chunk's keys, transposed */
-    float *v;    /* [CHUNK, DP]: one chunk's values */
-    float *row;  /* [D] */
+    float *q;      /* [rows, D]: the item's query rows, scaled */
+    float *acc;    /* [rows, D] */
+    float *m;      /* [rows]: running max */
+    float *l;      /* [rows]: running denominator */
+    float *p;      /* [rows, LANES]: one tile's probabilities */
+    float *corr;   /* [rows]: one tile's rescaling of each accumulator */
+    int32_t *pos;  /* [rows]: each row's query position */
+    int32_t *token;/* [rows]: each row's query token */
+    int32_t *head; /* [rows]: each row's query head */
+    float *k;      /* [LANES, D]: a bf16 tile's keys as fp32 */
+    float *v;      /* [LANES, D] */
+    float *zero;   /* [D]: the row of absent lanes */
 } Scratch;
 
-/* One chunk of keys as attend_chunk prepared it. */
+/* The K and V rows of LANES consecutive positions: n of them present, the rest the zero row. */
 typedef struct {
-    const float *const *kp; /* direct: each key's row in the cache */
-    const float *const *vp; /* each value's row (the cache's, or scratch's) */
-    vi lane;                /* each lane's key position */
-    vi present;             /* lanes with a key */
-    int32_t first_pos;      /* the position of the tile's first query token */
-    int32_t num_keys;
-    int group;
-    int direct;
-} Chunk;
+    const float *k[LANES], *v[LANES];
+    vi lane_pos; /* each lane's key position */
+    vi present;
+} Tile;
 
-/* Rows [i0, i0 + R) of the tile against one chunk: scores, the online softmax, acc += p @ V. R is
- * a constant at every call (1 to ROWS), so each count compiles to its own register-blocked copy. */
-static inline __attribute__((always_inline)) void attend_rows(const Args *a, Scratch *w,
-                                                             const Chunk *c, int i0, const int R) {
-    const int D = a->head_dim, DP = padded_dim(D);
-    const vf minus_inf = (vf){0} - INFINITY;
-    vf sc[ROWS] = {{0}};
-    if (c->direct) {
-        for (int j = 0; j < c->num_keys; j++) {
-            vf dot[ROWS] = {{0}};
-            for (int d0 = 0; d0 < D; d0 += CHUNK) {
-                vf kd, qd;
-                memcpy(&kd, c->kp[j] + d0, sizeof kd);
-                for (int r = 0; r < R; r++) {
-                    memcpy(&qd, w->q + (int64_t)(i0 + r) * D + d0, sizeof qd);
-                    dot[r] += qd * kd;
-                }
+/* The element offsets of the K and V rows of `kv_head` at positions [key0, key0 + n) of
+ * `table`'s blocks (one division per tile, not per position). */
+INLINE void row_offsets(const Args *a, const int32_t *table, int32_t kv_head, int32_t key0,
+                        int n, int64_t k_off[LANES], int64_t v_off[LANES]) {
+    int32_t index = key0 / a->block_size, slot = key0 % a->block_size;
+    for (int j = 0; j < n; j++) {
+        const int64_t block = table[index];
+        k_off[j] = block * a->k_block_stride + slot * a->k_token_stride
+                   + kv_head * a->k_head_stride;
+        v_off[j] = block * a->v_block_stride + slot * a->v_token_stride
+                   + kv_head * a->v_head_stride;
+        if (++slot == a->block_size) slot = 0, index++;
+    }
+}
+
+INLINE int tile_keys(int32_t key0, int32_t end) {
+    return end - key0 < LANES ? (end - key0 > 0 ? end - key0 : 0) : LANES;
+}
+
+static void prefetch_tile(const Args *a, const int32_t *table, int32_t key0, int32_t end) {
+    const int size = a->cache_is_bf16 ? 2 : 4;
+    const int64_t bytes = (int64_t)a->head_dim * size;
+    const int n = tile_keys(key0, end);
+    for (int32_t h = 0; h < a->num_kv_heads; h++) {
+        int64_t k_off[LANES], v_off[LANES];
+        row_offsets(a, table, h, key0, n, k_off, v_off);
+        for (int j = 0; j < n; j++) {
+            const char *k = (const char *)a->k_cache + k_off[j] * size;
+            const char *v = (const char *)a->v_cache + v_off[j] * size;
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(k + b);
+                __builtin_prefetch(v + b);
             }
-            for (int r = 0; r < R; r++) sc[r][j] = hsum(dot[r]);
-        }
-    } else {
-        for (int d = 0; d < D; d++) {
-            vf kd;
-            memcpy(&kd, w->kt + d * CHUNK, sizeof kd);
-            for (int r = 0; r < R; r++) sc[r] += w->q[(int64_t)(i0 + r) * D + d] * kd;
         }
     }
-    vf p[ROWS];
-    float correction[ROWS];
-    for (int r = 0; r < R; r++) {
-        const int i = i0 + r;
-        p[r] = (vf){0};
-        correction[r] = 1.0f;
-        vf x = sc[r];
-        if (a->softcap > 0) {  /* cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e) */
-            vf y = x / a->softcap;
-            vf e = exp_neg(-2.0f * select(y < 0, -y, y));
-            vf t = (1.0f - e) / (1.0f + e);
-            x = a->softcap * select(y < 0, -t, t);
-        }
-        /* The query of row i sits at position first_pos + i / group. */
-        const int32_t pos = c->first_pos + i / c->group;
-        vi visible = c->present & (c->lane <= pos);
-        if (a->window > 0) visible &= (pos - c->lane) < a->window;
-        x = select(visible, x, minus_inf);
-        const float chunk_max = hmax(x);
-        if (chunk_max == -INFINITY) continue;  /* nothing visible to this row here */
-        const float m_old = w->m[i], m_new = chunk_max > m_old ? chunk_max : m_old;
-        correction[r] = m_old == -INFINITY ? 0.0f : exp_neg1(m_old - m_new);
-        p[r] = select(visible, exp_neg(x - m_new), (vf){0});
-        w->l[i] = w->l[i] * correction[r] + hsum(p[r]);
-        w->m[i] = m_new;
+}
+
+INLINE void bf16_row(const uint16_t *src, float *dst, int D) {
+    int d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        vh h;
+        memcpy(&h, src + d, sizeof h);
+        const vu bits = __builtin_convertvector(h, vu) << 16;
+        memcpy(dst + d, &bits, sizeof bits);
     }
-    /* acc = acc * correction + p @ V, CHUNK columns of head_dim at a time in registers. */
-    for (int d0 = 0; d0 < D; d0 += CHUNK) {
-        vf acc[ROWS];
-        for (int r = 0; r < R; r++) {
-            memcpy(&acc[r], w->acc + (int64_t)(i0 + r) * DP + d0, sizeof acc[r]);
-            acc[r] *= correction[r];
+    for (; d < D; d++) {
+        const uint32_t bits = (uint32_t)src[d] << 16;
+        memcpy(dst + d, &bits, sizeof bits);
+    }
+}
+
+static void tile_at(const Args *a, const Scratch *w, const int32_t *table, int32_t kv_head,
+                    int32_t key0, int32_t end, Tile *t) {
+    const int D = a->head_dim, n = tile_keys(key0, end);
+    int64_t k_off[LANES], v_off[LANES];
+    row_offsets(a, table, kv_head, key0, n, k_off, v_off);
+    for (int j = 0; j < LANES; j++) {
+        t->lane_pos[j] = key0 + j;
+        t->present[j] = j < n ? -1 : 0;
+        if (j >= n) {
+            t->k[j] = t->v[j] = w->zero;
+        } else if (a->cache_is_bf16) {
+            bf16_row((const uint16_t *)a->k_cache + k_off[j], w->k + (int64_t)j * D, D);
+            bf16_row((const uint16_t *)a->v_cache + v_off[j], w->v + (int64_t)j * D, D);
+            t->k[j] = w->k + (int64_t)j * D;
+            t->v[j] = w->v + (int64_t)j * D;
+        } else {
+            t->k[j] = (const float *)a->k_cache + k_off[j];
+            t->v[j] = (const float *)a->v_cache + v_off[j];
         }
-        for (int j = 0; j < c->num_keys; j++) {
-            vf vj;
-            memcpy(&vj, c->vp[j] + d0, sizeof vj);
-            for (int r = 0; r < R; r++) acc[r] += p[r][j] * vj;
+    }
+}
+
+/* The scores of one query row against a tile's LANES keys. */
+INLINE vf tile_scores(const float *q, const Tile *t, int D) {
+    vf dot[LANES] = {{0}};
+    int d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        const vf qd = vload(q + d);
+        for (int j = 0; j < LANES; j++) dot[j] += qd * vload(t->k[j] + d);
+    }
+    vf s = sum_lanes8(dot);
+    if (d < D) {
+        float tail[LANES] = {0};
+        for (int j = 0; j < LANES; j++)
+            for (int e = d; e < D; e++) tail[j] += q[e] * t->k[j][e];
+        s += vload(tail);
+    }
+    return s;
+}
+
+/* acc_r = acc_r * correction_r + p_r @ V over a tile for R (1 or 2) rows at once, four vectors of
+ * head_dim each in registers: two rows keep eight independent sums in flight, one row's four
+ * wait on each other's latency. */
+INLINE void tile_values(float *const acc[2], const float correction[2], const float *const p[2],
+                        const Tile *t, int D, const int R) {
+    int d = 0;
+    for (; d + 4 * LANES <= D; d += 4 * LANES) {
+        vf s[2][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) s[r][c] = vload(acc[r] + d + c * LANES) * correction[r];
+        for (int j = 0; j < LANES; j++) {
+            const float *v = t->v[j] + d;
+            const vf v0 = vload(v), v1 = vload(v + LANES), v2 = vload(v + 2 * LANES);
+            const vf v3 = vload(v + 3 * LANES);
+            for (int r = 0; r < R; r++) {
+                const vf pj = (vf){0} + p[r][j];
+                s[r][0] += pj * v0;
+                s[r][1] += pj * v1;
+                s[r][2] += pj * v2;
+                s[r][3] += pj * v3;
+            }
         }
         for (int r = 0; r < R; r++)
-            memcpy(w->acc + (int64_t)(i0 + r) * DP + d0, &acc[r], sizeof acc[r]);
+            for (int c = 0; c < 4; c++) vstore(acc[r] + d + c * LANES, s[r][c]);
+    }
+    for (; d + LANES <= D; d += LANES)
+        for (int r = 0; r < R; r++) {
+            vf s0 = vload(acc[r] + d) * correction[r];
+            for (int j = 0; j < LANES; j++) s0 += ((vf){0} + p[r][j]) * vload(t->v[j] + d);
+            vstore(acc[r] + d, s0);
+        }
+    for (; d < D; d++)
+        for (int r = 0; r < R; r++) {
+            float x = acc[r][d] * correction[r];
+            for (int j = 0; j < LANES; j++) x += p[r][j] * t->v[j][d];
+            acc[r][d] = x;
+        }
+}
+
+/* Row i's scores against a tile and its online softmax: its probabilities into w->p, the factor
+ * its accumulator is to be rescaled by into w->corr (1 and all zeros when it sees no key here). */
+INLINE void tile_softmax(const Args *a, Scratch *w, const Tile *t, int i) {
+    const int D = a->head_dim;
+    float *p = w->p + (int64_t)i * LANES;
+    vf x = tile_scores(w->q + (int64_t)i * D, t, D);
+    if (a->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e) */
+        const vf y = x / a->softcap;
+        const vf e = exp_neg(-2.0f * select(y < 0, -y, y));
+        const vf th = (1.0f - e) / (1.0f + e);
+        x = a->softcap * select(y < 0, -th, th);
+    }
+    const int32_t pos = w->pos[i];
+    vi visible = t->present & (t->lane_pos <= pos);
+    if (a->window > 0) visible &= (pos - t->lane_pos) < a->window;
+    x = select(visible, x, (vf){0} - INFINITY);
+    const float tile_max = hmax(x);
+    if (tile_max == -INFINITY) { /* nothing visible to this row here */
+        vstore(p, (vf){0});
+        w->corr[i] = 1.0f;
+        return;
+    }
+    const float m_old = w->m[i], m_new = tile_max > m_old ? tile_max : m_old;
+    const float correction = m_old == -INFINITY ? 0.0f : exp_neg1(m_old - m_new);
+    const vf e = select(visible, exp_neg(x - m_new), (vf){0});
+    w->l[i] = w->l[i] * correction + hsum(e);
+    w->m[i] = m_new;
+    w->corr[i] = correction;
+    vstore(p, e);
+}
+
+/* Rows [r0, r1) against one tile. */
+INLINE void attend_tile(const Args *a, Scratch *w, const Tile *t, int r0, int r1) {
+    const int D = a->head_dim;
+    for (int i = r0; i < r1; i++) tile_softmax(a, w, t, i);
+    int i = r0;
+    for (; i + 2 <= r1; i += 2) {
+        float *const acc[2] = {w->acc + (int64_t)i * D, w->acc + (int64_t)(i + 1) * D};
+        const float *const p[2] = {w->p + (int64_t)i * LANES, w->p + (int64_t)(i + 1) * LANES};
+        tile_values(acc, w->corr + i, p, t, D, 2);
+    }
+    if (i < r1) {
+        float *const acc[2] = {w->acc + (int64_t)i * D, NULL};
+        const float *const p[2] = {w->p + (int64_t)i * LANES, NULL};
+        tile_values(acc, w->corr + i, p, t, D, 1);
     }
 }
 
-static void attend_chunk(const Args *a, Scratch *w, int rows, int group, int32_t req,
-                         int32_t kv_head, int32_t first_pos, int32_t key0, int32_t num_keys) {
-    const int D = a->head_dim, DP = padded_dim(D);
-    const int32_t *table = a->block_tables + (int64_t)req * a->max_blocks;
-    /* Few rows (decode) over an fp32 cache read K and V where they are, by dot products: a
-     * transposed copy would cost more than the rows' arithmetic. Otherwise keys [key0, key0 +
-     * num_keys) are transposed into kt and values copied into rows of DP; lanes past num_keys
-     * and values past D are 0 there (they meet zero probabilities and padded columns). */
-    const int direct = !a->cache_is_bf16 && DP == D && rows <= 2 * ROWS;
-    const float *kp[CHUNK], *vp[CHUNK];
-    if (!direct && num_keys < CHUNK) memset(w->kt, 0, sizeof(float) * (size_t)D * CHUNK);
-    if (!direct && DP != D) memset(w->v, 0, sizeof(float) * (size_t)DP * CHUNK);
-    for (int j = 0; j < num_keys; j++) {
-        int32_t pos = key0 + j;
-        int64_t block = table[pos / a->block_size], slot = pos % a->block_size;
-        int64_t k_off = block * a->k_block_stride + slot * a->k_token_stride
-                        + (int64_t)kv_head * a->k_head_stride;
-        int64_t v_off = block * a->v_block_stride + slot * a->v_token_stride
-                        + (int64_t)kv_head * a->v_head_stride;
-        if (direct) {
-            kp[j] = (const float *)a->k_cache + k_off;
-            vp[j] = (const float *)a->v_cache + v_off;
-            continue;
+/* For every kv head h, its rows [h * per_head + i0, h * per_head + i1) against keys [key_from,
+ * key_to) of `table`. The heads go inside the tiles: a tile's positions hold every head's rows
+ * side by side, so the cache is read in order (head by head, the prefetchers fetched the other
+ * heads' lines too and two thirds of the bandwidth went to lines read later, if at all). */
+static void attend(const Args *a, Scratch *w, const int32_t *table, int per_head, int i0, int i1,
+                   int32_t key_from, int32_t key_to) {
+    if (i0 >= i1) return;
+    for (int32_t ahead = 0; ahead < AHEAD; ahead++)
+        prefetch_tile(a, table, key_from + ahead * LANES, key_to);
+    for (int32_t key0 = key_from; key0 < key_to; key0 += LANES) {
+        prefetch_tile(a, table, key0 + AHEAD * LANES, key_to);
+        for (int32_t h = 0; h < a->num_kv_heads; h++) {
+            Tile t;
+            tile_at(a, w, table, h, key0, key_to, &t);
+            attend_tile(a, w, &t, h * per_head + i0, h * per_head + i1);
         }
-        if (a->cache_is_bf16) {
-            load_row(a, a->k_cache, k_off, w->row, D);
-            for (int d = 0; d < D; d++) w->kt[d * CHUNK + j] = w->row[d];
-        } else {
-            const float *k = (const float *)a->k_cache + k_off;
-            for (int d = 0; d < D; d++) w->kt[d * CHUNK + j] = k[d];
-        }
-        load_row(a, a->v_cache, v_off, w->v + (int64_t)j * DP, D);
-        vp[j] = w->v + (int64_t)j * DP;
-    }
-    vi lane;
-    for (int j = 0; j < CHUNK; j++) lane[j] = key0 + j;  /* each lane's key position */
-    const Chunk c = {kp, vp, lane, lane < key0 + num_keys, first_pos, num_keys, group, direct};
-    /* Rows go in blocks of ROWS, the last block as many as are left (each count its own
-     * specialised copy of attend_rows), so each key and value vector loaded serves every row of
-     * a block and no arithmetic goes to padding rows. */
-    int i0 = 0;
-    for (; i0 + ROWS <= rows; i0 += ROWS) attend_rows(a, w, &c, i0, ROWS);
-    switch (rows - i0) {
-    case 1: attend_rows(a, w, &c, i0, 1); break;
-    case 2: attend_rows(a, w, &c, i0, 2); break;
-    case 3: attend_rows(a, w, &c, i0, 3); break;
-    default: break;
     }
 }
 
-static void run_item(const Args *a, Scratch *w, int32_t req, int32_t kv_head, int32_t tile) {
-    const int D = a->head_dim, DP = padded_dim(D), group = a->num_q_heads / a->num_kv_heads;
-    const int32_t q0 = a->cu_seqlens_q[req], q_len = a->cu_seqlens_q[req + 1] - q0;
-    const int32_t ctx = a->seq_lens[req] - q_len;
-    const int32_t t0 = tile * TILE_Q;
-    const int32_t tokens = q_len - t0 < TILE_Q ? q_len - t0 : TILE_Q;
-    const int rows = tokens * group;
-    for (int i = 0; i < rows; i++) {
-        int32_t token = q0 + t0 + i / group, head = kv_head * group + i % group;
-        const float *src = a->q + token * a->q_token_stride + head * a->q_head_stride;
-        for (int d = 0; d < D; d++) w->q[(int64_t)i * D + d] = src[d] * a->scale;
-        w->m[i] = -INFINITY;
-        w->l[i] = 0.0f;
+/* One work item: members [m0, m1) of a group, from query token t0 of each (t0 > 0 only for a
+ * group of one whose queries span several items), every head. Rows go by kv head, then member,
+ * token and the GQA group's query heads. */
+static void run_item(const Args *a, Scratch *w, int32_t m0, int32_t m1, int32_t t0,
+                     int32_t shared) {
+    const int D = a->head_dim, group = a->num_q_heads / a->num_kv_heads;
+    int seg_start[TILE_Q + 1], seg_tokens[TILE_Q];
+    int per_head = 0;
+    for (int32_t m = m0; m < m1; m++) {
+        const int32_t req = a->members[m];
+        const int32_t q_len = a->cu_seqlens_q[req + 1] - a->cu_seqlens_q[req];
+        seg_tokens[m - m0] = q_len - t0 < TILE_Q ? q_len - t0 : TILE_Q;
+        seg_start[m - m0] = per_head;
+        per_head += seg_tokens[m - m0] * group;
     }
-    memset(w->acc, 0, sizeof(float) * (size_t)rows * DP);
-    const int32_t first_pos = ctx + t0, last_pos = first_pos + tokens - 1;
-    int32_t lo = 0;
-    if (a->window > 0 && first_pos - a->window + 1 > 0) lo = first_pos - a->window + 1;
-    lo -= lo % CHUNK;
-    for (int32_t key0 = lo; key0 <= last_pos; key0 += CHUNK) {
-        int32_t num_keys = last_pos + 1 - key0 < CHUNK ? last_pos + 1 - key0 : CHUNK;
-        attend_chunk(a, w, rows, group, req, kv_head, first_pos, key0, num_keys);
+    seg_start[m1 - m0] = per_head;
+    const int rows = per_head * a->num_kv_heads;
+    for (int32_t m = m0; m < m1; m++) {
+        const int32_t req = a->members[m], q0 = a->cu_seqlens_q[req];
+        const int32_t ctx = a->seq_lens[req] - (a->cu_seqlens_q[req + 1] - q0);
+        for (int32_t h = 0; h < a->num_kv_heads; h++)
+            for (int32_t tk = 0; tk < seg_tokens[m - m0]; tk++)
+                for (int g = 0; g < group; g++) {
+                    const int row = h * per_head + seg_start[m - m0] + tk * group + g;
+                    const int32_t token = q0 + t0 + tk, head = h * group + g;
+                    const float *src = a->q + token * a->q_token_stride + head * a->q_head_stride;
+                    for (int d = 0; d < D; d++) w->q[(int64_t)row * D + d] = src[d] * a->scale;
+                    w->token[row] = token;
+                    w->head[row] = head;
+                    w->pos[row] = ctx + t0 + tk;
+                    w->m[row] = -INFINITY;
+                    w->l[row] = 0.0f;
+                }
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)rows * D);
+    if (shared > 0) {
+        const int32_t *table = a->block_tables + (int64_t)a->members[m0] * a->max_blocks;
+        attend(a, w, table, per_head, 0, per_head, 0, shared);
+    }
+    for (int32_t m = m0; m < m1; m++) {
+        const int i0 = seg_start[m - m0], i1 = seg_start[m - m0 + 1];
+        if (i0 == i1) continue;
+        const int32_t *table = a->block_tables + (int64_t)a->members[m] * a->max_blocks;
+        const int32_t first_pos = w->pos[i0], last_pos = w->pos[i1 - 1];
+        int32_t lo = shared;
+        if (a->window > 0 && first_pos - a->window + 1 > lo) lo = first_pos - a->window + 1;
+        attend(a, w, table, per_head, i0, i1, lo, last_pos + 1);
     }
     for (int i = 0; i < rows; i++) {
-        int32_t token = q0 + t0 + i / group, head = kv_head * group + i % group;
+        const int32_t head = w->head[i];
         float m = w->m[i], l = w->l[i], keep = 1.0f;
-        if (a->sinks != NULL) {  /* one more score, no value: it only joins the denominator */
-            float sink = a->sinks[head], m_new = sink > m ? sink : m;
+        if (a->sinks != NULL) { /* one more score, no value: it only joins the denominator */
+            const float sink = a->sinks[head], m_new = sink > m ? sink : m;
             keep = exp_neg1(m - m_new);
             l = l * keep + exp_neg1(sink - m_new);
         }
-        float inv = keep / l;
-        float *dst = a->out + ((int64_t)token * a->num_q_heads + head) * D;
-        const float *acc = w->acc + (int64_t)i * DP;
+        const float inv = keep / l;
+        float *dst = a->out + ((int64_t)w->token[i] * a->num_q_heads + head) * D;
+        const float *acc = w->acc + (int64_t)i * D;
         for (int d = 0; d < D; d++) dst[d] = acc[d] * inv;
     }
 }
@@ -332,58 +429,79 @@ static Scratch scratch_at(float *mem, int rows, int D) {
     Scratch w;
     w.q = mem;
     w.acc = w.q + (size_t)rows * D;
-    w.m = w.acc + (size_t)rows * padded_dim(D);
+    w.m = w.acc + (size_t)rows * D;
     w.l = w.m + rows;
-    w.kt = w.l + rows;
-    w.v = w.kt + (size_t)D * CHUNK;
-    w.row = w.v + (size_t)CHUNK * padded_dim(D);
+    w.p = w.l + rows;
+    w.corr = w.p + (size_t)rows * LANES;
+    w.pos = (int32_t *)(w.corr + rows);
+    w.token = w.pos + rows;
+    w.head = w.token + rows;
+    w.k = (float *)(w.head + rows);
+    w.v = w.k + (size_t)LANES * D;
+    w.zero = w.v + (size_t)LANES * D;
+    memset(w.zero, 0, sizeof(float) * (size_t)D);
     return w;
+}
+
+typedef struct {
+    int32_t m0, m1, t0, shared;
+} Item;
+
+static int32_t q_len_of(const Args *a, int32_t m) {
+    const int32_t req = a->members[m];
+    return a->cu_seqlens_q[req + 1] - a->cu_seqlens_q[req];
+}
+
+/* The work items of every group, before the kv heads multiply them: a group of one in tiles of
+ * TILE_Q of its queries; a larger group in runs of members of at most TILE_Q queries together
+ * (the caller groups only requests of at most TILE_Q queries). Returns the count; with `items`
+ * NULL it only counts. */
+static int64_t plan_items(const Args *a, Item *items) {
+    int64_t n = 0;
+    for (int32_t g = 0; g < a->num_groups; g++) {
+        const int32_t first = a->group_starts[g], end = a->group_starts[g + 1];
+        if (end - first == 1) {
+            for (int32_t t0 = 0; t0 < q_len_of(a, first); t0 += TILE_Q, n++)
+                if (items != NULL) items[n] = (Item){first, end, t0, 0};
+            continue;
+        }
+        for (int32_t m0 = first; m0 < end; n++) {
+            int32_t m1 = m0, tokens = 0;
+            while (m1 < end && tokens + q_len_of(a, m1) <= TILE_Q) tokens += q_len_of(a, m1++);
+            if (items != NULL) items[n] = (Item){m0, m1, 0, a->group_shared[g]};
+            m0 = m1;
+        }
+    }
+    return n;
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (then nothing was written). */
 int radixkv_paged_attention(const Args *a) {
-    /* Work items: for each request, tile of its queries and kv head. */
-    int64_t num_items = 0;
-    for (int32_t i = 0; i < a->num_reqs; i++) {
-        int32_t r = a->requests == NULL ? i : a->requests[i];
-        int32_t q_len = a->cu_seqlens_q[r + 1] - a->cu_seqlens_q[r];
-        num_items += (int64_t)a->num_kv_heads * ((q_len + TILE_Q - 1) / TILE_Q);
-    }
+    const int64_t num_items = plan_items(a, NULL);
     if (num_items == 0) return 0;
     int threads = a->num_threads > 1 ? a->num_threads : 1;
 #ifndef _OPENMP
     threads = 1;
 #endif
-    const int D = a->head_dim, group = a->num_q_heads / a->num_kv_heads;
-    const int rows = TILE_Q * group;
-    const size_t floats = (size_t)rows * (D + padded_dim(D) + 2) + (size_t)D * CHUNK
-                          + (size_t)CHUNK * padded_dim(D) + (size_t)D;
-    int32_t *items = malloc(sizeof(int32_t) * 3 * (size_t)num_items);
+    const int D = a->head_dim, rows = TILE_Q * a->num_q_heads;
+    const size_t floats = (size_t)rows * (2 * D + LANES + 6) + (size_t)(2 * LANES + 1) * D;
+    Item *items = malloc(sizeof(Item) * (size_t)num_items);
     float *mem = malloc(sizeof(float) * floats * (size_t)threads);
     if (items == NULL || mem == NULL) {
         free(items);
         free(mem);
         return -1;
     }
-    int64_t n = 0;
-    for (int32_t i = 0; i < a->num_reqs; i++) {
-        int32_t r = a->requests == NULL ? i : a->requests[i];
-        int32_t q_len = a->cu_seqlens_q[r + 1] - a->cu_seqlens_q[r];
-        for (int32_t tile = 0; tile * TILE_Q < q_len; tile++)
-            for (int32_t h = 0; h < a->num_kv_heads; h++) {
-                items[3 * n] = r, items[3 * n + 1] = h, items[3 * n + 2] = tile;
-                n++;
-            }
-    }
+    plan_items(a, items);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (int64_t i = 0; i < num_items; i++) {
 #ifdef _OPENMP
-        int tid = omp_get_thread_num();
+        const int tid = omp_get_thread_num();
 #else
-        int tid = 0;
+        const int tid = 0;
 #endif
         Scratch w = scratch_at(mem + floats * (size_t)tid, rows, D);
-        run_item(a, &w, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
+        run_item(a, &w, items[i].m0, items[i].m1, items[i].t0, items[i].shared);
     }
     free(items);
     free(mem);

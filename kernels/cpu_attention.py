@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,13 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 KERNEL_MAX_Q = 8
 # The cache dtypes the kernel reads; other dtypes (fp16) run the torch reference.
 KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99")
+# Query tokens of one work item of the kernel (TILE_Q in cpu_attention.c): requests sharing a
+# prefix are attended together up to this many new tokens at once.
+TILE_Q = 16
+# Requests whose first this-many keys sit in the same blocks attend to their common blocks
+# together (read once for all of them); shorter common prefixes are not worth the grouping.
+SHARED_MIN_KEYS = 32
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c99")
 
 
 class _Args(ctypes.Structure):
@@ -78,7 +85,9 @@ class _Args(ctypes.Structure):
         ("seq_lens", ctypes.c_void_p),
         ("cu_seqlens_q", ctypes.c_void_p),
         ("sinks", ctypes.c_void_p),
-        ("requests", ctypes.c_void_p),
+        ("members", ctypes.c_void_p),
+        ("group_starts", ctypes.c_void_p),
+        ("group_shared", ctypes.c_void_p),
         ("q_token_stride", ctypes.c_int64),
         ("q_head_stride", ctypes.c_int64),
         ("k_block_stride", ctypes.c_int64),
@@ -87,7 +96,7 @@ class _Args(ctypes.Structure):
         ("v_block_stride", ctypes.c_int64),
         ("v_token_stride", ctypes.c_int64),
         ("v_head_stride", ctypes.c_int64),
-        ("num_reqs", ctypes.c_int32),
+        ("num_groups", ctypes.c_int32),
         ("max_blocks", ctypes.c_int32),
         ("block_size", ctypes.c_int32),
         ("num_q_heads", ctypes.c_int32),
@@ -171,18 +180,22 @@ class _FusedRow:
 
 @dataclass(frozen=True, slots=True)
 class _StepPlan:
-    """How one step's requests split between the kernel and torch's fused attention (built on
-    the first layer, reused by the others of the same window)."""
+    """How one step's requests split between the kernel and torch's fused attention, and the
+    kernel's requests into groups that share leading blocks (built on the first layer, reused by
+    the others of the same window)."""
 
     kernel_requests: torch.Tensor | None  # int32, ascending; None: every request
     num_kernel: int
     fused: tuple[_FusedRow, ...]
+    members: torch.Tensor  # int32: the kernel's requests, group by group
+    group_starts: torch.Tensor  # int32 [groups + 1]: each group's first index into members
+    group_shared: torch.Tensor  # int32 [groups]: keys the group's members share (0: alone)
 
 
 def _step_plan(metadata: AttentionMetadata, kind: AttentionKind) -> _StepPlan:
     # torch's fused attention has neither soft-capping nor sinks: such layers take the kernel.
     fused_ok = kind.softcap is None and kind.sinks is None
-    key = ("cpu_attention", kind.window if fused_ok else -1)
+    key = ("cpu_attention", fused_ok, kind.window)
     plan = metadata.step_plans.get(key)
     if plan is None:
         plan = _build_plan(metadata, kind.window, fused_ok)
@@ -209,8 +222,44 @@ def _build_plan(metadata: AttentionMetadata, window: int | None, fused_ok: bool)
             if window is not None:
                 mask &= position - key < window
         fused.append(_FusedRow(slice(cu[r], cu[r + 1]), blocks, seq_len, mask))
-    requests = None if len(kernel) == len(lens) else torch.tensor(kernel, dtype=torch.int32)
-    return _StepPlan(requests, len(kernel), tuple(fused))
+    groups = [[r] for r in kernel] if window is not None else _shared_groups(metadata, kernel)
+    shared = [_shared_keys(metadata, g) if len(g) > 1 else 0 for g in groups]
+    every = len(kernel) == len(lens)
+    return _StepPlan(
+        kernel_requests=None if every else torch.tensor(kernel, dtype=torch.int32),
+        num_kernel=len(kernel),
+        fused=tuple(fused),
+        members=torch.tensor([r for g in groups for r in g], dtype=torch.int32),
+        group_starts=torch.tensor([0, *itertools.accumulate(map(len, groups))], dtype=torch.int32),
+        group_shared=torch.tensor(shared, dtype=torch.int32),
+    )
+
+
+def _shared_groups(metadata: AttentionMetadata, kernel: list[int]) -> list[list[int]]:
+    """The kernel's requests grouped by the blocks that hold their first SHARED_MIN_KEYS keys (the
+    same physical blocks: a prefix the cache serves to each of them), in order of first appearance;
+    a request with fewer cached keys, or more than TILE_Q new tokens, alone."""
+    cu, lens = metadata.cu_seqlens_q_host, metadata.seq_lens_host
+    lead = -(-SHARED_MIN_KEYS // metadata.kv_cache_shape[1])
+    groups: dict[object, list[int]] = {}
+    for r in kernel:
+        q_len = cu[r + 1] - cu[r]
+        if q_len > TILE_Q or lens[r] - q_len < SHARED_MIN_KEYS:
+            groups[("alone", r)] = [r]
+            continue
+        groups.setdefault(tuple(metadata.block_tables[r, :lead].tolist()), []).append(r)
+    return list(groups.values())
+
+
+def _shared_keys(metadata: AttentionMetadata, group: list[int]) -> int:
+    """How many leading keys every request of `group` holds in the same blocks and sees from
+    each of its queries: whole common blocks, capped at the shortest cached context."""
+    cu, lens = metadata.cu_seqlens_q_host, metadata.seq_lens_host
+    block_size = metadata.kv_cache_shape[1]
+    cached = min(lens[r] - (cu[r + 1] - cu[r]) for r in group)
+    tables = metadata.block_tables[group, : -(-cached // block_size)]
+    same = (tables == tables[0]).all(dim=0).int().cumprod(dim=0)
+    return min(int(same.sum()) * block_size, cached)
 
 
 def _fused_attention(
@@ -262,7 +311,9 @@ def _kernel_attention(
         seq_lens=lens.data_ptr(),
         cu_seqlens_q=cu.data_ptr(),
         sinks=None if sinks is None else sinks.data_ptr(),
-        requests=None if requests is None else requests.data_ptr(),
+        members=plan.members.data_ptr(),
+        group_starts=plan.group_starts.data_ptr(),
+        group_shared=plan.group_shared.data_ptr(),
         q_token_stride=q32.stride(0),
         q_head_stride=q32.stride(1),
         k_block_stride=k_cache.stride(0),
@@ -271,7 +322,7 @@ def _kernel_attention(
         v_block_stride=v_cache.stride(0),
         v_token_stride=v_cache.stride(1),
         v_head_stride=v_cache.stride(2),
-        num_reqs=plan.num_kernel,
+        num_groups=plan.group_shared.shape[0],
         max_blocks=tables.shape[1],
         block_size=k_cache.shape[1],
         num_q_heads=q.shape[1],

@@ -4,6 +4,7 @@ whose unwritten slots hold NaN, with permuted block tables and lengths around bl
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -116,6 +117,72 @@ def test_the_step_plan_is_built_once_and_reused_by_every_layer(paged_batch) -> N
     assert plan.kernel_requests.tolist() == kernel_rows
     assert len(plan.fused) == len(q_lens) - len(kernel_rows)
     assert torch.equal(first, again)
+
+
+def _sharing(paged_batch, seq_lens, q_lens, shared_blocks, *, block_size, **kw):
+    """A batch whose requests 1.. use request 0's first `shared_blocks[r]` blocks as their own
+    (request 0 is the longest, so every shared slot is written): the prefix a radix tree serves
+    to each of them, in the same physical blocks."""
+    batch = paged_batch(seq_lens, q_lens, block_size=block_size, **kw)
+    for r, n in enumerate(shared_blocks):
+        batch.block_tables[r, :n] = batch.block_tables[0, :n]
+    return batch
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("kind", ["full", "softcap", "sinks"])
+def test_requests_sharing_leading_blocks_match_the_reference(
+    paged_batch, assert_close, block_size, kind
+) -> None:
+    # Decode and short extends over one shared prefix, a request whose context ends inside it,
+    # one sharing less, and one sharing nothing; softcap and sinks send the long ones through
+    # the kernel too.
+    seq_lens = [300, 260, 261, 270, 90, 200, 150, 45]
+    q_lens = [1, 1, 5, 8, 1, 3, 1, 12]
+    per_block = 96 // block_size
+    shared = [0, 2 * per_block, 2 * per_block, 2 * per_block, per_block, per_block // 2, 0, 0]
+    batch = _sharing(
+        paged_batch, seq_lens, q_lens, shared, block_size=block_size, num_kv_heads=3, group=4
+    )
+    expected = reference.paged_attention(*batch.args, kind=KINDS[kind])
+    assert_close(
+        cpu_attention.paged_attention(*batch.args, kind=KINDS[kind]), expected, torch.float32
+    )
+
+
+def test_the_plan_groups_requests_by_their_shared_blocks(paged_batch) -> None:
+    seq_lens, q_lens = [300, 260, 261, 90, 200, 30], [1, 1, 5, 1, 1, 1]
+    batch = _sharing(paged_batch, seq_lens, q_lens, [0, 12, 12, 5, 1, 2], block_size=16)
+    metadata = AttentionMetadata(
+        batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, tuple(batch.k_cache.shape)
+    )
+    cpu_attention.paged_attention_step(batch.q, batch.k_cache, batch.v_cache, metadata, batch.scale)
+    (plan,) = metadata.step_plans.values()
+    starts = plan.group_starts.tolist()
+    groups = [plan.members[a:b].tolist() for a, b in itertools.pairwise(starts)]
+    # 0-3 share at least two blocks (32 keys); 4 shares one block only, 5 has 29 cached keys.
+    assert groups == [[0, 1, 2, 3], [4], [5]]
+    # 3's table shares 5 blocks, its context 89 keys: the group shares 80.
+    assert plan.group_shared.tolist() == [80, 0, 0]
+
+
+def test_more_sharing_requests_than_one_item_holds(paged_batch, assert_close) -> None:
+    # 21 requests with 1 or 3 new tokens over one prefix: several work items, each reading it.
+    n = 21
+    seq_lens = [400] + [130 + 7 * r for r in range(1, n)]
+    q_lens = [1 + 2 * (r % 2) for r in range(n)]
+    batch = _sharing(paged_batch, seq_lens, q_lens, [8] * n, block_size=16, group=3)
+    expected = reference.paged_attention(*batch.args)
+    assert_close(cpu_attention.paged_attention(*batch.args), expected, torch.float32)
+    torch.set_num_threads(2)  # the kernel tests' fixture restores one thread afterwards
+    assert_close(cpu_attention.paged_attention(*batch.args), expected, torch.float32)
+
+
+def test_a_sliding_window_never_shares(paged_batch, assert_close) -> None:
+    batch = _sharing(paged_batch, [300, 280, 290], [1, 1, 1], [0, 10, 10], block_size=16, group=2)
+    kind = AttentionKind(window=50)
+    expected = reference.paged_attention(*batch.args, kind=kind)
+    assert_close(cpu_attention.paged_attention(*batch.args, kind=kind), expected, torch.float32)
 
 
 def test_two_threads_give_the_one_thread_result(paged_batch) -> None:
