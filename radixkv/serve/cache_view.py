@@ -158,24 +158,7 @@ def state_payload(c: StateCapture) -> dict[str, Any]:
     the snapshots' bytes, the hits that resumed from one (of them, from the host or disk tier),
     and the snapshots' host and disk tiers (None: off) with what each kind of move carried."""
     s = c.stats
-    host = disk = None
-    if s.num_host_blocks:
-        host = {
-            "snapshots": s.num_host_blocks,
-            "held": s.num_host_cached_blocks,
-            "loaded": s.num_loaded_blocks,
-            "offloaded": s.num_offloaded_blocks,
-            "moves": _moves(c.moves, "load", "offload"),
-        }
-    if c.disk is not None:
-        disk = {
-            "files": c.disk.num_files,
-            "bytes": c.disk.num_bytes,
-            "budget": c.disk.budget_bytes,
-            "read": s.num_disk_reads,
-            "written": s.num_disk_writes,
-            "moves": _moves(c.moves, "disk_read", "disk_write"),
-        }
+    host, disk = _lower_tiers(c, _STATE_TIER_KEYS)
     device = {
         "slots": s.num_slots,
         "slot_bytes": s.slot_bytes,
@@ -195,24 +178,7 @@ def window_payload(w: WindowCapture) -> dict[str, Any]:
     loaded from each (the hits' tokens are the full group's) and the bytes each kind of move
     carried."""
     s = w.stats
-    host = disk = None
-    if s.num_host_blocks:
-        host = {
-            "blocks": s.num_host_blocks,
-            "held": s.num_host_cached_blocks,
-            "loaded_blocks": s.num_loaded_blocks,
-            "offloaded_blocks": s.num_offloaded_blocks,
-            "moves": _moves(w.moves, "load", "offload"),
-        }
-    if w.disk is not None:
-        disk = {
-            "files": w.disk.num_files,
-            "bytes": w.disk.num_bytes,
-            "budget": w.disk.budget_bytes,
-            "read_blocks": s.num_disk_reads,
-            "written_blocks": s.num_disk_writes,
-            "moves": _moves(w.moves, "disk_read", "disk_write"),
-        }
+    host, disk = _lower_tiers(w, _WINDOW_TIER_KEYS)
     device = {
         "blocks": s.num_blocks,
         "in_use": s.num_in_use_blocks,
@@ -222,6 +188,51 @@ def window_payload(w: WindowCapture) -> dict[str, Any]:
         "evicted_tails": s.num_evicted_tails,
     }
     return {"window": s.window, "device": device, "host": host, "disk": disk}
+
+
+@dataclass(frozen=True, slots=True)
+class _TierKeys:
+    """What a group's payload calls the host and disk figures that count its own units (window
+    blocks, state snapshots); the page reads them by these names."""
+
+    size: str  # the host tier's capacity
+    loaded: str
+    offloaded: str
+    read: str  # from disk
+    written: str  # to disk
+
+
+_WINDOW_TIER_KEYS = _TierKeys(
+    "blocks", "loaded_blocks", "offloaded_blocks", "read_blocks", "written_blocks"
+)
+_STATE_TIER_KEYS = _TierKeys("snapshots", "loaded", "offloaded", "read", "written")
+
+
+def _lower_tiers(
+    c: WindowCapture | StateCapture, keys: _TierKeys
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A group's host and disk parts of a snapshot (None: that tier is off), with the bytes and
+    seconds each kind of move took."""
+    s = c.stats
+    host = disk = None
+    if s.num_host_blocks:
+        host = {
+            keys.size: s.num_host_blocks,
+            "held": s.num_host_cached_blocks,
+            keys.loaded: s.num_loaded_blocks,
+            keys.offloaded: s.num_offloaded_blocks,
+            "moves": _moves(c.moves, "load", "offload"),
+        }
+    if c.disk is not None:
+        disk = {
+            "files": c.disk.num_files,
+            "bytes": c.disk.num_bytes,
+            "budget": c.disk.budget_bytes,
+            keys.read: s.num_disk_reads,
+            keys.written: s.num_disk_writes,
+            "moves": _moves(c.moves, "disk_read", "disk_write"),
+        }
+    return host, disk
 
 
 def _moves(moves: dict[str, tuple[int, float]], *kinds: str) -> dict[str, dict[str, float]]:

@@ -199,59 +199,52 @@ function renderGauges(g) {
   }
 }
 
-// ---------------------------------------------------------------- the window layers
+// ---------------------------------------------------------------- the window and recurrent layers
 
 function mib(bytes) {
   return (bytes / 2 ** 20).toFixed(2);
 }
 
-function renderWindow(w) {
-  // A model with window layers has a second KV group: its rows go below the gauges, which
-  // then are labelled as the full layers'. A full-attention model's page has neither.
-  if (!w) return;
-  if (!$("window-panel")) {
-    const full = el("div", "group-label", "full layers");
-    full.id = "full-label";
-    const panel = el("div");
-    panel.id = "window-panel";
-    $("gauges").before(full);
-    $("gauges").after(panel);
-  }
-  const d = w.device;
-  const rows = [
-    ["w-device", "device", d, `${d.in_use} in use · ${d.tails} in tails · ${d.free} free of ${d.blocks} blk`],
-  ];
-  const h = w.host;
+// What a group's host and disk figures are called in its payload (cache_view's _TierKeys), the
+// unit its host row counts in, and whether its disk row tells the bytes moved.
+const WINDOW_TIERS = {
+  size: "blocks", unit: "blk", loaded: "loaded_blocks", offloaded: "offloaded_blocks",
+  read: "read_blocks", written: "written_blocks", diskMoved: true,
+};
+const STATE_TIERS = {
+  size: "snapshots", unit: "snapshots", loaded: "loaded", offloaded: "offloaded",
+  read: "read", written: "written", diskMoved: false,
+};
+
+function tierRows(prefix, group, keys) {
+  const h = group.host;
   const hostText = h
-    ? `${h.held}/${h.blocks} blk · loaded ${h.loaded_blocks} · offloaded ${h.offloaded_blocks} · ` +
+    ? `${h.held}/${h[keys.size]} ${keys.unit} · loaded ${h[keys.loaded]} · offloaded ${h[keys.offloaded]} · ` +
       `moved ${mib(h.moves.load.bytes + h.moves.offload.bytes)} MiB`
     : "off";
-  rows.push(["w-host", "host", h, hostText]);
-  const k = w.disk;
-  const diskText = k
-    ? `${k.files} files, ${mib(k.bytes)}/${mib(k.budget)} MiB · read ${k.read_blocks} · ` +
-      `written ${k.written_blocks} · moved ${mib(k.moves.disk_read.bytes + k.moves.disk_write.bytes)} MiB`
-    : "off";
-  rows.push(["w-disk", "disk", k, diskText]);
-  const items = rows.map(([id, label, figures, text]) => {
-    const row = el("div", "window-row");
-    row.id = id;
-    // the row's numbers, as attributes too (data-held, data-in_use, ...): tests read them
-    for (const [key, value] of Object.entries(figures || {})) {
-      if (typeof value === "number") row.dataset[key] = String(value);
-    }
-    row.append(el("span", "label", label), el("span", "value", text));
-    return row;
-  });
-  $("window-panel").replaceChildren(el("div", "group-label", `window layers (${w.window} tokens)`), ...items);
+  const k = group.disk;
+  let diskText = "off";
+  if (k) {
+    diskText = `${k.files} files, ${mib(k.bytes)}/${mib(k.budget)} MiB · read ${k[keys.read]} · written ${k[keys.written]}`;
+    if (keys.diskMoved) diskText += ` · moved ${mib(k.moves.disk_read.bytes + k.moves.disk_write.bytes)} MiB`;
+  }
+  return [
+    [`${prefix}-host`, "host", h, hostText],
+    [`${prefix}-disk`, "disk", k, diskText],
+  ];
 }
 
-// ---------------------------------------------------------------- the recurrent layers
-
-function figureRows(rows) {
-  return rows.map(([id, label, figures, text]) => {
+function renderPanel(id, place, title, rows) {
+  // A group's panel below the gauges: `place` puts it on the page the first time; then a title
+  // and one row per [id, label, figures, text].
+  if (!$(id)) {
+    const panel = el("div");
+    panel.id = id;
+    place(panel);
+  }
+  const items = rows.map(([rowId, label, figures, text]) => {
     const row = el("div", "window-row");
-    row.id = id;
+    row.id = rowId;
     // the row's numbers, as attributes too (data-held, data-running, ...): tests read them
     for (const [key, value] of Object.entries(figures || {})) {
       if (typeof value === "number") row.dataset[key] = String(value);
@@ -259,35 +252,40 @@ function figureRows(rows) {
     row.append(el("span", "label", label), el("span", "value", text));
     return row;
   });
+  $(id).replaceChildren(el("div", "group-label", title), ...items);
+}
+
+function renderWindow(w) {
+  // A model with window layers has a second KV group: its rows go below the gauges, which
+  // then are labelled as the full layers'. A full-attention model's page has neither.
+  if (!w) return;
+  const place = (panel) => {
+    const full = el("div", "group-label", "full layers");
+    full.id = "full-label";
+    $("gauges").before(full);
+    $("gauges").after(panel);
+  };
+  const d = w.device;
+  const rows = [
+    ["w-device", "device", d, `${d.in_use} in use · ${d.tails} in tails · ${d.free} free of ${d.blocks} blk`],
+    ...tierRows("w", w, WINDOW_TIERS),
+  ];
+  renderPanel("window-panel", place, `window layers (${w.window} tokens)`, rows);
 }
 
 function renderState(s) {
   // A hybrid model's recurrent layers keep one state per request and snapshots of it where
   // later requests resume: their rows go below the gauges (and the window layers' panel).
   if (!s) return;
-  if (!$("state-panel")) {
-    const panel = el("div");
-    panel.id = "state-panel";
-    ($("window-panel") || $("gauges")).after(panel);
-  }
+  const place = (panel) => ($("window-panel") || $("gauges")).after(panel);
   const d = s.device;
   const hits = s.hits;
   const rows = [
     ["s-device", "device", d, `${d.running} running · ${d.snapshots} snapshots (${mib(d.bytes)} MiB) · ${d.free} free of ${d.slots} slots`],
     ["s-hits", "hits", hits, `${hits.hits} resumed from a snapshot (${hits.tokens} tokens)` + (s.host ? ` · ${hits.lower} from host or disk` : "")],
+    ...tierRows("s", s, STATE_TIERS),
   ];
-  const h = s.host;
-  const hostText = h
-    ? `${h.held}/${h.snapshots} snapshots · loaded ${h.loaded} · offloaded ${h.offloaded} · ` +
-      `moved ${mib(h.moves.load.bytes + h.moves.offload.bytes)} MiB`
-    : "off";
-  rows.push(["s-host", "host", h, hostText]);
-  const k = s.disk;
-  const diskText = k
-    ? `${k.files} files, ${mib(k.bytes)}/${mib(k.budget)} MiB · read ${k.read} · written ${k.written}`
-    : "off";
-  rows.push(["s-disk", "disk", k, diskText]);
-  $("state-panel").replaceChildren(el("div", "group-label", "recurrent state snapshots"), ...figureRows(rows));
+  renderPanel("state-panel", place, "recurrent state snapshots", rows);
 }
 
 function spark(canvas, values, top) {
