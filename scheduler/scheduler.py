@@ -23,8 +23,8 @@ One `schedule()` step, under `max_num_batched_tokens` and `max_num_seqs`:
     computing (in-batch prefix caching, `defer_shared_prefix_tokens`) is deferred to the next step,
     where it finds that prefix cached; a deferral is not a failure to fit, so admission goes on
     with the next request (`_admit`).
-With `prefill_first`, admission comes first; a step that admits runs steps 2 and 3 only, a step
-that admits nothing runs 1 and 2 as above.
+With `prefill_first`, step 2 comes first, then 3; a step that admits runs no decode rows, a step
+that admits nothing runs step 1 after them.
 
 Admission allocates the blocks for the whole uncached part of the sequence at once, not per chunk:
 admission is a reservation, so an admitted prefill never stalls half-way or preempts others for its
@@ -182,27 +182,25 @@ class Scheduler:
         preempted: list[str] = []
         running = list(self._running.values())  # in admission order
 
-        # Prefill first: admission before anything else, and a step that admits runs no decodes.
+        # Prefill first: the running requests' prefill chunks, then admission, and a step that
+        # admits runs no decodes. The chunks go before admission so that a prompt longer than a
+        # chunk finishes before newer ones start (as SGLang continues its chunked request first):
+        # admitting first gave each step's whole budget to new prompts, and every first token
+        # waited until the queue was empty.
         admit_first = self.config.prefill_first and bool(self._waiting)
         if admit_first:
-            budget = self._admit(budget, rows, copies)
-            if rows:
-                running = [r for r in running if r.num_tokens_to_compute > 1]
+            chunks = [r for r in running if r.num_tokens_to_compute > 1]
+            budget = self._schedule_running_rows(chunks, budget, rows, preempted)
+            num_chunks = len(rows)
+            if not preempted:
+                budget = self._admit(budget, rows, copies)
+            admitted = len(rows) > num_chunks
+            running = [] if admitted else [r for r in running if r.num_tokens_to_compute <= 1]
 
         # 1. Decodes (and one-token prefill remainders), then 2. prefill chunks of running requests;
         # sorted() is stable, so each kind stays in admission order.
-        for req in sorted(running, key=lambda r: r.num_tokens_to_compute > 1):
-            if budget == 0:
-                break
-            last = req.num_tokens >= req.max_num_tokens(self._max_len)
-            if req.num_pending and (req.held or last):
-                continue  # held, or its placeholder is its last token: wait until it is read
-            if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
-                n = self._chunk(req, min(req.num_tokens_to_compute, budget))
-                row = self._schedule_running(req, n, rows, preempted)
-                if row is not None:
-                    rows.append(row)
-                    budget -= n
+        running.sort(key=lambda r: r.num_tokens_to_compute > 1)
+        budget = self._schedule_running_rows(running, budget, rows, preempted)
 
         # 3. Admission (unless tried first). A step that had to preempt has no blocks to spare,
         # unless it preempted every running request: then nothing else could run and an idle
@@ -331,6 +329,28 @@ class Scheduler:
         del self._running[req.request_id]
 
     # ------------------------------------------------------------------ running requests
+
+    def _schedule_running_rows(
+        self,
+        requests: list[Request],
+        budget: int,
+        rows: list[ScheduledRequest],
+        preempted: list[str],
+    ) -> int:
+        """Rows for running `requests`, in order, while the budget lasts; returns what is left."""
+        for req in requests:
+            if budget == 0:
+                break
+            last = req.num_tokens >= req.max_num_tokens(self._max_len)
+            if req.num_pending and (req.held or last):
+                continue  # held, or its placeholder is its last token: wait until it is read
+            if req.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+                n = self._chunk(req, min(req.num_tokens_to_compute, budget))
+                row = self._schedule_running(req, n, rows, preempted)
+                if row is not None:
+                    rows.append(row)
+                    budget -= n
+        return budget
 
     def _schedule_running(
         self, req: Request, num_tokens: int, rows: list[ScheduledRequest], preempted: list[str]

@@ -110,12 +110,12 @@ class EngineConfig:
     # so a short overlap (below the threshold) is recomputed instead. 0 disables; no effect with
     # the prefix cache off.
     defer_shared_prefix_tokens: int = 32
-    # Prefill first (SGLang's default order): a step that admits waiting requests runs their
-    # prefill and the running requests' prefill chunks, and no decode rows; a step that admits
-    # nothing decodes as usual. New requests get their first token a step or more sooner, running
-    # ones wait that step (a little less throughput for a batch). Decodes are never held back for
-    # long: every admission adds a running request, so admission stops at `max_num_seqs` or when
-    # the pool is full, and then they run.
+    # Prefill first (SGLang's default order): a step that admits waiting requests runs the
+    # running requests' prefill chunks, then the new prompts' prefill, and no decode rows; a step
+    # that admits nothing decodes as usual. New requests get their first token a step or more
+    # sooner, running ones wait that step (a little less throughput for a batch). Decodes are
+    # never held back for long: every admission adds a running request, so admission stops at
+    # `max_num_seqs` or when the pool is full, and then they run.
     prefill_first: bool = False
     # The context of one sequence: prompt + generated tokens. None: the model's; a value is capped
     # at the model's.

@@ -19,6 +19,7 @@ import webbrowser
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from radixkv.engine.config import EngineConfig
 from radixkv.options import (
     add_engine_options,
     check_engine_options,
@@ -39,8 +40,13 @@ def build_parser(prog: str = "radixkv serve") -> argparse.ArgumentParser:
         description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) "
         "over the prefix-cached engine.",
     )
-    # Prefill first by default: a server's clients wait for their first token.
-    add_engine_options(parser, prefill_first=True)
+    # Prefill first by default, and a prompt's chunk as large as the step: a server's clients
+    # wait for their first token, and a prompt a little longer than a smaller chunk would take
+    # two steps to its first token where one does.
+    (step_tokens,) = (
+        f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_num_batched_tokens"
+    )
+    add_engine_options(parser, prefill_first=True, chunked_prefill_size=step_tokens)
     parser.add_argument(
         "--served-model-name", default=None, help="the `model` clients send (default: its name)"
     )

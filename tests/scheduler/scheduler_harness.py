@@ -270,7 +270,8 @@ class Harness:
     ) -> None:
         """The step's choices, given the running requests before it (admission order -> tokens
         left) and the waiting queue before it: rows are running decodes, then running prefills,
-        then admissions (admissions first with `prefill_first`, and then no decodes); a victim is
+        then admissions (with `prefill_first` and a queue: running prefills, admissions, and
+        decodes only if nothing was admitted); a victim is
         the most recently admitted running request without a row; victims go back to the front
         of the queue, the latest first; a step that preempted admits only if no running request
         got a row; FCFS without deferral admits a prefix of the queue."""
@@ -280,17 +281,22 @@ class Harness:
         new = [rid for rid in ids if rid not in running or rid in out.preempted_ids]
         old = [rid for rid in ids if rid not in new]
         assert all(rid in waiting or rid in out.preempted_ids for rid in new), out
-        admitted_first = cfg.prefill_first and bool(new) and ids[: len(new)] == new
-        assert ids == (new + old if admitted_first else old + new), f"row order: {ids}"
-        if admitted_first:
-            assert all(running[rid] > 1 for rid in old), f"a decode beside admissions: {ids}"
-        order = sorted(running, key=lambda rid: running[rid] > 1)  # stable: admission order
-        assert old == [rid for rid in order if rid in old], f"running rows out of order: {ids}"
+        chunks = [rid for rid in old if running[rid] > 1]
+        decodes = [rid for rid in old if running[rid] <= 1]
+        if cfg.prefill_first and waiting:
+            assert ids == chunks + new + decodes, f"row order: {ids}"
+            assert not (new and decodes), f"a decode beside admissions: {ids}"
+        else:
+            assert ids == old + new, f"row order: {ids}"
+            assert old == decodes + chunks, f"running rows out of order: {ids}"
+        order = list(running)  # admission order
+        for kind in (chunks, decodes):
+            assert kind == [rid for rid in order if rid in kind], f"out of order: {ids}"
         unscheduled = [rid for rid in running if rid not in old]
         victims = unscheduled[::-1][: len(out.preempted_ids)]
         assert list(out.preempted_ids) == victims, (out.preempted_ids, running, ids)
         if out.preempted_ids and old:
-            assert admitted_first or not new, f"admitted in a step that preempted: {ids}"
+            assert not new, f"admitted in a step that preempted: {ids}"
         queue = [*out.preempted_ids[::-1], *waiting]
         after = [rid for rid in queue if rid not in new]
         assert [r.request_id for r in self.scheduler.waiting_requests] == after, queue

@@ -105,6 +105,32 @@ def test_prefill_first_admits_before_decoding_and_decodes_when_nothing_fits(
     h.assert_no_leak()
 
 
+def test_prefill_first_finishes_a_chunked_prompt_before_admitting_the_next(
+    harness: MakeHarness,
+) -> None:
+    # Prompts longer than a chunk, the budget two chunks: each step first continues the prompts
+    # already running, so their first tokens come in arrival order instead of all at the end.
+    h = harness(
+        num_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=16,
+        chunked_prefill_size=8,
+        prefill_first=True,
+    )
+    reqs = [
+        h.add(name, seq(40 * i, 10), max_tokens=2, ignore_eos=True) for i, name in enumerate("abcd")
+    ]
+    steps = [[(r.request_id, len(r.token_ids)) for r in h.step().rows] for _ in range(3)]
+    assert steps == [
+        [("a", 8), ("b", 8)],
+        [("a", 2), ("b", 2), ("c", 8), ("d", 4)],
+        [("a", 1), ("b", 1), ("c", 2), ("d", 6)],  # nothing waits: decodes first again
+    ]
+    h.run()
+    assert [r.output_token_ids for r in reqs] == [h.reference(r) for r in reqs]
+    h.assert_no_leak()
+
+
 # ---------------------------------------------------------------- admission and policies
 
 

@@ -194,6 +194,9 @@ def test_the_engine_options_reach_the_engine(tiny_model_dir) -> None:
         is False
     )
     assert next(llm.model.parameters()).dtype == torch.float32
+    # Unless told, a prompt's chunk is the whole step: its first token after one step, not two.
+    defaults = build_llm(build_parser().parse_args(argv[:2])).scheduler.config
+    assert defaults.chunked_prefill_size == defaults.max_num_batched_tokens == 1024
 
 
 def test_kv_events_publish_while_serving_and_close_at_shutdown(tiny_model_dir) -> None:
