@@ -170,6 +170,31 @@ def test_a_hybrid_model_keeps_one_state_slot_a_running_request(hybrid):
     assert capture(llm, None).window is None
 
 
+def test_a_model_of_recurrent_layers_alone_keeps_no_kv(hybrid):
+    """Mamba 2: no layer attends, so the tree's group has no layers and no device bytes; sized
+    by a byte budget, its blocks are room for twice the running requests' contexts and the
+    budget goes to the state slots."""
+    path, work = hybrid("mamba2")
+    budget, seqs = 2**20, 2
+    llm = LLM(str(path), block_size=4, kv_cache_bytes=budget, max_num_seqs=seqs, max_model_len=64)
+    layout = llm.runner.layout
+    assert layout.describe() == "4 recurrent layers"
+    assert (layout.num_kv_heads, layout.head_dim) == (0, 0)
+    assert [(g.spec, g.layers) for g in layout.cache_groups()] == [(GroupSpec(), ())]
+    (tree_kv,) = llm.runner.kv
+    assert tree_kv.layers == () and tree_kv.bytes_per_block == 0
+    assert llm.cache.groups[0].num_blocks == 2 * seqs * 64 // 4
+    states = llm.runner.states
+    assert states is not None and states.num_slots > seqs
+    # the running requests' slots and `snapshot_share` of the budget
+    snapshots = int(llm.config.snapshot_share * budget) // states.slot_nbytes()
+    assert states.num_slots == seqs + snapshots
+    first = _generate(llm, work.first[:1], MAX_NEW[:1]) + _generate(
+        llm, work.first[1:], MAX_NEW[1:]
+    )
+    assert _tokens(first) == work.first_replies
+
+
 def test_a_reset_drops_every_snapshot(hybrid):
     path, work = hybrid("lfm2")
     llm = LLM(str(path), block_size=4, num_blocks=256, **GAP)
