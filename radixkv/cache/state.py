@@ -45,6 +45,14 @@ Where this differs from the anchors: vLLM keeps states on its block grid (528 to
 Qwen3.5, no hit below it); SGLang one per inserted node (prompt and request ends). Here they sit
 where the tree says prompts diverge and where a conversation's next turn resumes, token-granular.
 
+Compact snapshots (`StateSpec.snapshot_bytes`: the engine stores kept states smaller than a
+running one, `snapshot_dtype` bf16 or int8): the slots split in two pools, slots [0,
+`num_running`) for running requests at the running state's format and the rest for snapshots,
+as SGLang keeps its checkpoints apart from its active states. A snapshot is then always a copy
+(the engine compacts it as it copies), a leaving request's too: its slot is freed at once and
+the copy runs first in the next step, before anything can write the slot again; a resume copy
+expands one back. Snapshots then never take a running slot, nor running requests theirs.
+
 A step whose copies may not have run (it failed before its forward) loses the snapshots those
 copies were to fill (`step_failed`). Pure Python; the slots' contents are the engine's.
 """
@@ -70,10 +78,13 @@ SlotCopy = tuple[int, int, int]
 
 @dataclass(frozen=True, slots=True)
 class StateSpec(GroupSpec):
-    """The recurrent layers of a model: `slot_bytes` is one request's state over all of them."""
+    """The recurrent layers of a model: `slot_bytes` is one request's state over all of them;
+    `snapshot_bytes` a kept snapshot's where the engine stores snapshots compact, in a pool of
+    their own (None: at the running state's format, in the one pool)."""
 
     kind: ClassVar[str] = "state"
     slot_bytes: int
+    snapshot_bytes: int | None = None
 
 
 class StatePoolConfig(PoolConfig, Protocol):
@@ -96,11 +107,13 @@ class StateKind:
     def plan_blocks(
         self, spec: StateSpec, config: StatePoolConfig, bytes_per_block: int, budget: int | None
     ) -> int:
-        """Slots: one per running request (`max_num_seqs`) and `num_snapshots` more, or
-        `snapshot_share` of a `budget` in bytes, or (the pools counted out in blocks)
+        """Slots: one per running request (`max_num_seqs`, `bytes_per_block` each) and
+        `num_snapshots` more, or `snapshot_share` of a `budget` in bytes (in snapshots of the
+        spec's `snapshot_bytes`, where it has them), or (the pools counted out in blocks)
         DEFAULT_SNAPSHOTS_PER_SEQ per running request. ValueError for a budget that holds not
         the running requests' slots."""
         running = config.max_num_seqs
+        snapshot_bytes = spec.snapshot_bytes or bytes_per_block
         if config.num_snapshots is not None:
             return running + config.num_snapshots
         if budget is None:
@@ -110,12 +123,14 @@ class StateKind:
                 f"the KV cache budget of {budget} bytes holds not the recurrent states of "
                 f"max_num_seqs={running} requests ({bytes_per_block} bytes each)"
             )
-        return running + int(config.snapshot_share * budget) // bytes_per_block
+        return running + int(config.snapshot_share * budget) // snapshot_bytes
 
     def build(self, spec: StateSpec, setup: GroupSetup) -> StateGroup:
         config = setup.config
         policy = SnapshotPolicy() if config is None else _policy_of(config)
         eviction = setup.eviction if setup.eviction in ("gdsf", "lru") else "gdsf"
+        compact = spec.snapshot_bytes is not None
+        assert not compact or config is not None, "compact snapshots need max_num_seqs"
         return StateGroup(
             setup.num_blocks,
             setup.block_size,
@@ -124,6 +139,8 @@ class StateKind:
             tree=setup.tree,
             eviction=eviction,
             index=setup.index,
+            num_running=config.max_num_seqs if compact else None,
+            snapshot_bytes=spec.snapshot_bytes,
         )
 
 
@@ -180,7 +197,7 @@ class StateStats:
     `num_running_slots + num_snapshots + num_free_slots == num_slots`."""
 
     num_slots: int
-    slot_bytes: int  # one state of every recurrent layer (a snapshot's size)
+    slot_bytes: int  # one state of every recurrent layer (a running request's)
     num_free_slots: int
     num_running_slots: int  # held by running requests
     num_snapshots: int
@@ -192,6 +209,7 @@ class StateStats:
     num_hit_tokens: int  # the tokens those resumed past
     num_copies: int  # slot copies planned (snapshots taken mid-prompt, resumes)
     num_host_cached_blocks: int = 0  # no lower tiers (the grouped reports read it)
+    snapshot_bytes: int = 0  # one kept snapshot (slot_bytes, unless they are stored compact)
 
 
 class StateGroup:
@@ -199,7 +217,8 @@ class StateGroup:
 
     Invariants (recomputed by `check_integrity`):
     * every slot has at most one owner, an open table (its running slot) or a snapshot, and
-      the pool's counts say so;
+      the pool's counts say so; with compact snapshots, the open tables' slots lie below
+      `num_running` and the snapshots' at or above it;
     * each snapshot is listed under its key, its end in `PointEnds`, its slot in the ledger;
       the ledger holds exactly the snapshots' slots, pinned once per open table whose resume
       copy reads it;
@@ -216,19 +235,39 @@ class StateGroup:
         tree: Any = None,
         eviction: str = "gdsf",
         index: int = 1,
+        num_running: int | None = None,
+        snapshot_bytes: int | None = None,
     ) -> None:
         """`tree`: the tree's group (a `PrefixCache`), whose clock stamps the snapshots and
-        whose match says which have lost their prefix KV (None: none ever does)."""
+        whose match says which have lost their prefix KV (None: none ever does).
+        `num_running` / `snapshot_bytes`: compact snapshots (see the module docstring), the
+        first `num_running` slots for running requests, the rest for snapshots of
+        `snapshot_bytes` each (None: one pool, a snapshot's size a slot's)."""
+        assert (num_running is None) == (snapshot_bytes is None), (num_running, snapshot_bytes)
         self.name = StateKind.name
         self.index = index
-        self.pool = BlockPool(num_slots, 1)
-        self.num_blocks = self.pool.num_blocks
         self.block_size = check_size(block_size, "block_size", low=1)
         self.slot_bytes = check_size(slot_bytes, "slot_bytes", low=1)
+        self.snapshot_bytes = check_size(snapshot_bytes or slot_bytes, "snapshot_bytes", low=1)
+        self.num_running = num_running
+        if num_running is None:  # one pool: snapshots in any slot
+            self.pool = BlockPool(num_slots, 1)
+            self.snapshot_pool: BlockPool | None = self.pool
+            num_snapshot_slots = num_slots
+        else:
+            assert 1 <= num_running <= num_slots, (num_running, num_slots)
+            self.pool = BlockPool(num_running, 1)
+            num_snapshot_slots = num_slots - num_running
+            self.snapshot_pool = BlockPool(num_snapshot_slots, 1) if num_snapshot_slots else None
+        self.num_blocks = num_slots
         self.policy = policy or SnapshotPolicy()
         self.tiers = None
         self._tree = tree
-        self.ledger = SnapshotLedger(num_slots * slot_bytes, slot_bytes, eviction)  # type: ignore[arg-type]
+        self.ledger = SnapshotLedger(
+            num_snapshot_slots * self.snapshot_bytes,
+            self.snapshot_bytes,
+            eviction,  # type: ignore[arg-type]
+        )
         self._snapshots: dict[PointKey, _Snapshot] = {}
         self._by_slot: dict[int, _Snapshot] = {}
         self._ends = PointEnds()
@@ -254,7 +293,7 @@ class StateGroup:
         return StateStats(
             num_slots=self.num_blocks,
             slot_bytes=self.slot_bytes,
-            num_free_slots=self.pool.num_free,
+            num_free_slots=self._num_free(),
             num_running_slots=running,
             num_snapshots=len(self._snapshots),
             num_snapshot_bytes=ledger.num_bytes,
@@ -264,6 +303,7 @@ class StateGroup:
             num_hits=ledger.num_hits,
             num_hit_tokens=self.num_hit_tokens,
             num_copies=self.num_copies,
+            snapshot_bytes=self.snapshot_bytes,
         )
 
     # ---------------------------------------------------- the group protocol's admission
@@ -278,9 +318,12 @@ class StateGroup:
 
     def fits(self, probe: Probe, hit: StateHit, num_tokens: int) -> bool:
         """Whether `admit` would find a running slot: a free one, or a snapshot it may evict
-        (unpinned, not the one it resumes from). Read-only."""
+        (unpinned, not the one it resumes from; compact snapshots: a free running slot).
+        Read-only."""
         if self.pool.num_free:
             return True
+        if self.num_running is not None:
+            return False
         movable = len(self.ledger.victims())
         return movable - (hit.slot is not None and hit.slot in self.ledger.victims()) > 0
 
@@ -291,7 +334,7 @@ class StateGroup:
         be had (`fits` says so beforehand)."""
         if hit.slot is not None:
             self.ledger.pin(hit.slot)  # before the slot's allocation evicts
-        slot = self._allocate(required=True)
+        slot = self._allocate(required=True, running=True)
         if slot is None:
             if hit.slot is not None:
                 self.ledger.unpin(hit.slot)
@@ -366,8 +409,9 @@ class StateGroup:
         point = None
         if table.leaving is not None:
             point = self.policy.finish_point(last_point=table.last_point, num_written=table.leaving)
-        if point is None or not self._keep(table, point.position):
-            self.pool.release([table.slot])
+        kept = point is not None and self._keep(table, point.position)
+        if not kept or self.num_running is not None:  # compact: the copy reads it first
+            self._release(table.slot)
         table.copy = None
 
     def row_blocks(self, table: StateTable, num_blocks: int) -> tuple[int, ...]:
@@ -389,7 +433,7 @@ class StateGroup:
         for snap in self._in_flight:
             if self._by_slot.get(snap.slot) is snap:
                 self._drop(snap)
-                self.pool.release([snap.slot])
+                self._release(snap.slot)
         self._in_flight = []
 
     def take_moves(self) -> list[Move]:
@@ -406,7 +450,7 @@ class StateGroup:
         for snap in list(self._by_slot.values()):
             if snap.slot not in self._pinned_slots():
                 self._drop(snap)
-                self.pool.release([snap.slot])
+                self._release(snap.slot)
 
     @property
     def num_open_tables(self) -> int:
@@ -422,28 +466,37 @@ class StateGroup:
         self._ticks += 1
         return self._ticks
 
-    def _take_copy(self, table: StateTable, qb: bytes, n: int, *, required: bool) -> None:
-        """A snapshot at n of the table's running state, by a copy into a new slot."""
+    def _take_copy(
+        self, table: StateTable, qb: bytes, n: int, *, required: bool, divergence: bool = True
+    ) -> None:
+        """A snapshot at n of the table's running state, by a copy into a new slot (a required
+        one is where a prompt leaves the tree, unless not a `divergence`: a leaving request's
+        end, compact)."""
         key = point_key(table.namespace, qb, n)
         if key in self._snapshots:
             self._refresh(table, self._snapshots[key])
             return
-        slot = self._allocate(required=required)
+        slot = self._allocate(required=required, running=False)
         if slot is None:
             self.ledger.refused()
             return
-        snap = self._add(key, qb[: TOKEN_BYTES * n], slot, divergence=required, table=table)
+        divergence = required and divergence
+        snap = self._add(key, qb[: TOKEN_BYTES * n], slot, divergence=divergence, table=table)
         self._copies.append(((table.slot, snap.slot, 1), snap))
         self.num_copies += 1
 
     def _keep(self, table: StateTable, n: int) -> bool:
-        """The leaving table's running slot becomes the snapshot at n (no copy); False if one
-        is there already (then only refreshed)."""
+        """The leaving table's running slot becomes the snapshot at n (no copy; compact
+        snapshots: a copy into a snapshot slot, which may evict another); False if one is there
+        already (then only refreshed) or, compact, none could be had."""
         qb = table.committed
         key = point_key(table.namespace, qb, n)
         if key in self._snapshots:
             self._refresh(table, self._snapshots[key])
             return False
+        if self.num_running is not None:
+            self._take_copy(table, qb, n, required=True, divergence=False)
+            return key in self._snapshots
         self._add(key, qb[: TOKEN_BYTES * n], table.slot, divergence=False, table=table)
         return True
 
@@ -472,17 +525,38 @@ class StateGroup:
         if old is not None and not old.divergence:
             self.ledger.set_superseded(old.slot, True)
 
-    def _allocate(self, *, required: bool) -> int | None:
-        """A free slot; a required one evicts a snapshot when none is free (orphans first)."""
-        if not self.pool.num_free:
-            if not required or not self.ledger.victims():
+    def _allocate(self, *, required: bool, running: bool) -> int | None:
+        """A free slot for a running request or a snapshot; a required one evicts a snapshot
+        when none is free (orphans first), unless compact snapshots keep their slots apart from
+        the running ones (then a running slot never comes from a snapshot)."""
+        split = self.num_running is not None
+        pool = self.pool if running or not split else self.snapshot_pool
+        if pool is None:  # compact, and no slot for snapshots at all
+            return None
+        if not pool.num_free:
+            if (split and running) or not required or not self.ledger.victims():
                 return None
             self._mark_orphans()
             for slot in self.ledger.evict(1):
                 self._drop(self._by_slot[slot], ledger=False)
-                self.pool.release([slot])
-        got = self.pool.allocate(1)
-        return None if got is None else got[0]
+                self._release(slot)
+        got = pool.allocate(1)
+        if got is None:
+            return None
+        return got[0] + (self.num_running if split and not running else 0)  # type: ignore[operator]
+
+    def _release(self, slot: int) -> None:
+        """Free `slot` in the pool it came from."""
+        if self.num_running is None or slot < self.num_running:
+            self.pool.release([slot])
+        else:
+            assert self.snapshot_pool is not None, slot
+            self.snapshot_pool.release([slot - self.num_running])
+
+    def _num_free(self) -> int:
+        if self.num_running is None or self.snapshot_pool is None:
+            return self.pool.num_free
+        return self.pool.num_free + self.snapshot_pool.num_free
 
     def _mark_orphans(self) -> None:
         """Mark each unpinned snapshot orphaned or not by whether the tree (any tier) still
@@ -524,7 +598,16 @@ class StateGroup:
         owners.update(list(self._by_slot))
         if any(n > 1 for n in owners.values()):
             raise AssertionError(f"a slot has two owners: {owners}")
-        self.pool.check_integrity(dict(owners))
+        split = self.num_running
+        if split is None:
+            self.pool.check_integrity(dict(owners))
+        else:
+            if any(t.slot >= split for t in self._open) or any(s < split for s in self._by_slot):
+                raise AssertionError(f"a slot in the wrong pool: {owners} (split at {split})")
+            self.pool.check_integrity({s: n for s, n in owners.items() if s < split})
+            if self.snapshot_pool is not None:
+                snaps = {s - split: n for s, n in owners.items() if s >= split}
+                self.snapshot_pool.check_integrity(snaps)
         ends: dict[str | None, list[int]] = {}
         for key, snap in self._snapshots.items():
             if self._by_slot.get(snap.slot) is not snap or snap.key != key:

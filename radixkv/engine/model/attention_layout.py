@@ -129,14 +129,18 @@ class AttentionLayout:
             groups.append(LayerGroup(WindowSpec(window), windowed))
         return tuple(groups)
 
-    def state_group(self, dtype: torch.dtype) -> LayerGroup | None:
+    def state_group(self, dtype: torch.dtype, snapshot_dtype: str = "exact") -> LayerGroup | None:
         """The recurrent layers' cache group, its slots of one state of every one of them at
-        `dtype` (None: no recurrent layer). It comes after the KV groups: the cache's group
-        order is theirs, then it."""
+        `dtype`, its snapshots in `snapshot_dtype` (None: no recurrent layer). It comes after
+        the KV groups: the cache's group order is theirs, then it."""
         if not self.recurrent:
             return None
         slot_bytes = sum(s.nbytes(dtype) for s in self.recurrent)
-        return LayerGroup(StateSpec(slot_bytes), tuple(s.layer_idx for s in self.recurrent))
+        snapshot_bytes = None
+        if snapshot_dtype != "exact":  # compact: in slots of their own
+            snapshot_bytes = sum(s.snapshot_nbytes(dtype, snapshot_dtype) for s in self.recurrent)
+        spec = StateSpec(slot_bytes, snapshot_bytes)
+        return LayerGroup(spec, tuple(s.layer_idx for s in self.recurrent))
 
     def describe(self) -> str:
         """One line: the layers of each kind, e.g. "2 full + 4 window-512 layers" (latent

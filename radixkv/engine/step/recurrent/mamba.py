@@ -77,6 +77,7 @@ class _PackedMamba2(PackedRecurrentLayer):
             self.layer_idx,
             (self.conv_kernel_size - 1, self.conv_dim),
             (self.num_heads, self.head_dim, self.ssm_state_size),
+            quant_axis=1,  # head_dim: B (state_dim) is the key side
         )
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
