@@ -13,8 +13,9 @@ Cache layout per layer: K and V each `[num_blocks, block_size, num_kv_heads, hea
   multi-head latent attention (DeepSeek V2 / V3 and kin; one vector a token and layer, shared by
   every head) and the two forms of attention over it (`latent_metadata.py`).
 - `causal_conv1d`, `gated_delta_rule`, `ssm_scan`: the recurrent layers of hybrid models (short
-  convolutions, Gated DeltaNet, Mamba-2 / Mamba-1) over a packed step, each request reading and
-  writing its own state slot (`RecurrentMetadata`; torch versions in `recurrent_reference.py`).
+  convolutions, Gated DeltaNet and Kimi Delta Attention, Mamba-2 / Mamba-1) over a packed step,
+  each request reading and writing its own state slot (`RecurrentMetadata`; torch versions in
+  `recurrent_reference.py`).
 
 Each function validates its inputs (a ValueError naming the argument), their values too except in
 the Triton launchers on CUDA (that would sync). The engine calls store_kv and paged_attention once

@@ -8,10 +8,9 @@ materialises their score matrices. The kernel reads K and V in place through the
 an online softmax, as vLLM's and SGLang's CPU backends do with their own C++ kernels (see
 `benchmarks/RESULTS.md`, CPU attention, for what it saves).
 
-It is plain C99 with OpenMP, compiled at first use with the machine's C compiler for this machine
-(`-O3 -march=native`), cached in the user's cache folder under a key of the source, the compiler
-and the CPU, and loaded with ctypes; a process that cannot build it (no compiler) says so once in
-the log and runs the torch reference. Threads: the kernel splits its work over
+It is plain C99 with OpenMP, compiled at first use for this machine (`-O3 -march=native`,
+`cpu_build.py`); a process that cannot build it (no compiler) says so once in the log and runs the
+torch reference. Threads: the kernel splits its work over
 `torch.get_num_threads()` threads of the OpenMP runtime torch already loaded.
 
 `available()` says whether it loaded; `dispatch` sends CPU tensors here when it did. Every other
@@ -22,19 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from radixkv.kernels import cpu_build
 from radixkv.kernels.attention_kind import AttentionKind, check_kind
 from radixkv.kernels.metadata import AttentionMetadata, call_metadata, check_attention_step
 from radixkv.kernels.reference import (
@@ -317,67 +311,8 @@ def _index_tensors(
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built into the cache folder if it is not there yet; None when it
     cannot be built or loaded (logged once)."""
-    if os.environ.get("RADIXKV_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        path = _built_library()
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
-        return None
-    library.radixkv_paged_attention.argtypes = [ctypes.POINTER(_Args)]
-    library.radixkv_paged_attention.restype = ctypes.c_int
+    library = cpu_build.load(SOURCE, _FLAGS, "CPU attention kernel")
+    if library is not None:
+        library.radixkv_paged_attention.argtypes = [ctypes.POINTER(_Args)]
+        library.radixkv_paged_attention.restype = ctypes.c_int
     return library
-
-
-def _built_library() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found (set CC)")
-    source = SOURCE.read_bytes()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    key = hashlib.sha256(
-        b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(), _cpu_identity().encode()])
-    ).hexdigest()[:16]
-    folder = _cache_folder()
-    target = folder / f"cpu_attention-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        built = Path(scratch) / target.name
-        for openmp in (["-fopenmp"], []):  # a compiler without OpenMP builds it single-threaded
-            done = subprocess.run(
-                [compiler, *_FLAGS, *openmp, "-o", str(built), str(SOURCE), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if done.returncode == 0:
-                break
-        else:
-            raise OSError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
-        os.replace(built, target)  # atomic: a concurrent build of the same key is the same file
-    logger.info("built the CPU attention kernel: %s", target)
-    return target
-
-
-def _cache_folder() -> Path:
-    configured = os.environ.get("RADIXKV_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "radixkv" / "cpu-kernels"
-
-
-def _cpu_identity() -> str:
-    """What `-march=native` compiles for: the CPU's model and feature flags where Linux says them
-    (a cache folder shared by machines of different CPUs keeps one build each)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine() + platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return platform.machine() + "\n".join(sorted(set(lines)))

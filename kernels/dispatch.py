@@ -382,7 +382,8 @@ def gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
 ) -> torch.Tensor:
-    """Gated DeltaNet over a packed step, each request from and back to its state slot. See
+    """Gated DeltaNet (g a decay a head) or Kimi Delta Attention (g a decay a head and key
+    channel) over a packed step, each request from and back to its state slot. See
     `recurrent_reference.gated_delta_rule`."""
     return _impl("gated_delta_rule", v, recurrent_reference).gated_delta_rule(
         q, k, v, g, beta, states, metadata, scale=scale, use_qk_l2norm=use_qk_l2norm

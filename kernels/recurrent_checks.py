@@ -85,8 +85,8 @@ def check_gated_delta_rule(
     states: torch.Tensor,
     metadata: RecurrentMetadata,
 ) -> None:
-    """q, k [T, Hk, Dk]; v [T, Hv, Dv] (Hv a multiple of Hk); g, beta [T, Hv];
-    states [S, Hv, Dk, Dv]."""
+    """q, k [T, Hk, Dk]; v [T, Hv, Dv] (Hv a multiple of Hk); g [T, Hv] or [T, Hv, Dk] (a decay
+    a key channel); beta [T, Hv]; states [S, Hv, Dk, Dv]."""
     device = _check_tensor("v", v).device
     _check_float("v", v, 3, device)
     _check_float("q", q, 3, device)
@@ -98,9 +98,15 @@ def check_gated_delta_rule(
         num_v_heads % num_k_heads == 0,
         f"v's {num_v_heads} heads are not a multiple of q/k's {num_k_heads}",
     )
-    for name, t in (("g", g), ("beta", beta)):
-        _check_float(name, t, 2, device)
-        _require(t.shape == (tokens, num_v_heads), f"{name} must be [{tokens}, {num_v_heads}]")
+    _check_float("beta", beta, 2, device)
+    _require(beta.shape == (tokens, num_v_heads), f"beta must be [{tokens}, {num_v_heads}]")
+    g = _check_tensor("g", g)
+    _require(
+        g.shape in ((tokens, num_v_heads), (tokens, num_v_heads, k_dim)),
+        f"g must be [{tokens}, {num_v_heads}] or [{tokens}, {num_v_heads}, {k_dim}], "
+        f"got {tuple(g.shape)}",
+    )
+    _check_float("g", g, g.dim(), device)
     _check_float("states", states, 4, device)
     _check_states("states", states, (num_v_heads, k_dim, v_dim))
     _check_tokens("q", q, _check_metadata(metadata, device, states.shape[0]))

@@ -3,8 +3,10 @@ layers, and the CPU engine's path. Three recurrences cover the hybrid families t
 
 - `causal_conv1d`: the depthwise causal convolution over the last K inputs (Mamba-1/2, Gated
   DeltaNet's q/k/v, LFM2's short convolution); its state is the last K - 1 inputs.
-- `gated_delta_rule`: Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo hybrid); per head a K x V state
-      S <- exp(g_t) S;  S <- S + k_t [beta_t (v_t - S^T k_t)]^T;  o_t = S^T q_t
+- `gated_delta_rule`: Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo hybrid) and Kimi Delta Attention
+  (Kimi Linear: the same rule with a decay per key channel); per head a K x V state
+      S <- diag(exp(g_t)) S;  S <- S + k_t [beta_t (v_t - S^T k_t)]^T;  o_t = S^T q_t
+  g_t one log decay per head (Gated DeltaNet) or one per head and key channel (KDA)
 - `ssm_scan`: the selective state space recurrence of Mamba-2 (A a scalar per head: SSD) and
   Mamba-1 (A per head and state channel; a Mamba-1 channel is a head of one dim); per head a
   P x N state
@@ -167,7 +169,9 @@ def gated_delta_rule(
 
     q, k: [num_tokens, num_k_heads, k_dim]; v: [num_tokens, num_v_heads, v_dim] with num_v_heads a
     multiple of num_k_heads (q/k head h serves the value heads h * r .. h * r + r - 1);
-    g: [num_tokens, num_v_heads], the log decay (<= 0); beta: [num_tokens, num_v_heads];
+    g: the log decay (<= 0), [num_tokens, num_v_heads] (one a head: Gated DeltaNet) or
+    [num_tokens, num_v_heads, k_dim] (one a head and key channel: Kimi Delta Attention);
+    beta: [num_tokens, num_v_heads];
     states: [num_slots, num_v_heads, k_dim, v_dim]. q is scaled by `scale` (k_dim ** -0.5 by
     default) after the optional L2 normalisation of q and k. Returns [num_tokens, num_v_heads,
     v_dim] in v's dtype.
@@ -219,17 +223,24 @@ def gated_delta_rule_recurrent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, token by token, over a batch of equal-length sequences (fp32).
 
-    q, k: [n, L, H, K] (q already scaled); v: [n, L, H, V]; g, beta: [n, L, H];
-    state: [n, H, K, V]. Returns (o [n, L, H, V], the final state [n, H, K, V]).
+    q, k: [n, L, H, K] (q already scaled); v: [n, L, H, V]; g: [n, L, H] (a decay a head) or
+    [n, L, H, K] (a decay a key channel); beta: [n, L, H]; state: [n, H, K, V].
+    Returns (o [n, L, H, V], the final state [n, H, K, V]).
     """
+    g = _key_decay(g)
     out = v.new_empty(v.shape)
     for t in range(v.shape[1]):
-        state = state * g[:, t, :, None, None].exp()
+        state = state * g[:, t, :, :, None].exp()
         predicted = torch.einsum("nhkv,nhk->nhv", state, k[:, t])
         delta = (v[:, t] - predicted) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("nhkv,nhk->nhv", state, q[:, t])
     return out, state
+
+
+def _key_decay(g: torch.Tensor) -> torch.Tensor:
+    """The log decay with a key-channel dim: [n, L, H, 1] for one a head, [n, L, H, K] as it is."""
+    return g if g.dim() == 4 else g[..., None]
 
 
 def gated_delta_rule_chunked(
@@ -243,42 +254,53 @@ def gated_delta_rule_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gated_delta_rule_recurrent` computed chunk by chunk (same arguments and results).
 
-    Within a chunk, with G_i the cumulative log decay from the chunk's start and S_0 the state
-    before it, the new values u_i = beta_i (v_i - predicted_i) satisfy the unit lower-triangular
-    system
+    Within a chunk, with G_i the cumulative log decay from the chunk's start (one a key channel,
+    or one for all of them), D_i = diag(exp(G_i)) and S_0 the state before the chunk, the new
+    values u_i = beta_i (v_i - predicted_i) satisfy the unit lower-triangular system
 
-        u_i + beta_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) u_j = beta_i (v_i - exp(G_i) S_0^T k_i)
+        u_i + beta_i sum_{j<i} <k_i, k_j>_{i,j} u_j = beta_i (v_i - S_0^T D_i k_i)
 
-    so U = T^-1 (beta V) - T^-1 (beta exp(G) K) S_0, solved by substitution; then
-    o_i = exp(G_i) S_0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j and the chunk's end state
-    is exp(G_last) S_0 + sum_j exp(G_last - G_j) k_j u_j^T.
+    where <a, b>_{i,j} = sum_c a_c b_c exp(G_i,c - G_j,c), so U = T^-1 (beta V) -
+    T^-1 (beta D K) S_0, solved by substitution; then o_i = S_0^T D_i q_i +
+    sum_{j<=i} <q_i, k_j>_{i,j} u_j and the chunk's end state is D_last S_0 +
+    sum_j (D_last D_j^-1 k_j) u_j^T. Every exponent is <= 0: nothing overflows however strong
+    the decay.
     """
+    g = _key_decay(g)
     length = q.shape[1]
     out = v.new_empty(v.shape)
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
         # [n, H, c, ...]: heads before positions, so the chunk's products are batched matmuls
-        qc, kc, vc = (t[:, start:end].transpose(1, 2) for t in (q, k, v))
-        gc, bc = (t[:, start:end].transpose(1, 2) for t in (g, beta))
-        cum = gc.cumsum(-1)  # [n, H, c]
+        qc, kc, vc, gc = (t[:, start:end].transpose(1, 2) for t in (q, k, v, g))
+        bc = beta[:, start:end].transpose(1, 2)  # [n, H, c]
+        cum = gc.cumsum(-2)  # [n, H, c, 1 or K]
         c = end - start
         causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        # decay[i, j] = exp(G_i - G_j) for j <= i, else 0 (masked before exp: no overflow)
-        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, -math.inf).exp()
-        system = (kc @ kc.transpose(-1, -2)) * decay * bc[..., :, None]
+        system = _decayed_products(kc, kc, cum, causal) * bc[..., :, None]
         system = system.tril(-1) + torch.eye(c, device=q.device)  # I + its strict lower part
-        rhs = torch.cat((vc, kc * cum.exp()[..., None]), -1) * bc[..., None]
+        rhs = torch.cat((vc, kc * cum.exp()), -1) * bc[..., None]
         solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         values, decayed_keys = solved.split((vc.shape[-1], kc.shape[-1]), -1)
         u = values - decayed_keys @ state  # [n, H, c, V]
-        scores = (qc @ kc.transpose(-1, -2)) * decay
-        o = (qc * cum.exp()[..., None]) @ state + scores @ u
+        scores = _decayed_products(qc, kc, cum, causal)
+        o = (qc * cum.exp()) @ state + scores @ u
         out[:, start:end] = o.transpose(1, 2)
-        to_end = (cum[..., -1:] - cum).exp()  # [n, H, c]
-        state = (
-            state * cum[..., -1, None, None].exp() + (kc * to_end[..., None]).transpose(-1, -2) @ u
-        )
+        to_end = (cum[..., -1:, :] - cum).exp()  # [n, H, c, 1 or K]
+        state = state * cum[..., -1, :, None].exp() + (kc * to_end).transpose(-1, -2) @ u
     return out, state
+
+
+def _decayed_products(
+    a: torch.Tensor, b: torch.Tensor, cum: torch.Tensor, causal: torch.Tensor
+) -> torch.Tensor:
+    """[n, H, c, c]: sum_ch a_i,ch b_j,ch exp(G_i,ch - G_j,ch) for j <= i, else 0 (the exponent
+    masked before exp: no overflow). a, b [n, H, c, K]; cum (G) [n, H, c, 1 or K]."""
+    mask = ~causal[..., None]  # [c, c, 1]
+    decay = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(mask, -math.inf).exp()
+    if cum.shape[-1] == 1:  # one decay a head: a matmul, scaled
+        return (a @ b.transpose(-1, -2)) * decay[..., 0]
+    return torch.einsum("nhik,nhjk,nhijk->nhij", a, b, decay)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Triton gated_delta_rule: Gated DeltaNet over a packed step, in its recurrent form, each request
-from and back to its state slot (see `recurrent_reference.gated_delta_rule` for the contract).
+"""Triton gated_delta_rule: Gated DeltaNet (a decay a head) and Kimi Delta Attention (a decay a
+head and key channel) over a packed step, in the recurrent form, each request from and back to its
+state slot (see `recurrent_reference.gated_delta_rule` for the contract).
 
 One program per (request, value head, tile of value dims) holds its K x BLOCK_V slice of the
 state in registers for the whole run of the request's tokens and writes it back once, in place:
@@ -46,6 +47,7 @@ def _gated_delta_rule_kernel(
     stride_vt,
     stride_vh,
     stride_gt,
+    stride_gh,
     stride_bt,
     stride_ss,
     stride_sh,
@@ -56,6 +58,7 @@ def _gated_delta_rule_kernel(
     K_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     L2NORM: tl.constexpr,
+    KEY_DECAY: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -83,9 +86,13 @@ def _gated_delta_rule_kernel(
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
         v = tl.load(v_ptr + t * stride_vt + head * stride_vh + offs_v, mask=mask_v, other=0.0)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gt + head).to(tl.float32))
         beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
-        state = state * decay
+        g_at = g_ptr + t * stride_gt + head * stride_gh
+        if KEY_DECAY:  # a decay a key channel: the state's rows decay apart
+            decay = tl.exp(tl.load(g_at + offs_k, mask=mask_k, other=0.0).to(tl.float32))
+            state = state * decay[:, None]
+        else:
+            state = state * tl.exp(tl.load(g_at).to(tl.float32))
         predicted = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
         delta = (v.to(tl.float32) - predicted) * beta
         state = state + k[:, None] * delta[None, :]
@@ -108,7 +115,7 @@ def gated_delta_rule(
     use_qk_l2norm: bool = False,
 ) -> torch.Tensor:
     """See `recurrent_reference.gated_delta_rule`. q, k, v need a unit stride on their last dim
-    (copied otherwise); g and beta on their heads."""
+    (copied otherwise), as do g (on its heads, or its key channels) and beta (on its heads)."""
     check_gated_delta_rule(q, k, v, g, beta, states, metadata)
     q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -137,6 +144,7 @@ def gated_delta_rule(
         v.stride(0),
         v.stride(1),
         g.stride(0),
+        g.stride(1),
         beta.stride(0),
         states.stride(0),
         states.stride(1),
@@ -147,6 +155,7 @@ def gated_delta_rule(
         K_DIM=k_dim,
         V_DIM=v_dim,
         L2NORM=use_qk_l2norm,
+        KEY_DECAY=g.dim() == 3,
         BLOCK_K=triton.next_power_of_2(k_dim),
         BLOCK_V=block_v,
     )

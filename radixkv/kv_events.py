@@ -23,16 +23,20 @@ The payload is a `KVEventBatch` encoded the way vLLM's msgspec structs encode it
     BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
                     lora_name, and in the map layout extra_keys (one entry per block: (salt,)
                     on a salted path's block 0, else None), group_idx (the KV cache group: 0
-                    full attention, 1 a hybrid model's window layers) and, for the window
-                    group, kv_cache_spec_kind ("sliding_window") and
-                    kv_cache_spec_sliding_window (its window, in tokens); the later fields
+                    full attention, then a hybrid model's window layers' and its recurrent
+                    state's) and, for the window group, kv_cache_spec_kind ("sliding_window")
+                    and kv_cache_spec_sliding_window (its window, in tokens), for the state
+                    group kv_cache_spec_kind "mamba" (vLLM's kind of every recurrent state: a
+                    snapshot is one hash, its token_ids the tail after its prefix's last full
+                    block, `radixkv.cache.state_tiers`); the later fields
                     (locality, ownership, session_id, lookahead_token_ids ...) keep their
                     defaults and so are omitted, as vLLM omits them (omit_defaults=True)
     BlockRemoved    block_hashes, medium (map layout: group_idx)
     AllBlocksCleared  (no fields)
 
 The array layout cannot carry group_idx (its arrays stop before it): a consumer reading it
-would take a window block for a full one, so that layout carries the full group's events only.
+would take a window block or a snapshot for a full block, so that layout carries the full
+group's events only.
 A model without window layers sends the same bytes in either layout as before groups existed.
 
 Block hashes are sent as unsigned 64-bit ints (vLLM's integer form of `ExternalBlockHash`).
@@ -101,7 +105,7 @@ def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
             "lora_name": None,
             "extra_keys": extra_keys,
             "group_idx": event.group_idx,
-            **_window_spec(event.sliding_window),
+            **_cache_spec(event),
         }
     if isinstance(event, BlockRemoved):
         hashes, group = list(event.block_hashes), event.group_idx
@@ -117,10 +121,14 @@ def wire_fields(event: KVEvent, medium: str | None) -> dict[str, Any]:
     raise TypeError(f"not a KV event: {event!r}")
 
 
-def _window_spec(window: int | None) -> dict[str, Any]:
-    """vLLM's cache-spec fields of a store event: a window group's kind and window."""
-    if window is None:
+def _cache_spec(event: BlockStored) -> dict[str, Any]:
+    """vLLM's cache-spec fields of a store event: a window group's kind and window, the state
+    group's kind ("mamba"); none for full attention."""
+    if event.kind is not None:
+        return {"kv_cache_spec_kind": event.kind}
+    if event.sliding_window is None:
         return {}
+    window = event.sliding_window
     return {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": window}
 
 

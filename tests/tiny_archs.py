@@ -187,9 +187,10 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "axk1": ("axk1", dict(_MLA, n_group=1, topk_group=1, **_MLA_MOE)),
     "youtu": ("youtu", dict(_MLA)),
 }
-# Hybrid models: recurrent layers (Gated DeltaNet, Mamba-2, short convolutions) beside full
-# attention, which resume only where the state group kept a snapshot (`test_hybrid_models`),
-# so they stay out of ARCHITECTURES' matrix, whose warm round expects a hit at every prompt.
+# Hybrid models: recurrent layers (Gated DeltaNet, KDA, Mamba-2, short convolutions) beside full
+# (or latent) attention, which resume only where the state group kept a snapshot
+# (`test_hybrid_models`), so they stay out of ARCHITECTURES' matrix, whose warm round expects a
+# hit at every prompt.
 _GDN = dict(
     head_dim=16,
     linear_num_value_heads=4,
@@ -220,6 +221,21 @@ HYBRIDS: dict[str, tuple[str, dict]] = {
     "nemotron_h": (  # mamba / moe / attention / mlp layers
         "nemotron_h",
         dict(mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16),
+    ),
+    "kimi_linear": (  # Kimi Delta Attention / latent attention (NoPE MLA), MoE past layer 0
+        "kimi_linear",
+        dict(
+            _MLA,
+            q_lora_rank=None,
+            linear_num_heads=4,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+        ),
     ),
     "jamba": (  # Mamba-1 mixers, attention on layers 1 and 3
         "jamba",

@@ -29,6 +29,13 @@ holding it is kept and removed when the last one goes. A window run's parent is 
 block before it, which the window group need not hold. The window group's host and disk tiers
 announce what they hold as group 1 too, under the same keys.
 
+A hybrid model's recurrent-state group (the last, `radixkv.cache.state`) announces each
+snapshot as one key of kind "mamba" (vLLM's `kv_cache_spec_kind` of every recurrent state):
+stored when taken, removed when dropped, and its host and disk tiers likewise. The key chains the
+snapshot's tail (the tokens after its prefix's last full block, 1 to B of them: the event's
+token_ids) from that block's key (`radixkv.cache.state_tiers`), so a snapshot at a block
+boundary carries the hash of the KV block that ends there.
+
 Block hashes are the wire form of the blocks' chained keys (`radixkv.cache.keys`: xxh64 by
 default, or vLLM's sha256_cbor chain), so that a hash names the whole prefix ending at its block,
 namespace-salted (the wire still shows `parent_block_hash=None` for a first block). The tree and
@@ -71,8 +78,11 @@ class BlockStored:
     # vLLM publishes a salt as that block's extra key, for consumers that recompute hashes.
     namespace: str | None = None
     medium: str | None = None  # the tier ("CPU": host, "DISK"); None: the device pool
-    group_idx: int = 0  # the KV cache group: 0 full-attention layers, 1 window layers
+    group_idx: int = 0  # the KV cache group: 0 full-attention layers, then window / state
     sliding_window: int | None = None  # the group's window (None: full attention)
+    # vLLM's kv_cache_spec_kind where the group says more than its window: "mamba" for the
+    # recurrent-state group's snapshots (`radixkv.cache.state_tiers`); None: attention
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +128,19 @@ class EventRecorder:
         *,
         group: int = 0,
         window: int | None = None,
+        kind: str | None = None,
     ) -> None:
         """Consecutive full blocks of one path entered a tier; `namespace` is published only
         with a path's block 0. `group`: the KV cache group whose blocks they are, `window` its
-        sliding window (None: it reads every token)."""
+        sliding window (None: it reads every token), `kind` its kind when not attention's (a
+        snapshot: one key, whose tokens are its tail)."""
         if keys:
             parent = keys[0].parent_hash
             tokens = tuple(np.frombuffer(b"".join(k.tokens for k in keys), "<u4").tolist())
             hashes = tuple(k.block_hash for k in keys)
             namespace = namespace if parent is None else None
             B = self.block_size
-            event = BlockStored(hashes, parent, tokens, B, namespace, medium, group, window)
+            event = BlockStored(hashes, parent, tokens, B, namespace, medium, group, window, kind)
             self.queue.append(event)
 
     def removed(self, hashes: Sequence[int], medium: str | None = None, *, group: int = 0) -> None:

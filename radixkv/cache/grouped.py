@@ -258,6 +258,16 @@ class GroupedCache:
     def summary(self, **kwargs: Any) -> TreeSummary:
         return self.tree.summary(**kwargs)
 
+    def snapshot_nodes(self, namespace: str | None = None) -> dict[int, int]:
+        """Tree node id -> the recurrent-state snapshots on the device ending in it (a hybrid
+        model's state group; none for other models), for the views that mark them."""
+        prefixes = [
+            qb
+            for group in self._others
+            for qb in getattr(group, "snapshot_prefixes", lambda _: [])(namespace)
+        ]
+        return dict(self.tree.nodes_ending(prefixes, namespace)) if prefixes else {}
+
     def check_table(
         self, table: GroupedTable, num_written: int, num_tokens: int, chunk: int
     ) -> None:

@@ -52,7 +52,7 @@ not thread-safe.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from radixkv.cache.events import EventRecorder, KVEvent
@@ -597,6 +597,18 @@ class PrefixCache:
                 node = node.parent
             path.reverse()
         return summarize(root, max_nodes, path, m, self._num_on_host)
+
+    def nodes_ending(self, prefixes: Iterable[bytes], namespace: str | None = None) -> Counter[int]:
+        """Node id -> how many of the packed `prefixes` end in it (start < len <= end: the
+        prefix's whole path is cached and its last token is that node's); a prefix the tree
+        does not hold whole counts nowhere. Read-only; O(the prefixes' tokens)."""
+        counts: Counter[int] = Counter()
+        for qb in prefixes:
+            n = len(qb) // TOKEN_BYTES
+            m, node, _ = self._tree.walk(qb, n, namespace)
+            if n and m == n and node is not None and node.parent is not None:
+                counts[node.node_id] += 1
+        return counts
 
     def _num_on_host(self, node: TreeNode) -> int:
         tiers = self._tiers

@@ -53,6 +53,22 @@ as SGLang keeps its checkpoints apart from its active states. A snapshot is then
 the copy runs first in the next step, before anything can write the slot again; a resume copy
 expands one back. Snapshots then never take a running slot, nor running requests theirs.
 
+Lower tiers (`tiers`, `radixkv.cache.state_tiers.SnapshotTiers`): a snapshot evicted for room
+is demoted to the host tier (one host slot: an `Offload` of its slot, planned before the slot is
+reused, so it runs before that step's copies and forward), under the chained key of its prefix
+(the KV blocks' chain, its tail after the last full block hashed on); the host tier evicts to the
+disk tier, and `persist` writes every snapshot down. `find` goes on past the device's deepest
+snapshot to the lower tiers' (up to the tree's match, which counts the tree's own lower tiers),
+and `admit` plans the load of such a hit straight into the request's running slot: one no
+planned copy still reads (a leaving request's slot, compact, is the source of its snapshot's
+copy, and a load is a move: it runs before the copies). A snapshot whose copy has not run yet
+(planned, or in a step that may still fail) is never demoted. A lower tier holds a snapshot as
+the device's snapshot slot holds it (`snapshot_bytes` a unit, compact or not); the engine's
+load into a running slot expands a compact one as a resume copy does.
+
+KV events (with a recorder): a snapshot is announced as the state group's (its index, vLLM's
+kind "mamba") when taken and when dropped, one key each; its tiers announce theirs likewise.
+
 A step whose copies may not have run (it failed before its forward) loses the snapshots those
 copies were to fill (`step_failed`). Pure Python; the slots' contents are the engine's.
 """
@@ -64,11 +80,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from radixkv.cache.events import EventRecorder
 from radixkv.cache.group import GroupSetup, GroupSpec, PoolConfig, Probe
+from radixkv.cache.keys import BlockKey, KeyChain
 from radixkv.cache.moves import Move
 from radixkv.cache.points import PointEnds, PointKey, point_key
 from radixkv.cache.pool import BlockPool
 from radixkv.cache.snapshots import SnapshotLedger, SnapshotPolicy
+from radixkv.cache.state_tiers import SNAPSHOT_KIND, SnapshotTiers, prefix_snapshot_key
+from radixkv.cache.tiers import LowerHit
 from radixkv.cache.tokens import TOKEN_BYTES, PackedTokens, check_size
 
 # A snapshot copy: (running slot, snapshot slot, 1), as a copy-on-write names (source, target,
@@ -131,6 +151,12 @@ class StateKind:
         eviction = setup.eviction if setup.eviction in ("gdsf", "lru") else "gdsf"
         compact = spec.snapshot_bytes is not None
         assert not compact or config is not None, "compact snapshots need max_num_seqs"
+        tiers = None
+        if setup.host_blocks:
+            assert setup.keys is not None, "the lower tiers name snapshots by the tree's chain"
+            tiers = SnapshotTiers(
+                setup.host_blocks, setup.keys, setup.disk, setup.events, group=setup.index
+            )
         return StateGroup(
             setup.num_blocks,
             setup.block_size,
@@ -141,6 +167,9 @@ class StateKind:
             index=setup.index,
             num_running=config.max_num_seqs if compact else None,
             snapshot_bytes=spec.snapshot_bytes,
+            events=setup.events,
+            keys=setup.keys,
+            tiers=tiers,
         )
 
 
@@ -151,10 +180,12 @@ def _policy_of(config: Any) -> SnapshotPolicy:
 @dataclass(frozen=True, slots=True)
 class StateHit:
     """Where the state group resumes a prompt: after `end` tokens, from the snapshot in slot
-    `slot` (None: from a zero state at 0)."""
+    `slot`, or (`lower`) from the host or disk tier's snapshot there (neither: from a zero
+    state at 0)."""
 
     end: int
     slot: int | None = None
+    lower: LowerHit | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -185,6 +216,7 @@ class _Snapshot:
     prefix: bytes = field(repr=False)  # the packed tokens [0, end)
     slot: int
     divergence: bool  # taken where a prompt left the tree: never superseded
+    lower_key: BlockKey | None = field(default=None, repr=False)  # with events or tiers
 
     @property
     def end(self) -> int:
@@ -208,8 +240,16 @@ class StateStats:
     num_hits: int  # admissions that resumed from a snapshot
     num_hit_tokens: int  # the tokens those resumed past
     num_copies: int  # slot copies planned (snapshots taken mid-prompt, resumes)
-    num_host_cached_blocks: int = 0  # no lower tiers (the grouped reports read it)
     snapshot_bytes: int = 0  # one kept snapshot (slot_bytes, unless they are stored compact)
+    num_lower_hits: int = 0  # of `num_hits`: resumed from the host or disk tier's snapshot
+    # The lower tiers (`LowerTiers.stats`, a block is a snapshot of `snapshot_bytes`); zeros
+    # without them.
+    num_host_blocks: int = 0  # the host tier's snapshots at most
+    num_host_cached_blocks: int = 0  # snapshots the host tier holds
+    num_offloaded_blocks: int = 0  # snapshots copied device -> host (evicted, or persisted)
+    num_loaded_blocks: int = 0  # host -> running slot copies planned (disk reads included)
+    num_disk_reads: int = 0
+    num_disk_writes: int = 0
 
 
 class StateGroup:
@@ -237,13 +277,20 @@ class StateGroup:
         index: int = 1,
         num_running: int | None = None,
         snapshot_bytes: int | None = None,
+        events: EventRecorder | None = None,
+        keys: KeyChain | None = None,
+        tiers: SnapshotTiers | None = None,
     ) -> None:
         """`tree`: the tree's group (a `PrefixCache`), whose clock stamps the snapshots and
         whose match says which have lost their prefix KV (None: none ever does).
         `num_running` / `snapshot_bytes`: compact snapshots (see the module docstring), the
         first `num_running` slots for running requests, the rest for snapshots of
-        `snapshot_bytes` each (None: one pool, a snapshot's size a slot's)."""
+        `snapshot_bytes` each (None: one pool, a snapshot's size a slot's). `events`: the
+        recorder snapshots are announced to (group `index`, kind "mamba"); `tiers`: where a
+        snapshot evicted for room goes and a hit past the device's snapshots comes from; both
+        name snapshots by `keys` (the tree's chain, `radixkv.cache.state_tiers`)."""
         assert (num_running is None) == (snapshot_bytes is None), (num_running, snapshot_bytes)
+        assert (events is None and tiers is None) or keys is not None, "snapshots need keys"
         self.name = StateKind.name
         self.index = index
         self.block_size = check_size(block_size, "block_size", low=1)
@@ -261,7 +308,8 @@ class StateGroup:
             self.snapshot_pool = BlockPool(num_snapshot_slots, 1) if num_snapshot_slots else None
         self.num_blocks = num_slots
         self.policy = policy or SnapshotPolicy()
-        self.tiers = None
+        self.tiers = tiers
+        self._events, self._keys = events, keys
         self._tree = tree
         self.ledger = SnapshotLedger(
             num_snapshot_slots * self.snapshot_bytes,
@@ -276,12 +324,16 @@ class StateGroup:
         self._copies: list[tuple[SlotCopy, _Snapshot]] = []
         self._in_flight: list[_Snapshot] = []  # the snapshots of the copies last handed out
         self._ticks = 0  # without a tree: a clock of its own
-        self.num_hit_tokens = self.num_copies = 0
+        self.num_hit_tokens = self.num_copies = self.num_lower_hits = 0
 
     # ------------------------------------------------------------------ reading
     @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
+
+    def snapshot_prefixes(self, namespace: str | None = None) -> list[bytes]:
+        """The packed prefix of every snapshot of `namespace` on the device, by slot."""
+        return [s.prefix for _, s in sorted(self._by_slot.items()) if s.key[0] == namespace]
 
     def snapshot_ends(self) -> list[tuple[str | None, int]]:
         """(namespace, end) of every snapshot, by slot."""
@@ -300,32 +352,41 @@ class StateGroup:
             num_taken=ledger.num_taken,
             num_evicted=ledger.num_evicted,
             num_refused=ledger.num_refused,
-            num_hits=ledger.num_hits,
+            num_hits=ledger.num_hits + self.num_lower_hits,
             num_hit_tokens=self.num_hit_tokens,
             num_copies=self.num_copies,
             snapshot_bytes=self.snapshot_bytes,
+            num_lower_hits=self.num_lower_hits,
+            **({} if self.tiers is None else self.tiers.stats()),
         )
 
     # ---------------------------------------------------- the group protocol's admission
     def find(self, probe: Probe, upto: int) -> StateHit:
-        """The deepest snapshot on the probed prompt at or below `upto` (the tree's match).
-        Read-only."""
+        """The deepest snapshot on the probed prompt at or below `upto` (the tree's match): on
+        the device, or deeper in the lower tiers. Read-only (the disk is probed, not read)."""
+        hit = StateHit(0)
         for key in self._ends.keys_upto(probe.tokens, upto, probe.namespace):
             snap = self._snapshots.get(key)
             if snap is not None and probe.tokens.startswith(snap.prefix):
-                return StateHit(snap.end, snap.slot)
-        return StateHit(0)
+                hit = StateHit(snap.end, snap.slot)
+                break
+        if self.tiers is not None and probe.keys is not None:
+            found = self.tiers.find(probe.keys, probe.tokens, probe.namespace, hit.end, upto)
+            if found is not None:
+                return StateHit(found[0], lower=found[1])
+        return hit
 
     def fits(self, probe: Probe, hit: StateHit, num_tokens: int) -> bool:
         """Whether `admit` would find a running slot: a free one, or a snapshot it may evict
-        (unpinned, not the one it resumes from; compact snapshots: a free running slot).
-        Read-only."""
-        if self.pool.num_free:
+        (unpinned, not the one it resumes from; compact snapshots: a free running slot); for a
+        hit in a lower tier, one no planned copy reads. Read-only."""
+        unread = hit.lower is not None  # a load: into a slot no planned copy reads
+        if self._num_free(self.pool, unread=unread):
             return True
         if self.num_running is not None:
             return False
-        movable = len(self.ledger.victims())
-        return movable - (hit.slot is not None and hit.slot in self.ledger.victims()) > 0
+        movable = set(self.ledger.victims()) - {hit.slot}
+        return bool(movable - self._copy_sources() if unread else movable)
 
     def admit(self, probe: Probe, hit: StateHit, num_tokens: int) -> StateTable | None:
         """A table resuming at `hit`: a running slot (evicting a snapshot if none is free) and,
@@ -334,13 +395,21 @@ class StateGroup:
         be had (`fits` says so beforehand)."""
         if hit.slot is not None:
             self.ledger.pin(hit.slot)  # before the slot's allocation evicts
-        slot = self._allocate(required=True, running=True)
+        if hit.lower is not None:
+            hit.lower.pin()  # before an eviction demotes snapshots into the host tier
+        slot = self._allocate(required=True, running=True, unread=hit.lower is not None)
         if slot is None:
             if hit.slot is not None:
                 self.ledger.unpin(hit.slot)
+            if hit.lower is not None:
+                hit.lower.unpin()
             return None
         table = StateTable(slot, probe.namespace, probe.tokens, state_end=hit.end)
         table.last_point = hit.end
+        if hit.lower is not None:  # loaded straight into the running slot, before the forward
+            hit.lower.load([slot])
+            self.num_lower_hits += 1
+            self.num_hit_tokens += hit.end
         if hit.slot is not None:
             table.copy, table.pinned = (hit.slot, slot, 1), hit.slot
             table.last_snapshot = hit.slot
@@ -437,20 +506,36 @@ class StateGroup:
         self._in_flight = []
 
     def take_moves(self) -> list[Move]:
-        return []  # no lower tiers
+        """The tier moves planned since the last call, in order, over the state slots ([]
+        without lower tiers)."""
+        return [] if self.tiers is None else self.tiers.take_moves()
 
     def forget(self, host_blocks: Sequence[int]) -> None:
-        """No lower tiers: no move of this group fails."""
+        """A move failed and left these host blocks holding garbage: their entries go."""
+        if self.tiers is not None:
+            self.tiers.forget(host_blocks)
 
     def persist(self) -> None:
-        """No lower tiers: nothing to write."""
+        """Copy every snapshot whose slot holds its state down to the host tier (they stay on
+        the device too), then the host tier to disk. Nothing to do without a disk tier."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        unsettled = self._unsettled_slots()
+        for snap in self._by_slot.values():
+            if snap.slot not in unsettled:
+                tiers.demote([self._lower_key(snap)], [snap.slot])
+        tiers.write_to_disk()
 
     def clear(self) -> None:
-        """Drop every snapshot not pinned by an open table's resume."""
+        """Drop every snapshot not pinned by an open table's resume, and every lower-tier entry
+        (the disk keeps its files)."""
         for snap in list(self._by_slot.values()):
             if snap.slot not in self._pinned_slots():
                 self._drop(snap)
                 self._release(snap.slot)
+        if self.tiers is not None:
+            self.tiers.clear()
 
     @property
     def num_open_tables(self) -> int:
@@ -509,6 +594,10 @@ class StateGroup:
         self._snapshots[key] = snap
         self._by_slot[slot] = snap
         self._ends.add(key[0], key[1])
+        if self._events is not None:
+            self._events.stored(
+                [self._lower_key(snap)], snap.key[0], group=self.index, kind=SNAPSHOT_KIND
+            )
         self._supersede(table)
         table.last_point, table.last_snapshot = key[1], slot
         return snap
@@ -525,25 +614,44 @@ class StateGroup:
         if old is not None and not old.divergence:
             self.ledger.set_superseded(old.slot, True)
 
-    def _allocate(self, *, required: bool, running: bool) -> int | None:
-        """A free slot for a running request or a snapshot; a required one evicts a snapshot
-        when none is free (orphans first), unless compact snapshots keep their slots apart from
-        the running ones (then a running slot never comes from a snapshot)."""
+    def _allocate(self, *, required: bool, running: bool, unread: bool = False) -> int | None:
+        """A free slot for a running request or a snapshot (`unread`: one no planned copy
+        reads); a required one evicts snapshots while none is free (orphans first), unless
+        compact snapshots keep their slots apart from the running ones (then a running slot
+        never comes from a snapshot)."""
         split = self.num_running is not None
         pool = self.pool if running or not split else self.snapshot_pool
         if pool is None:  # compact, and no slot for snapshots at all
             return None
-        if not pool.num_free:
+        while not self._num_free(pool, unread=unread):
             if (split and running) or not required or not self.ledger.victims():
                 return None
             self._mark_orphans()
             for slot in self.ledger.evict(1):
-                self._drop(self._by_slot[slot], ledger=False)
+                snap = self._by_slot[slot]
+                self._demote(snap)
+                self._drop(snap, ledger=False)
                 self._release(slot)
-        got = pool.allocate(1)
+        got = self._take_unread(pool) if unread else pool.allocate(1)
         if got is None:
             return None
         return got[0] + (self.num_running if split and not running else 0)  # type: ignore[operator]
+
+    def _take_unread(self, pool: BlockPool) -> list[int] | None:
+        """One free slot of `pool` that no planned copy reads (a load into it runs before the
+        copies), the free list's order kept; None if there is none."""
+        reading = self._copy_sources()
+        passed: list[int] = []
+        got = pool.allocate(1)
+        while got is not None and got[0] in reading:
+            passed += got
+            got = pool.allocate(1)
+        pool.release(passed)  # back on the free list as they were, the first on top
+        return got
+
+    def _copy_sources(self) -> set[int]:
+        """The slots the planned snapshot copies read (running slots)."""
+        return {src for (src, _, _), _ in self._copies}
 
     def _release(self, slot: int) -> None:
         """Free `slot` in the pool it came from."""
@@ -553,10 +661,15 @@ class StateGroup:
             assert self.snapshot_pool is not None, slot
             self.snapshot_pool.release([slot - self.num_running])
 
-    def _num_free(self) -> int:
-        if self.num_running is None or self.snapshot_pool is None:
-            return self.pool.num_free
-        return self.pool.num_free + self.snapshot_pool.num_free
+    def _num_free(self, pool: BlockPool | None = None, *, unread: bool = False) -> int:
+        """Free slots of `pool` (None: of both pools), `unread`: of them those no planned copy
+        reads."""
+        if pool is None:
+            both = self.snapshot_pool not in (None, self.pool)
+            return self.pool.num_free + (self.snapshot_pool.num_free if both else 0)  # type: ignore[union-attr]
+        if not unread:
+            return pool.num_free
+        return pool.num_free - sum(pool.ref_count(s) == 0 for s in self._copy_sources())
 
     def _mark_orphans(self) -> None:
         """Mark each unpinned snapshot orphaned or not by whether the tree (any tier) still
@@ -574,12 +687,32 @@ class StateGroup:
     def _pinned_slots(self) -> set[int]:
         return {t.pinned for t in self._open if t.pinned is not None}
 
+    def _unsettled_slots(self) -> set[int]:
+        """Slots of snapshots whose copy is planned or in flight (the step carrying it may
+        fail): what they hold is not their state yet, so they never go to a lower tier."""
+        return {snap.slot for _, snap in self._copies} | {s.slot for s in self._in_flight}
+
+    def _lower_key(self, snap: _Snapshot) -> BlockKey:
+        """The snapshot's key in the events and the lower tiers (hashed once, O(its prefix))."""
+        if snap.lower_key is None:
+            assert self._keys is not None
+            snap.lower_key = prefix_snapshot_key(self._keys, snap.key[0], snap.prefix, snap.end)
+        return snap.lower_key
+
+    def _demote(self, snap: _Snapshot) -> None:
+        """A snapshot evicted for room goes down to the host tier (planned before the slot's
+        next use: the move runs before that step's copies and forward)."""
+        if self.tiers is not None and snap.slot not in self._unsettled_slots():
+            self.tiers.demote([self._lower_key(snap)], [snap.slot])
+
     def _drop(self, snap: _Snapshot, *, ledger: bool = True) -> None:
         del self._snapshots[snap.key]
         del self._by_slot[snap.slot]
         self._ends.remove(snap.key[0], snap.end)
         if ledger:
             self.ledger.drop(snap.slot)
+        if self._events is not None:
+            self._events.removed([self._lower_key(snap).block_hash], group=self.index)
 
     def _unpin(self, table: StateTable) -> None:
         if table.pinned is not None:
@@ -614,6 +747,9 @@ class StateGroup:
                 raise AssertionError(f"snapshot {key} is not listed by its slot")
             if key != point_key(key[0], snap.prefix, len(snap.prefix) // TOKEN_BYTES):
                 raise AssertionError(f"snapshot {key} holds another prefix")
+            kept = snap.lower_key
+            if kept is not None and kept != self._lower_key(_Snapshot(key, snap.prefix, 0, False)):
+                raise AssertionError(f"snapshot {key} keeps a stale lower-tier key")
             ends.setdefault(key[0], []).append(key[1])
         if {ns: sorted(e) for ns, e in ends.items()} != self._ends.as_dict():
             raise AssertionError(f"snapshot ends {self._ends.as_dict()} != {ends}")
@@ -629,6 +765,8 @@ class StateGroup:
             if (slot in pins) == (slot in unpinned):
                 raise AssertionError(f"snapshot slot {slot}: pinned {pins[slot]} times")
         self.ledger.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         for table in self._open:
             if any(p <= max(table.state_end, table.last_point) for p in table.required):
                 raise AssertionError(f"a required point of {table} lies behind its state")

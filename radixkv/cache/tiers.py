@@ -24,7 +24,7 @@ disk store's own invariants.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +48,10 @@ class DiskIndex(Protocol):
     on_removed: Callable[[int], None] | None
 
     def probe(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def contains(self, block_hash: int) -> bool: ...
+
+    def heads(self) -> Iterator[tuple[int, int | None, bytes]]: ...
 
     def pin(self, block_hashes: Sequence[int]) -> None: ...
 
@@ -106,7 +110,8 @@ class LowerTiers:
     """The host tier (`num_host_blocks` blocks of `block_size` tokens) and the disk store (None:
     no disk tier), planned by the cache, run by the engine (see the module docstring). One per
     KV cache group: `group` is its index (its events' group), `window` its sliding window (None:
-    its layers read every token); every group's blocks go under the same keys."""
+    its layers read every token), `kind` the kind its events name (None: an attention group's,
+    which they leave out); every group's blocks go under the same keys."""
 
     def __init__(
         self,
@@ -117,15 +122,16 @@ class LowerTiers:
         *,
         group: int = 0,
         window: int | None = None,
+        kind: str | None = None,
     ) -> None:
         self.pool = BlockPool(num_host_blocks, block_size)
         self.block_size = block_size
         self.disk = disk
         self.events = events
-        self.group, self.window = group, window
+        self.group, self.window, self.kind = group, window, kind
         if disk is not None and events is not None:
             disk.on_stored = lambda key: events.stored(
-                [key], medium=DISK_MEDIUM, group=group, window=window
+                [key], medium=DISK_MEDIUM, group=group, window=window, kind=kind
             )
             disk.on_removed = lambda h: events.removed([h], DISK_MEDIUM, group=group)
         self.entries = LruEntries()  # block hash -> HostEntry
@@ -286,7 +292,9 @@ class LowerTiers:
     def _add(self, key: BlockKey, block: int) -> None:
         self.entries.add(HostEntry(key.block_hash, key=key, block=block))
         if self.events is not None:
-            self.events.stored([key], medium=HOST_MEDIUM, group=self.group, window=self.window)
+            self.events.stored(
+                [key], medium=HOST_MEDIUM, group=self.group, window=self.window, kind=self.kind
+            )
 
     def _remove(self, entry: HostEntry) -> None:
         self.entries.remove(entry.block_hash)

@@ -320,6 +320,7 @@ def state_lines(group_stats: Sequence[Any]) -> list[str]:
         f"state slots   {s.num_slots} of {s.slot_bytes / 1024:.1f} KiB: {s.num_running_slots}"
         f" running, {s.num_snapshots} snapshots ({s.num_snapshot_bytes / 2**20:.2f} MiB),"
         f" {s.num_hits} hits resumed {s.num_hit_tokens} tokens from one"
+        + (f" ({s.num_lower_hits} from the host or disk tier)" if s.num_host_blocks else "")
         for s in group_stats
         if isinstance(s, StateStats)
     ]
@@ -349,16 +350,22 @@ def tier_lines(llm: object) -> list[str]:
     lines = _group_tier_lines("", tier_ios[0], s.num_host_cached_blocks, hits)
     cache = llm.cache  # type: ignore[attr-defined]
     others = zip(cache.groups, cache.group_stats(), tier_ios, strict=True)
+    from radixkv.cache.state import StateStats
+
     for group, stats, tiers in list(others)[1:]:
-        lines += _group_tier_lines(f"{group.name} ", tiers, stats.num_host_cached_blocks, ("", ""))
+        unit = "snapshots" if isinstance(stats, StateStats) else "blocks"
+        held = stats.num_host_cached_blocks
+        lines += _group_tier_lines(f"{group.name} ", tiers, held, ("", ""), unit)
     return lines
 
 
-def _group_tier_lines(group: str, tiers: Any, num_held: int, hits: tuple[str, str]) -> list[str]:
+def _group_tier_lines(
+    group: str, tiers: Any, num_held: int, hits: tuple[str, str], unit: str = "blocks"
+) -> list[str]:
     """One group's host line, and its disk line when it has a disk tier."""
     moved = {k: f"{t.nbytes / 2**20:.2f} MiB in {t.seconds:.3f} s" for k, t in tiers.totals.items()}
     lines = [
-        f"{group + 'host tier':<13} {num_held} of {tiers.host.num_blocks} blocks used{hits[0]};"
+        f"{group + 'host tier':<13} {num_held} of {tiers.host.num_blocks} {unit} used{hits[0]};"
         f" offloaded {moved['offload']}, loaded {moved['load']}"
     ]
     if tiers.disk is not None:
@@ -380,7 +387,9 @@ def _command(line: str, llm: object, session: object, out: TextIO) -> bool:
         return True
     if name == "/tree":
         tok = llm.tokenizer  # type: ignore[attr-defined]
-        print(render_tree(llm.cache.nodes(), decode=tok.decode), file=out)  # type: ignore[attr-defined]
+        cache = llm.cache  # type: ignore[attr-defined]
+        snapshots = cache.snapshot_nodes()
+        print(render_tree(cache.nodes(), decode=tok.decode, snapshots=snapshots), file=out)
     elif name == "/stats":
         print(stats_text(llm), file=out)
     elif name == "/reset":

@@ -5,7 +5,7 @@ Reads `PrefixCache.nodes()` snapshots only, so drawing never changes the cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from radixkv.cache.prefix_cache import NodeView
 
@@ -18,6 +18,7 @@ def render_tree(
     decode: Decoder | None = None,
     max_nodes: int = 200,
     preview_chars: int = 32,
+    snapshots: Mapping[int, int] | None = None,
 ) -> str:
     """Return a multi-line picture of the tree.
 
@@ -26,9 +27,11 @@ def render_tree(
     whose first block is the same physical block as its parent's last one (a split inside a block)
     is marked with `~` before its block count: that block is co-owned. Blocks that also have a
     copy in the host tier are counted after it ("+3 on host"); every block of a node is on the
-    device (what leaves it lives on, below the tree, keyed by its prefix). At most `max_nodes`
-    lines are drawn.
+    device (what leaves it lives on, below the tree, keyed by its prefix). A hybrid model's node
+    in which recurrent-state snapshots end (`snapshots`: node id -> how many, on the device) is
+    marked "[1 snapshot]": a hit resumes there. At most `max_nodes` lines are drawn.
     """
+    snapshots = snapshots or {}
     views = list(nodes)
     children: dict[int | None, list[NodeView]] = {}
     for v in views:
@@ -55,6 +58,9 @@ def render_tree(
         text += f"{'~' if shared_first else ''}{len(v.block_ids)} blk"
         text += f" (+{v.num_host_blocks} on host)" if v.num_host_blocks else ""
         text += f"  {lock}  t={v.last_access}"
+        if snapshots.get(v.node_id):
+            n = snapshots[v.node_id]
+            text += f"  [{n} snapshot{'s' if n > 1 else ''}]"
         if decode is not None and v.head_tokens:
             preview = decode(v.head_tokens).replace("\n", "\\n")
             if len(preview) > preview_chars:

@@ -3,7 +3,8 @@
     model ─► ModelRunner     the layout read from the model (`attention_layout`): its layers in
                              KV cache groups, one pair of KV tensors per group, each group's
                              pool sized by its kind (`kv_tensors`)
-          ─► tier movers     one per group, the host and disk budgets split between them
+          ─► tier movers     one per group, the host and disk budgets split between them (the
+                             recurrent states' group takes `snapshot_share` of each)
           ─► GroupedCache    one group per tensor pair (and the recurrent layers' state slots),
                              of the kind its spec names, each with its host tier's blocks and
                              disk store (`radixkv.cache.kinds`)
@@ -23,6 +24,7 @@ from radixkv.cache.keys import make_block_hasher
 from radixkv.cache.kinds import build_cache
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.step.model_runner import ModelRunner
+from radixkv.engine.tiers.host_state import make_state_tier_io
 from radixkv.engine.tiers.tier_io import TierIO, make_tier_ios
 from radixkv.kv_events import KVEventFeed
 from radixkv.scheduler import Scheduler
@@ -43,15 +45,7 @@ def assemble(model: Any, config: EngineConfig) -> EngineParts:
     for pools or tiers the settings cannot hold one request's blocks in."""
     runner = ModelRunner(model, config)
     runner.warm_up()
-    kvs = runner.kv
-    tier_ios = make_tier_ios(model, kvs, config)
-    if len(runner.group_specs) > len(kvs):  # the recurrent states' group: no tiers (yet)
-        if any(t is not None for t in tier_ios):
-            raise ValueError(
-                "host_cache_bytes: the host and disk tiers keep no recurrent-state snapshots "
-                "yet (a model with recurrent layers runs without them)"
-            )
-        tier_ios += (None,)
+    tier_ios = _tier_ios(model, runner, config)
     events = config.kv_events
     hasher = events is not None and make_block_hasher(config.block_hash, config.block_hash_seed)
     cache = build_cache(
@@ -66,6 +60,33 @@ def assemble(model: Any, config: EngineConfig) -> EngineParts:
     )
     feed = None if events is None else _event_feed(config)
     return EngineParts(runner, tier_ios, cache, Scheduler(cache, config), feed)
+
+
+def _tier_ios(model: Any, runner: ModelRunner, config: EngineConfig) -> tuple[TierIO | None, ...]:
+    """One tier mover per cache group: the KV groups' over their tensors; the recurrent states'
+    group's, when there is one, over its slots, with `snapshot_share` of the host and disk
+    budgets (the KV groups split the rest)."""
+    states = runner.states
+    if states is None or not config.host_cache_bytes:
+        return make_tier_ios(model, runner.kv, config) + ((None,) if states is not None else ())
+    host_bytes = int(config.snapshot_share * config.host_cache_bytes)
+    disk_bytes = int(config.snapshot_share * config.disk_cache_bytes)
+    kv = make_tier_ios(
+        model,
+        runner.kv,
+        config,
+        host_bytes=config.host_cache_bytes - host_bytes,
+        disk_bytes=config.disk_cache_bytes - disk_bytes,
+    )
+    state = make_state_tier_io(
+        model,
+        states,
+        config,
+        host_bytes=host_bytes,
+        disk_bytes=disk_bytes,
+        block_size=config.block_size,
+    )
+    return (*kv, state)
 
 
 def _event_feed(config: EngineConfig) -> KVEventFeed:

@@ -181,7 +181,8 @@ class EngineConfig:
     # The tiers below the device pool (`radixkv.cache.tiers`): a host pool of `host_cache_bytes`
     # (0: none; pinned on CUDA) takes the full blocks the device pool evicts, and a disk tier in
     # the folder `kv_cache_dir` (None: none; it needs the host tier) of at most
-    # `disk_cache_bytes` takes what the host evicts and outlives the process.
+    # `disk_cache_bytes` takes what the host evicts and outlives the process. A model with
+    # recurrent layers keeps its snapshots there too, in `snapshot_share` of both budgets.
     host_cache_bytes: int = 0
     # Copy every committed full block to the host at once, instead of when the device evicts it
     # (write-back, the default: see benchmarks/RESULTS.md, tiers); for a model with window

@@ -468,9 +468,10 @@ class LLM:
 
     @sigint_deferred()
     def save_kv_cache(self) -> None:
-        """Write every cached full block to the disk tier, so that an engine started later over
-        the same `kv_cache_dir` finds it (the host and device tiers end with the process). Nothing
-        to do without a disk tier. Not during a step."""
+        """Write every cached full block (and a hybrid model's recurrent-state snapshots) to the
+        disk tier, so that an engine started later over the same `kv_cache_dir` finds it (the
+        host and device tiers end with the process). Nothing to do without a disk tier. Not
+        during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
         self.cache.persist()
         run_planned_moves(self.tier_ios, self.cache)

@@ -14,7 +14,9 @@ never slows the others).
 Window layers: for a model that has them (Gemma 2/3, Mistral with a window), the snapshot adds
 `window_layers`, their KV group's device pool and lower tiers (`window_payload`); `gauges`'
 device, host and disk are the full layers' group. A full-attention model's snapshot has no such
-key.
+key. Recurrent layers: a hybrid model's snapshot adds `state_layers` (`state_payload`: the state
+slots, the snapshots held and their bytes, the hits that resumed from one, and the snapshots'
+host and disk tiers), and each tree node says how many snapshots end in it (`snapshots`).
 
 Tenants: the tree shown is the shared namespace's alone (`PrefixCache.summary`), and the last
 request highlighted is the last one without a `cache_salt`: a salted tenant's tokens, nodes
@@ -28,11 +30,12 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.cache.state import StateStats
 from radixkv.cache.summary import TreeSummary
 from radixkv.cache.window import WindowStats
 from radixkv.engine.llm import LLM
@@ -75,6 +78,16 @@ class WindowCapture:
 
 
 @dataclass(frozen=True, slots=True)
+class StateCapture:
+    """What the engine thread reads of the recurrent-state group, as `WindowCapture` reads the
+    window group."""
+
+    stats: StateStats
+    disk: DiskStoreStats | None
+    moves: dict[str, tuple[int, float]]
+
+
+@dataclass(frozen=True, slots=True)
 class Capture:
     """What the engine thread reads for one snapshot."""
 
@@ -90,6 +103,8 @@ class Capture:
     disk_budget_bytes: int
     window: WindowCapture | None  # None: a model without window layers
     seconds: float  # the engine thread's time on it
+    state: StateCapture | None = None  # None: a model without recurrent layers
+    snapshot_nodes: dict[int, int] | None = None  # tree node id -> snapshots ending in it
 
 
 def capture(llm: LLM, last: LastRequest | None) -> Capture:
@@ -111,6 +126,8 @@ def capture(llm: LLM, last: LastRequest | None) -> Capture:
         num_disk_bytes=0 if disk is None else disk.num_bytes,
         disk_budget_bytes=0 if disk is None else disk.budget_bytes,
         window=_window_capture(llm),
+        state=_state_capture(llm),
+        snapshot_nodes=llm.cache.snapshot_nodes(),
         seconds=time.perf_counter() - t0,
     )
 
@@ -124,6 +141,52 @@ def _window_capture(llm: LLM) -> WindowCapture | None:
     stats, tiers = groups[1], llm.tier_ios[1]
     disk = None if tiers is None or tiers.disk is None else tiers.disk.stats()
     return WindowCapture(stats, disk, tier_moves(tiers))
+
+
+def _state_capture(llm: LLM) -> StateCapture | None:
+    groups = llm.cache.group_stats()
+    # the state group, if any, is the last
+    if not isinstance(groups[-1], StateStats):
+        return None
+    tiers = llm.tier_ios[-1]
+    disk = None if tiers is None or tiers.disk is None else tiers.disk.stats()
+    return StateCapture(groups[-1], disk, {} if tiers is None else tier_moves(tiers))
+
+
+def state_payload(c: StateCapture) -> dict[str, Any]:
+    """The recurrent layers' part of a snapshot: their slots (running requests' and snapshots'),
+    the snapshots' bytes, the hits that resumed from one (of them, from the host or disk tier),
+    and the snapshots' host and disk tiers (None: off) with what each kind of move carried."""
+    s = c.stats
+    host = disk = None
+    if s.num_host_blocks:
+        host = {
+            "snapshots": s.num_host_blocks,
+            "held": s.num_host_cached_blocks,
+            "loaded": s.num_loaded_blocks,
+            "offloaded": s.num_offloaded_blocks,
+            "moves": _moves(c.moves, "load", "offload"),
+        }
+    if c.disk is not None:
+        disk = {
+            "files": c.disk.num_files,
+            "bytes": c.disk.num_bytes,
+            "budget": c.disk.budget_bytes,
+            "read": s.num_disk_reads,
+            "written": s.num_disk_writes,
+            "moves": _moves(c.moves, "disk_read", "disk_write"),
+        }
+    device = {
+        "slots": s.num_slots,
+        "slot_bytes": s.slot_bytes,
+        "running": s.num_running_slots,
+        "snapshots": s.num_snapshots,
+        "bytes": s.num_snapshot_bytes,
+        "free": s.num_free_slots,
+        "evicted": s.num_evicted,
+    }
+    hits = {"hits": s.num_hits, "tokens": s.num_hit_tokens, "lower": s.num_lower_hits}
+    return {"device": device, "hits": hits, "host": host, "disk": disk}
 
 
 def window_payload(w: WindowCapture) -> dict[str, Any]:
@@ -198,11 +261,16 @@ class NodeAliases:
 
 
 def tree_payload(
-    tree: TreeSummary, decode: Callable[[Sequence[int]], str] | None, alias: NodeAliases
+    tree: TreeSummary,
+    decode: Callable[[Sequence[int]], str] | None,
+    alias: NodeAliases,
+    snapshots: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """The tree part of a snapshot: plain numbers and text (the page sets text, never HTML);
-    node ids are `alias`'s, and nothing in it depends on another namespace."""
+    node ids are `alias`'s, and nothing in it depends on another namespace. `snapshots`: node
+    id -> the recurrent-state snapshots ending in it (a hybrid model's)."""
     recency = _recency(tree)
+    snapshots = snapshots or {}
     listed = {n.node_id for n in tree.nodes}
     nodes = [
         {
@@ -215,6 +283,7 @@ def tree_payload(
             "locks": n.lock_ref,
             "recency": recency[n.last_use],
             "host": n.num_host_blocks,
+            "snapshots": snapshots.get(n.node_id, 0),
             "text": _preview(n.head_tokens, decode) if n.parent_id is not None else "",
         }
         for n in tree.nodes
@@ -443,13 +512,15 @@ class CacheView:
             }
         body = {
             "model": self.server.config.model_name,
-            "tree": tree_payload(cap.tree, self._decode, self._aliases),
+            "tree": tree_payload(cap.tree, self._decode, self._aliases, cap.snapshot_nodes),
             "last_request": request,
             "gauges": gauges,
             "limits": {"max_nodes": MAX_NODES, "updates_per_s": MAX_UPDATES_PER_S},
         }
         if cap.window is not None:
             body["window_layers"] = window_payload(cap.window)
+        if cap.state is not None:
+            body["state_layers"] = state_payload(cap.state)
         return json.dumps(body, ensure_ascii=True)
 
     def publish(self, text: str) -> None:

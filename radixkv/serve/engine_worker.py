@@ -154,8 +154,9 @@ class EngineWorker:
 
 
 def tier_moves(*tier_ios: Any) -> dict[str, tuple[int, float]]:
-    """Bytes and seconds of each kind of move since start, summed over the KV groups' movers
-    (one per KV cache group; the live page shows the other groups' apart)."""
+    """Bytes and seconds of each kind of move since start, summed over the movers given (one per
+    cache group, a hybrid model's snapshots' included; the live page shows the other groups'
+    apart)."""
     moves: dict[str, tuple[int, float]] = {}
     for tier_io in tier_ios:
         for kind, t in ({} if tier_io is None else tier_io.totals).items():

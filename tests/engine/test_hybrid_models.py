@@ -1,5 +1,6 @@
-"""Hybrid models through `LLM`: recurrent layers (Gated DeltaNet, Mamba-2, short convolutions)
-beside full attention, greedy output equal to transformers' token for token, cold and warm.
+"""Hybrid models through `LLM`: recurrent layers (Gated DeltaNet, Kimi Delta Attention, Mamba-2,
+short convolutions) beside full or latent attention, greedy output equal to transformers' token
+for token, cold and warm.
 
 Tiny random models of each family (`tiny_archs.HYBRIDS`). The workload is a chat's shape: three
 prompts sharing a 28-token prefix, the first alone (the tree then holds the prefix, so the other
@@ -22,6 +23,7 @@ from radixkv.cache.group import GroupSpec
 from radixkv.cache.state import StateSpec
 from radixkv.engine.step.recurrent import RecurrentStates
 from radixkv.engine.step.recurrent.gated_deltanet import PackedQwen3_5GatedDeltaNet
+from radixkv.engine.step.recurrent.kimi_delta_attention import PackedKimiLinearDeltaAttention
 from radixkv.serve.cache_view import capture
 
 PREFIX = 28
@@ -116,11 +118,12 @@ def test_greedy_matches_transformers_cold_and_warm(family, variant, hybrid):
     assert not llm.scheduler.has_unfinished()
 
 
-def test_a_preempted_hybrid_request_resumes_from_its_own_snapshot(hybrid):
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_a_preempted_hybrid_request_resumes_from_its_own_snapshot(hybrid, family):
     """Three requests growing past a pool of 20 blocks: some are preempted, a preempted one's
     state is kept as a snapshot where it stopped and its recompute resumes there; the output
     equals a roomy engine's without the cache."""
-    path, _ = hybrid("qwen3_5")
+    path, _ = hybrid(family)
     prompts = random_prompts(61, 3, min_len=20, max_len=30)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     roomy = LLM(str(path), block_size=4, num_blocks=256, enable_prefix_cache=False)
@@ -133,10 +136,11 @@ def test_a_preempted_hybrid_request_resumes_from_its_own_snapshot(hybrid):
     assert llm.cache.group_stats()[-1].num_hits > 0
 
 
-def test_choices_of_a_hybrid_prompt_follow_their_seeds(hybrid):
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_choices_of_a_hybrid_prompt_follow_their_seeds(hybrid, family):
     """n choices: the second is snapshotted where it leaves the first's path (one token short of
     the prompt), the third resumes there; each equals its seed's stream run alone, cold."""
-    path, work = hybrid("qwen3_5")
+    path, work = hybrid(family)
     llm = LLM(str(path), block_size=4, num_blocks=256, **GAP)
     prompt = work.first[0]
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
@@ -195,6 +199,27 @@ def test_a_model_of_recurrent_layers_alone_keeps_no_kv(hybrid):
     assert _tokens(first) == work.first_replies
 
 
+def test_kimi_linear_keeps_latents_in_the_tree_group_and_kda_states_in_slots(hybrid):
+    """Kimi Linear: its latent-attention layers keep one latent vector a token (kv_lora_rank 96
+    + the shared key part 8) in the tree's group, its KDA layers a state a request (4 heads of
+    8 x 8, the conv window over q|k|v) in the state group's slots."""
+    path, _ = hybrid("kimi_linear")
+    llm = LLM(str(path), block_size=4, num_blocks=64, max_num_seqs=3, num_snapshots=5)
+    layout = llm.runner.layout
+    assert layout.describe() == "2 full (latent 104) + 2 recurrent layers"
+    assert layout.latent_layers == (1, 3) and layout.no_kv_layers == (0, 2)
+    (group,) = layout.cache_groups()
+    assert group.layers == (1, 3) and group.latent == layout.latent
+    (kv,) = llm.runner.kv
+    assert kv.layout == "latent" and tuple(kv.k_cache.shape) == (2, 64, 4, 1, 104)
+    states = llm.runner.states
+    assert states is not None and sorted(states.specs) == [0, 2]
+    assert states.ssm[0].shape == (8, 4, 8, 8) and states.conv[0].shape == (8, 3, 3 * 32)
+    assert llm.runner.group_specs[-1] == StateSpec(states.slot_nbytes())
+    mixers = [type(layer.self_attn).__name__ for layer in llm.model.model.layers]
+    assert mixers == ["PackedKimiLinearDeltaAttention", "PagedKimiLinearAttention"] * 2
+
+
 def test_a_reset_drops_every_snapshot(hybrid):
     path, work = hybrid("lfm2")
     llm = LLM(str(path), block_size=4, num_blocks=256, **GAP)
@@ -209,19 +234,22 @@ def test_a_reset_drops_every_snapshot(hybrid):
     assert [o.stats.num_cached_tokens for o in warm] == [0, 0, 0]
 
 
-def test_tiers_for_recurrent_states_are_refused_in_one_line(hybrid):
-    path, _ = hybrid("qwen3_5")
-    with pytest.raises(ValueError, match="keep no recurrent-state snapshots") as caught:
-        LLM(str(path), block_size=4, num_blocks=64, host_cache_bytes=2**20)
-    assert "\n" not in str(caught.value)
+# the second recurrent layer's class (layer 2) of the families the fault test runs
+FAULT_LAYERS = {
+    "qwen3_5": PackedQwen3_5GatedDeltaNet,
+    "kimi_linear": PackedKimiLinearDeltaAttention,
+}
 
 
+@pytest.mark.parametrize("family", FAULT_LAYERS)
 @pytest.mark.parametrize("run", range(12))
-def test_a_fault_in_a_hybrid_step_fails_only_its_requests(hybrid, run):
+def test_a_fault_in_a_hybrid_step_fails_only_its_requests(hybrid, family, run):
     """An exception in a slot copy or between the recurrent layers (the second one, after the
-    first wrote the rows' slots) fails the step's requests, leaves no slot in use and no
-    snapshot of a half-written state: the warm round afterwards still equals transformers."""
-    path, work = hybrid("qwen3_5")
+    first wrote the rows' slots) fails the step's requests, leaves no slot or block in use and
+    no snapshot of a half-written state: the warm round afterwards still equals transformers.
+    Kimi Linear's latent layers write their paged latent cache between its KDA layers."""
+    path, work = hybrid(family)
+    layer_class = FAULT_LAYERS[family]
     overlap, point, at = run % 2 == 1, ("copy", "layer")[run // 2 % 2], 1 + run // 4
     llm = LLM(str(path), block_size=4, num_blocks=256, async_scheduling=overlap, **GAP)
     _generate(llm, work.first[:1], MAX_NEW[:1]), _generate(llm, work.first[1:], MAX_NEW[1:])
@@ -231,7 +259,7 @@ def test_a_fault_in_a_hybrid_step_fails_only_its_requests(hybrid, run):
         if next(passes) == at:
             raise RuntimeError(f"injected {run}")
 
-    copy_slot, forward = RecurrentStates.copy_slot, PackedQwen3_5GatedDeltaNet.packed_forward
+    copy_slot, forward = RecurrentStates.copy_slot, layer_class.packed_forward
 
     def faulty_copy(self, src: int, dst: int) -> None:
         trip()
@@ -246,7 +274,7 @@ def test_a_fault_in_a_hybrid_step_fails_only_its_requests(hybrid, run):
         if point == "copy":
             mp.setattr(RecurrentStates, "copy_slot", faulty_copy)
         else:
-            mp.setattr(PackedQwen3_5GatedDeltaNet, "packed_forward", faulty_forward)
+            mp.setattr(layer_class, "packed_forward", faulty_forward)
         with pytest.raises(RuntimeError, match=f"injected {run}"):
             llm.generate(work.warm, [SamplingParams(max_tokens=n) for n in MAX_NEW])
     llm.check_integrity()

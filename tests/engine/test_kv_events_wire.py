@@ -383,3 +383,45 @@ def test_a_lower_tiers_event_keeps_its_own_medium() -> None:
     ]
     batch = DECODER.decode(encode_batch(events, ts=1.0, data_parallel_rank=0, medium="GPU"))
     assert [e.medium for e in batch.events] == ["CPU", "DISK", "GPU"]
+
+
+def _state_cache_events() -> list[KVEvent]:
+    """A hybrid model's cache (the tree and the recurrent-state group, one snapshot slot beside
+    the running one, a host tier): three finished requests, the third evicting the first's
+    snapshot to the host."""
+    from radixkv.cache.group import GroupSpec
+    from radixkv.cache.kinds import build_cache
+    from radixkv.cache.state import StateSpec
+    from radixkv.engine.config import EngineConfig
+
+    config = EngineConfig(block_size=B, snapshot_min_gap_tokens=4, max_num_seqs=1)
+    specs = [GroupSpec(), StateSpec(slot_bytes=64)]
+    cache = build_cache(specs, [64, 2], B, kv_events=True, host_blocks=[8, 4], config=config)
+    for k in (1, 2, 3):
+        tokens = list(range(100 * k, 100 * k + 14))
+        table = cache.admit(tokens[:10], max_hit=9)
+        assert table is not None and cache.extend(table, 13)
+        cache.commit(table, tokens[:13])
+        cache.close(table)
+        cache.check_integrity()
+    return cache.take_events()
+
+
+def test_snapshot_events_carry_the_state_group_and_vllms_mamba_kind_on_the_wire() -> None:
+    """Map layout: a snapshot's events decode with vLLM's structs as group 1 of kind "mamba"
+    (no window), on the device and the host; the array layout, which cannot name a group,
+    leaves them out."""
+    events = _state_cache_events()
+    batch = DECODER.decode(encode_batch(events, ts=1.0, data_parallel_rank=0))
+    state = [e for e in batch.events if getattr(e, "group_idx", 0) == 1]
+    stored = [e for e in state if isinstance(e, VllmBlockStored)]
+    assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored} == {
+        ("mamba", None)
+    }
+    assert {e.medium for e in stored} == {"GPU", "CPU"}
+    assert all(len(e.block_hashes) == 1 and 1 <= len(e.token_ids) <= B for e in stored)
+    assert [e for e in state if isinstance(e, VllmBlockRemoved)]
+    full = [e for e in batch.events if not getattr(e, "group_idx", 0)]
+    assert all(getattr(e, "kv_cache_spec_kind", None) is None for e in full)
+    payload = encode_batch(events, ts=1.0, data_parallel_rank=0, event_layout="array")
+    assert len(DECODERS["array"].decode(payload).events) == len(full)

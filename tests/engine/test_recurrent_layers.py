@@ -127,6 +127,14 @@ def _mixer(family: str) -> torch.nn.Module:
             num_hidden_layers=2,
             layer_types=["full_attention", "conv"],
         ),
+        "kimi_linear": lambda: tf.KimiLinearConfig(
+            hidden_size=HIDDEN,
+            linear_num_heads=4,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_hidden_layers=2,
+            layer_types=["full_attention", "linear_attention"],
+        ),
     }
     config = configs[family]()
     mixer_class = _mixer_class(family)
@@ -134,6 +142,8 @@ def _mixer(family: str) -> torch.nn.Module:
     module = mixer_class(config, layer_idx=LAYER).float().eval()
     if family.startswith("falcon_h1"):  # the decoder layer registers it on its mixer
         module.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)
+    if family == "kimi_linear":  # its gate's decay is left empty until the model's init
+        _init_kda_gate(module.forget_gate)
     _randomize(module)
     return module
 
@@ -156,8 +166,20 @@ def _mixer_class(family: str) -> type:
         "lfm2": "Lfm2ShortConv",
         "lfm2_moe": "Lfm2MoeShortConv",
         "lfm3": "Lfm3ShortConv",
+        "kimi_linear": "KimiLinearDeltaAttention",
     }[family]
     return next(cls for cls in packed_classes() if cls.__name__ == base)
+
+
+def _init_kda_gate(gate: torch.nn.Module) -> None:
+    """KDA's forget gate as the model's init draws it: decay rates exp(A_log) in [1, 16] a head,
+    dt_bias the inverse softplus of steps in [1e-3, 1e-1] a channel."""
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(1.0, 16.0, generator=gen).log())
+        dt = torch.empty(gate.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
+        dt = dt.exp()
+        gate.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
 def _randomize(module: torch.nn.Module) -> None:
@@ -186,6 +208,7 @@ FAMILIES = [
     "lfm2",
     "lfm2_moe",
     "lfm3",
+    "kimi_linear",
 ]
 
 
@@ -285,10 +308,18 @@ def test_requests_packed_in_one_call_keep_their_own_state(family: str) -> None:
     _check_against_transformers(family, lens, steps, [3, 0, 2, 1])
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_requests_longer_than_a_chunk_of_the_chunked_forms(family: str) -> None:
+    # past 64 tokens both sides run several chunks of their chunked forms, over other borders:
+    # request 0 in pieces of 70, 1 and 79 tokens beside request 1's 130 in one piece
+    steps = [[(0, 70), (1, 130)], [(0, 1)], [(0, 79)], [(0, 1), (1, 1)]]
+    _check_against_transformers(family, [151, 131], steps, [2, 0])
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "mamba", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "mamba", "lfm2", "kimi_linear"])
 def test_the_triton_kernels_run_the_packed_layers(family: str) -> None:
-    # one family per kernel mix: GDN, Mamba-2, Mamba-1, short convolution
+    # one family per kernel mix: GDN, Mamba-2, Mamba-1, short convolution, KDA
     steps = [[(0, 3), (1, 2)], [(1, 1), (0, 2), (2, 1)], [(0, 1), (2, 1)]]
     _check_against_transformers(family, [6, 3, 2], steps, [1, 3, 0], backend="triton")
 
@@ -296,7 +327,7 @@ def test_the_triton_kernels_run_the_packed_layers(family: str) -> None:
 def test_every_family_has_a_packed_class() -> None:
     # every packed class is tested above (falcon_h1 twice: with and without its norm)
     assert {_mixer_class(f) for f in FAMILIES} == set(packed_classes())
-    assert len(set(packed_classes().values())) == len(packed_classes()) == 15
+    assert len(set(packed_classes().values())) == len(packed_classes()) == 16
 
 
 def test_a_state_spec_sizes_the_slots_a_layer_reads() -> None:

@@ -1,4 +1,5 @@
-"""The recurrent kernels (causal_conv1d, gated_delta_rule, ssm_scan): the torch reference against
+"""The recurrent kernels (causal_conv1d, gated_delta_rule with a decay a head (Gated DeltaNet) or a
+key channel (Kimi Delta Attention), ssm_scan): the torch reference against
 its own definitions (chunked forms against token-by-token ones, a request split into pieces
 against one call, packed requests against each alone) and the Triton kernels against the
 reference under the interpreter. Shapes stay tiny: the interpreter walks tokens one by one."""
@@ -34,8 +35,10 @@ class Layer:
     def inputs(self, num_tokens: int, seed: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
         out = {n: torch.randn(num_tokens, *s, generator=gen) for n, s in self.token_shapes.items()}
-        if self.kind == "gdn":
-            out["g"] = -torch.rand(num_tokens, *self.token_shapes["g"], generator=gen)
+        if self.kind in ("gdn", "kda"):
+            # KDA's decays reach far below Gated DeltaNet's (exp(A_log) up to 16 per channel)
+            strength = 4.0 if self.kind == "kda" else 1.0
+            out["g"] = -torch.rand(num_tokens, *self.token_shapes["g"], generator=gen) * strength
             out["beta"] = torch.rand(num_tokens, *self.token_shapes["beta"], generator=gen)
         return out
 
@@ -43,7 +46,7 @@ class Layer:
         p = self.params
         if self.kind == "conv":
             return fn(tokens["x"], p["weight"], p["bias"], states, md, "silu")
-        if self.kind == "gdn":
+        if self.kind in ("gdn", "kda"):
             t = tokens
             return fn(t["q"], t["k"], t["v"], t["g"], t["beta"], states, md, use_qk_l2norm=True)
         t = tokens
@@ -73,6 +76,9 @@ def _layer(kind: str) -> Layer:
     if kind == "gdn":  # 2 q/k heads of 8, 4 value heads of 6
         shapes = {"q": (2, 8), "k": (2, 8), "v": (4, 6), "g": (4,), "beta": (4,)}
         return Layer(kind, {}, (4, 8, 6), shapes)
+    if kind == "kda":  # the same heads, a decay per value head and key channel
+        shapes = {"q": (2, 8), "k": (2, 8), "v": (4, 6), "g": (4, 8), "beta": (4,)}
+        return Layer(kind, {}, (4, 8, 6), shapes)
     heads, head_dim, groups, state_dim = (4, 3, 2, 5) if kind == "mamba2" else (6, 1, 1, 4)
     A = -torch.rand(heads, generator=gen) - 0.2
     if kind == "mamba1":  # a Mamba-1 channel is a head of one dim with A per state channel
@@ -84,11 +90,11 @@ def _layer(kind: str) -> Layer:
     return Layer(kind, params, (heads, head_dim, state_dim), shapes)
 
 
-KINDS = ["conv", "gdn", "mamba2", "mamba1"]
+KINDS = ["conv", "gdn", "kda", "mamba2", "mamba1"]
 REFERENCE = {"conv": ref.causal_conv1d, "gdn": ref.gated_delta_rule, "mamba2": ref.ssm_scan}
-REFERENCE["mamba1"] = ref.ssm_scan
+REFERENCE["kda"], REFERENCE["mamba1"] = ref.gated_delta_rule, ref.ssm_scan
 TRITON = {"conv": triton_causal_conv1d, "gdn": triton_gated_delta_rule, "mamba2": triton_ssm_scan}
-TRITON["mamba1"] = triton_ssm_scan
+TRITON["kda"], TRITON["mamba1"] = triton_gated_delta_rule, triton_ssm_scan
 
 
 def _poisoned_states(layer: Layer) -> torch.Tensor:
@@ -155,11 +161,15 @@ def test_packed_requests_each_see_only_their_own_state(kind: str) -> None:
 
 
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 30])
-def test_gated_delta_rule_chunked_equals_recurrent(length: int) -> None:
+@pytest.mark.parametrize("key_decay", [False, True])
+def test_gated_delta_rule_chunked_equals_recurrent(length: int, key_decay: bool) -> None:
     gen = torch.Generator().manual_seed(length)
     q, k = (ref.l2_normalize(torch.randn(2, length, 3, 8, generator=gen)) for _ in range(2))
     v = torch.randn(2, length, 3, 5, generator=gen)
-    g, beta = -torch.rand(2, length, 3, generator=gen), torch.rand(2, length, 3, generator=gen)
+    # a decay a key channel (KDA), strong enough that exp(-G) of a chunk would overflow
+    g = -torch.rand(2, length, 3, 8, generator=gen) * 30 if key_decay else None
+    g = -torch.rand(2, length, 3, generator=gen) if g is None else g
+    beta = torch.rand(2, length, 3, generator=gen)
     state = torch.randn(2, 3, 8, 5, generator=gen)
     expected = ref.gated_delta_rule_recurrent(q, k, v, g, beta, state)
     got = ref.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk=8)
@@ -248,6 +258,10 @@ def test_the_kernels_name_a_wrong_argument() -> None:
             torch.zeros(2, 3, 4, 4),
             md,
         )
+    v, beta, states = torch.zeros(3, 2, 4), torch.zeros(3, 2), torch.zeros(2, 2, 4, 4)
+    for g in (torch.zeros(3, 2, 3), torch.zeros(3, 2, 4, 1)):  # a decay a key: K of them
+        with pytest.raises(ValueError, match=r"g must be \[3, 2\] or \[3, 2, 4\]"):
+            ref.gated_delta_rule(q, q, v, g, beta, states, md)
     x = torch.zeros(3, 2, 1)
     with pytest.raises(ValueError, match="A must be"):
         ref.ssm_scan(

@@ -1,6 +1,7 @@
 """Compiled recurrent Triton kernels on a CUDA device against the torch reference (run on the same
-device), at the head sizes of the real models (Qwen3.5's 128 x 128 delta-rule heads, Mamba-2's
-64 x 128 heads, a 1,536-channel Mamba-1), which the interpreter cannot afford.
+device), at the head sizes of the real models (Qwen3.5's 128 x 128 delta-rule heads, Kimi Linear's
+32 KDA heads of 128 x 128 with a decay a key channel, Mamba-2's 64 x 128 heads, a 1,536-channel
+Mamba-1), which the interpreter cannot afford.
 
     python3 -P -m pytest -m gpu tests/kernels/test_kernel_recurrent_gpu.py
 """
@@ -70,6 +71,23 @@ def test_gated_delta_rule_at_qwen3_5_heads(dtype: torch.dtype) -> None:
         return fn(q, k, v, g, beta, states, md, use_qk_l2norm=True)
 
     _compare(run, _states((8, 128, 128), torch.float32), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kimi_delta_attention_at_kimi_linear_heads(dtype: torch.dtype) -> None:
+    """Kimi Linear's KDA layers: 32 heads of 128 x 128, a decay a head and key channel."""
+    torch.manual_seed(0)
+    n = sum(LENS)
+    q, k, v = (torch.randn(n, 32, 128, device="cuda", dtype=dtype) for _ in range(3))
+    g = -torch.rand(n, 32, 128, device="cuda") * 0.5
+    beta = torch.rand(n, 32, device="cuda")
+    md = _metadata()
+
+    def run(module, states):
+        fn = triton_gated_delta_rule if module is None else ref.gated_delta_rule
+        return fn(q, k, v, g, beta, states, md, use_qk_l2norm=True)
+
+    _compare(run, _states((32, 128, 128), torch.float32), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -522,6 +522,131 @@ def test_the_page_shows_the_window_layers(browser: Any, window_server: Any) -> N
     assert f"read {disk['read_blocks']} · written {disk['written_blocks']}" in shown("disk")
 
 
+# A tiny Qwen3.5 (Gated DeltaNet beside full attention) with the snapshots' host and disk tiers
+# on: three chats sharing a system prompt, one running request and one snapshot slot beside it,
+# so snapshots are evicted to the host; then the first chat again, which resumes from one.
+HYBRID_ENGINE = dict(
+    block_size=4,
+    snapshot_min_gap_tokens=4,
+    max_num_seqs=1,
+    num_snapshots=1,
+    host_cache_bytes=2**20,
+)
+HYBRID_CHATS = [0, 1, 2, 0]
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory: pytest.TempPathFactory, make_server: Callable[..., Any]) -> Any:
+    """A live server of the tiny Qwen3.5 with the page on, after the chats above."""
+    from serve_helpers import user_message
+
+    model = build_arch("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))
+    disk = tmp_path_factory.mktemp("qwen3_5-kv")
+    server = make_server({**HYBRID_ENGINE, "kv_cache_dir": disk}, model=model, ui=True)
+    client = server.client()
+    system = {"role": "system", "content": user_message(7, 30)}
+    for i in HYBRID_CHATS:
+        messages = [system, {"role": "user", "content": user_message(600 + i)}]
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    return server
+
+
+def state_counters(llm: Any) -> dict[str, Any]:
+    """Engine thread: the state group's own counters, read where they are kept, and the
+    snapshots ending in the shared tree's nodes."""
+    group, io = llm.cache.groups[-1], llm.tier_ios[-1]
+    moves = {kind: {"bytes": t.nbytes, "seconds": t.seconds} for kind, t in io.totals.items()}
+    counts, ledger = group.tiers.counts, group.ledger.stats()
+    return {
+        "device": {
+            "slots": group.num_blocks,
+            "slot_bytes": group.slot_bytes,
+            "running": group.num_open_tables,
+            "snapshots": group.num_snapshots,
+            "bytes": group.num_snapshots * group.slot_bytes,
+            "free": group.pool.num_free,
+            "evicted": ledger.num_evicted,
+        },
+        "hits": {
+            "hits": ledger.num_hits + group.num_lower_hits,
+            "tokens": group.num_hit_tokens,
+            "lower": group.num_lower_hits,
+        },
+        "host": {
+            "snapshots": io.host.num_blocks,
+            "held": len(group.tiers.entries),
+            "loaded": counts["num_loaded_blocks"],
+            "offloaded": counts["num_offloaded_blocks"],
+            "moves": {kind: moves[kind] for kind in ("load", "offload")},
+        },
+        "disk": {
+            "files": io.disk.num_files,
+            "bytes": io.disk.num_bytes,
+            "budget": io.disk.budget_bytes,
+            "read": counts["num_disk_reads"],
+            "written": counts["num_disk_writes"],
+            "moves": {kind: moves[kind] for kind in ("disk_read", "disk_write")},
+        },
+        "marked": sum(llm.cache.snapshot_nodes().values()),
+    }
+
+
+def hybrid_snapshot(server: Any) -> dict[str, Any]:
+    metrics = server.server_state.metrics
+    return json.loads(snapshot_after(server, metrics.num_prompt_tokens, len(HYBRID_CHATS)))
+
+
+def test_snapshots_in_the_page_snapshot_are_the_engines(hybrid_server: Any) -> None:
+    snapshot = hybrid_snapshot(hybrid_server)
+    want = hybrid_server.on_engine(state_counters)
+    marked = want.pop("marked")
+    assert snapshot["state_layers"] == want
+    device, hits, host = want["device"], want["hits"], want["host"]
+    assert device["snapshots"] > 0 and device["bytes"] == device["snapshots"] * device["slot_bytes"]
+    assert hits["hits"] > 0 and hits["tokens"] > 0  # the repeated chat resumed from one
+    assert host["held"] > 0 and host["offloaded"] > 0  # evicted snapshots went to the host
+    # the tree's nodes say where the device's snapshots end, each counted once
+    nodes = snapshot["tree"]["nodes"]
+    assert sum(n["snapshots"] for n in nodes) == marked > 0
+    assert "window_layers" not in snapshot and set(snapshot["gauges"]) == FULL_GAUGES
+    hybrid_server.app.state.cache_view.check_integrity()
+    hybrid_server.on_engine(lambda llm: llm.check_integrity())
+
+
+def test_the_page_shows_snapshots_and_marks_the_nodes_that_own_one(
+    browser: Any, hybrid_server: Any
+) -> None:
+    open_page(browser, hybrid_server)
+    wait_for(browser, lambda d: d.find_elements("id", "state-panel"), "the state panel")
+    snapshot = hybrid_snapshot(hybrid_server)
+    want = snapshot["state_layers"]
+    assert text_of(browser, "state-panel").startswith("recurrent state snapshots")
+    for row in ("device", "hits", "host", "disk"):
+        element = browser.find_element("id", f"s-{row}")
+        numbers = {k: v for k, v in want[row].items() if not isinstance(v, dict)}
+        attributes = {k: int(element.get_attribute(f"data-{k}")) for k in numbers}
+        assert attributes == numbers
+    device, hits = want["device"], want["hits"]
+
+    def shown(row: str) -> str:
+        return browser.find_element("css selector", f"#s-{row} .value").text
+
+    assert shown("device").startswith(
+        f"{device['running']} running · {device['snapshots']} snapshots ("
+    )
+    assert shown("hits").startswith(f"{hits['hits']} resumed from a snapshot ({hits['tokens']}")
+    assert f"{hits['lower']} from host or disk" in shown("hits")
+    marked = {n["id"]: n["snapshots"] for n in snapshot["tree"]["nodes"] if n["snapshots"]}
+    wait_for(browser, lambda d: d.find_elements("css selector", "li.node.snapshot"), "a mark")
+    on_page = {
+        int(li.get_attribute("data-id")): li.find_element("css selector", ".meta").text
+        for li in browser.find_elements("css selector", "li.node.snapshot")
+    }
+    assert set(on_page) == set(marked)
+    for node_id, n in marked.items():
+        assert f"· {n} snapshot" in on_page[node_id]
+
+
 # ---------------------------------------------------------------------- issue 43: first minute
 
 

@@ -326,13 +326,6 @@ def swap_latent_modules(model: nn.Module) -> LatentDims | None:
     return model_dims
 
 
-def row_major_linears(model: nn.Module) -> list[nn.Module]:
-    """The linears of `model`'s swapped MLA modules whose weight is read as a row-major matrix,
-    not called (kv_b_proj: the W_UK / W_UV views, the expanded kernel): a layout change of their
-    weight would leave the views on the old storage and the kernel refusing the new one."""
-    return [m.kv_b_proj for m in model.modules() if isinstance(m, PagedLatentAttention)]
-
-
 def unswap_latent_modules(model: nn.Module) -> None:
     """Undo `swap_latent_modules` (in place; nothing to do for a model it never changed)."""
     _restore(model.modules())

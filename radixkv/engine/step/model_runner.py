@@ -54,11 +54,10 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.model.attention_layout import probe_attention
 from radixkv.engine.step.attention import PagedKVCache, register_attention
 from radixkv.engine.step.cpu_memory import keep_freed_memory
-from radixkv.engine.step.cpu_weights import use_column_major_linears
+from radixkv.engine.step.cpu_weights import use_cpu_linears
 from radixkv.engine.step.cuda_graphs import DecodeGraphs, TokenFeed
 from radixkv.engine.step.fused_llama import fuse_llama_modules, unfuse_llama_modules
 from radixkv.engine.step.kv_tensors import allocate_group_kv, plan_state_slots
-from radixkv.engine.step.latent_attention import row_major_linears
 from radixkv.engine.step.recurrent import RecurrentStates, RecurrentStep
 from radixkv.engine.step.step_inputs import InputStager, StepLayout, region, stage_step
 from radixkv.kernels import AttentionMetadata, RecurrentMetadata
@@ -152,7 +151,7 @@ class ModelRunner:
         on_triton = kernels.backend_for(self.device) == "triton"
         self.fused_modules = on_triton and fuse_llama_modules(model)
         if self.device.type == "cpu":
-            use_column_major_linears(model, keep=row_major_linears(model))
+            use_cpu_linears(model)
             keep_freed_memory()
         pools = " + ".join(
             f"{kv.num_blocks} {kv.label} blocks ({kv.num_blocks * kv.bytes_per_block / 2**20:.1f}"

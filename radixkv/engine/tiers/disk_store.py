@@ -20,7 +20,8 @@ pickle runs code):
 
     header    HEADER.size bytes   magic + format version, fingerprint digest, block hash, parent
                                   hash, token count, payload size, prefix digest
-    tokens    4 x block_size      the block's token ids (uint32)
+    tokens    4 x block_size      the block's token ids (uint32); a key of fewer tokens (a
+                                  recurrent-state snapshot's tail) padded with 0xFFFFFFFF
     payload   block_nbytes        the block's K/V over all layers, raw, in the engine's layout
     checksum  8 bytes             xxh3-64 of everything before it (keyed: see below)
 
@@ -86,6 +87,7 @@ MAGIC = b"RADIXKV" + bytes([FORMAT_VERSION])
 HEADER = struct.Struct("<8s32sQQB3xIQ32s")
 CHECKSUM = struct.Struct("<Q")
 SUFFIX = ".kv"
+_PAD = b"\xff" * 4  # pads a key shorter than a block (`_padded`)
 TMP_SUFFIX = ".tmp"
 FINGERPRINT_FILE = "fingerprint.json"
 _DIGEST_BYTES = 32
@@ -263,7 +265,7 @@ class DiskStore:
         failed (counted, logged once as a warning, later ones at debug level): nothing is stored."""
         data = memoryview(payload).cast("B")
         assert data.nbytes == self.block_nbytes, f"{data.nbytes} != {self.block_nbytes}"
-        assert len(key.tokens) == 4 * self.block_size, "a key names one full block"
+        assert len(key.tokens) <= 4 * self.block_size, "a key names at most one block"
         h = key.block_hash
         if self.contains(h):
             self._touch(key)
@@ -285,11 +287,12 @@ class DiskStore:
             self.block_nbytes,
             key.prefix_digest,
         )
-        seal = self._checksum((header, key.tokens, data))
+        tokens = self._padded(key.tokens)
+        seal = self._checksum((header, tokens, data))
         try:
             path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
             with open(os.open(tmp, _OPEN_FOR_WRITE, _FILE_MODE), "wb", buffering=0) as f:
-                _write_all(f, (header, key.tokens, data, seal))
+                _write_all(f, (header, tokens, data, seal))
             os.replace(tmp, path)
         except BaseException as exc:
             with contextlib.suppress(OSError):
@@ -342,6 +345,26 @@ class DiskStore:
         for block_hash in [*self._entries, *(h for h, _ in self._scan_files())]:
             self.discard(block_hash)
 
+    def heads(self) -> Iterator[tuple[int, int | None, bytes]]:
+        """(block hash, parent hash, tokens) read from the header of every indexed file, the
+        tokens without their padding (a key shorter than a block: a snapshot's tail). A file
+        that cannot be read is skipped (`get` decides what it is when asked). O(files)."""
+        size = HEADER.size + 4 * self.block_size
+        for block_hash in list(self._entries):
+            try:
+                with open(os.open(self._path(block_hash), _OPEN_FOR_READ), "rb") as f:
+                    head = f.read(size)
+            except OSError:
+                continue
+            if len(head) != size or head[: len(MAGIC)] != MAGIC:
+                continue
+            _, _, h, parent, has_parent, *_ = HEADER.unpack_from(head)
+            tokens = bytes(head[HEADER.size :])
+            while tokens.endswith(_PAD):
+                tokens = tokens[: -len(_PAD)]
+            if h == block_hash:
+                yield h, parent if has_parent else None, tokens
+
     # ------------------------------------------------------------------ reports
     def stats(self) -> DiskStoreStats:
         return DiskStoreStats(
@@ -366,6 +389,12 @@ class DiskStore:
             raise AssertionError(f"{len(self._unusable)} unusable hashes > {self.max_unusable}")
 
     # ---------------------------------------------------------------- internals
+    def _padded(self, tokens: bytes) -> bytes:
+        """A key's tokens as its file holds them: 4 x block_size bytes, a shorter key's (a
+        snapshot's tail) padded with 0xFFFFFFFF words. The key's hash and prefix digest cover
+        its exact tokens, so two keys that pad alike never load each other's file."""
+        return tokens + _PAD * (self.block_size - len(tokens) // 4)
+
     def _path(self, block_hash: int) -> Path:
         name = f"{block_hash:016x}"
         return self.directory / name[:2] / f"{name}{SUFFIX}"
@@ -413,7 +442,8 @@ class DiskStore:
         if fingerprint != self.fingerprint:
             return "layout"
         stored = (h, parent if has_parent else None, bytes(head[HEADER.size :]), digest)
-        if stored != (key.block_hash, key.parent_hash, key.tokens, key.prefix_digest):
+        wanted = (key.block_hash, key.parent_hash, self._padded(key.tokens), key.prefix_digest)
+        if stored != wanted:
             return "collision"  # left in place: it is some prefix's block
         return None
 

@@ -132,29 +132,37 @@ def make_tier_io(
 
 
 def make_tier_ios(
-    model: Any, kvs: Sequence[GroupKV], config: EngineConfig
+    model: Any,
+    kvs: Sequence[GroupKV],
+    config: EngineConfig,
+    *,
+    host_bytes: int | None = None,
+    disk_bytes: int | None = None,
 ) -> tuple[TierIO | None, ...]:
     """One tier mover per KV cache group (`kvs[g]`: group g's device tensors), None each
-    without a host tier. One group takes the whole host and disk budgets; several split them
-    so that each holds as many blocks (a hit resumes where every group has its blocks of the
-    prefix), every group but the first keeping its files apart. ValueError, as `make_tier_io`,
-    for a host or disk budget that holds no block (several groups: no set of one block or
-    block file per group)."""
+    without a host tier. One group takes the whole host and disk budgets (`host_bytes`,
+    `disk_bytes`: the KV's share of them; None: all); several split them so that each holds as
+    many blocks (a hit resumes where every group has its blocks of the prefix), every group but
+    the first keeping its files apart. ValueError, as `make_tier_io`, for a host or disk budget
+    that holds no block (several groups: no set of one block or block file per group)."""
     if not config.host_cache_bytes:
         return (None,) * len(kvs)
+    host_bytes = config.host_cache_bytes if host_bytes is None else host_bytes
+    disk_bytes = config.disk_cache_bytes if disk_bytes is None else disk_bytes
     if len(kvs) == 1:
-        return (make_tier_io(model, kvs[0], config),)
+        num_host = plan_host_blocks(kvs[0].bytes_per_block, host_bytes)
+        return (
+            make_tier_io(model, kvs[0], config, num_host_blocks=num_host, disk_bytes=disk_bytes),
+        )
     B = config.block_size
     nbytes = [kv.bytes_per_block for kv in kvs]
     files = [block_file_nbytes(B, n) for n in nbytes]
     names = [kv.name for kv in kvs]
-    _check_holds_a_set("host_cache_bytes", config.host_cache_bytes, nbytes, names, "KV blocks")
+    _check_holds_a_set("host_cache_bytes", host_bytes, nbytes, names, "KV blocks")
     if config.kv_cache_dir is not None:
-        _check_holds_a_set(
-            "disk_cache_bytes", config.disk_cache_bytes, files, names, "KV block files"
-        )
-    num_host = config.host_cache_bytes // sum(nbytes)
-    num_files = config.disk_cache_bytes // sum(files)
+        _check_holds_a_set("disk_cache_bytes", disk_bytes, files, names, "KV block files")
+    num_host = host_bytes // sum(nbytes)
+    num_files = disk_bytes // sum(files)
     return tuple(
         make_tier_io(
             model,

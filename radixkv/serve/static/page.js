@@ -60,6 +60,7 @@ function render() {
   renderTotals(snap);
   renderGauges(snap.gauges);
   renderWindow(snap.window_layers);
+  renderState(snap.state_layers);
   renderTree(snap);
 }
 
@@ -140,6 +141,10 @@ function nodeItem(n, cls, item) {
   meta += n.locks ? ` · locked ×${n.locks}` : " · unlocked";
   meta += n.recency ? ` · ${n.recency} use(s) before the latest` : " · latest use";
   if (n.host) meta += ` · ${n.host} on host`;
+  if (n.snapshots) {
+    li.classList.add("snapshot");
+    meta += ` · ${n.snapshots} snapshot${n.snapshots > 1 ? "s" : ""}`;
+  }
   if (item.kind === "ghost") meta += ` · ${item.why}`;
   if (fresh === "split") meta += ` · split at ${n.start}`;
   row.append(el("span", "meta", meta + "  "));
@@ -239,6 +244,50 @@ function renderWindow(w) {
     return row;
   });
   $("window-panel").replaceChildren(el("div", "group-label", `window layers (${w.window} tokens)`), ...items);
+}
+
+// ---------------------------------------------------------------- the recurrent layers
+
+function figureRows(rows) {
+  return rows.map(([id, label, figures, text]) => {
+    const row = el("div", "window-row");
+    row.id = id;
+    // the row's numbers, as attributes too (data-held, data-running, ...): tests read them
+    for (const [key, value] of Object.entries(figures || {})) {
+      if (typeof value === "number") row.dataset[key] = String(value);
+    }
+    row.append(el("span", "label", label), el("span", "value", text));
+    return row;
+  });
+}
+
+function renderState(s) {
+  // A hybrid model's recurrent layers keep one state per request and snapshots of it where
+  // later requests resume: their rows go below the gauges (and the window layers' panel).
+  if (!s) return;
+  if (!$("state-panel")) {
+    const panel = el("div");
+    panel.id = "state-panel";
+    ($("window-panel") || $("gauges")).after(panel);
+  }
+  const d = s.device;
+  const hits = s.hits;
+  const rows = [
+    ["s-device", "device", d, `${d.running} running · ${d.snapshots} snapshots (${mib(d.bytes)} MiB) · ${d.free} free of ${d.slots} slots`],
+    ["s-hits", "hits", hits, `${hits.hits} resumed from a snapshot (${hits.tokens} tokens)` + (s.host ? ` · ${hits.lower} from host or disk` : "")],
+  ];
+  const h = s.host;
+  const hostText = h
+    ? `${h.held}/${h.snapshots} snapshots · loaded ${h.loaded} · offloaded ${h.offloaded} · ` +
+      `moved ${mib(h.moves.load.bytes + h.moves.offload.bytes)} MiB`
+    : "off";
+  rows.push(["s-host", "host", h, hostText]);
+  const k = s.disk;
+  const diskText = k
+    ? `${k.files} files, ${mib(k.bytes)}/${mib(k.budget)} MiB · read ${k.read} · written ${k.written}`
+    : "off";
+  rows.push(["s-disk", "disk", k, diskText]);
+  $("state-panel").replaceChildren(el("div", "group-label", "recurrent state snapshots"), ...figureRows(rows));
 }
 
 function spark(canvas, values, top) {

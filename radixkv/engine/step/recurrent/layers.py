@@ -27,10 +27,16 @@ _CONV_ACTIVATIONS = (None, "silu")
 @functools.cache
 def packed_classes() -> dict[type, type]:
     """transformers' recurrent module class -> the packed subclass that replaces it."""
-    from radixkv.engine.step.recurrent import gated_deltanet, mamba, short_conv
+    from radixkv.engine.step.recurrent import (
+        gated_deltanet,
+        kimi_delta_attention,
+        mamba,
+        short_conv,
+    )
 
     packed = [
         *(getattr(gated_deltanet, n) for n in gated_deltanet.__all__),
+        *(getattr(kimi_delta_attention, n) for n in kimi_delta_attention.__all__),
         *(getattr(mamba, n) for n in mamba.__all__),
         *(getattr(short_conv, n) for n in short_conv.__all__),
     ]

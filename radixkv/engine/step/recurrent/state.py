@@ -1,8 +1,8 @@
 """The per-request state of a model's recurrent layers, in slots, and the handle a step gives them.
 
-A recurrent layer (Gated DeltaNet, Mamba-2, Mamba-1, a short convolution) carries two things from
-one token to the next: the window of its last K - 1 convolution inputs and, except for a short
-convolution, its SSM / delta-rule state. They do not grow with the sequence: a running request
+A recurrent layer (Gated DeltaNet, KDA, Mamba-2, Mamba-1, a short convolution) carries two things
+from one token to the next: the window of its last K - 1 convolution inputs and, except for a
+short convolution, its SSM / delta-rule state. They do not grow with the sequence: a running request
 holds one of each per layer, in a slot of that layer's tensors, whatever its length.
 
     RecurrentStates     the runner's storage: per layer, conv [num_slots, K - 1, channels] and
