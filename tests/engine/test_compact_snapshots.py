@@ -17,6 +17,7 @@ from tiny_llama import random_prompts
 from radixkv import LLM, SamplingParams
 from radixkv.engine.step.recurrent import RecurrentLayerSpec, RecurrentStates
 from radixkv.engine.step.recurrent.compact import dequantize_int8, quantize_int8
+from radixkv.engine.tiers.host_state import HostStatePool, StateCopier
 
 # Qwen3.5-4B's linear layer: 32 value heads of 128 x 128, a conv over q | k | v of 8,192 channels
 QWEN3_5_4B = RecurrentLayerSpec(0, (3, 8192), (32, 128, 128))
@@ -101,6 +102,42 @@ def test_slot_copies_compact_and_expand_and_running_slots_stay_exact(snapshot_dt
     states.copy_slot(0, 1)  # running to running: exact
     assert torch.equal(states.ssm[0][1], ssm)
     states.check_integrity()
+
+
+@pytest.mark.parametrize("snapshot_dtype", ["bf16", "int8"])
+def test_a_compact_snapshot_goes_to_the_host_as_stored_and_comes_back_expanded(snapshot_dtype):
+    """The host tier's copier: an offload copies a snapshot slot's bytes as stored (a host slot
+    is `snapshot_nbytes`), a load expands them into a running slot exactly as a resume copy from
+    the device's snapshot does."""
+    specs = [
+        RecurrentLayerSpec(0, (3, 10), (4, 8, 6)),
+        RecurrentLayerSpec(1, (2, 12), None),
+        RecurrentLayerSpec(2, (3, 16), (8, 16, 8), quant_axis=1),
+    ]
+    states = RecurrentStates(specs, 4, num_running=2, snapshot_dtype=snapshot_dtype)
+    gen = torch.Generator().manual_seed(6)
+    for t in (*states.conv.values(), *states.ssm.values()):
+        t[0].copy_(torch.randn(t[0].shape, generator=gen))
+    states.copy_slot(0, 3)  # the snapshot, in snapshot slot 3
+    host = HostStatePool(2, states.snapshot_nbytes(), pin_memory=False)
+    copier = StateCopier(states, host)
+    assert copier.offload([3], [1]).nbytes == states.snapshot_nbytes() < states.slot_nbytes()
+    snaps = states.snapshots
+    assert snaps is not None
+    # per layer: conv, the state as stored, an int8 state's scales
+    tensors = (snaps.conv, snaps.ssm, snaps.scale)
+    stored = [d[i][1] for i in sorted(states.specs) for d in tensors if i in d]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in stored])
+    assert torch.equal(host.data[1], flat)  # slot 3 is the compact pool's row 1
+    states.copy_slot(3, 1)  # the device's resume, for comparison
+    expected = [t[1].clone() for t in (*states.conv.values(), *states.ssm.values())]
+    for t in (*states.conv.values(), *states.ssm.values(), *snaps.ssm.values()):
+        t.zero_()  # the snapshot slot is reused; running slot 1 is another request's
+    copier.load([1], [1])
+    got = [t[1] for t in (*states.conv.values(), *states.ssm.values())]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    states.check_integrity()
+    host.check_integrity()
 
 
 @pytest.fixture(scope="module")

@@ -286,6 +286,15 @@ class ModelRunner:
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
         return self._forward(views, metas, views["sample_idx"], recurrent)[0].float()
 
+    def run_copies_now(self, copies: tuple[list[tuple[int, int, int]], ...]) -> None:
+        """The copies the cache planned for the next step (`GroupedCache.take_copies`: only the
+        state group's snapshots have any), run now, outside a step: a save writes down the
+        snapshots they fill (a compact one's leaving request's, above all)."""
+        assert not any(c for g, c in enumerate(copies) if g != self.state_group), copies
+        if self.states is not None and self.state_group < len(copies):
+            for src, dst, _ in copies[self.state_group]:
+                self.states.copy_slot(src, dst)
+
     def _recurrent_step(self, step: SchedulerOutput) -> RecurrentStep | None:
         """The state group's slot copies of `step`, run now in plan order, and the step's view
         of the slots for the recurrent layers (None without recurrent layers)."""

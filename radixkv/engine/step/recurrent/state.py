@@ -166,13 +166,13 @@ class RecurrentStates:
         snapshots = self.snapshots
         assert snapshots is not None, (src, dst)
         if dst >= running > src:
-            snapshots.store(dst - running, *self._views(src))
+            snapshots.store(dst - running, *self.running_views(src))
         elif src >= running > dst:
-            snapshots.load(src - running, *self._views(dst))
+            snapshots.load(src - running, *self.running_views(dst))
         else:
             snapshots.copy(src - running, dst - running)
 
-    def _views(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    def running_views(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Running slot `slot`'s conv windows and SSM states, by layer (views)."""
         conv = {i: t[slot] for i, t in self.conv.items()}
         return conv, {i: t[slot] for i, t in self.ssm.items()}
