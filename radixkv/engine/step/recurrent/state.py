@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from radixkv import kernels
 from radixkv.engine.step.recurrent.compact import CompactSnapshots
 from radixkv.kernels import RecurrentMetadata
 
@@ -215,6 +216,9 @@ class PackedRecurrentLayer:
     decoder layer calls it as transformers' module, with the step's handle as `cache`."""
 
     layer_idx: int
+    # transformers' depthwise causal convolution and its activation (every layer with a conv1d)
+    conv1d: torch.nn.Conv1d
+    activation: str
 
     def forward(
         self,
@@ -242,6 +246,27 @@ class PackedRecurrentLayer:
     def state_spec(self) -> RecurrentLayerSpec:
         """The shapes of the per-request state this layer keeps."""
         raise NotImplementedError
+
+    def packed_conv(
+        self, x: torch.Tensor, conv_states: torch.Tensor, metadata: RecurrentMetadata
+    ) -> torch.Tensor:
+        """`conv1d` and `activation` over the packed row's inputs `x` [T, channels], each
+        request's after its conv window (which it leaves holding its last K - 1 inputs)."""
+        weight = self.conv1d.weight.squeeze(1)
+        return kernels.causal_conv1d(
+            x, weight, self.conv1d.bias, conv_states, metadata, self.activation
+        )
+
+
+def split_heads(
+    mixed: torch.Tensor, key_heads: tuple[int, int], value_heads: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delta-rule layer's q|k|v [T, 2 x heads x dim + heads x dim], convolved, as q and k [T,
+    *key_heads] and v [T, *value_heads] ((heads, dim) each)."""
+    tokens = mixed.shape[0]
+    key_dim, value_dim = math.prod(key_heads), math.prod(value_heads)
+    q, k, v = mixed.split((key_dim, key_dim, value_dim), dim=-1)
+    return q.view(tokens, *key_heads), k.view(tokens, *key_heads), v.view(tokens, *value_heads)
 
 
 def state_source(cache: object, kwargs: Mapping[str, Any]) -> RecurrentStateSource:
