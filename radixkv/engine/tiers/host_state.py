@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from radixkv.engine.step.recurrent.compact import CompactSnapshots
-from radixkv.engine.tiers.disk_store import DiskStore, block_file_nbytes
+from radixkv.engine.tiers.disk_store import block_file_nbytes
 from radixkv.engine.tiers.host_kv import LOAD, OFFLOAD, KVCopy
 from radixkv.engine.tiers.kv_fingerprint import kv_fingerprint
-from radixkv.engine.tiers.tier_io import TierIO, _secret_bytes
+from radixkv.engine.tiers.tier_io import TierIO, open_disk_store
 
 if TYPE_CHECKING:
     from radixkv.engine.config import EngineConfig
@@ -200,14 +200,7 @@ def make_state_tier_io(
             [i, list(s.conv_shape), None if s.ssm_shape is None else list(s.ssm_shape)]
             for i, s in sorted(states.specs.items())
         ]
-        disk = DiskStore(
-            config.kv_cache_dir,
-            fingerprint,
-            block_size=block_size,
-            block_nbytes=snapshot_bytes,
-            budget_bytes=disk_bytes,
-            secret=_secret_bytes(config.kv_cache_secret),
-        )
+        disk = open_disk_store(config, fingerprint, block_size, snapshot_bytes, disk_bytes)
     logger.info(
         "host tier for recurrent-state snapshots: %d (%.1f MiB)%s",
         num_host,
