@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixkv.engine.config import BLOCK_HASHES, EVENT_LAYOUTS, EngineConfig
+from radixkv.engine.config import BLOCK_HASHES, EVENT_LAYOUTS, SNAPSHOT_DTYPES, EngineConfig
 from radixkv.engine.model.model_source import missing_model
 
 
@@ -80,6 +80,14 @@ OPTIONS = (
         "--snapshot-min-gap-tokens",
         "snapshot_min_gap_tokens",
         "fewest tokens between a request's recurrent-state snapshots (hybrid models)",
+    ),
+    Option(
+        "--snapshot-dtype",
+        "snapshot_dtype",
+        "how recurrent-state snapshots are stored: exact, or compact (bf16 / int8 SSM state;"
+        " output may differ)",
+        type=str,
+        choices=SNAPSHOT_DTYPES,
     ),
     Option("--prefix-cache", "enable_prefix_cache", "reuse cached prompt prefixes", type=None),
     Option("--max-num-seqs", "max_num_seqs", "requests running at once"),

@@ -207,6 +207,8 @@ _MAMBA2 |= dict(mamba_d_state=8, mamba_chunk_size=16)
 HYBRIDS: dict[str, tuple[str, dict]] = {
     "qwen3_5": ("qwen3_5_text", _GDN),
     "qwen3_5_moe": ("qwen3_5_moe_text", _GDN_MOE),
+    # (its shared expert wider than Qwen3.5-MoE's: with _GDN_MOE's weights the first prompt's
+    # first token is a tie within 6e-6 between two logits, which float noise breaks either way)
     "qwen3_next": ("qwen3_next", dict(_GDN_MOE, shared_expert_intermediate_size=48)),
     "olmo_hybrid": ("olmo_hybrid", dict(_GDN, linear_allow_neg_eigval=True)),
     "lfm2": ("lfm2", dict(conv_L_cache=3, layer_types=["conv", "full_attention"] * 2)),
@@ -247,6 +249,45 @@ HYBRIDS: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
+# Models of recurrent layers alone: no KV, the tree's group holds token ids only.
+HYBRIDS["mamba2"] = (
+    "mamba2",
+    dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8, chunk_size=16),
+)
+HYBRIDS["mamba"] = ("mamba", dict(expand=2, state_size=8, time_step_rank=4))
+# LFM2-MoE (dense layer 0, then experts) and LFM3 (short convolutions, window and full layers)
+HYBRIDS["lfm2_moe"] = (
+    "lfm2_moe",
+    dict(conv_L_cache=3, layer_types=["conv", "full_attention"] * 2, num_dense_layers=1, **_MOE),
+)
+HYBRIDS["lfm3"] = (
+    "lfm3",
+    dict(
+        conv_L_cache=3,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["conv", "sliding_attention", "conv", "full_attention"],
+    ),
+)
+# Zamba 2: Mamba-2 mixers in every layer, one attention block shared by the hybrid layers (its
+# module's layer_idx is -1: the layer comes from the cache call), with per-layer adapters, RoPE
+# (and as many KV heads as query heads: transformers' K/V adapters are as wide as the queries).
+HYBRIDS["zamba2"] = (
+    "zamba2",
+    dict(
+        num_key_value_heads=4,
+        layers_block_type=["hybrid", "mamba"] * 2,
+        n_mamba_heads=8,
+        mamba_headdim=16,
+        mamba_expand=2,
+        mamba_ngroups=2,
+        mamba_d_state=8,
+        chunk_size=16,
+        use_shared_attention_adapter=True,
+        adapter_rank=8,
+        use_mem_rope=True,
+    ),
+)
 LATENT = (
     "deepseek-v2",
     "deepseek-v3",

@@ -45,14 +45,26 @@ Where this differs from the anchors: vLLM keeps states on its block grid (528 to
 Qwen3.5, no hit below it); SGLang one per inserted node (prompt and request ends). Here they sit
 where the tree says prompts diverge and where a conversation's next turn resumes, token-granular.
 
+Compact snapshots (`StateSpec.snapshot_bytes`: the engine stores kept states smaller than a
+running one, `snapshot_dtype` bf16 or int8): the slots split in two pools, slots [0,
+`num_running`) for running requests at the running state's format and the rest for snapshots,
+as SGLang keeps its checkpoints apart from its active states. A snapshot is then always a copy
+(the engine compacts it as it copies), a leaving request's too: its slot is freed at once and
+the copy runs first in the next step, before anything can write the slot again; a resume copy
+expands one back. Snapshots then never take a running slot, nor running requests theirs.
+
 Lower tiers (`tiers`, `radixkv.cache.state_tiers.SnapshotTiers`): a snapshot evicted for room
 is demoted to the host tier (one host slot: an `Offload` of its slot, planned before the slot is
 reused, so it runs before that step's copies and forward), under the chained key of its prefix
 (the KV blocks' chain, its tail after the last full block hashed on); the host tier evicts to the
 disk tier, and `persist` writes every snapshot down. `find` goes on past the device's deepest
 snapshot to the lower tiers' (up to the tree's match, which counts the tree's own lower tiers),
-and `admit` plans the load of such a hit straight into the request's running slot. A snapshot
-whose copy has not run yet (planned, or in a step that may still fail) is never demoted.
+and `admit` plans the load of such a hit straight into the request's running slot: one no
+planned copy still reads (a leaving request's slot, compact, is the source of its snapshot's
+copy, and a load is a move: it runs before the copies). A snapshot whose copy has not run yet
+(planned, or in a step that may still fail) is never demoted. A lower tier holds a snapshot as
+the device's snapshot slot holds it (`snapshot_bytes` a unit, compact or not); the engine's
+load into a running slot expands a compact one as a resume copy does.
 
 KV events (with a recorder): a snapshot is announced as the state group's (its index, vLLM's
 kind "mamba") when taken and when dropped, one key each; its tiers announce theirs likewise.
@@ -86,10 +98,13 @@ SlotCopy = tuple[int, int, int]
 
 @dataclass(frozen=True, slots=True)
 class StateSpec(GroupSpec):
-    """The recurrent layers of a model: `slot_bytes` is one request's state over all of them."""
+    """The recurrent layers of a model: `slot_bytes` is one request's state over all of them;
+    `snapshot_bytes` a kept snapshot's where the engine stores snapshots compact, in a pool of
+    their own (None: at the running state's format, in the one pool)."""
 
     kind: ClassVar[str] = "state"
     slot_bytes: int
+    snapshot_bytes: int | None = None
 
 
 class StatePoolConfig(PoolConfig, Protocol):
@@ -112,11 +127,13 @@ class StateKind:
     def plan_blocks(
         self, spec: StateSpec, config: StatePoolConfig, bytes_per_block: int, budget: int | None
     ) -> int:
-        """Slots: one per running request (`max_num_seqs`) and `num_snapshots` more, or
-        `snapshot_share` of a `budget` in bytes, or (the pools counted out in blocks)
+        """Slots: one per running request (`max_num_seqs`, `bytes_per_block` each) and
+        `num_snapshots` more, or `snapshot_share` of a `budget` in bytes (in snapshots of the
+        spec's `snapshot_bytes`, where it has them), or (the pools counted out in blocks)
         DEFAULT_SNAPSHOTS_PER_SEQ per running request. ValueError for a budget that holds not
         the running requests' slots."""
         running = config.max_num_seqs
+        snapshot_bytes = spec.snapshot_bytes or bytes_per_block
         if config.num_snapshots is not None:
             return running + config.num_snapshots
         if budget is None:
@@ -126,12 +143,14 @@ class StateKind:
                 f"the KV cache budget of {budget} bytes holds not the recurrent states of "
                 f"max_num_seqs={running} requests ({bytes_per_block} bytes each)"
             )
-        return running + int(config.snapshot_share * budget) // bytes_per_block
+        return running + int(config.snapshot_share * budget) // snapshot_bytes
 
     def build(self, spec: StateSpec, setup: GroupSetup) -> StateGroup:
         config = setup.config
         policy = SnapshotPolicy() if config is None else _policy_of(config)
         eviction = setup.eviction if setup.eviction in ("gdsf", "lru") else "gdsf"
+        compact = spec.snapshot_bytes is not None
+        assert not compact or config is not None, "compact snapshots need max_num_seqs"
         tiers = None
         if setup.host_blocks:
             assert setup.keys is not None, "the lower tiers name snapshots by the tree's chain"
@@ -146,6 +165,8 @@ class StateKind:
             tree=setup.tree,
             eviction=eviction,
             index=setup.index,
+            num_running=config.max_num_seqs if compact else None,
+            snapshot_bytes=spec.snapshot_bytes,
             events=setup.events,
             keys=setup.keys,
             tiers=tiers,
@@ -208,7 +229,7 @@ class StateStats:
     `num_running_slots + num_snapshots + num_free_slots == num_slots`."""
 
     num_slots: int
-    slot_bytes: int  # one state of every recurrent layer (a snapshot's size)
+    slot_bytes: int  # one state of every recurrent layer (a running request's)
     num_free_slots: int
     num_running_slots: int  # held by running requests
     num_snapshots: int
@@ -219,8 +240,10 @@ class StateStats:
     num_hits: int  # admissions that resumed from a snapshot
     num_hit_tokens: int  # the tokens those resumed past
     num_copies: int  # slot copies planned (snapshots taken mid-prompt, resumes)
+    snapshot_bytes: int = 0  # one kept snapshot (slot_bytes, unless they are stored compact)
     num_lower_hits: int = 0  # of `num_hits`: resumed from the host or disk tier's snapshot
-    # The lower tiers (`LowerTiers.stats`, a block is a snapshot); zeros without them.
+    # The lower tiers (`LowerTiers.stats`, a block is a snapshot of `snapshot_bytes`); zeros
+    # without them.
     num_host_blocks: int = 0  # the host tier's snapshots at most
     num_host_cached_blocks: int = 0  # snapshots the host tier holds
     num_offloaded_blocks: int = 0  # snapshots copied device -> host (evicted, or persisted)
@@ -234,7 +257,8 @@ class StateGroup:
 
     Invariants (recomputed by `check_integrity`):
     * every slot has at most one owner, an open table (its running slot) or a snapshot, and
-      the pool's counts say so;
+      the pool's counts say so; with compact snapshots, the open tables' slots lie below
+      `num_running` and the snapshots' at or above it;
     * each snapshot is listed under its key, its end in `PointEnds`, its slot in the ledger;
       the ledger holds exactly the snapshots' slots, pinned once per open table whose resume
       copy reads it;
@@ -251,27 +275,47 @@ class StateGroup:
         tree: Any = None,
         eviction: str = "gdsf",
         index: int = 1,
+        num_running: int | None = None,
+        snapshot_bytes: int | None = None,
         events: EventRecorder | None = None,
         keys: KeyChain | None = None,
         tiers: SnapshotTiers | None = None,
     ) -> None:
         """`tree`: the tree's group (a `PrefixCache`), whose clock stamps the snapshots and
-        whose match says which have lost their prefix KV (None: none ever does). `events`: the
+        whose match says which have lost their prefix KV (None: none ever does).
+        `num_running` / `snapshot_bytes`: compact snapshots (see the module docstring), the
+        first `num_running` slots for running requests, the rest for snapshots of
+        `snapshot_bytes` each (None: one pool, a snapshot's size a slot's). `events`: the
         recorder snapshots are announced to (group `index`, kind "mamba"); `tiers`: where a
         snapshot evicted for room goes and a hit past the device's snapshots comes from; both
         name snapshots by `keys` (the tree's chain, `radixkv.cache.state_tiers`)."""
+        assert (num_running is None) == (snapshot_bytes is None), (num_running, snapshot_bytes)
         assert (events is None and tiers is None) or keys is not None, "snapshots need keys"
         self.name = StateKind.name
         self.index = index
-        self.pool = BlockPool(num_slots, 1)
-        self.num_blocks = self.pool.num_blocks
         self.block_size = check_size(block_size, "block_size", low=1)
         self.slot_bytes = check_size(slot_bytes, "slot_bytes", low=1)
+        self.snapshot_bytes = check_size(snapshot_bytes or slot_bytes, "snapshot_bytes", low=1)
+        self.num_running = num_running
+        if num_running is None:  # one pool: snapshots in any slot
+            self.pool = BlockPool(num_slots, 1)
+            self.snapshot_pool: BlockPool | None = self.pool
+            num_snapshot_slots = num_slots
+        else:
+            assert 1 <= num_running <= num_slots, (num_running, num_slots)
+            self.pool = BlockPool(num_running, 1)
+            num_snapshot_slots = num_slots - num_running
+            self.snapshot_pool = BlockPool(num_snapshot_slots, 1) if num_snapshot_slots else None
+        self.num_blocks = num_slots
         self.policy = policy or SnapshotPolicy()
         self.tiers = tiers
         self._events, self._keys = events, keys
         self._tree = tree
-        self.ledger = SnapshotLedger(num_slots * slot_bytes, slot_bytes, eviction)  # type: ignore[arg-type]
+        self.ledger = SnapshotLedger(
+            num_snapshot_slots * self.snapshot_bytes,
+            self.snapshot_bytes,
+            eviction,  # type: ignore[arg-type]
+        )
         self._snapshots: dict[PointKey, _Snapshot] = {}
         self._by_slot: dict[int, _Snapshot] = {}
         self._ends = PointEnds()
@@ -301,7 +345,7 @@ class StateGroup:
         return StateStats(
             num_slots=self.num_blocks,
             slot_bytes=self.slot_bytes,
-            num_free_slots=self.pool.num_free,
+            num_free_slots=self._num_free(),
             num_running_slots=running,
             num_snapshots=len(self._snapshots),
             num_snapshot_bytes=ledger.num_bytes,
@@ -311,6 +355,7 @@ class StateGroup:
             num_hits=ledger.num_hits + self.num_lower_hits,
             num_hit_tokens=self.num_hit_tokens,
             num_copies=self.num_copies,
+            snapshot_bytes=self.snapshot_bytes,
             num_lower_hits=self.num_lower_hits,
             **({} if self.tiers is None else self.tiers.stats()),
         )
@@ -333,11 +378,15 @@ class StateGroup:
 
     def fits(self, probe: Probe, hit: StateHit, num_tokens: int) -> bool:
         """Whether `admit` would find a running slot: a free one, or a snapshot it may evict
-        (unpinned, not the one it resumes from). Read-only."""
-        if self.pool.num_free:
+        (unpinned, not the one it resumes from; compact snapshots: a free running slot); for a
+        hit in a lower tier, one no planned copy reads. Read-only."""
+        unread = hit.lower is not None  # a load: into a slot no planned copy reads
+        if self._num_free(self.pool, unread=unread):
             return True
-        movable = len(self.ledger.victims())
-        return movable - (hit.slot is not None and hit.slot in self.ledger.victims()) > 0
+        if self.num_running is not None:
+            return False
+        movable = set(self.ledger.victims()) - {hit.slot}
+        return bool(movable - self._copy_sources() if unread else movable)
 
     def admit(self, probe: Probe, hit: StateHit, num_tokens: int) -> StateTable | None:
         """A table resuming at `hit`: a running slot (evicting a snapshot if none is free) and,
@@ -348,7 +397,7 @@ class StateGroup:
             self.ledger.pin(hit.slot)  # before the slot's allocation evicts
         if hit.lower is not None:
             hit.lower.pin()  # before an eviction demotes snapshots into the host tier
-        slot = self._allocate(required=True)
+        slot = self._allocate(required=True, running=True, unread=hit.lower is not None)
         if slot is None:
             if hit.slot is not None:
                 self.ledger.unpin(hit.slot)
@@ -429,8 +478,9 @@ class StateGroup:
         point = None
         if table.leaving is not None:
             point = self.policy.finish_point(last_point=table.last_point, num_written=table.leaving)
-        if point is None or not self._keep(table, point.position):
-            self.pool.release([table.slot])
+        kept = point is not None and self._keep(table, point.position)
+        if not kept or self.num_running is not None:  # compact: the copy reads it first
+            self._release(table.slot)
         table.copy = None
 
     def row_blocks(self, table: StateTable, num_blocks: int) -> tuple[int, ...]:
@@ -452,7 +502,7 @@ class StateGroup:
         for snap in self._in_flight:
             if self._by_slot.get(snap.slot) is snap:
                 self._drop(snap)
-                self.pool.release([snap.slot])
+                self._release(snap.slot)
         self._in_flight = []
 
     def take_moves(self) -> list[Move]:
@@ -483,7 +533,7 @@ class StateGroup:
         for snap in list(self._by_slot.values()):
             if snap.slot not in self._pinned_slots():
                 self._drop(snap)
-                self.pool.release([snap.slot])
+                self._release(snap.slot)
         if self.tiers is not None:
             self.tiers.clear()
 
@@ -501,28 +551,37 @@ class StateGroup:
         self._ticks += 1
         return self._ticks
 
-    def _take_copy(self, table: StateTable, qb: bytes, n: int, *, required: bool) -> None:
-        """A snapshot at n of the table's running state, by a copy into a new slot."""
+    def _take_copy(
+        self, table: StateTable, qb: bytes, n: int, *, required: bool, divergence: bool = True
+    ) -> None:
+        """A snapshot at n of the table's running state, by a copy into a new slot (a required
+        one is where a prompt leaves the tree, unless not a `divergence`: a leaving request's
+        end, compact)."""
         key = point_key(table.namespace, qb, n)
         if key in self._snapshots:
             self._refresh(table, self._snapshots[key])
             return
-        slot = self._allocate(required=required)
+        slot = self._allocate(required=required, running=False)
         if slot is None:
             self.ledger.refused()
             return
-        snap = self._add(key, qb[: TOKEN_BYTES * n], slot, divergence=required, table=table)
+        divergence = required and divergence
+        snap = self._add(key, qb[: TOKEN_BYTES * n], slot, divergence=divergence, table=table)
         self._copies.append(((table.slot, snap.slot, 1), snap))
         self.num_copies += 1
 
     def _keep(self, table: StateTable, n: int) -> bool:
-        """The leaving table's running slot becomes the snapshot at n (no copy); False if one
-        is there already (then only refreshed)."""
+        """The leaving table's running slot becomes the snapshot at n (no copy; compact
+        snapshots: a copy into a snapshot slot, which may evict another); False if one is there
+        already (then only refreshed) or, compact, none could be had."""
         qb = table.committed
         key = point_key(table.namespace, qb, n)
         if key in self._snapshots:
             self._refresh(table, self._snapshots[key])
             return False
+        if self.num_running is not None:
+            self._take_copy(table, qb, n, required=True, divergence=False)
+            return key in self._snapshots
         self._add(key, qb[: TOKEN_BYTES * n], table.slot, divergence=False, table=table)
         return True
 
@@ -555,19 +614,62 @@ class StateGroup:
         if old is not None and not old.divergence:
             self.ledger.set_superseded(old.slot, True)
 
-    def _allocate(self, *, required: bool) -> int | None:
-        """A free slot; a required one evicts a snapshot when none is free (orphans first)."""
-        if not self.pool.num_free:
-            if not required or not self.ledger.victims():
+    def _allocate(self, *, required: bool, running: bool, unread: bool = False) -> int | None:
+        """A free slot for a running request or a snapshot (`unread`: one no planned copy
+        reads); a required one evicts snapshots while none is free (orphans first), unless
+        compact snapshots keep their slots apart from the running ones (then a running slot
+        never comes from a snapshot)."""
+        split = self.num_running is not None
+        pool = self.pool if running or not split else self.snapshot_pool
+        if pool is None:  # compact, and no slot for snapshots at all
+            return None
+        while not self._num_free(pool, unread=unread):
+            if (split and running) or not required or not self.ledger.victims():
                 return None
             self._mark_orphans()
             for slot in self.ledger.evict(1):
                 snap = self._by_slot[slot]
                 self._demote(snap)
                 self._drop(snap, ledger=False)
-                self.pool.release([slot])
-        got = self.pool.allocate(1)
-        return None if got is None else got[0]
+                self._release(slot)
+        got = self._take_unread(pool) if unread else pool.allocate(1)
+        if got is None:
+            return None
+        return got[0] + (self.num_running if split and not running else 0)  # type: ignore[operator]
+
+    def _take_unread(self, pool: BlockPool) -> list[int] | None:
+        """One free slot of `pool` that no planned copy reads (a load into it runs before the
+        copies), the free list's order kept; None if there is none."""
+        reading = self._copy_sources()
+        passed: list[int] = []
+        got = pool.allocate(1)
+        while got is not None and got[0] in reading:
+            passed += got
+            got = pool.allocate(1)
+        pool.release(passed)  # back on the free list as they were, the first on top
+        return got
+
+    def _copy_sources(self) -> set[int]:
+        """The slots the planned snapshot copies read (running slots)."""
+        return {src for (src, _, _), _ in self._copies}
+
+    def _release(self, slot: int) -> None:
+        """Free `slot` in the pool it came from."""
+        if self.num_running is None or slot < self.num_running:
+            self.pool.release([slot])
+        else:
+            assert self.snapshot_pool is not None, slot
+            self.snapshot_pool.release([slot - self.num_running])
+
+    def _num_free(self, pool: BlockPool | None = None, *, unread: bool = False) -> int:
+        """Free slots of `pool` (None: of both pools), `unread`: of them those no planned copy
+        reads."""
+        if pool is None:
+            both = self.snapshot_pool not in (None, self.pool)
+            return self.pool.num_free + (self.snapshot_pool.num_free if both else 0)  # type: ignore[union-attr]
+        if not unread:
+            return pool.num_free
+        return pool.num_free - sum(pool.ref_count(s) == 0 for s in self._copy_sources())
 
     def _mark_orphans(self) -> None:
         """Mark each unpinned snapshot orphaned or not by whether the tree (any tier) still
@@ -629,7 +731,16 @@ class StateGroup:
         owners.update(list(self._by_slot))
         if any(n > 1 for n in owners.values()):
             raise AssertionError(f"a slot has two owners: {owners}")
-        self.pool.check_integrity(dict(owners))
+        split = self.num_running
+        if split is None:
+            self.pool.check_integrity(dict(owners))
+        else:
+            if any(t.slot >= split for t in self._open) or any(s < split for s in self._by_slot):
+                raise AssertionError(f"a slot in the wrong pool: {owners} (split at {split})")
+            self.pool.check_integrity({s: n for s, n in owners.items() if s < split})
+            if self.snapshot_pool is not None:
+                snaps = {s - split: n for s, n in owners.items() if s >= split}
+                self.snapshot_pool.check_integrity(snaps)
         ends: dict[str | None, list[int]] = {}
         for key, snap in self._snapshots.items():
             if self._by_slot.get(snap.slot) is not snap or snap.key != key:

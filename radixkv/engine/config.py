@@ -22,7 +22,11 @@ from radixkv.engine.sampling_params import check_seed
 from radixkv.kv_events import EVENT_LAYOUTS, check_address, check_event_layout, check_kv_events
 from radixkv.scheduler.policy import POLICIES
 
-__all__ = ["BLOCK_HASHES", "EVENT_LAYOUTS", "EngineConfig"]  # the choices of the options table
+__all__ = ["BLOCK_HASHES", "EVENT_LAYOUTS", "SNAPSHOT_DTYPES", "EngineConfig"]  # the choices
+# of the options table
+
+# How kept recurrent-state snapshots are stored (`radixkv.engine.step.recurrent.compact`).
+SNAPSHOT_DTYPES = ("exact", "bf16", "int8")
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +97,14 @@ class EngineConfig:
     num_snapshots: int | None = None
     snapshot_share: float = 0.28
     snapshot_min_gap_tokens: int = 64
+    # How snapshots are stored: "exact" (a running state's format: greedy output equal to a
+    # cold run's), "bf16" or "int8" (the SSM / delta-rule state in bfloat16, or int8 with a
+    # scale per head and key channel; the conv window as is). A compact snapshot is rounded
+    # once, when taken: a hit resumes from the rounded state, and output may then differ
+    # (benchmarks/RESULTS.md, compact snapshots); it sits in a slot of its own, `max_num_seqs`
+    # slots stay for the running requests, exact. At Qwen3.5-4B's sizes a byte budget holds
+    # 1.9x the snapshots in int8 of a bf16 model (3.4x of an fp32 one; bf16 1.9x of fp32).
+    snapshot_dtype: str = "exact"
     # False: no match and no insert; every block is private and freed at finish. Used to check that
     # output with the cache off equals output with it on.
     enable_prefix_cache: bool = True
@@ -195,6 +207,12 @@ class EngineConfig:
             raise TypeError(f"snapshot_share must be a number, got {type(share).__name__}")
         if not 0 <= share < 1:
             raise ValueError(f"snapshot_share must be in [0, 1), got {share}")
+        if not isinstance(self.snapshot_dtype, str):
+            raise TypeError(f"snapshot_dtype must be a str, got {self.snapshot_dtype!r}")
+        if self.snapshot_dtype not in SNAPSHOT_DTYPES:
+            raise ValueError(
+                f"snapshot_dtype must be one of {SNAPSHOT_DTYPES}, got {self.snapshot_dtype!r}"
+            )
         for name in _SWITCHES:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name in _AUTO_SWITCHES and value is None):

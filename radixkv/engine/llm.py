@@ -473,6 +473,13 @@ class LLM:
         host and device tiers end with the process). Nothing to do without a disk tier. Not
         during a step."""
         assert not self._stepping, "save_kv_cache() inside a step"
+        if self._in_flight is None:
+            # The snapshot copies planned since the last step (a leaving request's, with compact
+            # snapshots) run first, so the snapshots they fill are written down too; the second
+            # call says they ran. (An overlapped step in flight may still fail: its copies'
+            # snapshots stay unsettled, and persist passes over them.)
+            self.runner.run_copies_now(self.cache.take_copies())
+            self.cache.take_copies()
         self.cache.persist()
         run_planned_moves(self.tier_ios, self.cache)
         for tier_io in self.tier_ios:

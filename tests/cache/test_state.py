@@ -226,3 +226,42 @@ def test_the_kind_sizes_its_pool_from_the_settings():
     assert kind.plan_blocks(spec, share, 1000, 100_000) == 4 + 25
     with pytest.raises(ValueError, match="max_num_seqs=4"):
         kind.plan_blocks(spec, share, 1000, 3000)
+
+
+def test_compact_snapshots_keep_a_pool_of_their_own():
+    """Compact snapshots: slots [0, 2) run requests, [2, 5) hold snapshots; a leaving request's
+    end is a copy into a snapshot slot (its running slot freed at once), a full snapshot pool
+    evicts for it, and a running slot never comes from a snapshot."""
+    tree = PrefixCache(64, 4)
+    policy = SnapshotPolicy(min_gap_tokens=2)
+    group = StateGroup(5, 4, 1000, policy=policy, tree=tree, num_running=2, snapshot_bytes=300)
+    cache = GroupedCache([tree, group])
+    assert group.ledger.capacity == 3 and group.stats().snapshot_bytes == 300
+    ends = []
+    for k in range(4):  # four one-chunk requests, nothing shared
+        tokens = list(range(100 * k + 1, 100 * k + 13))
+        table = cache.admit(tokens[:10], max_hit=9)
+        slot = table.tables[1].slot
+        assert slot < 2
+        assert cache.extend(table, 10)
+        cache.commit(table, tokens[:10], prompt_end=True)
+        cache.slide(table, 9)
+        cache.commit(table, tokens[:10])
+        cache.close(table)
+        (copy,) = cache.take_copies()[1]
+        assert copy[0] == slot and copy[1] >= 2 and copy[2] == 1
+        assert group.pool.num_free == 2  # the running slot is free again
+        ends.append(10)
+        cache.check_integrity()
+    stats = group.stats()
+    assert stats.num_snapshots == 3 and stats.num_evicted == 1
+    assert stats.num_snapshot_bytes == 3 * 300 and stats.num_free_slots == 2
+    # two running requests fill the running pool: a third does not fit, snapshots or not
+    tables = [cache.admit(list(range(500 + 10 * i, 505 + 10 * i)), max_hit=4) for i in range(2)]
+    assert all(t is not None for t in tables)
+    probe_tokens = list(range(700, 705))
+    assert cache.admit(probe_tokens, max_hit=4) is None
+    assert group.num_snapshots == 3
+    for t in tables:
+        cache.close(t)
+    cache.check_integrity()

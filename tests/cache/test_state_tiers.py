@@ -23,10 +23,15 @@ from radixkv.engine.config import EngineConfig
 B = 4
 
 
-def _cache(num_slots: int = 2, num_host: int = 8) -> tuple[GroupedCache, StateGroup]:
-    config = EngineConfig(block_size=B, snapshot_min_gap_tokens=4, max_num_seqs=1)
+def _cache(
+    num_slots: int = 2, num_host: int = 8, *, compact: bool = False
+) -> tuple[GroupedCache, StateGroup]:
+    """Compact: two running slots and the rest for snapshots of 400 bytes."""
+    seqs = 2 if compact else 1
+    config = EngineConfig(block_size=B, snapshot_min_gap_tokens=4, max_num_seqs=seqs)
+    spec = StateSpec(slot_bytes=1000, snapshot_bytes=400 if compact else None)
     cache = build_cache(
-        [GroupSpec(), StateSpec(slot_bytes=1000)],
+        [GroupSpec(), spec],
         [64, num_slots],
         B,
         kv_events=True,
@@ -171,4 +176,63 @@ def test_integrity_catches_an_unindexed_host_snapshot_and_a_stale_key():
     with pytest.raises(AssertionError, match="stale lower-tier key"):
         cache.check_integrity()
     snap.lower_key = good
+    cache.check_integrity()
+
+
+def test_a_compact_hit_from_the_host_loads_into_a_running_slot_no_planned_copy_reads():
+    """Compact snapshots: a leaving request's slot is freed at once, its snapshot's copy out of it
+    planned for the next step; a load is a move, run before that step's copies, so a hit from the
+    host waits for another running slot, or for the copy to be handed out."""
+    cache, group = _cache(num_slots=3, compact=True)  # running slots 0, 1; snapshot slot 2
+    convs = [list(range(100 * k, 100 * k + 14)) for k in (1, 2, 3)]
+    _serve(cache, convs[0], 10)
+    assert group.snapshot_ends() == [(None, 13)] and group._by_slot.keys() == {2}
+    fresh = cache.admit(convs[2][:10], max_hit=9)  # from a zero state: the copy's slot will do
+    assert fresh is not None and fresh.tables[1].slot == 0
+    cache.take_copies()
+    cache.check_integrity()
+    _, leaving = _serve(cache, convs[1], 10)  # evicts the first snapshot to the host
+    assert leaving.slot == 1 and group.tiers.num_indexed == 1
+    assert [type(m) for m in cache.take_moves()[1]] == [Offload]
+    turn = convs[0][:13] + [7, 8, 9]
+    assert cache.match(turn, max_tokens=15).num_cached_tokens == 13
+    assert cache.admit(turn, max_hit=15) is None  # slot 1, the one free, is read by a copy
+    cache.check_integrity()
+    (copy,) = cache.take_copies()[1]
+    assert copy[0] == 1 and copy[1] == 2
+    table = cache.admit(turn, max_hit=15)
+    assert table is not None and table.num_cached_tokens == 13
+    state = table.tables[1]
+    assert state.slot == 1 and state.copy is None
+    (load,) = [m for m in cache.take_moves()[1] if isinstance(m, Load)]
+    assert load.device == (1,)
+    stats = group.stats()
+    assert stats.snapshot_bytes == 400 and stats.num_lower_hits == 1
+    assert stats.num_host_blocks == 8  # counted in snapshots, whatever their size
+    cache.check_integrity()
+    cache.close(table)
+    cache.close(fresh)
+    cache.check_integrity()
+
+
+def test_a_compact_hit_from_the_host_passes_over_the_free_slot_a_copy_reads():
+    cache, group = _cache(num_slots=3, compact=True)
+    convs = [list(range(100 * k, 100 * k + 14)) for k in (1, 2)]
+    _serve(cache, convs[0], 10)
+    cache.take_copies()
+    _, leaving = _serve(cache, convs[1], 10)  # evicts the first snapshot to the host
+    assert leaving.slot == 0 and group.pool.allocate(1) == [0]  # on top of the free list
+    group.pool.release([0])
+    cache.take_moves()
+    table = cache.admit(convs[0][:13] + [7, 8, 9], max_hit=15)
+    assert table is not None and table.num_cached_tokens == 13
+    assert table.tables[1].slot == 1
+    (load,) = [m for m in cache.take_moves()[1] if isinstance(m, Load)]
+    assert load.device == (1,)
+    cache.check_integrity()
+    assert cache.take_copies()[1] == [(0, 2, 1)]  # still reads what the leaving request left
+    cache.close(table)
+    cache.check_integrity()
+    assert group.pool.allocate(1) == [1]  # the free list's order kept
+    group.pool.release([1])
     cache.check_integrity()

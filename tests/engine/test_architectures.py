@@ -168,7 +168,6 @@ def test_layout_of_gemma2_and_gpt_oss(arch_model):
     [
         ("falcon", {}, "do not attend through transformers' attention interface"),
         ("bloom", {}, "do not attend through transformers' attention interface"),
-        ("mamba", {}, "none of its layers attends"),
         ("llama4_text", {}, "chunked_attention layers"),
         (
             "deepseek_v32",  # its indexer picks the positions each query attends to

@@ -57,6 +57,9 @@ from radixkv.options import (
         ("snapshot_share", 1.0, ValueError),
         ("snapshot_share", -0.1, ValueError),
         ("snapshot_share", "0.3", TypeError),
+        ("snapshot_dtype", "fp8", ValueError),
+        ("snapshot_dtype", "int8 ", ValueError),
+        ("snapshot_dtype", None, TypeError),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object, error: type[Exception]) -> None:
@@ -141,6 +144,7 @@ def test_each_option_reaches_its_field() -> None:
     argv += ["--kv-events-replay", "tcp://*:5558", "--block-hash", "sha256_cbor"]
     argv += ["--block-hash-seed", "42", "--num-window-blocks", "40"]
     argv += ["--num-snapshots", "6", "--snapshot-share", "0.4", "--snapshot-min-gap-tokens", "32"]
+    argv += ["--snapshot-dtype", "int8"]
     settings = _parse(argv)
     assert settings == {
         "block_size": 8,
@@ -173,6 +177,7 @@ def test_each_option_reaches_its_field() -> None:
         "num_snapshots": 6,
         "snapshot_share": 0.4,
         "snapshot_min_gap_tokens": 32,
+        "snapshot_dtype": "int8",
     }
     assert {opt.field for opt in OPTIONS} - set(settings) == {"num_blocks"}  # --cache-mb instead
     assert _parse(["--num-blocks", "7"]) == {"num_blocks": 7}

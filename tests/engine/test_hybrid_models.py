@@ -42,7 +42,7 @@ VARIANTS["overlap"] = dict(GAP, block_size=4, num_blocks=512, async_scheduling=T
 VARIANTS["eviction"] = dict(
     GAP, block_size=4, num_blocks=24, max_num_seqs=2, chunked_prefill_size=16, num_snapshots=1
 )
-# every family runs every variant: about 20 s on one core
+# every family runs every variant: 15 x 6 cases, about 45 s on one core
 CASES = [(family, variant) for family in HYBRIDS for variant in VARIANTS]
 
 
@@ -172,6 +172,31 @@ def test_a_hybrid_model_keeps_one_state_slot_a_running_request(hybrid):
     # the live page's capture reads the tree and shows no window group for the state group
     _generate(llm, [[7, 8, 9, 10]], [2])
     assert capture(llm, None).window is None
+
+
+def test_a_model_of_recurrent_layers_alone_keeps_no_kv(hybrid):
+    """Mamba 2: no layer attends, so the tree's group has no layers and no device bytes; sized
+    by a byte budget, its blocks are room for twice the running requests' contexts and the
+    budget goes to the state slots."""
+    path, work = hybrid("mamba2")
+    budget, seqs = 2**20, 2
+    llm = LLM(str(path), block_size=4, kv_cache_bytes=budget, max_num_seqs=seqs, max_model_len=64)
+    layout = llm.runner.layout
+    assert layout.describe() == "4 recurrent layers"
+    assert (layout.num_kv_heads, layout.head_dim) == (0, 0)
+    assert [(g.spec, g.layers) for g in layout.cache_groups()] == [(GroupSpec(), ())]
+    (tree_kv,) = llm.runner.kv
+    assert tree_kv.layers == () and tree_kv.bytes_per_block == 0
+    assert llm.cache.groups[0].num_blocks == 2 * seqs * 64 // 4
+    states = llm.runner.states
+    assert states is not None and states.num_slots > seqs
+    # the running requests' slots and `snapshot_share` of the budget
+    snapshots = int(llm.config.snapshot_share * budget) // states.slot_nbytes()
+    assert states.num_slots == seqs + snapshots
+    first = _generate(llm, work.first[:1], MAX_NEW[:1]) + _generate(
+        llm, work.first[1:], MAX_NEW[1:]
+    )
+    assert _tokens(first) == work.first_replies
 
 
 def test_kimi_linear_keeps_latents_in_the_tree_group_and_kda_states_in_slots(hybrid):

@@ -255,3 +255,85 @@ def test_the_chats_stats_and_tree_show_snapshots_and_their_tiers(chat, tmp_path)
         (line,) = [m for m in marked if f"#{node_id} [" in m]
         assert line.endswith(f"[{n} snapshot{'s' if n > 1 else ''}]")
     assert "snapshot" not in render_tree(llm.cache.nodes())
+
+
+# Compact snapshots (`snapshot_dtype` bf16 / int8) go down the tiers as the device stores them:
+# a resume from the host or the disk reads the very bytes a resume from the device would, so the
+# output equals the same format's run in which every snapshot stays on the device (it may differ
+# from transformers': a compact snapshot is rounded once, when taken).
+# Two running slots: a compact leaving request's slot is read by its snapshot's copy in the next
+# step, so a hit from the host loads into the other one (with one, it would wait for the copy).
+COMPACT = [("qwen3_5", "bf16"), ("qwen3_5", "int8"), ("bamba", "int8"), ("kimi_linear", "bf16")]
+HOST_COMPACT = dict(HOST, max_num_seqs=2)
+
+
+def on_device_only(c: Chat, snapshot_dtype: str, **settings: Any) -> tuple[list, list[int]]:
+    """The next turns' replies and hits in `snapshot_dtype` without lower tiers, with room for
+    every snapshot taken: each turn resumes from its own conversation's, on the device."""
+    settings = {**settings, "num_snapshots": 16}
+    settings.pop("host_cache_bytes", None)
+    llm = LLM(c.path, **settings, snapshot_dtype=snapshot_dtype)
+    one_by_one(llm, c.first)
+    tokens, hits = one_by_one(llm, c.turns)
+    assert hits == c.ends() and llm.cache.group_stats()[-1].num_evicted == 0
+    return tokens, hits
+
+
+def _host_holds_compact_snapshots(llm: LLM) -> None:
+    """The host tier's unit is a compact snapshot, and its budget is counted in those."""
+    states, tier_io = llm.runner.states, llm.tier_ios[-1]
+    assert states is not None and tier_io is not None
+    size = tier_io.copier.host.bytes_per_block
+    assert size == states.snapshot_nbytes() < states.slot_nbytes()
+    share = int(llm.config.snapshot_share * llm.config.host_cache_bytes)
+    assert llm.cache.group_stats()[-1].num_host_blocks == share // size
+    assert tier_io.totals["offload"].nbytes == size * tier_io.totals["offload"].num_blocks
+
+
+@pytest.mark.parametrize(("family", "snapshot_dtype"), COMPACT)
+def test_a_compact_snapshot_evicted_to_the_host_comes_back_as_the_device_held_it(
+    family, snapshot_dtype, chat
+):
+    c = chat(family)
+    expected, _ = on_device_only(c, snapshot_dtype, **HOST_COMPACT)
+    llm = LLM(c.path, **HOST_COMPACT, snapshot_dtype=snapshot_dtype)
+    assert one_by_one(llm, c.first)[0] == c.first_replies  # nothing resumed yet
+    state = llm.cache.group_stats()[-1]
+    assert state.num_evicted >= 1 and state.num_host_cached_blocks >= 1
+    tokens, hits = one_by_one(llm, c.turns)
+    assert tokens == expected and hits == c.ends()
+    state = llm.cache.group_stats()[-1]
+    assert state.num_lower_hits >= 1 and state.snapshot_bytes < state.slot_bytes
+    assert state_moved(llm, "load") == state.num_lower_hits
+    _host_holds_compact_snapshots(llm)
+    assert state.num_running_slots == 0
+
+
+@pytest.mark.parametrize("snapshot_dtype", ["bf16", "int8"])
+def test_a_restart_resumes_from_compact_snapshots_on_disk_but_not_another_formats(
+    snapshot_dtype, chat, tmp_path
+):
+    """A restart in the same format resumes every turn from disk, as the device would have; one
+    in another format finds no snapshot file of its own (the fingerprint names the format) and
+    computes the turns cold, equal to transformers."""
+    c = chat("qwen3_5")
+    expected, _ = on_device_only(c, snapshot_dtype, **DISK)
+    settings = dict(DISK, kv_cache_dir=tmp_path)
+    first = LLM(c.path, **settings, snapshot_dtype=snapshot_dtype)
+    assert one_by_one(first, c.first)[0] == c.first_replies
+    first.save_kv_cache()
+    first.check_integrity()
+    del first
+    restarted = LLM(c.path, **settings, snapshot_dtype=snapshot_dtype)
+    tokens, hits = one_by_one(restarted, c.turns)
+    assert tokens == expected and hits == c.ends()
+    state = restarted.cache.group_stats()[-1]
+    assert state.num_lower_hits == 3 and state.num_disk_reads == 3
+    del restarted
+    other = "int8" if snapshot_dtype == "bf16" else "exact"
+    elsewhere = LLM(c.path, **settings, snapshot_dtype=other)
+    tokens, _ = one_by_one(elsewhere, c.turns)
+    state = elsewhere.cache.group_stats()[-1]
+    assert state.num_lower_hits == 0 and state.num_disk_reads == 0
+    if other == "exact":
+        assert tokens == c.turn_replies

@@ -73,11 +73,25 @@ def make(
     *,
     block_size: int = 4,
     min_gap: int = 3,
+    num_running: int | None = None,
     **config: object,
 ) -> tuple[Harness, StateSim]:
+    """`num_running`: compact snapshots, that many running slots and `num_slots` snapshots'."""
     tree = PrefixCache(num_blocks, block_size)
     policy = SnapshotPolicy(min_gap_tokens=min_gap)
-    state = StateGroup(num_slots, block_size, 100, policy=policy, tree=tree)
+    if num_running is None:
+        state = StateGroup(num_slots, block_size, 100, policy=policy, tree=tree)
+    else:
+        total = num_slots + num_running
+        state = StateGroup(
+            total,
+            block_size,
+            100,
+            policy=policy,
+            tree=tree,
+            num_running=num_running,
+            snapshot_bytes=40,
+        )
     settings = {"max_model_len": MAX_MODEL_LEN, "block_size": block_size, **config}
     scheduler = Scheduler(GroupedCache([tree, state]), EngineConfig(**settings))  # type: ignore[arg-type]
     h = Harness(scheduler, KVSim(tree))
@@ -121,6 +135,7 @@ def _chat_arrivals(rng: random.Random, num: int, max_tokens: int = 8) -> dict[in
     return arrivals
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("overlapped", [False, True])
 @pytest.mark.parametrize(
     ("seed", "block_size", "num_blocks", "num_slots", "chunk", "max_tokens"),
@@ -132,14 +147,18 @@ def _chat_arrivals(rng: random.Random, num: int, max_tokens: int = 8) -> dict[in
     ],
 )
 def test_every_state_read_finds_its_prefix(
-    overlapped, seed, block_size, num_blocks, num_slots, chunk, max_tokens
+    overlapped, compact, seed, block_size, num_blocks, num_slots, chunk, max_tokens
 ):
+    """Compact: the running slots apart, `num_slots` more for snapshots, every snapshot a copy
+    (a leaving request's too, out of a slot freed before the copy runs)."""
     rng = random.Random(seed)
+    seqs = min(3, num_slots)
     h, sim = make(
         num_blocks,
         num_slots,
         block_size=block_size,
-        max_num_seqs=min(3, num_slots),
+        num_running=seqs if compact else None,
+        max_num_seqs=seqs,
         max_num_batched_tokens=12,
         chunked_prefill_size=chunk,
     )
@@ -152,7 +171,7 @@ def test_every_state_read_finds_its_prefix(
     stats = sim.group.stats()
     assert stats.num_running_slots == 0 and stats.num_taken > 0
     assert stats.num_hits > 0 and sim.num_resumed_rows > 0
-    assert stats.num_free_slots + stats.num_snapshots == num_slots
+    assert stats.num_free_slots + stats.num_snapshots == num_slots + (seqs if compact else 0)
     assert (h.scheduler.num_preemptions > 0) == (num_blocks < 16)
     h.assert_no_leak()
 

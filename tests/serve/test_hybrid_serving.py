@@ -10,10 +10,13 @@ from tiny_archs import build_arch
 pytest.importorskip("openai")  # a test extra: absent on the GPU machine
 
 
-def test_metrics_count_snapshots_and_the_requests_resumed_from_them(make_server, tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])  # Mamba 2: no KV pool at all
+def test_metrics_count_snapshots_and_the_requests_resumed_from_them(
+    make_server, tmp_path, family
+) -> None:
     """Three chats sharing a system prompt: the second is snapshotted where it leaves the
     first's path, the third resumes there."""
-    path = build_arch("qwen3_5", tmp_path)
+    path = build_arch(family, tmp_path)
     server = make_server({"block_size": 4, "snapshot_min_gap_tokens": 4}, model=path)
     client = server.client()
     system = {"role": "system", "content": user_message(7, 30)}

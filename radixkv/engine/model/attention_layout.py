@@ -20,7 +20,9 @@ keyword arguments, the layer's `is_causal`). The result is an `AttentionLayout`:
     recurrent        the recurrent layers (Gated DeltaNet, Mamba, short convolutions): one
                      fixed-size state a request instead of KV (`radixkv.engine.step.recurrent`),
                      their state's shapes; `state_group` is their cache group, the state kind's
-                     (`radixkv.cache.state`), kept apart from the KV groups' tensors
+                     (`radixkv.cache.state`), kept apart from the KV groups' tensors. A model of
+                     recurrent layers alone (Mamba, Mamba 2) keeps no KV: 0 heads of size 0, its
+                     tree group a group of no layers that holds token ids
 
 MLA modules (DeepSeek V2 / V3 and kin) attend in code of their own, not through the attention
 interface: the probe swaps them for radixkv's paged modules first (`swap_latent_modules`, as the
@@ -31,8 +33,8 @@ state through the recording cache's `recurrent_layer`.
 
 A model this engine cannot run exactly is refused here, with one line saying why (ModelLoadError):
 layers that do not attend through transformers' attention interface (architectures with
-attention code of their own, recurrent layers radixkv has no packed module for, models of
-recurrent layers alone), non-causal or chunked attention, key and value heads of different sizes
+attention code of their own, recurrent layers radixkv has no packed module for), non-causal or
+chunked attention, key and value heads of different sizes
 outside latent attention, DeepSeek's sparse attention, full layers that mix latent and K/V
 caches, options the paged kernels do not have.
 """
@@ -52,6 +54,7 @@ from radixkv.cache.group import GroupSpec
 from radixkv.cache.state import StateSpec
 from radixkv.cache.window import WindowSpec
 from radixkv.engine.model.model_loader import ModelLoadError
+from radixkv.engine.step.attention import attended_layer
 from radixkv.engine.step.latent_attention import swap_latent_modules
 from radixkv.engine.step.recurrent import (
     RecurrentLayerSpec,
@@ -126,14 +129,18 @@ class AttentionLayout:
             groups.append(LayerGroup(WindowSpec(window), windowed))
         return tuple(groups)
 
-    def state_group(self, dtype: torch.dtype) -> LayerGroup | None:
+    def state_group(self, dtype: torch.dtype, snapshot_dtype: str = "exact") -> LayerGroup | None:
         """The recurrent layers' cache group, its slots of one state of every one of them at
-        `dtype` (None: no recurrent layer). It comes after the KV groups: the cache's group
-        order is theirs, then it."""
+        `dtype`, its snapshots in `snapshot_dtype` (None: no recurrent layer). It comes after
+        the KV groups: the cache's group order is theirs, then it."""
         if not self.recurrent:
             return None
         slot_bytes = sum(s.nbytes(dtype) for s in self.recurrent)
-        return LayerGroup(StateSpec(slot_bytes), tuple(s.layer_idx for s in self.recurrent))
+        snapshot_bytes = None
+        if snapshot_dtype != "exact":  # compact: in slots of their own
+            snapshot_bytes = sum(s.snapshot_nbytes(dtype, snapshot_dtype) for s in self.recurrent)
+        spec = StateSpec(slot_bytes, snapshot_bytes)
+        return LayerGroup(spec, tuple(s.layer_idx for s in self.recurrent))
 
     def describe(self) -> str:
         """One line: the layers of each kind, e.g. "2 full + 4 window-512 layers" (latent
@@ -150,13 +157,14 @@ class AttentionLayout:
 
 @dataclass(slots=True)
 class _Call:
-    """What one layer's attention call handed the hook."""
+    """What one layer's attention call handed the hook, and the layer it attended for."""
 
     module: Any
     q_shape: tuple[int, ...]  # [1, heads, tokens, head_dim]
     k_shape: tuple[int, ...]
     v_shape: tuple[int, ...]
     kwargs: dict[str, Any]
+    layer_idx: int | None
 
 
 class _RecordingCache(Cache):
@@ -240,9 +248,9 @@ def probe_attention(model: Any, name: str, cache_arg: str) -> AttentionLayout:
     calls: list[_Call] = []
 
     def record(module, query, key, value, attention_mask, *args, **kwargs):
-        calls.append(
-            _Call(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), kwargs)
-        )
+        shapes = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+        stored = cache.updated[-1] if cache.updated else None
+        calls.append(_Call(module, *shapes, kwargs, attended_layer(module, stored)))
         out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
         return out, None
 
@@ -289,7 +297,7 @@ def _layout(
     latent, latent_layers = latent_calls
     num_layers = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or ())
-    indices = [getattr(c.module, "layer_idx", None) for c in calls] + list(latent_layers)
+    indices = [c.layer_idx for c in calls] + list(latent_layers)
     mixerless = [i for i, t in enumerate(layer_types) if recurrent and t in MIXERLESS_LAYER_TYPES]
     stateful = sorted({s.layer_idx for s in recurrent} - set(indices))  # recurrent only
     stateful = sorted([*stateful, *mixerless])  # the layers that keep no KV
@@ -322,7 +330,10 @@ def _layout(
             raise refuse(f"layer {i} has {heads} query heads for {kv_heads} KV heads")
         shapes.add((heads, kv_heads, k_dim))
     if not shapes and not latent_layers:
-        raise refuse("none of its layers attends (a model of recurrent layers only)")
+        # Recurrent layers alone (Mamba, Mamba 2): no layer keeps KV, the tree's group holds
+        # token ids alone (`kv_tensors.plan_num_blocks`); every layer that got here is stateful.
+        assert recurrent and len(stateful) == num_layers, "a layer neither attends nor recurs"
+        shapes.add((0, 0, 0))
     if latent_layers and not shapes:
         # Every layer latent: its absorbed form is multi-query attention over the latents (one
         # KV head of their width).

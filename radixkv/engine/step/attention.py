@@ -72,6 +72,7 @@ class PagedKVCache(Cache):
         self.kinds = kinds
         self.layer_groups = layer_groups
         self.recurrent = recurrent
+        self.last_stored: int | None = None  # the layer whose K/V `update` stored last
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The K cache, V cache and metadata layer `layer_idx` writes and reads."""
@@ -105,6 +106,7 @@ class PagedKVCache(Cache):
         key = key_states[0].transpose(0, 1)
         value = value_states[0].transpose(0, 1)
         kernels.store_kv_step(key, value, *self.layer(layer_idx))
+        self.last_stored = layer_idx
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -131,7 +133,8 @@ def paged_attention_forward(
             "the radixkv attention only runs inside the radixkv model runner "
             "(model(..., past_key_values=cache, radixkv_cache=cache))"
         )
-    layer = module.layer_idx
+    layer = attended_layer(module, radixkv_cache.last_stored)
+    assert layer is not None, "a shared attention module attended before any layer stored K/V"
     kind = radixkv_cache.kinds[layer]
     # What this call asks for is what the load-time probe read from the same call.
     assert kwargs.get("sliding_window") == kind.window, "the layer's window changed since load"
@@ -140,6 +143,17 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     out = kernels.paged_attention_step(q, *radixkv_cache.layer(layer), scaling, kind=kind)
     return out.unsqueeze(0), None
+
+
+def attended_layer(module: torch.nn.Module, last_stored: int | None) -> int | None:
+    """The layer an attention call attends for: its module's `layer_idx`, or for a module that
+    several layers share (Zamba 2's: its `layer_idx` is -1, its forward is handed the layer)
+    the layer whose K/V the cache stored last (`last_stored`), which is the call's own: every
+    layer stores its K/V right before it attends."""
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and layer < 0:
+        return last_stored
+    return layer
 
 
 def register_attention() -> str:

@@ -171,13 +171,18 @@ def plan_num_blocks(
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
     reserved_bytes: int = 0,
+    token_blocks: int = 1,
 ) -> int:
     """Number of KV blocks: `num_blocks` if given, else what `kv_budget` holds less
     `reserved_bytes` (the other groups' pools). Raises ValueError when that holds no block (the
     sizes themselves were checked by `EngineConfig`). A spec of no layers (a model whose layers
-    are all windowed: the tree's group is bookkeeping only) is sized as one layer's."""
+    are all windowed: the tree's group is bookkeeping only) is sized as one layer's; a spec of no
+    KV at all (a model of recurrent layers alone: its blocks hold token ids, no device bytes)
+    takes `token_blocks`."""
     if num_blocks is not None:
         return num_blocks
+    if spec.num_kv_heads == 0:
+        return token_blocks
     budget = kv_budget(device, kv_cache_bytes)
     bytes_per_block = spec.bytes_per_block or replace(spec, num_layers=1).bytes_per_block
     n = (budget - reserved_bytes) // bytes_per_block
@@ -212,8 +217,11 @@ def allocate_group_kv(
 ) -> tuple[GroupKV, ...]:
     """Each group's tensors (K and V of `num_kv_heads` x `head_dim`, or a latent group's one),
     its pool sized by its kind (the group whose kind leaves it to the budget takes what the
-    others leave, and `reserved_bytes` less: the recurrent states' slots). ValueError for
-    settings that hold not one request's blocks."""
+    others leave, and `reserved_bytes` less: the recurrent states' slots). A model that keeps no
+    KV (`num_kv_heads` 0: recurrent layers alone) has a tree group of token ids alone, of room
+    for `max_num_seqs` contexts of `max_model_len` twice (the running requests' and as many for
+    the paths of snapshots and the prefixes new prompts leave). ValueError for settings that
+    hold not one request's blocks."""
     specs = [KVCacheSpec.of(g, config, (num_kv_heads, head_dim), dtype) for g in groups]
     # A budget in bytes, read once, when blocks are not counted out.
     budget = None if config.num_blocks is not None else kv_budget(device, config.kv_cache_bytes)
@@ -224,10 +232,20 @@ def allocate_group_kv(
     reserved = reserved_bytes + sum(
         n * s.bytes_per_block for n, s in zip(sizes, specs, strict=True) if n is not None
     )
+    context_blocks = -(-(config.max_model_len or 1) // config.block_size)
+    token_blocks = 2 * config.max_num_seqs * context_blocks
     kv = []
     for group, spec, n in zip(groups, specs, sizes, strict=True):
         if n is None:
-            n = plan_num_blocks(spec, device, kv_cache_bytes=budget, reserved_bytes=reserved)
+            n = plan_num_blocks(
+                spec,
+                device,
+                kv_cache_bytes=budget,
+                reserved_bytes=reserved,
+                token_blocks=token_blocks,
+            )
+        if spec.num_kv_heads == 0:  # no KV: no layer, one nominal head for the step's
+            spec = replace(spec, num_kv_heads=1, head_dim=1)  # metadata, which nothing reads
         # Zeroed, not empty: slots past a request's length are masked, but NaN garbage could
         # leak through a masked product in a reference kernel (and pad rows of a graph read
         # block 0).

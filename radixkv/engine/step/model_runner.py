@@ -14,7 +14,9 @@
   request's slot. A step first runs the group's slot copies in plan order (snapshots of earlier
   rows' states, then resumes from snapshots), then hands the packed layers the rows' slots
   (`RecurrentMetadata`: a row from position 0 starts from a zero state, any other from its
-  slot). Its decode steps run eager (no CUDA graphs yet).
+  slot). With compact snapshots (`snapshot_dtype` bf16 / int8) the slots past `max_num_seqs`
+  are snapshots in that format (`recurrent.compact`), and a copy into or out of one converts.
+  Its decode steps run eager (no CUDA graphs yet).
 
   Every row of the step is packed into one batch row of `num_tokens` tokens with explicit
   position ids, so prefill chunks and decode tokens of different requests share one forward.
@@ -98,11 +100,21 @@ class ModelRunner:
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         unfuse_llama_modules(model)  # fused by an earlier runner: the probe needs the originals
         self.layout = probe_attention(model, name, self._cache_arg)  # refuses what it cannot run
-        state = self.layout.state_group(param.dtype)
+        state = self.layout.state_group(param.dtype, config.snapshot_dtype)
         self.states: RecurrentStates | None = None
+        state_bytes = 0
         if state is not None:
             slots = plan_state_slots(state, config, self.device)
-            self.states = RecurrentStates(self.layout.recurrent, slots, param.dtype, self.device)
+            compact = config.snapshot_dtype != "exact"
+            self.states = RecurrentStates(
+                self.layout.recurrent,
+                slots,
+                param.dtype,
+                self.device,
+                num_running=config.max_num_seqs if compact else None,
+                snapshot_dtype=config.snapshot_dtype,
+            )
+            state_bytes = self.states.nbytes()
         self.kv = allocate_group_kv(
             self.layout.cache_groups(),
             config,
@@ -110,7 +122,7 @@ class ModelRunner:
             head_dim=self.layout.head_dim,
             dtype=param.dtype,
             device=self.device,
-            reserved_bytes=0 if self.states is None else slots * self.states.slot_nbytes(),
+            reserved_bytes=state_bytes,
         )
         self.state_group = len(self.kv)  # its index in the cache's groups, when there is one
         kv_specs = tuple(kv.spec for kv in self.kv)
@@ -147,9 +159,12 @@ class ModelRunner:
             for kv in self.kv
         )
         if self.states is not None:
+            compact = self.states.snapshot_dtype
             pools += (
                 f" + {self.states.num_slots} recurrent-state slots "
-                f"({self.states.num_slots * self.states.slot_nbytes() / 2**20:.1f} MiB)"
+                f"({state_bytes / 2**20:.1f} MiB"
+                + ("" if compact == "exact" else f", snapshots {compact}")
+                + ")"
             )
         logger.info(
             "KV cache: %s of %d tokens on %s; %s",
@@ -271,6 +286,15 @@ class ModelRunner:
         # An empty sample_idx (only non-final prefill chunks) still writes K/V and costs no lm_head.
         return self._forward(views, metas, views["sample_idx"], recurrent)[0].float()
 
+    def run_copies_now(self, copies: tuple[list[tuple[int, int, int]], ...]) -> None:
+        """The copies the cache planned for the next step (`GroupedCache.take_copies`: only the
+        state group's snapshots have any), run now, outside a step: a save writes down the
+        snapshots they fill (a compact one's leaving request's, above all)."""
+        assert not any(c for g, c in enumerate(copies) if g != self.state_group), copies
+        if self.states is not None and self.state_group < len(copies):
+            for src, dst, _ in copies[self.state_group]:
+                self.states.copy_slot(src, dst)
+
     def _recurrent_step(self, step: SchedulerOutput) -> RecurrentStep | None:
         """The state group's slot copies of `step`, run now in plan order, and the step's view
         of the slots for the recurrent layers (None without recurrent layers)."""
@@ -285,7 +309,7 @@ class ModelRunner:
             [r.block_tables[g][0] for r in step.rows],
             [r.start_position > 0 for r in step.rows],
             self.device,
-            num_slots=states.num_slots,
+            num_slots=states.num_running,
         )
         return RecurrentStep(states, metadata)
 

@@ -105,14 +105,7 @@ def make_tier_io(
         )
         if group is not None:
             fingerprint["kv_cache_group"] = group
-        disk = DiskStore(
-            config.kv_cache_dir,
-            fingerprint,
-            block_size=block_size,
-            block_nbytes=bytes_per_block,
-            budget_bytes=disk_bytes,
-            secret=_secret_bytes(config.kv_cache_secret),
-        )
+        disk = open_disk_store(config, fingerprint, block_size, bytes_per_block, disk_bytes)
     logger.info(
         "host KV tier%s: %d blocks (%.0f MiB)",
         f" ({kv.label} layers)" if group is not None or kv.latent is not None else "",
@@ -190,6 +183,26 @@ def _check_holds_a_set(
             f"{name}={budget} holds no {kind} of {what}, one per KV cache group ({each} = "
             f"{sum(sizes)})"
         )
+
+
+def open_disk_store(
+    config: EngineConfig,
+    fingerprint: dict[str, Any],
+    block_size: int,
+    block_nbytes: int,
+    budget_bytes: int,
+) -> DiskStore:
+    """The disk store of one group's block files (a KV group's, or the recurrent-state
+    snapshots') in `config.kv_cache_dir`, under `fingerprint`, signed with its secret."""
+    assert config.kv_cache_dir is not None, "a disk tier needs kv_cache_dir"
+    return DiskStore(
+        config.kv_cache_dir,
+        fingerprint,
+        block_size=block_size,
+        block_nbytes=block_nbytes,
+        budget_bytes=budget_bytes,
+        secret=_secret_bytes(config.kv_cache_secret),
+    )
 
 
 def _secret_bytes(secret: str | bytes | None) -> bytes | None:

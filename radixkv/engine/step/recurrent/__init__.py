@@ -3,8 +3,9 @@
 `pack_recurrent_layers(model)` swaps radixkv's subclass into each Gated DeltaNet, Kimi Delta
 Attention, Mamba-2, Mamba-1 and short-convolution layer of a transformers model (`gated_deltanet`,
 `kimi_delta_attention`, `mamba`, `short_conv`) and returns the layers' `RecurrentLayerSpec`s;
-`RecurrentStates` holds their per-request slots, and a step hands the layers a `RecurrentStep`
-(the states plus the step's `RecurrentMetadata`) in the `cache` argument transformers passes them.
+`RecurrentStates` holds their per-request slots (and, `compact`, snapshots stored in bf16 or
+int8), and a step hands the layers a `RecurrentStep` (the states plus the step's
+`RecurrentMetadata`) in the `cache` argument transformers passes them.
 """
 
 from radixkv.engine.step.recurrent.layers import pack_recurrent_layers, unpack_recurrent_layers

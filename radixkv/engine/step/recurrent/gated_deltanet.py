@@ -25,7 +25,11 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGated
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from radixkv import kernels
-from radixkv.engine.step.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
+from radixkv.engine.step.recurrent.state import (
+    PackedRecurrentLayer,
+    RecurrentLayerSpec,
+    split_heads,
+)
 from radixkv.kernels import RecurrentMetadata
 
 __all__ = [
@@ -40,8 +44,6 @@ class _PackedGatedDeltaNet(PackedRecurrentLayer):
     """The packed forward shared by the families (a mixin before transformers' class)."""
 
     # set by transformers' __init__ of every family
-    conv1d: torch.nn.Conv1d
-    activation: str
     key_dim: int
     value_dim: int
     head_k_dim: int
@@ -83,14 +85,11 @@ class _PackedGatedDeltaNet(PackedRecurrentLayer):
         hidden = hidden_states[0]
         tokens = hidden.shape[0]
         mixed, z, b, a = self._inputs(hidden)
-        weight = self.conv1d.weight.squeeze(1)
-        mixed = kernels.causal_conv1d(
-            mixed, weight, self.conv1d.bias, conv_states, metadata, self.activation
+        q, k, v = split_heads(
+            self.packed_conv(mixed, conv_states, metadata),
+            (self.num_k_heads, self.head_k_dim),
+            (self.num_v_heads, self.head_v_dim),
         )
-        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = q.view(tokens, self.num_k_heads, self.head_k_dim)
-        k = k.view(tokens, self.num_k_heads, self.head_k_dim)
-        v = v.view(tokens, self.num_v_heads, self.head_v_dim)
         # fp32: in fp16 the decay's exp(A_log) may overflow (transformers does the same)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = kernels.gated_delta_rule(

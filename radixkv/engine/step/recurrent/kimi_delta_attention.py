@@ -22,7 +22,11 @@ import torch
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from radixkv import kernels
-from radixkv.engine.step.recurrent.state import PackedRecurrentLayer, RecurrentLayerSpec
+from radixkv.engine.step.recurrent.state import (
+    PackedRecurrentLayer,
+    RecurrentLayerSpec,
+    split_heads,
+)
 from radixkv.kernels import RecurrentMetadata
 
 __all__ = ["PackedKimiLinearDeltaAttention"]
@@ -48,16 +52,12 @@ class PackedKimiLinearDeltaAttention(PackedRecurrentLayer, KimiLinearDeltaAttent
         assert states is not None, "a KDA layer has a delta-rule state"
         hidden = hidden_states[0]
         tokens = hidden.shape[0]
-        heads = (tokens, self.num_heads, self.head_dim)
+        heads = (self.num_heads, self.head_dim)
         mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], -1)
-        weight = self.conv1d.weight.squeeze(1)
-        mixed = kernels.causal_conv1d(
-            mixed, weight, self.conv1d.bias, conv_states, metadata, self.activation
-        )
-        q, k, v = (t.view(heads) for t in mixed.split(self.qkv_dim, dim=-1))
+        q, k, v = split_heads(self.packed_conv(mixed, conv_states, metadata), heads, heads)
         # fp32 [1, T, H, K], as transformers computes it (its softplus's threshold included)
         g = self.forget_gate(hidden_states)[0]
         beta = self.b_proj(hidden).sigmoid()
         core = kernels.gated_delta_rule(q, k, v, g, beta, states, metadata, use_qk_l2norm=True)
-        gate = self.g_b_proj(self.g_a_proj(hidden)).view(heads)
+        gate = self.g_b_proj(self.g_a_proj(hidden)).view(tokens, *heads)
         return self.o_proj(self.o_norm(core, gate).reshape(tokens, -1))[None]

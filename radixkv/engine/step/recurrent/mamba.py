@@ -56,10 +56,8 @@ class _PackedMamba2(PackedRecurrentLayer):
 
     # set by transformers' __init__ of every family
     in_proj: torch.nn.Linear
-    conv1d: torch.nn.Conv1d
     norm: torch.nn.Module
     out_proj: torch.nn.Linear
-    activation: str
     intermediate_size: int
     conv_dim: int
     num_heads: int
@@ -77,6 +75,7 @@ class _PackedMamba2(PackedRecurrentLayer):
             self.layer_idx,
             (self.conv_kernel_size - 1, self.conv_dim),
             (self.num_heads, self.head_dim, self.ssm_state_size),
+            quant_axis=1,  # head_dim: B (state_dim) is the key side
         )
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -99,14 +98,7 @@ class _PackedMamba2(PackedRecurrentLayer):
         gate, xbc, dt = self._project(hidden_states).split(
             (self.intermediate_size, self.conv_dim, self.num_heads), dim=-1
         )
-        xbc = kernels.causal_conv1d(
-            xbc,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            conv_states,
-            metadata,
-            self.activation,
-        )
+        xbc = self.packed_conv(xbc, conv_states, metadata)
         group_size = self.n_groups * self.ssm_state_size
         x, B, C = xbc.split((self.intermediate_size, group_size, group_size), dim=-1)
         y = kernels.ssm_scan(
@@ -164,11 +156,9 @@ class _PackedMamba1(PackedRecurrentLayer):
     """The packed forward of the Mamba-1 mixers (a mixin before transformers' class)."""
 
     in_proj: torch.nn.Linear
-    conv1d: torch.nn.Conv1d
     x_proj: torch.nn.Linear
     dt_proj: torch.nn.Linear
     out_proj: torch.nn.Linear
-    activation: str
     intermediate_size: int
     ssm_state_size: int
     time_step_rank: int
@@ -199,14 +189,7 @@ class _PackedMamba1(PackedRecurrentLayer):
         dtype = hidden_states.dtype
         tokens = hidden_states.shape[1]
         x, gate = self.in_proj(hidden_states)[0].chunk(2, dim=-1)
-        x = kernels.causal_conv1d(
-            x,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            conv_states,
-            metadata,
-            self.activation,
-        )
+        x = self.packed_conv(x, conv_states, metadata)
         dt, B, C = self.x_proj(x).split(
             (self.time_step_rank, self.ssm_state_size, self.ssm_state_size), dim=-1
         )
