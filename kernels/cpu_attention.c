@@ -452,10 +452,10 @@ static int32_t q_len_of(const Args *a, int32_t m) {
     return a->cu_seqlens_q[req + 1] - a->cu_seqlens_q[req];
 }
 
-/* The work items of every group, before the kv heads multiply them: a group of one in tiles of
- * TILE_Q of its queries; a larger group in runs of members of at most TILE_Q queries together
- * (the caller groups only requests of at most TILE_Q queries). Returns the count; with `items`
- * NULL it only counts. */
+/* The work items of every group: a group of one in tiles of TILE_Q of its queries; a larger
+ * group in runs of at most TILE_Q members and TILE_Q queries together (the caller groups only
+ * requests of at most TILE_Q queries, so every run takes one member at least). Returns the
+ * count; with `items` NULL it only counts. */
 static int64_t plan_items(const Args *a, Item *items) {
     int64_t n = 0;
     for (int32_t g = 0; g < a->num_groups; g++) {
@@ -467,7 +467,8 @@ static int64_t plan_items(const Args *a, Item *items) {
         }
         for (int32_t m0 = first; m0 < end; n++) {
             int32_t m1 = m0, tokens = 0;
-            while (m1 < end && tokens + q_len_of(a, m1) <= TILE_Q) tokens += q_len_of(a, m1++);
+            while (m1 < end && m1 - m0 < TILE_Q && tokens + q_len_of(a, m1) <= TILE_Q)
+                tokens += q_len_of(a, m1++);
             if (items != NULL) items[n] = (Item){m0, m1, 0, a->group_shared[g]};
             m0 = m1;
         }

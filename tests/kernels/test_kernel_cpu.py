@@ -178,6 +178,17 @@ def test_more_sharing_requests_than_one_item_holds(paged_batch, assert_close) ->
     assert_close(cpu_attention.paged_attention(*batch.args), expected, torch.float32)
 
 
+def test_sharing_requests_without_new_tokens(paged_batch, assert_close) -> None:
+    # Members with no query rows take no room in an item, but an item holds at most TILE_Q
+    # members: 40 requests over one prefix, most of them with nothing new this step.
+    n = 40
+    seq_lens = [200] + [100 + r for r in range(1, n)]
+    q_lens = [1 if r % 9 == 0 else 0 for r in range(n)]
+    batch = _sharing(paged_batch, seq_lens, q_lens, [5] * n, block_size=16, group=2)
+    expected = reference.paged_attention(*batch.args)
+    assert_close(cpu_attention.paged_attention(*batch.args), expected, torch.float32)
+
+
 def test_a_sliding_window_never_shares(paged_batch, assert_close) -> None:
     batch = _sharing(paged_batch, [300, 280, 290], [1, 1, 1], [0, 10, 10], block_size=16, group=2)
     kind = AttentionKind(window=50)
