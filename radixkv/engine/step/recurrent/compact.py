@@ -26,7 +26,7 @@ import torch
 from radixkv.engine.config import SNAPSHOT_DTYPES
 
 if TYPE_CHECKING:
-    from radixkv.engine.step.recurrent.state import RecurrentLayerSpec
+    from radixkv.engine.step.recurrent.layer_spec import RecurrentLayerSpec
 
 __all__ = ["SNAPSHOT_DTYPES", "CompactSnapshots", "dequantize_int8", "quantize_int8"]
 
