@@ -52,8 +52,10 @@ def _faults(mode: str) -> int:
 
 
 def test_a_prefills_activations_are_reused_without_page_faults() -> None:
-    assert _faults("default") > 10_000  # fresh pages every run
-    assert _faults("keep") < 500
+    # malloc's own settings map fresh pages every run: about 36,000 faults alone, as few as
+    # 4,600 beside a busy test run (its dynamic mmap threshold follows the frees it has seen).
+    default, keep = _faults("default"), _faults("keep")
+    assert keep < 500 and default > 20 * max(keep, 50), (default, keep)
 
 
 def test_it_can_be_asked_twice() -> None:
