@@ -162,7 +162,7 @@ def paged_attention_step(
     plan = _step_plan(metadata, kind)
     for row in plan.fused:
         _fused_attention(q, k_cache, v_cache, row, scale, kind.window, out)
-    if plan.num_kernel:
+    if plan.members.numel():
         _kernel_attention(library, q, k_cache, v_cache, metadata, plan, scale, kind, out)
     return out
 
@@ -185,7 +185,6 @@ class _StepPlan:
     the others of the same window)."""
 
     kernel_requests: torch.Tensor | None  # int32, ascending; None: every request
-    num_kernel: int
     fused: tuple[_FusedRow, ...]
     members: torch.Tensor  # int32: the kernel's requests, group by group
     group_starts: torch.Tensor  # int32 [groups + 1]: each group's first index into members
@@ -227,7 +226,6 @@ def _build_plan(metadata: AttentionMetadata, window: int | None, fused_ok: bool)
     every = len(kernel) == len(lens)
     return _StepPlan(
         kernel_requests=None if every else torch.tensor(kernel, dtype=torch.int32),
-        num_kernel=len(kernel),
         fused=tuple(fused),
         members=torch.tensor([r for g in groups for r in g], dtype=torch.int32),
         group_starts=torch.tensor([0, *itertools.accumulate(map(len, groups))], dtype=torch.int32),
